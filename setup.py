@@ -1,0 +1,28 @@
+"""tfbig: train GPT and ALBERT with TensorFlow/Keras 3, from a laptop to GPU clusters."""
+from setuptools import find_packages, setup
+
+setup(
+    name="tfbig",
+    version="0.1.0",
+    description="Large language model training (GPT, ALBERT) on TensorFlow/Keras 3 with Horovod, "
+    "MultiWorkerMirroredStrategy and pipeline parallelism.",
+    python_requires=">=3.11",
+    packages=find_packages(include=["tfbig", "tfbig.*", "data_prep", "launch"]),
+    install_requires=[
+        "tensorflow==2.20.*",
+        "absl-py>=1.4",
+        "sentencepiece>=0.2",
+        "psutil>=5.9",
+    ],
+    entry_points={
+        "console_scripts": [
+            "tfbig-prep=data_prep.prep:run",
+            "tfbig-train=tfbig.train:run",
+            "tfbig-generate=tfbig.generate:run",
+            "tfbig-squad=tfbig.squad.cli:run",
+            "tfbig-export=tfbig.export:run",
+            "tfbig-profile=tfbig.profiling.report:run",
+            "tfbig-launch=launch.local:run",
+        ]
+    },
+)

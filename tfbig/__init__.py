@@ -1,0 +1,1 @@
+"""tfbig: GPT and ALBERT training on TensorFlow/Keras 3."""

@@ -1,0 +1,129 @@
+"""Experiment configuration: dataclasses whose fields are the command-line flags, one to one.
+
+Every field carries its help text in `metadata["help"]`; `define_flags` turns each field of each
+section into an absl flag of the same name, and `from_flags` reads them back. A backend that needs
+options adds its own section dataclass to SECTIONS.
+
+Example:
+    cfg = ExperimentConfig()
+    cfg.train.max_steps = 10
+    save_json(cfg, "/tmp/run/config.json")
+"""
+import dataclasses
+import json
+import os
+
+
+def field(default, help):  # noqa: A002 - mirrors absl's argument name
+    """A dataclass field with its flag help text."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """What to train, on what data, for how long, and how."""
+
+    model: str = field("gpt", "Model family to train: gpt | albert.")
+    preset: str = field("small", "Model size preset (see tfbig.models.gpt.GPT_PRESETS).")
+    num_layers: int = field(0, "Override the preset's number of layers (0 keeps the preset).")
+    hidden_size: int = field(0, "Override the preset's hidden size (0 keeps the preset).")
+    num_heads: int = field(0, "Override the preset's number of attention heads (0 keeps it).")
+    dropout: float = field(-1.0, "Override the preset's dropout rate (negative keeps it).")
+    data_dir: str = field("", "Directory with manifest.json and TFRecord shards from tfbig-prep. "
+                              "Empty: prepare the embedded Shakespeare corpus once (cached).")
+    model_dir: str = field("runs/gpt-small", "Run directory: checkpoints, config.json, "
+                                             "TensorBoard events. An existing checkpoint resumes.")
+    max_steps: int = field(1000, "Optimizer steps to train for (in total, across resumes).")
+    batch_size: int = field(32, "Global batch size in sequences per optimizer step, over all "
+                                "data-parallel replicas and accumulation steps.")
+    seq_length: int = field(0, "Tokens per training sequence (0: the data's seq_length).")
+    learning_rate: float = field(1e-3, "Peak learning rate, reached after warmup.")
+    min_lr_ratio: float = field(0.1, "Final learning rate as a fraction of the peak.")
+    warmup_steps: int = field(100, "Linear warmup steps from 0 to the peak learning rate.")
+    lr_schedule: str = field("cosine", "Decay after warmup: linear | cosine | polynomial.")
+    optimizer: str = field("adamw", "adamw | lamb.")
+    weight_decay: float = field(0.1, "Decoupled weight decay (not on LayerNorm, biases, "
+                                     "embeddings).")
+    beta_1: float = field(0.9, "Adam/LAMB beta_1.")
+    beta_2: float = field(0.95, "Adam/LAMB beta_2.")
+    epsilon: float = field(1e-8, "Adam/LAMB epsilon.")
+    grad_clip_norm: float = field(1.0, "Clip gradients to this global norm (0 disables).")
+    grad_accum_steps: int = field(1, "Micro-steps accumulated into one optimizer update.")
+    precision: str = field("fp32", "fp32 | mixed_float16 (dynamic loss scaling) | "
+                                   "mixed_bfloat16.")
+    xla: bool = field(True, "Compile the forward/backward pass with XLA (jit_compile).")
+    seed: int = field(0, "Random seed for initialisation, dropout and data order.")
+    deterministic: bool = field(False, "Deterministic ops and data order: exact resume, "
+                                       "bit-for-bit repeatable runs (slower).")
+    strategy: str = field("single", "Training backend: single | horovod | multiworker | "
+                                     "mirrored | pipeline.")
+    log_every: int = field(10, "Log loss, learning rate and throughput every N steps.")
+    eval_every: int = field(0, "Evaluate on the validation split every N steps (0: at the "
+                                "end only).")
+    eval_steps: int = field(50, "Validation batches per evaluation (0: the whole split).")
+    checkpoint_every: int = field(200, "Save a checkpoint every N steps (and at the end).")
+    keep_checkpoints: int = field(3, "Keep the last N checkpoints.")
+    skip_corrupt: bool = field(False, "Skip corrupt TFRecord shards (counted in the logs) "
+                                      "instead of failing.")
+    sample_tokens: int = field(200, "Tokens of text generated at the end of training "
+                                    "(0: none).")
+
+
+@dataclasses.dataclass
+class ExperimentConfig:
+    """All sections of one run; serialised to MODEL_DIR/config.json."""
+
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(ExperimentConfig)}
+
+
+def define_flags(flag_values=None):
+    """Define one absl flag per config field (name = field name, help = field doc)."""
+    from absl import flags
+
+    flag_values = flag_values or flags.FLAGS
+    definers = {bool: flags.DEFINE_bool, int: flags.DEFINE_integer,
+                float: flags.DEFINE_float, str: flags.DEFINE_string}
+    for section in SECTIONS.values():
+        for f in dataclasses.fields(section):
+            if f.name not in flag_values:
+                definers[f.type](
+                    f.name, f.default, f.metadata["help"], flag_values=flag_values)
+
+
+def from_flags(flag_values=None):
+    """Build an ExperimentConfig from parsed absl flags."""
+    from absl import flags
+
+    flag_values = flag_values or flags.FLAGS
+    return ExperimentConfig(**{
+        name: section(**{f.name: flag_values[f.name].value for f in dataclasses.fields(section)})
+        for name, section in SECTIONS.items()})
+
+
+def to_dict(cfg):
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(data):
+    """Inverse of to_dict; unknown keys are an error naming them."""
+    sections = {}
+    for name, section in SECTIONS.items():
+        values = data.get(name, {})
+        known = {f.name for f in dataclasses.fields(section)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"config section {name!r} has unknown fields {unknown}")
+        sections[name] = section(**values)
+    return ExperimentConfig(**sections)
+
+
+def save_json(cfg, path, extra=None):
+    """Write the config (plus `extra` keys, e.g. the resolved model config) atomically."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({**to_dict(cfg), **(extra or {})}, f, indent=2, sort_keys=True)
+    os.replace(tmp, path)

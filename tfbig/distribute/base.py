@@ -1,0 +1,132 @@
+"""The one strategy surface every training backend implements.
+
+The trainer calls only what `Strategy` defines, so it has no `if backend == ...` branches. A
+backend changes where variables live (`scope`), which slice of the data a process reads
+(`input_context`, `distribute_dataset`), how a replica step runs (`run`, `local_result`), how one
+optimizer step's gradients are computed (`make_forward_backward`; the pipeline backend replaces
+it with its schedules), how gradients and metrics are averaged (`all_reduce_gradients`,
+`all_reduce_mean`), how state is made equal (`broadcast_variables`) and who writes files
+(`is_chief`, `checkpoint_dir`).
+
+`SingleDevice` is the reference every other backend is tested against.
+"""
+import contextlib
+
+import tensorflow as tf
+
+
+def _unstack_micro(batch, index):
+    return tf.nest.map_structure(lambda t: t[index], batch)
+
+
+def accumulate_gradients(loss_fn, variables, batch, scale_loss):
+    """Average loss, gradients and metrics over the leading (micro-batch) axis of `batch`.
+
+    `loss_fn(micro_batch, training=True) -> (loss, metrics)` is single-replica code giving the
+    mean loss of one micro-batch. Gradients are of `scale_loss(loss)` (fp16 loss scaling) and
+    are summed in float32 over micro-batches, then divided by their number, so N micro-batches
+    give the update of one N-times-larger batch.
+    """
+    num_micro = tf.nest.flatten(batch)[0].shape[0]
+
+    def micro_step(micro):
+        with tf.GradientTape() as tape:
+            loss, metrics = loss_fn(micro, training=True)
+            scaled = scale_loss(loss)
+        grads = tape.gradient(scaled, variables)
+        return loss, [tf.cast(g, tf.float32) for g in grads], metrics
+
+    loss, grads, metrics = micro_step(_unstack_micro(batch, 0))
+    if num_micro == 1:
+        return loss, grads, metrics
+
+    def body(i, loss_sum, grad_sums, metric_sums):
+        loss_i, grads_i, metrics_i = micro_step(_unstack_micro(batch, i))
+        return (i + 1, loss_sum + loss_i, [a + g for a, g in zip(grad_sums, grads_i)],
+                {k: metric_sums[k] + metrics_i[k] for k in metric_sums})
+
+    _, loss, grads, metrics = tf.while_loop(
+        lambda i, *_: i < num_micro, body, (tf.constant(1), loss, grads, metrics))
+    scale = 1.0 / num_micro
+    return (loss * scale, [g * scale for g in grads],
+            {k: v * scale for k, v in metrics.items()})
+
+
+class Strategy:
+    """Single device: the reference backend and the base class of the others."""
+
+    name = "single"
+
+    def __init__(self, cfg=None):
+        self.cfg = cfg
+
+    @property
+    def num_replicas(self):
+        """Data-parallel replicas that each see a different slice of the global batch."""
+        return 1
+
+    @property
+    def rank(self):
+        """This process's data-parallel rank (its input pipeline id)."""
+        return 0
+
+    @property
+    def is_chief(self):
+        """Whether this process writes logs, TensorBoard events and the checkpoint."""
+        return True
+
+    def scope(self):
+        """Context in which the model and optimizer variables are created."""
+        return contextlib.nullcontext()
+
+    def input_context(self):
+        return tf.distribute.InputContext(num_input_pipelines=self.num_replicas,
+                                          input_pipeline_id=self.rank,
+                                          num_replicas_in_sync=self.num_replicas)
+
+    def distribute_dataset(self, dataset_fn):
+        """An iterable of this process's batches; `dataset_fn(input_context) -> tf.data`."""
+        return dataset_fn(self.input_context())
+
+    def run(self, fn, args):
+        """Run the replica step `fn(*args)` (on every local replica for tf.distribute)."""
+        return fn(*args)
+
+    def local_result(self, value):
+        """A replica step's (already all-reduced) output as plain tensors."""
+        return value
+
+    def make_forward_backward(self, loss_fn, variables, scale_loss, jit_compile):
+        """A function batch -> (mean loss, gradients, metrics) over the micro-batch axis."""
+        return tf.function(
+            lambda batch: accumulate_gradients(loss_fn, variables, batch, scale_loss),
+            jit_compile=jit_compile)
+
+    def make_forward(self, loss_fn, jit_compile):
+        """A function batch -> metrics for evaluation (no gradients)."""
+        return tf.function(lambda batch: loss_fn(batch, training=False)[1],
+                           jit_compile=jit_compile)
+
+    def all_reduce_gradients(self, grads):
+        """Average gradients over data-parallel replicas (called once per optimizer step)."""
+        return grads
+
+    def all_reduce_mean(self, values):
+        """Average a nest of scalars over data-parallel replicas."""
+        return values
+
+    def broadcast_variables(self, variables):
+        """Make every replica's copy of `variables` equal to the chief's."""
+
+    def checkpoint_dir(self, model_dir):
+        """Where this process writes checkpoints, or None if it writes none."""
+        return model_dir if self.is_chief else None
+
+    def after_checkpoint(self, directory):
+        """Clean up after a save to `directory` (e.g. a worker's temporary copy)."""
+
+    def shutdown(self):
+        """Release backend resources at the end of the run."""
+
+
+SingleDevice = Strategy

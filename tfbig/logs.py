@@ -1,0 +1,69 @@
+"""What the chief shows the user: a console progress line and TensorBoard event files."""
+import os
+import sys
+
+import tensorflow as tf
+
+
+def _bar(fraction, width=20):
+    filled = int(round(fraction * width))
+    return "[" + "=" * max(filled - 1, 0) + (">" if filled else "") + " " * (width - filled) + "]"
+
+
+class RunLogger:
+    """Console progress and TensorBoard scalars; a no-op on non-chief processes."""
+
+    def __init__(self, model_dir, enabled, max_steps, stream=None):
+        self.enabled = enabled
+        self.max_steps = max_steps
+        self.stream = stream or sys.stdout
+        self.interactive = self.stream.isatty()
+        self.writers = {}
+        self.model_dir = model_dir
+
+    def _writer(self, name):
+        if name not in self.writers:
+            self.writers[name] = tf.summary.create_file_writer(os.path.join(self.model_dir, name))
+        return self.writers[name]
+
+    def scalars(self, split, step, values):
+        """Write each value as a TensorBoard scalar under `split` (train, validation, system)."""
+        if not self.enabled:
+            return
+        with self._writer(split).as_default(step=step):
+            for key, value in values.items():
+                tf.summary.scalar(key, value)
+
+    def text(self, split, step, tag, value):
+        if self.enabled:
+            with self._writer(split).as_default(step=step):
+                tf.summary.text(tag, value)
+
+    def progress(self, step, values):
+        """One progress line: bar, step, loss, learning rate, grad norm, tokens/s."""
+        if not self.enabled:
+            return
+        parts = [f"{_bar(step / self.max_steps)} step {step}/{self.max_steps}"]
+        for key, fmt in (("loss", "loss {:.4f}"), ("learning_rate", "lr {:.2e}"),
+                         ("grad_norm", "gnorm {:.3f}"), ("tokens_per_sec", "{:,.0f} tok/s"),
+                         ("loss_scale", "scale {:g}"), ("skipped_steps", "skipped {:.0f}")):
+            if key in values:
+                parts.append(fmt.format(values[key]))
+        line = " | ".join(parts)
+        if self.interactive:
+            self.stream.write("\r" + line + ("\n" if step >= self.max_steps else ""))
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def info(self, message):
+        if self.enabled:
+            if self.interactive:
+                self.stream.write("\n")
+            self.stream.write(message + "\n")
+            self.stream.flush()
+
+    def close(self):
+        for writer in self.writers.values():
+            writer.flush()
+            writer.close()

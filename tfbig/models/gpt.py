@@ -1,0 +1,336 @@
+"""GPT: a decoder-only transformer in Keras 3, read top to bottom.
+
+attention -> MLP -> block -> embedding -> config -> model. GPT-2 style pre-LayerNorm by default
+(post-LN as an option), GELU MLP, optional weight tying, GPT-2 initialisation (std 0.02, residual
+projections scaled by 1/sqrt(2 * num_layers)). Softmax, LayerNorm and the logits stay in float32
+under mixed precision. The model knows nothing about distribution.
+
+Example:
+    config = GPTConfig.from_preset("tiny", vocab_size=500)
+    model = GPT(config)
+    logits = model(tf.zeros([2, 16], tf.int32))  # (2, 16, 500)
+"""
+import dataclasses
+import math
+
+import keras
+from keras import ops
+
+
+def _normal(stddev):
+    return keras.initializers.RandomNormal(stddev=stddev)
+
+
+class CausalSelfAttention(keras.layers.Layer):
+    """Multi-head causal self-attention with an optional key/value cache for generation."""
+
+    def __init__(self, hidden_size, num_heads, dropout=0.0, initializer_range=0.02,
+                 output_initializer_range=0.02, **kwargs):
+        super().__init__(**kwargs)
+        if hidden_size % num_heads:
+            raise ValueError(f"hidden_size={hidden_size} is not divisible by num_heads={num_heads}")
+        self.hidden_size = hidden_size
+        self.num_heads = num_heads
+        self.dropout = dropout
+        self.initializer_range = initializer_range
+        self.output_initializer_range = output_initializer_range
+        self.head_size = hidden_size // num_heads
+        self.qkv = keras.layers.Dense(3 * hidden_size, kernel_initializer=_normal(initializer_range),
+                                      name="qkv")
+        self.proj = keras.layers.Dense(hidden_size, name="proj",
+                                       kernel_initializer=_normal(output_initializer_range))
+        self.attn_dropout = keras.layers.Dropout(dropout)
+        self.resid_dropout = keras.layers.Dropout(dropout)
+
+    def build(self, input_shape):
+        self.qkv.build(input_shape)
+        self.proj.build(input_shape[:-1] + (self.hidden_size,))
+
+    def call(self, x, training=False, cache=None, cache_index=None):
+        """x: (B, T, C). With `cache` (2, B, S, nh, hs) the T new keys/values are written at
+        `cache_index` and attention spans the cache; returns (y, new_cache) in that case."""
+        batch, length = ops.shape(x)[0], ops.shape(x)[1]
+        qkv = ops.reshape(self.qkv(x), (batch, length, 3, self.num_heads, self.head_size))
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # (B, T, nh, hs)
+        if cache is None:
+            mask = ops.tril(ops.ones((length, length), "bool"))  # (T, T), folded into a constant
+        else:
+            start = [0, cache_index, 0, 0]
+            k = ops.slice_update(cache[0], start, ops.cast(k, cache.dtype))  # (B, S, nh, hs)
+            v = ops.slice_update(cache[1], start, ops.cast(v, cache.dtype))
+            cache = ops.stack([k, v])
+            k, v = ops.cast(k, q.dtype), ops.cast(v, q.dtype)
+            query_pos = cache_index + ops.arange(length)[:, None]
+            mask = ops.arange(ops.shape(k)[1])[None, :] <= query_pos  # (T, S)
+        scores = ops.einsum("bqhd,bkhd->bhqk", q, k)  # (B, nh, T, S)
+        scores = ops.cast(scores, "float32") / math.sqrt(self.head_size)
+        scores = ops.where(mask[None, None], scores, -1e9)
+        probs = ops.cast(ops.softmax(scores, axis=-1), q.dtype)
+        probs = self.attn_dropout(probs, training=training)
+        y = ops.einsum("bhqk,bkhd->bqhd", probs, v)  # (B, T, nh, hs)
+        y = self.resid_dropout(self.proj(ops.reshape(y, (batch, length, self.hidden_size))),
+                               training=training)
+        return y if cache is None else (y, cache)
+
+    def get_config(self):
+        return {**super().get_config(), "hidden_size": self.hidden_size,
+                "num_heads": self.num_heads, "dropout": self.dropout,
+                "initializer_range": self.initializer_range,
+                "output_initializer_range": self.output_initializer_range}
+
+
+class MLP(keras.layers.Layer):
+    """Position-wise feed-forward: Dense(intermediate) -> GELU -> Dense(hidden) -> dropout."""
+
+    def __init__(self, hidden_size, intermediate_size, dropout=0.0, initializer_range=0.02,
+                 output_initializer_range=0.02, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.dropout = dropout
+        self.initializer_range = initializer_range
+        self.output_initializer_range = output_initializer_range
+        self.fc = keras.layers.Dense(intermediate_size, name="fc",
+                                     kernel_initializer=_normal(initializer_range))
+        self.proj = keras.layers.Dense(hidden_size, name="proj",
+                                       kernel_initializer=_normal(output_initializer_range))
+        self.drop = keras.layers.Dropout(dropout)
+
+    def build(self, input_shape):
+        self.fc.build(input_shape)
+        self.proj.build(input_shape[:-1] + (self.intermediate_size,))
+
+    def call(self, x, training=False):
+        h = ops.gelu(self.fc(x), approximate=True)  # (B, T, 4C)
+        return self.drop(self.proj(h), training=training)
+
+    def get_config(self):
+        return {**super().get_config(), "hidden_size": self.hidden_size,
+                "intermediate_size": self.intermediate_size, "dropout": self.dropout,
+                "initializer_range": self.initializer_range,
+                "output_initializer_range": self.output_initializer_range}
+
+
+class TransformerBlock(keras.layers.Layer):
+    """Attention + MLP with residuals; pre-LN (GPT-2) or post-LN (original transformer)."""
+
+    def __init__(self, hidden_size, num_heads, intermediate_size, dropout=0.0,
+                 layer_norm_epsilon=1e-5, pre_layer_norm=True, initializer_range=0.02,
+                 output_initializer_range=0.02, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden_size = hidden_size
+        self.num_heads = num_heads
+        self.intermediate_size = intermediate_size
+        self.dropout = dropout
+        self.layer_norm_epsilon = layer_norm_epsilon
+        self.pre_layer_norm = pre_layer_norm
+        self.initializer_range = initializer_range
+        self.output_initializer_range = output_initializer_range
+        self.ln_1 = keras.layers.LayerNormalization(epsilon=layer_norm_epsilon, name="ln_1")
+        self.attn = CausalSelfAttention(hidden_size, num_heads, dropout, initializer_range,
+                                        output_initializer_range, name="attn")
+        self.ln_2 = keras.layers.LayerNormalization(epsilon=layer_norm_epsilon, name="ln_2")
+        self.mlp = MLP(hidden_size, intermediate_size, dropout, initializer_range,
+                       output_initializer_range, name="mlp")
+
+    def build(self, input_shape):
+        for layer in (self.ln_1, self.attn, self.ln_2, self.mlp):
+            layer.build(input_shape)
+
+    def call(self, x, training=False, cache=None, cache_index=None):
+        attn_in = self.ln_1(x) if self.pre_layer_norm else x
+        attn_out = self.attn(attn_in, training=training, cache=cache, cache_index=cache_index)
+        if cache is not None:
+            attn_out, cache = attn_out
+        if self.pre_layer_norm:
+            x = x + attn_out
+            x = x + self.mlp(self.ln_2(x), training=training)
+        else:
+            x = self.ln_1(x + attn_out)
+            x = self.ln_2(x + self.mlp(x, training=training))
+        return x if cache is None else (x, cache)
+
+    def get_config(self):
+        return {**super().get_config(), "hidden_size": self.hidden_size,
+                "num_heads": self.num_heads, "intermediate_size": self.intermediate_size,
+                "dropout": self.dropout, "layer_norm_epsilon": self.layer_norm_epsilon,
+                "pre_layer_norm": self.pre_layer_norm, "initializer_range": self.initializer_range,
+                "output_initializer_range": self.output_initializer_range}
+
+
+class TokenAndPositionEmbedding(keras.layers.Layer):
+    """Token embedding plus a learned position table of `seq_length` rows, then dropout."""
+
+    def __init__(self, vocab_size, seq_length, hidden_size, dropout=0.0, initializer_range=0.02,
+                 **kwargs):
+        super().__init__(**kwargs)
+        self.vocab_size = vocab_size
+        self.seq_length = seq_length
+        self.hidden_size = hidden_size
+        self.dropout = dropout
+        self.initializer_range = initializer_range
+        self.token = keras.layers.Embedding(vocab_size, hidden_size, name="token",
+                                            embeddings_initializer=_normal(initializer_range))
+        self.position = keras.layers.Embedding(seq_length, hidden_size, name="position",
+                                               embeddings_initializer=_normal(initializer_range))
+        self.drop = keras.layers.Dropout(dropout)
+
+    def build(self, input_shape):
+        self.token.build(input_shape)
+        self.position.build(input_shape)
+
+    def call(self, token_ids, training=False, start_index=0):
+        positions = start_index + ops.arange(ops.shape(token_ids)[1])  # (T,)
+        x = self.token(token_ids) + self.position(positions)[None]  # (B, T, C)
+        return self.drop(x, training=training)
+
+    def get_config(self):
+        return {**super().get_config(), "vocab_size": self.vocab_size,
+                "seq_length": self.seq_length, "hidden_size": self.hidden_size,
+                "dropout": self.dropout, "initializer_range": self.initializer_range}
+
+
+@dataclasses.dataclass
+class GPTConfig:
+    """Everything that fixes the GPT architecture (and so its checkpoint layout)."""
+
+    vocab_size: int = 50257  # rows of the token embedding; must equal the data manifest's
+    seq_length: int = 1024  # rows of the position table: the longest sequence the model reads
+    num_layers: int = 12  # transformer blocks
+    hidden_size: int = 768  # model width C
+    num_heads: int = 12  # attention heads; hidden_size must be divisible by it
+    intermediate_size: int = 0  # MLP width; 0 means 4 * hidden_size
+    dropout: float = 0.0  # dropout on embeddings, attention probabilities and residual branches
+    layer_norm_epsilon: float = 1e-5  # LayerNorm epsilon
+    pre_layer_norm: bool = True  # GPT-2 pre-LN (True) or post-LN (False)
+    tie_embeddings: bool = True  # output projection reuses the token embedding
+    initializer_range: float = 0.02  # std of the normal initialiser
+
+    def __post_init__(self):
+        if self.intermediate_size == 0:
+            self.intermediate_size = 4 * self.hidden_size
+        for name in ("vocab_size", "seq_length", "num_layers", "hidden_size", "num_heads"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"GPTConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size={self.hidden_size} is not divisible by "
+                             f"num_heads={self.num_heads}; choose num_heads among the divisors "
+                             f"of {self.hidden_size}")
+
+    @classmethod
+    def from_preset(cls, name, **overrides):
+        """A preset from GPT_PRESETS with fields overridden (None values are ignored)."""
+        if name not in GPT_PRESETS:
+            raise ValueError(f"unknown GPT preset {name!r}; choose one of {sorted(GPT_PRESETS)}")
+        fields = {**GPT_PRESETS[name], **{k: v for k, v in overrides.items() if v is not None}}
+        return cls(**fields)
+
+    def check_inputs(self, seq_length=None, vocab_size=None):
+        """Raise ValueError before any graph is built if data does not fit this model."""
+        if seq_length is not None and seq_length > self.seq_length:
+            raise ValueError(f"sequence length {seq_length} is above the model's position table "
+                             f"(seq_length={self.seq_length})")
+        if vocab_size is not None and vocab_size != self.vocab_size:
+            raise ValueError(f"the data's vocab_size={vocab_size} differs from the model's "
+                             f"vocab_size={self.vocab_size}")
+
+    def num_params(self):
+        """Closed-form parameter count (matches the built model exactly)."""
+        c, v, L = self.hidden_size, self.vocab_size, self.num_layers
+        block = 2 * 2 * c + (3 * c * c + 3 * c) + (c * c + c) \
+            + (c * self.intermediate_size + self.intermediate_size) + (self.intermediate_size * c + c)
+        final_norm = 2 * c if self.pre_layer_norm else 0
+        head = 0 if self.tie_embeddings else c * v
+        return v * c + self.seq_length * c + L * block + final_norm + head
+
+    def flops_per_token(self, seq_length=None):
+        """Training FLOPs per token: 6 * non-embedding matmul params + attention (PaLM appendix B)."""
+        t = seq_length or self.seq_length
+        # Position table and (untied) token lookup are not matmuls; a tied table is the head.
+        lookups = self.seq_length + (0 if self.tie_embeddings else self.vocab_size)
+        matmul_params = self.num_params() - lookups * self.hidden_size
+        return 6 * matmul_params + 12 * self.num_layers * self.hidden_size * t
+
+
+# Presets are plain data. GPT-3 sizes follow Brown et al. (2020), table 2.1, with
+# num_heads chosen so the head size is the paper's 128 where the table is inconsistent.
+GPT_PRESETS = {
+    "tiny": dict(num_layers=2, hidden_size=64, num_heads=4, seq_length=128, vocab_size=8000),
+    "small": dict(num_layers=4, hidden_size=256, num_heads=4, seq_length=256, vocab_size=8000),
+    "125m": dict(num_layers=12, hidden_size=768, num_heads=12, seq_length=2048),
+    "350m": dict(num_layers=24, hidden_size=1024, num_heads=16, seq_length=2048),
+    "760m": dict(num_layers=24, hidden_size=1536, num_heads=16, seq_length=2048),
+    "1.3b": dict(num_layers=24, hidden_size=2048, num_heads=16, seq_length=2048),
+    "2.7b": dict(num_layers=32, hidden_size=2560, num_heads=32, seq_length=2048),
+    "6.7b": dict(num_layers=32, hidden_size=4096, num_heads=32, seq_length=2048),
+    "13b": dict(num_layers=40, hidden_size=5120, num_heads=40, seq_length=2048),
+    "175b": dict(num_layers=96, hidden_size=12288, num_heads=96, seq_length=2048),
+}
+
+
+@keras.saving.register_keras_serializable(package="tfbig")
+class GPT(keras.Model):
+    """Decoder-only language model: token ids (B, T) -> float32 logits (B, T, vocab_size)."""
+
+    def __init__(self, config, **kwargs):
+        super().__init__(**kwargs)
+        self.config = config if isinstance(config, GPTConfig) else GPTConfig(**config)
+        cfg = self.config
+        residual_std = cfg.initializer_range / math.sqrt(2 * cfg.num_layers)
+        self.embedding = TokenAndPositionEmbedding(cfg.vocab_size, cfg.seq_length,
+                                                   cfg.hidden_size, cfg.dropout,
+                                                   cfg.initializer_range, name="embedding")
+        self.blocks = [TransformerBlock(cfg.hidden_size, cfg.num_heads, cfg.intermediate_size,
+                                        cfg.dropout, cfg.layer_norm_epsilon, cfg.pre_layer_norm,
+                                        cfg.initializer_range, residual_std, name=f"block_{i}")
+                       for i in range(cfg.num_layers)]
+        self.final_norm = (keras.layers.LayerNormalization(epsilon=cfg.layer_norm_epsilon,
+                                                           name="final_norm")
+                           if cfg.pre_layer_norm else None)
+        self.head = (None if cfg.tie_embeddings else
+                     keras.layers.Dense(cfg.vocab_size, use_bias=False, name="head",
+                                        kernel_initializer=_normal(cfg.initializer_range)))
+
+    def build(self, input_shape=None):
+        hidden_shape = (None, None, self.config.hidden_size)
+        self.embedding.build((None, None))
+        for block in self.blocks:
+            block.build(hidden_shape)
+        if self.final_norm is not None:
+            self.final_norm.build(hidden_shape)
+        if self.head is not None:
+            self.head.build(hidden_shape)
+        self.built = True
+
+    def logits(self, x):
+        """Final norm and vocabulary projection of hidden states (B, T, C) -> (B, T, V) float32."""
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        if self.head is not None:
+            return ops.cast(self.head(x), "float32")
+        table = ops.cast(self.embedding.token.embeddings, x.dtype)
+        return ops.cast(ops.einsum("btc,vc->btv", x, table), "float32")
+
+    def call(self, token_ids, training=False):
+        x = self.embedding(token_ids, training=training)  # (B, T, C)
+        for block in self.blocks:
+            x = block(x, training=training)
+        return self.logits(x)
+
+    def init_cache(self, batch_size, max_length):
+        """An empty key/value cache: (num_layers, 2, B, max_length, nh, hs) in the compute dtype."""
+        cfg = self.config
+        return ops.zeros((cfg.num_layers, 2, batch_size, max_length, cfg.num_heads,
+                          cfg.hidden_size // cfg.num_heads), self.compute_dtype)
+
+    def call_with_cache(self, token_ids, cache, cache_index):
+        """Logits for `token_ids` at positions cache_index.. and the updated cache."""
+        x = self.embedding(token_ids, start_index=cache_index)
+        new_cache = []
+        for i, block in enumerate(self.blocks):
+            x, layer_cache = block(x, cache=cache[i], cache_index=cache_index)
+            new_cache.append(layer_cache)
+        return self.logits(x), ops.stack(new_cache)
+
+    def get_config(self):
+        return {**super().get_config(), "config": dataclasses.asdict(self.config)}

@@ -1,0 +1,100 @@
+"""GPT language modelling as a task: a single-replica view of the training procedure.
+
+A task knows the model family, its data format and its loss; it knows nothing about devices or
+distribution. The trainer asks it for the data directory, the model, batches and the loss.
+"""
+import contextlib
+import fcntl
+import math
+import os
+
+import tensorflow as tf
+
+from tfbig import data, manifest as manifest_lib
+from tfbig.models.gpt import GPT, GPTConfig
+
+
+@contextlib.contextmanager
+def _file_lock(path):
+    """Serialise data preparation between processes of one host (horovodrun, tfbig-launch)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+class GPTTask:
+    """Next-token prediction on packed `input_ids` sequences of seq_length + 1 tokens."""
+
+    format = "gpt"
+
+    def __init__(self, train):
+        self.train = train
+        self.data_dir = train.data_dir or self._prepare_default()
+        self.manifest = manifest_lib.load_manifest(self.data_dir)
+        self.manifest.check(format=self.format)
+        self.seq_length = train.seq_length or self.manifest.seq_length
+        self.manifest.check(seq_length=self.seq_length)
+        self.model_config = self._model_config()
+        self.model_config.check_inputs(self.seq_length, self.manifest.vocab_size)
+
+    def _prepare_default(self):
+        """Prepare the embedded Shakespeare corpus once for the preset's seq_length (cached)."""
+        from tfbig import prepare
+
+        seq_length = self.train.seq_length or GPTConfig.from_preset(self.train.preset).seq_length
+        out = prepare.default_data_dir(seq_length=seq_length)
+        with _file_lock(out + ".lock"):
+            prepare.prepare(None, out, seq_length=seq_length)
+        return out
+
+    def _model_config(self):
+        t = self.train
+        return GPTConfig.from_preset(
+            t.preset, vocab_size=self.manifest.vocab_size,
+            seq_length=max(self.seq_length, GPTConfig.from_preset(t.preset).seq_length),
+            num_layers=t.num_layers or None, hidden_size=t.hidden_size or None,
+            num_heads=t.num_heads or None, dropout=t.dropout if t.dropout >= 0 else None)
+
+    def build_model(self):
+        """The model, built (variables created) so it can be checkpointed and counted."""
+        model = GPT(self.model_config, name="gpt")
+        model.build((None, self.seq_length))
+        return model
+
+    def dataset(self, split, batch_size, input_context=None, *, seed=0, repeat=True,
+                shuffle=True, skip_batches=0):
+        """Batches of {"input_ids": int32 (batch_size, seq_length + 1)} for one pipeline."""
+        return data.make_dataset(
+            self.data_dir, split, batch_size, format=self.format, seq_length=self.seq_length,
+            vocab_size=self.model_config.vocab_size, input_context=input_context, seed=seed,
+            shuffle=shuffle, repeat=repeat, deterministic=self.train.deterministic,
+            skip_corrupt=self.train.skip_corrupt, skip_batches=skip_batches)
+
+    def model_inputs(self, batch):
+        return batch["input_ids"][:, :-1]
+
+    def loss_from_outputs(self, logits, batch):
+        """Mean next-token cross-entropy in float32, and the metrics to average."""
+        targets = batch["input_ids"][:, 1:]
+        losses = tf.nn.sparse_softmax_cross_entropy_with_logits(targets, tf.cast(logits, tf.float32))
+        loss = tf.reduce_mean(losses)
+        return loss, {"loss": loss}
+
+    def loss(self, model, batch, training=False):
+        return self.loss_from_outputs(model(self.model_inputs(batch), training=training), batch)
+
+    def eval_summary(self, metrics):
+        """Loss, perplexity and bits per byte (tokenizer-independent) of validation metrics."""
+        split = self.manifest.splits["validation"]
+        loss = float(metrics["loss"])
+        return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)),
+                "bits_per_byte": loss / math.log(2) * split["tokens"] / split["bytes"]}
+
+    def tokenizer(self):
+        from tfbig.tokenizer import Tokenizer
+
+        return Tokenizer.load(os.path.join(self.data_dir, self.manifest.tokenizer))

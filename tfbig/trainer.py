@@ -1,0 +1,251 @@
+"""The one training loop. Every backend plugs in through tfbig.distribute.base.Strategy.
+
+One optimizer step = `grad_accum_steps` micro-batches per data-parallel replica:
+    forward/backward (XLA-compiled, loss-scaled for fp16)  -> strategy.make_forward_backward
+    average gradients over replicas (once per step)        -> strategy.all_reduce_gradients
+    unscale, clip by global norm, apply (skip if not finite) -> optimizer.apply
+"""
+import dataclasses
+import json
+import math
+import os
+import shutil
+import time
+
+import keras
+import tensorflow as tf
+
+from tfbig import config as config_lib
+from tfbig.distribute import get_strategy
+from tfbig.logs import RunLogger
+from tfbig.optim import build_optimizer, learning_rate, loss_scale
+from tfbig.tasks import get_task
+
+PRECISIONS = {"fp32": "float32", "mixed_float16": "mixed_float16",
+              "mixed_bfloat16": "mixed_bfloat16"}
+
+
+class NonFiniteLossError(RuntimeError):
+    """Training produced a NaN/inf loss where no loss scaling can explain it."""
+
+
+def set_precision(precision):
+    """Set Keras' global dtype policy for --precision (fp32 resets it)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"--precision={precision!r}: expected one of {sorted(PRECISIONS)}")
+    keras.mixed_precision.set_global_policy(PRECISIONS[precision])
+
+
+def micro_batch_size(batch_size, num_replicas, grad_accum_steps):
+    """Per-replica micro-batch size; the global batch must split evenly."""
+    parts = num_replicas * grad_accum_steps
+    if grad_accum_steps < 1 or batch_size % parts or batch_size < parts:
+        raise ValueError(f"--batch_size={batch_size} must be a positive multiple of "
+                         f"replicas ({num_replicas}) x --grad_accum_steps ({grad_accum_steps})")
+    return batch_size // parts
+
+
+class Trainer:
+    """Builds model, optimizer, data and checkpoint for an ExperimentConfig and trains it.
+
+    Example:
+        cfg = ExperimentConfig(); cfg.train.max_steps = 100
+        summary = Trainer(cfg).fit()   # {"step": 100, "loss": ..., "eval": {...}}
+    """
+
+    def __init__(self, cfg, strategy=None, task=None, logger=None):
+        self.cfg = cfg
+        t = cfg.train
+        set_precision(t.precision)
+        keras.utils.set_random_seed(t.seed)
+        if t.deterministic:
+            tf.config.experimental.enable_op_determinism()
+        self.strategy = strategy or get_strategy(t.strategy, cfg)
+        self.task = task or get_task(t)
+        self.micro_batch = micro_batch_size(t.batch_size, self.strategy.num_replicas,
+                                            t.grad_accum_steps)
+        self.logger = logger or RunLogger(t.model_dir, self.strategy.is_chief, t.max_steps)
+        self._check_run_dir()
+        with self.strategy.scope():
+            self.model = self.task.build_model()
+            self.optimizer = build_optimizer(t, self.model.trainable_variables)
+            self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
+            self.batches_consumed = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                                name="batches_consumed")
+            self.nonfinite_steps = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                               name="nonfinite_steps")
+        self.checkpoint = tf.train.Checkpoint(
+            model=self.model, optimizer=self.optimizer, step=self.step,
+            batches_consumed=self.batches_consumed, nonfinite_steps=self.nonfinite_steps)
+        self._managers = {}
+        self.restored_from = self._restore()
+        self.strategy.broadcast_variables(self.model.variables + self.optimizer.variables)
+        self.forward_backward = self.strategy.make_forward_backward(
+            self._loss_fn, self.model.trainable_variables, self._scale_loss, t.xla)
+        self.forward = self.strategy.make_forward(self._loss_fn, t.xla)
+
+    # ---- single-replica pieces -------------------------------------------------------------
+    def _loss_fn(self, batch, training=False):
+        return self.task.loss(self.model, batch, training=training)
+
+    def _scale_loss(self, loss):
+        scale = getattr(self.optimizer, "scale_loss", None)
+        return scale(loss) if scale else loss
+
+    def _replica_step(self, batch):
+        _, grads, metrics = self.forward_backward(batch)
+        grads = self.strategy.all_reduce_gradients(grads)
+        metrics = self.strategy.all_reduce_mean(metrics)
+        scale = tf.cast(loss_scale(self.optimizer), tf.float32)  # read before apply changes it
+        grad_norm = tf.linalg.global_norm(grads) / scale
+        self.optimizer.apply(grads, self.model.trainable_variables)
+        return {**metrics, "grad_norm": grad_norm, "loss_scale": scale}
+
+    @tf.function
+    def _train_step(self, batch):
+        out = self.strategy.local_result(self.strategy.run(self._replica_step, (batch,)))
+        finite = tf.math.is_finite(out["loss"]) & tf.math.is_finite(out["grad_norm"])
+        self.nonfinite_steps.assign_add(tf.cast(tf.logical_not(finite), tf.int64))
+        self.step.assign_add(1)
+        self.batches_consumed.assign_add(self.cfg.train.grad_accum_steps)
+        return out
+
+    @tf.function
+    def _eval_step(self, batch):
+        replica = lambda b: self.strategy.all_reduce_mean(self.forward(b))  # noqa: E731
+        return self.strategy.local_result(self.strategy.run(replica, (batch,)))
+
+    # ---- run directory, checkpoints ----------------------------------------------------------
+    def _check_run_dir(self):
+        """Refuse to resume a run directory whose model differs from the requested one."""
+        path = os.path.join(self.cfg.train.model_dir, "config.json")
+        model_config = dataclasses.asdict(self.task.model_config)
+        if os.path.exists(path):
+            with open(path) as f:
+                saved = json.load(f).get("model_config", {})
+            diff = {k: (saved.get(k), v) for k, v in model_config.items() if saved.get(k) != v}
+            if diff and tf.train.latest_checkpoint(self.cfg.train.model_dir):
+                raise ValueError(
+                    f"--model_dir={self.cfg.train.model_dir} holds a checkpoint of a different "
+                    f"model; (saved, requested) per field: {diff}. Use another --model_dir.")
+        if self.strategy.is_chief:
+            config_lib.save_json(self.cfg, path, extra={
+                "model_config": model_config, "resolved_data_dir": self.task.data_dir,
+                "model_format": self.task.format})
+            tokenizer = os.path.join(self.task.data_dir, self.task.manifest.tokenizer)
+            if os.path.exists(tokenizer):
+                shutil.copyfile(tokenizer, os.path.join(self.cfg.train.model_dir, "tokenizer.model"))
+
+    def _restore(self):
+        latest = tf.train.latest_checkpoint(self.cfg.train.model_dir)
+        if latest:
+            self.checkpoint.restore(latest).assert_existing_objects_matched()
+            self.logger.info(f"resumed from {latest} at step {int(self.step.numpy())}")
+        return latest
+
+    def save(self):
+        """Save model, optimizer slots, step, loss scale and input position."""
+        directory = self.strategy.checkpoint_dir(self.cfg.train.model_dir)
+        if directory is None:
+            return None
+        if directory not in self._managers:
+            self._managers[directory] = tf.train.CheckpointManager(
+                self.checkpoint, directory, max_to_keep=self.cfg.train.keep_checkpoints)
+        path = self._managers[directory].save(checkpoint_number=self.step)
+        self.strategy.after_checkpoint(directory)
+        return path
+
+    # ---- data --------------------------------------------------------------------------------
+    def _train_iterator(self):
+        t = self.cfg.train
+        skip = int(self.batches_consumed.numpy())
+
+        def dataset_fn(ctx):
+            ds = self.task.dataset("train", self.micro_batch, ctx, seed=t.seed, skip_batches=skip)
+            return ds.batch(t.grad_accum_steps, drop_remainder=True)  # (accum, micro, ...)
+
+        return iter(self.strategy.distribute_dataset(dataset_fn))
+
+    def _eval_batches(self):
+        """Validation batches each replica evaluates: equal on all, at most --eval_steps."""
+        records = self.task.manifest.splits["validation"]["records"]
+        available = records // (self.micro_batch * self.strategy.num_replicas)
+        if available == 0:
+            raise ValueError(f"the validation split of {self.task.data_dir} has {records} "
+                             f"records, fewer than one batch of {self.micro_batch} per replica")
+        return min(available, self.cfg.train.eval_steps or available)
+
+    def evaluate(self):
+        """Mean validation metrics plus the task's summary (perplexity, bits per byte...)."""
+        num_batches = self._eval_batches()
+
+        def dataset_fn(ctx):
+            ds = self.task.dataset("validation", self.micro_batch, ctx, seed=0, shuffle=False)
+            return ds.batch(1, drop_remainder=True)  # same (1, micro, ...) layout as training
+
+        iterator = iter(self.strategy.distribute_dataset(dataset_fn))
+        totals = None
+        for _ in range(num_batches):
+            metrics = self._eval_step(next(iterator))
+            totals = metrics if totals is None else {k: totals[k] + v for k, v in metrics.items()}
+        means = {k: float(v) / num_batches for k, v in totals.items()}
+        return self.task.eval_summary(means)
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def _check_finite(self, step):
+        bad = int(self.nonfinite_steps.numpy())
+        if bad and self.cfg.train.precision != "mixed_float16":
+            raise NonFiniteLossError(
+                f"non-finite loss or gradient at or before step {step} ({bad} step(s)) with "
+                f"--precision={self.cfg.train.precision}; the last good checkpoint in "
+                f"{self.cfg.train.model_dir} is kept. Lower --learning_rate or check the data.")
+
+    def _log_train(self, step, out, tokens, seconds):
+        values = {k: float(v) for k, v in out.items()}
+        values["learning_rate"] = float(learning_rate(self.optimizer))
+        values["tokens_per_sec"] = tokens / max(seconds, 1e-9)
+        values["skipped_steps"] = float(self.nonfinite_steps.numpy())
+        if self.cfg.train.precision != "mixed_float16":
+            values.pop("loss_scale")
+        self.logger.progress(step, values)
+        self.logger.scalars("train", step, values)
+        return values
+
+    def fit(self):
+        """Train to --max_steps (resuming where a checkpoint left off); returns a summary."""
+        t = self.cfg.train
+        iterator = self._train_iterator()
+        tokens_per_step = t.batch_size * self.task.seq_length
+        step = int(self.step.numpy())
+        last = {}
+        window_start, window_steps = time.perf_counter(), 0
+        while step < t.max_steps:
+            out = self._train_step(next(iterator))
+            step += 1
+            window_steps += 1
+            if step % t.log_every == 0 or step == t.max_steps:
+                self._check_finite(step)
+                last = self._log_train(step, out, window_steps * tokens_per_step,
+                                       time.perf_counter() - window_start)
+                window_start, window_steps = time.perf_counter(), 0
+            if t.eval_every and step % t.eval_every == 0 and step < t.max_steps:
+                self._report_eval(step)
+            if step % t.checkpoint_every == 0 and step < t.max_steps:
+                self._check_finite(step)
+                self.save()
+            if window_steps == 0:
+                window_start = time.perf_counter()
+        self._check_finite(step)
+        path = self.save()
+        summary = {"step": step, "train": last, "checkpoint": path,
+                   "eval": self._report_eval(step)}
+        self.logger.close()
+        return summary
+
+    def _report_eval(self, step):
+        summary = self.evaluate()
+        self.logger.scalars("validation", step, summary)
+        self.logger.info("eval @ step {}: ".format(step) + " | ".join(
+            f"{k} {v:.4f}" for k, v in summary.items() if isinstance(v, float)
+            and math.isfinite(v)))
+        return summary
