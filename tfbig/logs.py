@@ -63,7 +63,6 @@ class RunLogger:
             self.stream.write(message + "\n")
             self.stream.flush()
 
-    def close(self):
+    def flush(self):
         for writer in self.writers.values():
             writer.flush()
-            writer.close()

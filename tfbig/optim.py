@@ -76,7 +76,8 @@ def loss_scale(optimizer):
     return ops.convert_to_tensor(1.0)
 
 
-def learning_rate(optimizer):
-    """The learning rate the next update uses."""
+def learning_rate(optimizer, step):
+    """The learning rate of update number `step` (0-based)."""
     inner = getattr(optimizer, "inner_optimizer", optimizer)
-    return inner.learning_rate
+    schedule = inner._learning_rate  # Keras keeps the schedule here; .learning_rate evaluates it
+    return schedule(step) if callable(schedule) else schedule

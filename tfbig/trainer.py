@@ -74,8 +74,13 @@ class Trainer:
                                                 name="batches_consumed")
             self.nonfinite_steps = tf.Variable(0, dtype=tf.int64, trainable=False,
                                                name="nonfinite_steps")
+        # Keras does not expose dropout seed-generator states to tf.train.Checkpoint; without
+        # them a resumed run would draw different dropout masks than an uninterrupted one.
+        # Their names carry a process-wide counter, so they are kept in layer order.
+        rng_state = [v.value for v in self.model.non_trainable_variables
+                     if "seed_generator" in v.path]
         self.checkpoint = tf.train.Checkpoint(
-            model=self.model, optimizer=self.optimizer, step=self.step,
+            model=self.model, optimizer=self.optimizer, step=self.step, rng_state=rng_state,
             batches_consumed=self.batches_consumed, nonfinite_steps=self.nonfinite_steps)
         self._managers = {}
         self.restored_from = self._restore()
@@ -179,11 +184,8 @@ class Trainer:
         """Mean validation metrics plus the task's summary (perplexity, bits per byte...)."""
         num_batches = self._eval_batches()
 
-        def dataset_fn(ctx):
-            ds = self.task.dataset("validation", self.micro_batch, ctx, seed=0, shuffle=False)
-            return ds.batch(1, drop_remainder=True)  # same (1, micro, ...) layout as training
-
-        iterator = iter(self.strategy.distribute_dataset(dataset_fn))
+        iterator = iter(self.strategy.distribute_dataset(
+            lambda ctx: self.task.dataset("validation", self.micro_batch, ctx, shuffle=False)))
         totals = None
         for _ in range(num_batches):
             metrics = self._eval_step(next(iterator))
@@ -202,8 +204,9 @@ class Trainer:
 
     def _log_train(self, step, out, tokens, seconds):
         values = {k: float(v) for k, v in out.items()}
-        values["learning_rate"] = float(learning_rate(self.optimizer))
-        values["tokens_per_sec"] = tokens / max(seconds, 1e-9)
+        values["learning_rate"] = float(learning_rate(self.optimizer, step - 1))
+        if tokens:
+            values["tokens_per_sec"] = tokens / seconds
         values["skipped_steps"] = float(self.nonfinite_steps.numpy())
         if self.cfg.train.precision != "mixed_float16":
             values.pop("loss_scale")
@@ -211,35 +214,40 @@ class Trainer:
         self.logger.scalars("train", step, values)
         return values
 
-    def fit(self):
-        """Train to --max_steps (resuming where a checkpoint left off); returns a summary."""
+    def fit(self, steps=None):
+        """Train to --max_steps, resuming where a checkpoint left off; returns a summary.
+
+        `steps` stops after that many steps instead (a checkpoint is saved), as an
+        interrupted run would, so the schedule still runs to --max_steps on the next call.
+        """
         t = self.cfg.train
         iterator = self._train_iterator()
-        tokens_per_step = t.batch_size * self.task.seq_length
         step = int(self.step.numpy())
-        last = {}
-        window_start, window_steps = time.perf_counter(), 0
-        while step < t.max_steps:
+        stop = t.max_steps if steps is None else min(t.max_steps, step + steps)
+        tokens_per_step = t.batch_size * self.task.seq_length
+        last, window_steps, window_start = {}, 0, None
+        while step < stop:
             out = self._train_step(next(iterator))
             step += 1
             window_steps += 1
-            if step % t.log_every == 0 or step == t.max_steps:
+            if window_start is None:  # the first step compiles: keep it out of tokens/s
+                window_start, window_steps = time.perf_counter(), 0
+            if step % t.log_every == 0 or step == stop:
                 self._check_finite(step)
                 last = self._log_train(step, out, window_steps * tokens_per_step,
                                        time.perf_counter() - window_start)
                 window_start, window_steps = time.perf_counter(), 0
-            if t.eval_every and step % t.eval_every == 0 and step < t.max_steps:
+            if t.eval_every and step % t.eval_every == 0 and step < stop:
                 self._report_eval(step)
-            if step % t.checkpoint_every == 0 and step < t.max_steps:
+                window_start, window_steps = time.perf_counter(), 0
+            if step % t.checkpoint_every == 0 and step < stop:
                 self._check_finite(step)
                 self.save()
-            if window_steps == 0:
-                window_start = time.perf_counter()
+                window_start, window_steps = time.perf_counter(), 0
         self._check_finite(step)
-        path = self.save()
-        summary = {"step": step, "train": last, "checkpoint": path,
+        summary = {"step": step, "train": last, "checkpoint": self.save(),
                    "eval": self._report_eval(step)}
-        self.logger.close()
+        self.logger.flush()
         return summary
 
     def _report_eval(self, step):

@@ -34,7 +34,8 @@ def accumulate_gradients(loss_fn, variables, batch, scale_loss):
             loss, metrics = loss_fn(micro, training=True)
             scaled = scale_loss(loss)
         grads = tape.gradient(scaled, variables)
-        return loss, [tf.cast(g, tf.float32) for g in grads], metrics
+        # Dense float32 sums: embedding gradients arrive as IndexedSlices.
+        return loss, [tf.cast(tf.convert_to_tensor(g), tf.float32) for g in grads], metrics
 
     loss, grads, metrics = micro_step(_unstack_micro(batch, 0))
     if num_micro == 1:
