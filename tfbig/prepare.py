@@ -1,0 +1,351 @@
+"""Raw text in, TFRecord shards + tokenizer + manifest out: the whole data preparation job.
+
+`tfbig-prep` maps its flags onto `prepare`; `tfbig-train` calls it with no input to get
+the embedded Shakespeare corpus in `default_data_dir(...)`.
+
+Steps: cut the input into pieces and hold out validation pieces; train the tokenizer on
+training text (or copy the given one); plan shards of about `shard_size_mb`; write them
+in `num_workers` processes (reusing complete ones); write manifest.json last.
+
+A finished directory is never changed silently: a second run with the same settings and
+input returns its manifest after checking every shard's sha256; a run with other
+settings (seq_length, tokenizer, input, shard size...) is refused unless `overwrite`.
+
+Example:
+    manifest = prepare(["corpus/"], "/data/corpus", seq_length=1024, vocab_size=32000, num_workers=8)
+"""
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+from collections import Counter
+
+import numpy as np
+from absl import logging
+
+from tfbig import formats, shards, sources, tfrecord
+from tfbig.manifest import MANIFEST_NAME, Manifest, ShardInfo, SplitInfo, load_manifest, write_manifest
+from tfbig.tokenizer import Tokenizer
+
+TOKENIZER_NAME = "tokenizer.model"
+PIECE_BYTES = 1 << 20  # input granularity: shards are runs of pieces
+SAMPLE_BYTES = 1 << 20  # text tokenized up front to estimate shard sizes
+_SHARD_FILE = re.compile(r"^(train|validation)-\d{5}-of-\d{5}\.tfrecord(\.done|\.tmp)?$")
+
+
+def default_data_dir(seq_length: int, vocab_size: int) -> str:
+    """Cache directory for the embedded corpus: $TFBIG_CACHE (or ~/.cache/tfbig)/shakespeare-T{seq}-V{vocab}."""
+    root = os.environ.get("TFBIG_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "tfbig")
+    return os.path.join(root, f"shakespeare-T{seq_length}-V{vocab_size}")
+
+
+def prepare(inputs: list[str] | None = None, output_dir: str | None = None, seq_length: int = 1024,
+            vocab_size: int = 8000, shard_size_mb: float = 1024, num_workers: int = 1, format: str = "gpt", *,
+            tokenizer: str | None = None, doc_per_line: bool = False, jsonl_field: str = "text",
+            tfds_name: str = "", tfds_split: str = "train", tfds_text_key: str = "text",
+            tfds_data_dir: str | None = None, validation_fraction: float = 0.01,
+            validation_plays: tuple[str, ...] = sources.DEFAULT_VALIDATION_PLAYS,
+            tokenizer_sample_mb: float = 512, overwrite: bool = False, seed: int = 0) -> Manifest:
+    """Prepare a data directory and return its manifest.
+
+    Args:
+      inputs: files, directories or globs of .txt/.md/.jsonl; None (and no tfds_name)
+        means the embedded Shakespeare plays.
+      output_dir: where shards, tokenizer.model and manifest.json go; None means
+        `default_data_dir(seq_length, vocab_size)` for the embedded corpus.
+      seq_length: tokens the model sees per example (records hold seq_length + 1).
+      vocab_size: size of the tokenizer to train (checked against a given one).
+      shard_size_mb: target size of one shard file, in MiB.
+      num_workers: processes that tokenize and write shards.
+      format: record format, a key of `tfbig.formats.FORMATS`.
+      tokenizer: an existing SentencePiece .model to use (copied next to the shards)
+        instead of training one.
+      doc_per_line, jsonl_field, tfds_*: see `tfbig.sources.SourceSpec`.
+      validation_fraction: share of input pieces (files or 1 MiB line ranges) held out.
+      validation_plays: embedded corpus only: plays held out for validation.
+      tokenizer_sample_mb: at most this much training text trains the tokenizer.
+      overwrite: replace a directory prepared with other settings instead of refusing.
+      seed: tokenizer training seed (and the format's, if it uses randomness).
+    """
+    spec = sources.SourceSpec(tuple(inputs or ()), doc_per_line, jsonl_field, tfds_name, tfds_split,
+                              tfds_text_key, tfds_data_dir)
+    output_dir = _output_dir(output_dir, spec, seq_length, vocab_size)
+    record_format = formats.get_format(format)
+    _check_positive(seq_length=seq_length, vocab_size=vocab_size, shard_size_mb=shard_size_mb, num_workers=num_workers)
+    pieces = sources.plan_pieces(spec, _piece_bytes(shard_size_mb))
+    train, validation = sources.split_pieces(pieces, validation_fraction, validation_plays)
+    settings = {"format": format, "seq_length": seq_length, "vocab_size": vocab_size, "seed": seed,
+                "shard_size_mb": shard_size_mb, "spec": dataclasses.asdict(spec)}
+    os.makedirs(output_dir, exist_ok=True)
+    existing = _existing_config(output_dir)
+    _refuse_conflicts(output_dir, existing, {"format": format, "seq_length": seq_length}, overwrite)
+    tokenizer_sha = _tokenizer_step(output_dir, tokenizer, train, spec, vocab_size, seed,
+                                    tokenizer_sample_mb, existing, overwrite)
+    key = _prep_key(settings, train, validation, tokenizer_sha)
+    manifest = _finished(output_dir, key, overwrite)
+    if manifest is not None:
+        return manifest
+    jobs = _plan_jobs(output_dir, spec, settings, {"train": train, "validation": validation}, tokenizer_sha)
+    results = shards.write_shards(jobs, num_workers)
+    manifest = _manifest(output_dir, settings, jobs, results, spec, key, record_format)
+    write_manifest(manifest)
+    _remove_stale_files(output_dir, manifest)
+    _log_summary(manifest)
+    return manifest
+
+
+def _output_dir(output_dir: str | None, spec: sources.SourceSpec, seq_length: int, vocab_size: int) -> str:
+    if output_dir:
+        return output_dir
+    if spec.inputs or spec.tfds_name:
+        raise ValueError("--output_dir is required when --input or --tfds_name is given")
+    return default_data_dir(seq_length, vocab_size)
+
+
+def _check_positive(**values) -> None:
+    for name, value in values.items():
+        if not value > 0:
+            raise ValueError(f"--{name}={value}: expected a positive number")
+
+
+def _piece_bytes(shard_size_mb: float) -> int:
+    """Pieces well under a shard (a shard is a run of pieces), at most 1 MiB."""
+    return int(min(PIECE_BYTES, max(1024, shard_size_mb * 2**20 / 4)))
+
+
+# ---------------------------------------------------------------- existing directory
+
+
+def _existing_config(output_dir: str) -> dict:
+    """Settings of shards already in output_dir: {field: (value, where found)}."""
+    found = {}
+    manifest_path = os.path.join(output_dir, MANIFEST_NAME)
+    if os.path.isfile(manifest_path):
+        manifest = load_manifest(output_dir)
+        for field in ("format", "seq_length", "vocab_size", "tokenizer_sha256"):
+            found[field] = (getattr(manifest, field), MANIFEST_NAME)
+        found["prep_key"] = (manifest.info.get("prep_key"), MANIFEST_NAME)
+    for name in sorted(os.listdir(output_dir)):
+        if name.endswith(".tfrecord.done") and _SHARD_FILE.match(name):
+            try:
+                with open(os.path.join(output_dir, name)) as file:
+                    config = json.load(file).get("config", {})
+            except (OSError, json.JSONDecodeError):
+                continue
+            for field, value in config.items():
+                found.setdefault(field, (value, name))
+    return found
+
+
+def _refuse_conflicts(output_dir: str, existing: dict, requested: dict, overwrite: bool) -> None:
+    """ValueError naming both values if output_dir holds shards made with other settings."""
+    if overwrite:
+        return
+    for field, value in requested.items():
+        if field in existing and existing[field][0] != value:
+            old, where = existing[field]
+            raise ValueError(f"{output_dir} holds shards made with {field}={old!r} (see {where}) but "
+                             f"{field}={value!r} was requested; choose another --output_dir or pass --overwrite")
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+def _tokenizer_step(output_dir, tokenizer_file, train, spec, vocab_size, seed, sample_mb, existing, overwrite) -> str:
+    """Put tokenizer.model in output_dir (copy, reuse or train); return its sha256."""
+    target = os.path.join(output_dir, TOKENIZER_NAME)
+    if tokenizer_file:
+        sha = _checked_tokenizer_sha(tokenizer_file, vocab_size)
+        if not overwrite and existing.get("tokenizer_sha256", (sha,))[0] != sha:
+            raise ValueError(f"{output_dir} holds shards made with a tokenizer of sha256 "
+                             f"{existing['tokenizer_sha256'][0][:12]}... (see {existing['tokenizer_sha256'][1]}) "
+                             f"but --tokenizer={tokenizer_file} has sha256 {sha[:12]}...; "
+                             "choose another --output_dir or pass --overwrite")
+        if not (os.path.isfile(target) and shards.file_sha256(target) == sha):
+            shutil.copyfile(tokenizer_file, target + ".tmp")
+            os.replace(target + ".tmp", target)
+        return sha
+    recipe = {"vocab_size": vocab_size, "seed": seed, "sample_mb": sample_mb, "model_type": "bpe",
+              "trained_on": _pieces_key(train), "spec": dataclasses.asdict(spec)}
+    reused = _reusable_tokenizer(target, recipe)
+    if reused:
+        return reused
+    if not overwrite and "tokenizer_sha256" in existing:
+        old = existing.get("vocab_size", ("?", ""))[0]
+        raise ValueError(f"{output_dir} holds shards whose tokenizer was trained on other input or settings "
+                         f"(vocab_size={old}, see {existing['tokenizer_sha256'][1]}); this run would train a new "
+                         f"one (vocab_size={vocab_size}) on {spec.describe()}; choose another --output_dir or "
+                         "pass --overwrite")
+    return _train_tokenizer(target, recipe, train, spec, vocab_size, seed, sample_mb)
+
+
+def _checked_tokenizer_sha(source: str, vocab_size: int) -> str:
+    loaded = Tokenizer.load(source)
+    if loaded.vocab_size != vocab_size:
+        raise ValueError(f"--tokenizer={source} has vocab_size={loaded.vocab_size} but --vocab_size={vocab_size}; "
+                         "make them agree")
+    if loaded.eos_id < 0:
+        raise ValueError(f"--tokenizer={source} has no end-of-document (eos) piece; train it with eos_id set")
+    return shards.file_sha256(source)
+
+
+def _reusable_tokenizer(target: str, recipe: dict) -> str | None:
+    """sha256 of target if a sidecar says it was trained with exactly this recipe."""
+    try:
+        with open(target + ".json") as file:
+            record = json.load(file)
+    except (OSError, json.JSONDecodeError):
+        return None
+    if record.get("recipe") != json.loads(json.dumps(recipe)) or not os.path.isfile(target):
+        return None
+    sha = shards.file_sha256(target)
+    return sha if sha == record.get("sha256") else None
+
+
+def _train_tokenizer(target, recipe, train, spec, vocab_size, seed, sample_mb) -> str:
+    texts = (doc for piece in _sample(train, sample_mb * 2**20) for doc in sources.read_documents(piece, spec, Counter()))
+    logging.info("training a %d-token BPE tokenizer on up to %.0f MB of %s", vocab_size, sample_mb, spec.describe())
+    Tokenizer.train(texts, vocab_size, target + ".training", seed=seed)
+    os.replace(target + ".training.model", target)
+    sha = shards.file_sha256(target)
+    shards._write_json(target + ".json", {"recipe": recipe, "sha256": sha})
+    return sha
+
+
+def _sample(pieces: list[sources.Piece], budget: float) -> list[sources.Piece]:
+    """Every k-th piece, so the sample spans the whole input and stays under budget."""
+    total = sum(piece.size for piece in pieces)
+    return pieces[::max(1, math.ceil(total / budget))]
+
+
+# ---------------------------------------------------------------- plan and run
+
+
+def _pieces_key(pieces: list[sources.Piece]) -> str:
+    return hashlib.sha256(json.dumps([dataclasses.astuple(p) for p in pieces]).encode()).hexdigest()
+
+
+def _prep_key(settings: dict, train, validation, tokenizer_sha: str) -> str:
+    content = {**settings, "train": _pieces_key(train), "validation": _pieces_key(validation),
+               "tokenizer_sha256": tokenizer_sha}
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
+
+
+def _finished(output_dir: str, key: str, overwrite: bool) -> Manifest | None:
+    """The existing manifest if it was made by the same key and all shards check out.
+
+    A manifest made with a different key is refused (unless overwrite); an invalid or
+    stale one is removed so no reader trusts it while shards are rewritten.
+    """
+    path = os.path.join(output_dir, MANIFEST_NAME)
+    if not os.path.isfile(path):
+        return None
+    manifest = load_manifest(output_dir)
+    if manifest.info.get("prep_key") != key and not overwrite:
+        raise ValueError(f"{output_dir} already holds data prepared from other input or settings "
+                         f"(source {manifest.info.get('source')!r}, shard_size_mb "
+                         f"{manifest.info.get('shard_size_mb')}, ...); choose another --output_dir or pass --overwrite")
+    if manifest.info.get("prep_key") == key and _shards_intact(manifest):
+        logging.info("%s: already prepared and intact; nothing to do", output_dir)
+        return manifest
+    os.remove(path)
+    return None
+
+
+def _shards_intact(manifest: Manifest) -> bool:
+    for split in manifest.splits.values():
+        for shard in split.shards:
+            path = os.path.join(manifest.data_dir, shard.file)
+            if not os.path.isfile(path) or shards.file_sha256(path) != shard.sha256:
+                logging.warning("%s is missing or damaged; writing it again", path)
+                return False
+    return True
+
+
+def _plan_jobs(output_dir, spec, settings, splits: dict, tokenizer_sha: str) -> list[shards.ShardJob]:
+    tokenizer_path = os.path.join(output_dir, TOKENIZER_NAME)
+    ratio = _record_bytes_per_source_byte(splits["train"], spec, tokenizer_path, settings["seq_length"])
+    target = settings["shard_size_mb"] * 2**20 / ratio  # source bytes per shard
+    jobs = []
+    for split, pieces in splits.items():
+        groups = _balanced_groups(pieces, target)
+        jobs += [shards.ShardJob(split, index, len(groups), tuple(group), spec, output_dir, settings["format"],
+                                 settings["seq_length"], tokenizer_path, tokenizer_sha, settings["vocab_size"],
+                                 settings["seed"]) for index, group in enumerate(groups)]
+    return jobs
+
+
+def _record_bytes_per_source_byte(pieces, spec, tokenizer_path: str, seq_length: int) -> float:
+    """Estimate shard bytes per byte of source text by tokenizing a ~1 MB sample."""
+    tokenizer, text_bytes, ids = Tokenizer.load(tokenizer_path), 0, []
+    for piece in pieces:
+        for document in sources.read_documents(piece, spec, Counter()):
+            ids += tokenizer.encode(document)
+            text_bytes += len(document.encode())
+            if text_bytes >= SAMPLE_BYTES:
+                break
+        if text_bytes >= SAMPLE_BYTES:
+            break
+    if not ids:
+        return 1.0
+    width = min(len(ids), seq_length + 1)
+    record = len(tfrecord.frame_records(tfrecord.encode_examples({"ids": np.array([ids[:width]])})))
+    return record / width * len(ids) / text_bytes
+
+
+def _balanced_groups(pieces: list[sources.Piece], target: float) -> list[list[sources.Piece]]:
+    """Cut the pieces into ceil(total / target) runs of about equal size."""
+    if not pieces:
+        return []
+    sizes = np.cumsum([piece.size for piece in pieces])
+    count = max(1, math.ceil(sizes[-1] / target))
+    owner = np.minimum((sizes - 1) * count // max(sizes[-1], 1), count - 1)  # group of each piece
+    groups = [[] for _ in range(count)]
+    for piece, index in zip(pieces, owner.tolist()):
+        groups[index].append(piece)
+    return [group for group in groups if group]
+
+
+def _manifest(output_dir, settings, jobs, results, spec, key, record_format) -> Manifest:
+    tokenizer = Tokenizer.load(os.path.join(output_dir, TOKENIZER_NAME))
+    splits = {}
+    for split in ("train", "validation"):
+        infos = [ShardInfo(r["file"], r["records"], r["tokens"], r["bytes"], r["sha256"])
+                 for job, r in zip(jobs, results) if job.split == split]
+        splits[split] = SplitInfo(tuple(infos))
+    if not splits["train"].records:
+        raise ValueError(f"input {spec.describe()} gave no training example of {settings['seq_length'] + 1} tokens; "
+                         "give more text or a smaller --seq_length")
+    replaced = sum((Counter(r["replaced"]) for r in results), Counter())
+    info = {"source": spec.describe(), "prep_key": key, "shard_size_mb": settings["shard_size_mb"],
+            "replaced_chars": sum(replaced.values()), "replaced_chars_by_file": dict(replaced.most_common(100)),
+            "features": record_format.features(settings["seq_length"])}
+    info = json.loads(json.dumps(info))  # as load_manifest will see it
+    return Manifest(output_dir, settings["format"], settings["seq_length"], tokenizer.vocab_size, TOKENIZER_NAME,
+                    tokenizer.eos_id, tokenizer.pad_id, splits, shards.file_sha256(tokenizer.path), info)
+
+
+def _remove_stale_files(output_dir: str, manifest: Manifest) -> None:
+    """Delete shard files (and sidecars, temps) of older runs that the new manifest does not list."""
+    keep = {shard.file for split in manifest.splits.values() for shard in split.shards}
+    for name in os.listdir(output_dir):
+        match = _SHARD_FILE.match(name)
+        if not match:
+            continue
+        if match.group(2) == ".tmp" or name.removesuffix(match.group(2) or "") not in keep:
+            os.remove(os.path.join(output_dir, name))
+
+
+def _log_summary(manifest: Manifest) -> None:
+    for name, split in manifest.splits.items():
+        logging.info("%s: %d shards, %d records, %d tokens, %d source bytes", name, len(split.shards),
+                     split.records, split.tokens, split.bytes)
+        if split.shards and not split.records:
+            logging.warning("%s split has no complete record of seq_length + 1 tokens", name)
+    for path, count in manifest.info["replaced_chars_by_file"].items():
+        logging.warning("%s: %d undecodable byte sequence(s) replaced with U+FFFD", path, count)
+    logging.info("wrote %s", manifest.path)
