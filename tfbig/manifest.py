@@ -57,6 +57,12 @@ class SplitInfo:
     def bytes(self) -> int:
         return sum(shard.bytes for shard in self.shards)
 
+    def __getitem__(self, key: str):
+        """JSON-style access, as in manifest.json: split["tokens"] == split.tokens."""
+        if key not in ("shards", "records", "tokens", "bytes"):
+            raise KeyError(f"{key!r}: a split has shards, records, tokens and bytes")
+        return getattr(self, key)
+
     def to_json(self) -> dict:
         shards = [dataclasses.asdict(shard) for shard in self.shards]
         return {"shards": shards, "records": self.records, "tokens": self.tokens, "bytes": self.bytes}

@@ -37,7 +37,7 @@ SAMPLE_BYTES = 1 << 20  # text tokenized up front to estimate shard sizes
 _SHARD_FILE = re.compile(r"^(train|validation)-\d{5}-of-\d{5}\.tfrecord(\.done|\.tmp)?$")
 
 
-def default_data_dir(seq_length: int, vocab_size: int) -> str:
+def default_data_dir(seq_length: int, vocab_size: int = 8000) -> str:
     """Cache directory for the embedded corpus: $TFBIG_CACHE (or ~/.cache/tfbig)/shakespeare-T{seq}-V{vocab}."""
     root = os.environ.get("TFBIG_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "tfbig")
     return os.path.join(root, f"shakespeare-T{seq_length}-V{vocab_size}")
