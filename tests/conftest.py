@@ -12,3 +12,35 @@ def _reset_dtype_policy():
     """Tests that train in mixed precision must not leak the global policy into others."""
     yield
     keras.mixed_precision.set_global_policy("float32")
+
+
+def _synthetic_corpus(directory, num_docs=60, seed=0):
+    """Small play-like documents with learnable structure (speaker lines, repeated verse)."""
+    import random
+
+    rng = random.Random(seed)
+    speakers = ["ROMEO", "JULIET", "NURSE", "MERCUTIO", "TYBALT"]
+    words = ("love night light sweet death fair heaven wherefore art thou star moon speak "
+             "sword blood name rose honour house gentle good noble").split()
+    os.makedirs(directory, exist_ok=True)
+    for d in range(num_docs):
+        lines = []
+        for _ in range(rng.randint(6, 14)):
+            lines.append(rng.choice(speakers))
+            lines.append(" ".join(rng.choice(words) for _ in range(rng.randint(4, 9))) + ".")
+        with open(os.path.join(directory, f"doc{d:03d}.txt"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+    return directory
+
+
+@pytest.fixture(scope="session")
+def gpt_data(tmp_path_factory):
+    """A tiny prepared GPT dataset: real TFRecord shards, manifest and tokenizer (seq 16)."""
+    from tfbig.prepare import prepare
+
+    root = tmp_path_factory.mktemp("gpt_data")
+    corpus = _synthetic_corpus(str(root / "text"))
+    out = str(root / "shards")
+    prepare([corpus], out, seq_length=16, vocab_size=320, shard_size_mb=0.01,
+            validation_fraction=0.2)
+    return out

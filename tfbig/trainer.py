@@ -137,9 +137,8 @@ class Trainer:
             config_lib.save_json(self.cfg, path, extra={
                 "model_config": model_config, "resolved_data_dir": self.task.data_dir,
                 "model_format": self.task.format})
-            tokenizer = os.path.join(self.task.data_dir, self.task.manifest.tokenizer)
-            if os.path.exists(tokenizer):
-                shutil.copyfile(tokenizer, os.path.join(self.cfg.train.model_dir, "tokenizer.model"))
+            shutil.copyfile(self.task.manifest.tokenizer_path,
+                            os.path.join(self.cfg.train.model_dir, "tokenizer.model"))
 
     def _restore(self):
         latest = tf.train.latest_checkpoint(self.cfg.train.model_dir)
@@ -173,7 +172,7 @@ class Trainer:
 
     def _eval_batches(self):
         """Validation batches each replica evaluates: equal on all, at most --eval_steps."""
-        records = self.task.manifest.splits["validation"]["records"]
+        records = self.task.manifest.split("validation").records
         available = records // (self.micro_batch * self.strategy.num_replicas)
         if available == 0:
             raise ValueError(f"the validation split of {self.task.data_dir} has {records} "

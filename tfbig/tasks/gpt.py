@@ -26,6 +26,9 @@ def _file_lock(path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+DEFAULT_VOCAB_SIZE = 8000  # tokenizer trained on the embedded corpus when no --data_dir is given
+
+
 class GPTTask:
     """Next-token prediction on packed `input_ids` sequences of seq_length + 1 tokens."""
 
@@ -46,9 +49,9 @@ class GPTTask:
         from tfbig import prepare
 
         seq_length = self.train.seq_length or GPTConfig.from_preset(self.train.preset).seq_length
-        out = prepare.default_data_dir(seq_length=seq_length)
+        out = prepare.default_data_dir(seq_length, DEFAULT_VOCAB_SIZE)
         with _file_lock(out + ".lock"):
-            prepare.prepare(None, out, seq_length=seq_length)
+            prepare.prepare(None, out, seq_length=seq_length, vocab_size=DEFAULT_VOCAB_SIZE)
         return out
 
     def _model_config(self):
@@ -89,12 +92,11 @@ class GPTTask:
 
     def eval_summary(self, metrics):
         """Loss, perplexity and bits per byte (tokenizer-independent) of validation metrics."""
-        split = self.manifest.splits["validation"]
         loss = float(metrics["loss"])
         return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)),
-                "bits_per_byte": loss / math.log(2) * split["tokens"] / split["bytes"]}
+                "bits_per_byte": self.manifest.bits_per_byte(loss)}
 
     def tokenizer(self):
         from tfbig.tokenizer import Tokenizer
 
-        return Tokenizer.load(os.path.join(self.data_dir, self.manifest.tokenizer))
+        return Tokenizer.load(self.manifest.tokenizer_path)
