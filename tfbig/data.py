@@ -44,7 +44,7 @@ def make_dataset(data_dir: str, split: str, batch_size: int, *, format: str = "g
       input_context: which input pipeline this is; None means the only one.
       seed: shuffle seed.
       shuffle: shuffle files and records; False reads shards one after another in
-        manifest order (evaluation, tests).
+        manifest order, always in the same order (evaluation, tests).
       repeat: loop forever.
       deterministic: fixed element order, so the same seed gives the same batches.
       skip_corrupt: a corrupt or truncated shard is logged and its damaged tail
@@ -66,7 +66,9 @@ def make_dataset(data_dir: str, split: str, batch_size: int, *, format: str = "g
     by_file = len(files) >= num_pipelines
     if by_file:
         files = files[pipeline_id::num_pipelines]
-    records = _read(files, shuffle, seed, deterministic or not by_file, skip_corrupt)
+    ordered = deterministic or not shuffle  # without shuffle, keep manifest order
+    # Record sharding needs the same order in every pipeline, so its reads are ordered too.
+    records = _read(files, shuffle, seed, ordered or not by_file, skip_corrupt)
     if not by_file:
         records = records.shard(num_pipelines, pipeline_id)
     if shuffle:
@@ -75,10 +77,11 @@ def make_dataset(data_dir: str, split: str, batch_size: int, *, format: str = "g
         records = records.repeat()
     # Skipping records before batching equals skipping batches, without parsing them.
     records = records.skip(skip_batches * batch_size)
-    parse = _parser(formats.get_format(format).features(manifest.seq_length))
+    options = manifest.info.get("format_options", {})  # e.g. ALBERT's max_predictions_per_seq
+    parse = _parser(formats.get_format(format).features(manifest.seq_length, **options))
     batches = records.batch(batch_size, drop_remainder=drop_remainder)
-    batches = batches.map(parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=deterministic)
-    return batches.prefetch(tf.data.AUTOTUNE).with_options(_options(deterministic))
+    batches = batches.map(parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=ordered)
+    return batches.prefetch(tf.data.AUTOTUNE).with_options(_options(ordered))
 
 
 def count_records(data_dir: str, split: str) -> int:
