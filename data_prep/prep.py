@@ -3,11 +3,15 @@
     tfbig-prep --output_dir=/data/shakespeare                 # embedded Shakespeare plays
     tfbig-prep --input='corpus/**/*.txt' --output_dir=/data/c --seq_length=1024 --vocab_size=32000 --num_workers=8
     tfbig-prep --input=web.jsonl --jsonl_field=text --output_dir=/data/web --tokenizer=spm.model --vocab_size=32000
+    tfbig-prep --format=albert --seq_length=128 --output_dir=/data/albert   # ALBERT pairs + masks
+    tfbig-prep --format=albert --index_shards='bert/*.tfrecord' --index_validation_shards=dev.tfrecord \
+        --tokenizer=sp.model --output_dir=/data/bert   # shards of create_pretraining_data.py, as they are
     tfbig-prep --flagfile=prep.flags
 
 Every flag maps onto an argument of `tfbig.prepare.prepare`.
 """
 
+import glob
 import sys
 
 from absl import app, flags, logging
@@ -43,7 +47,25 @@ flags.DEFINE_list("validation_plays", list(sources.DEFAULT_VALIDATION_PLAYS), "E
                   "held out for validation (file names without .md).")
 flags.DEFINE_float("tokenizer_sample_mb", 512, "At most this much training text (MiB) trains the tokenizer.")
 flags.DEFINE_bool("overwrite", False, "Replace a directory prepared with other settings instead of refusing.")
-flags.DEFINE_integer("seed", 0, "Seed for tokenizer training.")
+flags.DEFINE_integer("seed", 0, "Seed for tokenizer training (and ALBERT pairs and masks).")
+# --format=albert only (tfbig.albert_data.MaskingOptions); recorded in the manifest.
+flags.DEFINE_integer("max_predictions_per_seq", 20, "ALBERT: at most this many masked-LM "
+                     "predictions per sequence.")
+flags.DEFINE_float("masked_lm_prob", 0.15, "ALBERT: share of tokens to predict (80% [MASK], 10% "
+                   "random, 10% kept).")
+flags.DEFINE_integer("max_ngram", 3, "ALBERT: mask spans of 1..n tokens (or words), weighted 1/n; "
+                     "1 = single tokens.")
+flags.DEFINE_bool("whole_word_masking", False, "ALBERT: mask whole words (all pieces of a word).")
+flags.DEFINE_integer("dupe_factor", 1, "ALBERT: times each document is used, with other pairs and "
+                     "masks (or train with --dynamic_masking).")
+flags.DEFINE_float("short_seq_prob", 0.1, "ALBERT: share of documents packed to a random shorter "
+                   "length.")
+flags.DEFINE_list("index_shards", None, "ALBERT: instead of preparing text, write a manifest for these "
+                  "existing standard-format shards (e.g. from tf-models-official's create_pretraining_data.py; "
+                  "comma-separated files or globs) made with --tokenizer.")
+flags.DEFINE_list("index_validation_shards", None, "ALBERT: validation shards for --index_shards.")
+_ALBERT_OPTIONS = ("max_predictions_per_seq", "masked_lm_prob", "max_ngram", "whole_word_masking",
+                   "dupe_factor", "short_seq_prob")
 
 
 def main(argv: list[str]) -> None:
@@ -51,10 +73,30 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}; inputs go in --input")
     try:
-        manifest = _prepare_from_flags()
+        manifest = _index_from_flags() if FLAGS.index_shards else _prepare_from_flags()
     except (ValueError, FileNotFoundError) as error:
         sys.exit(f"tfbig-prep: error: {error}")
     print(manifest.path)
+
+
+def _index_from_flags():
+    from tfbig import albert_data
+
+    if FLAGS.format != "albert" or not FLAGS.tokenizer or not FLAGS.output_dir:
+        raise ValueError("--index_shards needs --format=albert, --tokenizer (the SentencePiece model the "
+                         "shards were made with) and --output_dir")
+    return albert_data.index_shards(_shard_files("index_shards"), _shard_files("index_validation_shards"),
+                                    FLAGS.output_dir, FLAGS.tokenizer)
+
+
+def _shard_files(flag):
+    files = []
+    for pattern in FLAGS[flag].value or ():
+        found = sorted(glob.glob(pattern))
+        if not found:
+            raise ValueError(f"--{flag}: {pattern!r} matches no file")
+        files += found
+    return files
 
 
 def _prepare_from_flags():
@@ -64,7 +106,8 @@ def _prepare_from_flags():
         jsonl_field=FLAGS.jsonl_field, tfds_name=FLAGS.tfds_name or "", tfds_split=FLAGS.tfds_split,
         tfds_text_key=FLAGS.tfds_text_key, tfds_data_dir=FLAGS.tfds_data_dir,
         validation_fraction=FLAGS.validation_fraction, validation_plays=tuple(FLAGS.validation_plays),
-        tokenizer_sample_mb=FLAGS.tokenizer_sample_mb, overwrite=FLAGS.overwrite, seed=FLAGS.seed)
+        tokenizer_sample_mb=FLAGS.tokenizer_sample_mb, overwrite=FLAGS.overwrite, seed=FLAGS.seed,
+        format_options={name: FLAGS[name].value for name in _ALBERT_OPTIONS} if FLAGS.format == "albert" else None)
 
 
 def run() -> None:

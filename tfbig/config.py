@@ -70,10 +70,26 @@ class TrainConfig:
 
 
 @dataclasses.dataclass
+class AlbertTrainConfig:
+    """ALBERT pretraining options (--model=albert); the masking of the shards is set by tfbig-prep."""
+
+    embedding_size: int = field(0, "ALBERT: override the preset's embedding size E (0 keeps it).")
+    num_groups: int = field(0, "ALBERT: override the preset's number of shared layer groups "
+                               "(0 keeps it).")
+    dynamic_masking: bool = field(False, "ALBERT: draw fresh token-level masks (80/10/10) for "
+                                         "every batch in the input pipeline instead of using "
+                                         "the masks stored in the shards.")
+    dynamic_masked_lm_prob: float = field(0.15, "ALBERT, with --dynamic_masking: share of "
+                                                "tokens to predict (at most the shards' "
+                                                "max_predictions_per_seq).")
+
+
+@dataclasses.dataclass
 class ExperimentConfig:
     """All sections of one run; serialised to MODEL_DIR/config.json."""
 
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    albert: AlbertTrainConfig = dataclasses.field(default_factory=AlbertTrainConfig)
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(ExperimentConfig)}

@@ -1,8 +1,10 @@
 """Record formats: how tokenized documents become examples, and which features to parse back.
 
 Adding a format (e.g. "albert") is one `Format` entry in `FORMATS`: a feature table for
-the reader and an example builder for prep. This module imports no TensorFlow, so prep
-worker processes stay light.
+the reader and an example builder for prep. A format may take options (prep flags such as
+ALBERT's max_predictions_per_seq): prep passes them to both functions as keywords and
+records them in the manifest (`info["format_options"]`) for the reader. This module imports
+no TensorFlow, so prep worker processes stay light.
 
 GPT format ("gpt"): documents are tokenized, each followed by `eos_id`, concatenated,
 and cut into rows of exactly `seq_length + 1` tokens (inputs are row[:-1], targets
@@ -17,6 +19,8 @@ from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
+from tfbig import albert_data
+
 ROWS_PER_BATCH = 512  # examples built, serialized and written together
 
 
@@ -24,9 +28,10 @@ ROWS_PER_BATCH = 512  # examples built, serialized and written together
 class Format:
     """One record format.
 
-    features: seq_length -> {feature name: (dtype name, length)} of fixed-length features.
-    make_examples: (token-id documents, seq_length, tokenizer, seed) -> batches of
-      {feature name: (N, length) array}.
+    features: (seq_length, **options) -> {feature name: (dtype name, length)} of
+      fixed-length features.
+    make_examples: (token-id documents, seq_length, tokenizer, seed, **options) -> batches
+      of {feature name: (N, length) array}.
     token_feature: the feature whose ids are counted as the split's tokens and bytes.
     """
 
@@ -66,6 +71,9 @@ def _rows(pieces: list[np.ndarray], width: int) -> tuple[np.ndarray, np.ndarray]
 
 FORMATS = {
     "gpt": Format(gpt_features, gpt_examples, token_feature="input_ids"),
+    # BERT/ALBERT pretraining features (sentence-order pairs, static masks): tfbig.albert_data.
+    "albert": Format(albert_data.albert_features, albert_data.albert_examples,
+                     token_feature="input_ids"),
 }
 
 

@@ -49,7 +49,8 @@ def prepare(inputs: list[str] | None = None, output_dir: str | None = None, seq_
             tfds_name: str = "", tfds_split: str = "train", tfds_text_key: str = "text",
             tfds_data_dir: str | None = None, validation_fraction: float = 0.01,
             validation_plays: tuple[str, ...] = sources.DEFAULT_VALIDATION_PLAYS,
-            tokenizer_sample_mb: float = 512, overwrite: bool = False, seed: int = 0) -> Manifest:
+            tokenizer_sample_mb: float = 512, overwrite: bool = False, seed: int = 0,
+            format_options: dict | None = None) -> Manifest:
     """Prepare a data directory and return its manifest.
 
     Args:
@@ -70,6 +71,8 @@ def prepare(inputs: list[str] | None = None, output_dir: str | None = None, seq_
       tokenizer_sample_mb: at most this much training text trains the tokenizer.
       overwrite: replace a directory prepared with other settings instead of refusing.
       seed: tokenizer training seed (and the format's, if it uses randomness).
+      format_options: keyword options of the record format (e.g. for "albert" the
+        `tfbig.albert_data.MaskingOptions` fields), recorded in the manifest.
     """
     spec = sources.SourceSpec(tuple(inputs or ()), doc_per_line, jsonl_field, tfds_name, tfds_split,
                               tfds_text_key, tfds_data_dir)
@@ -80,6 +83,8 @@ def prepare(inputs: list[str] | None = None, output_dir: str | None = None, seq_
     train, validation = sources.split_pieces(pieces, validation_fraction, validation_plays)
     settings = {"format": format, "seq_length": seq_length, "vocab_size": vocab_size, "seed": seed,
                 "shard_size_mb": shard_size_mb, "spec": dataclasses.asdict(spec)}
+    if format_options:
+        settings["format_options"] = dict(sorted(format_options.items()))
     os.makedirs(output_dir, exist_ok=True)
     existing = _existing_config(output_dir)
     _refuse_conflicts(output_dir, existing, {"format": format, "seq_length": seq_length}, overwrite)
@@ -275,7 +280,8 @@ def _plan_jobs(output_dir, spec, settings, splits: dict, tokenizer_sha: str) -> 
         groups = _balanced_groups(pieces, target)
         jobs += [shards.ShardJob(split, index, len(groups), tuple(group), spec, output_dir, settings["format"],
                                  settings["seq_length"], tokenizer_path, tokenizer_sha, settings["vocab_size"],
-                                 settings["seed"]) for index, group in enumerate(groups)]
+                                 settings["seed"], tuple(settings.get("format_options", {}).items()))
+                 for index, group in enumerate(groups)]
     return jobs
 
 
@@ -323,7 +329,8 @@ def _manifest(output_dir, settings, jobs, results, spec, key, record_format) -> 
     replaced = sum((Counter(r["replaced"]) for r in results), Counter())
     info = {"source": spec.describe(), "prep_key": key, "shard_size_mb": settings["shard_size_mb"],
             "replaced_chars": sum(replaced.values()), "replaced_chars_by_file": dict(replaced.most_common(100)),
-            "features": record_format.features(settings["seq_length"])}
+            "features": record_format.features(settings["seq_length"], **settings.get("format_options", {})),
+            "format_options": settings.get("format_options", {})}
     info = json.loads(json.dumps(info))  # as load_manifest will see it
     return Manifest(output_dir, settings["format"], settings["seq_length"], tokenizer.vocab_size, TOKENIZER_NAME,
                     tokenizer.eos_id, tokenizer.pad_id, splits, shards.file_sha256(tokenizer.path), info)

@@ -42,6 +42,12 @@ class ShardJob:
     tokenizer_sha256: str
     vocab_size: int
     seed: int = 0
+    format_options: tuple[tuple[str, object], ...] = ()  # sorted (name, value) pairs
+
+    @property
+    def options(self) -> dict:
+        """Keyword options of the record format (e.g. ALBERT's masking settings)."""
+        return dict(self.format_options)
 
     @property
     def file(self) -> str:
@@ -54,8 +60,9 @@ class ShardJob:
 
     def config(self) -> dict:
         """The settings that make shards incompatible with each other when they differ."""
-        return {"format": self.format, "seq_length": self.seq_length, "vocab_size": self.vocab_size,
-                "tokenizer_sha256": self.tokenizer_sha256}
+        config = {"format": self.format, "seq_length": self.seq_length, "vocab_size": self.vocab_size,
+                  "tokenizer_sha256": self.tokenizer_sha256}
+        return {**config, "format_options": self.options} if self.format_options else config
 
     def fingerprint(self) -> str:
         """Hash of everything that decides this shard's bytes."""
@@ -117,7 +124,7 @@ def write_shard(job: ShardJob) -> dict:
     documents = _tokenized(job, tokenizer, replaced)
     records = tokens = source_bytes = 0
     with tfrecord.RecordWriter(job.path + ".tmp") as writer:
-        for batch in record_format.make_examples(documents, job.seq_length, tokenizer, job.seed):
+        for batch in record_format.make_examples(documents, job.seq_length, tokenizer, job.seed, **job.options):
             writer.write(tfrecord.encode_examples(batch))
             ids = batch[record_format.token_feature]
             records, tokens = records + len(ids), tokens + ids.size

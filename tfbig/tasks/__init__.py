@@ -4,12 +4,19 @@ import importlib
 # --model flag -> "module:Class"
 TASKS = {
     "gpt": "tfbig.tasks.gpt:GPTTask",
+    "albert": "tfbig.tasks.albert:AlbertTask",
 }
 
 
-def get_task(train):
-    """The task for TrainConfig `train` (its `model` field picks the family)."""
+def get_task(train, experiment=None):
+    """The task for TrainConfig `train` (its `model` field picks the family).
+
+    A family with its own ExperimentConfig section (the field named like --model, e.g.
+    `albert`) gets that section as a second argument when `experiment` is given.
+    """
     if train.model not in TASKS:
         raise ValueError(f"--model={train.model!r}: expected one of {sorted(TASKS)}")
     module, cls = TASKS[train.model].split(":")
-    return getattr(importlib.import_module(module), cls)(train)
+    task_class = getattr(importlib.import_module(module), cls)
+    section = getattr(experiment, train.model, None)
+    return task_class(train) if section is None else task_class(train, section)
