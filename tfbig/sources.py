@@ -15,6 +15,7 @@ Example:
 """
 
 import dataclasses
+import functools
 import glob
 import hashlib
 import importlib.util
@@ -25,6 +26,7 @@ from collections import Counter
 from collections.abc import Iterator
 
 TEXT_SUFFIXES = (".txt", ".text", ".md", ".markdown")
+TFDS_PIECE_BYTES = 16 << 20  # opening a TFDS slice costs ~0.1 s: keep pieces large
 JSONL_SUFFIXES = (".jsonl",)
 DEFAULT_VALIDATION_PLAYS = ("coriolanus", "henry-v", "twelfth-night")
 
@@ -38,6 +40,7 @@ class SourceSpec:
     jsonl_field: str = "text"  # .jsonl: the field that holds the document text
     tfds_name: str = ""  # a TFDS dataset already on disk, e.g. "my_corpus:1.0.0"
     tfds_split: str = "train"  # the TFDS split to read
+    tfds_validation_split: str = ""  # a TFDS split to validate on (else validation_fraction)
     tfds_text_key: str = "text"  # the TFDS feature that holds the text
     tfds_data_dir: str | None = None  # TFDS data_dir (default: TFDS's own)
 
@@ -68,10 +71,18 @@ class Piece:
 # ---------------------------------------------------------------- planning
 
 
+def plan_splits(spec: SourceSpec, piece_bytes: int, validation_fraction: float,
+                validation_plays: tuple[str, ...] | None = None) -> tuple[list[Piece], list[Piece]]:
+    """(train, validation) pieces: a TFDS validation split if named, else `split_pieces`."""
+    if spec.tfds_name and spec.tfds_validation_split:
+        return plan_pieces(spec, piece_bytes), _tfds_pieces(spec, piece_bytes, spec.tfds_validation_split)
+    return split_pieces(plan_pieces(spec, piece_bytes), validation_fraction, validation_plays)
+
+
 def plan_pieces(spec: SourceSpec, piece_bytes: int) -> list[Piece]:
     """All pieces of the input, in a fixed order; raises ValueError if it is empty."""
     if spec.tfds_name:
-        pieces = _tfds_pieces(spec, piece_bytes)
+        pieces = _tfds_pieces(spec, piece_bytes, spec.tfds_split)
     elif spec.inputs:
         pieces = [p for path in resolve_files(spec.inputs) for p in _file_pieces(path, spec, piece_bytes)]
     else:
@@ -134,8 +145,8 @@ def split_pieces(pieces: list[Piece], validation_fraction: float,
     count = max(1, round(len(pieces) * validation_fraction)) if validation_fraction > 0 else 0
     if count >= len(pieces):
         raise ValueError(f"--validation_fraction={validation_fraction} leaves no training data: the input "
-                         f"has only {len(pieces)} piece(s) (files, or {len(pieces)} ranges of lines); "
-                         "give more files or set --validation_fraction=0")
+                         f"has only {len(pieces)} piece(s) (a piece is a file, 1 MiB of lines, or 16 MiB of "
+                         "TFDS examples); give more input, set --validation_fraction=0 or --tfds_validation_split")
     chosen = {int((k + 0.5) * len(pieces) / count) for k in range(count)}
     train = [p for i, p in enumerate(pieces) if i not in chosen]
     return train, [p for i, p in enumerate(pieces) if i in chosen]
@@ -269,7 +280,9 @@ def play_scenes(markdown: str) -> list[str]:
 # ---------------------------------------------------------------- TFDS
 
 
+@functools.lru_cache(maxsize=4)
 def _tfds_builder(spec: SourceSpec):
+    """The dataset's builder, opened once per process (opening it reads its metadata)."""
     import tensorflow_datasets as tfds  # heavy (imports TensorFlow): only for TFDS inputs
 
     try:
@@ -280,18 +293,21 @@ def _tfds_builder(spec: SourceSpec):
     if not builder.is_prepared():
         raise ValueError(f"--tfds_name={spec.tfds_name!r} is not prepared in {builder.data_dir}; this tool "
                          "never downloads: build it first (tfds build) or set --tfds_data_dir")
-    if spec.tfds_split not in builder.info.splits:
-        raise ValueError(f"--tfds_split={spec.tfds_split!r}: {spec.tfds_name} has splits {sorted(builder.info.splits)}")
+    for flag in ("tfds_split", "tfds_validation_split"):
+        name = getattr(spec, flag)
+        if name and name not in builder.info.splits:
+            raise ValueError(f"--{flag}={name!r}: {spec.tfds_name} has splits {sorted(builder.info.splits)}")
     return builder
 
 
-def _tfds_pieces(spec: SourceSpec, piece_bytes: int) -> list[Piece]:
+def _tfds_pieces(spec: SourceSpec, piece_bytes: int, split_name: str) -> list[Piece]:
+    """Ranges of examples of one split (Piece.path holds the split name)."""
     builder = _tfds_builder(spec)
-    split = builder.info.splits[spec.tfds_split]
-    count, total = split.num_examples, split.num_bytes
-    step = max(1, int(piece_bytes * count / max(total, 1)))
+    split = builder.info.splits[split_name]
+    count, total = split.num_examples, int(split.num_bytes)
+    step = max(1, int(max(piece_bytes, TFDS_PIECE_BYTES) * count / max(total, 1)))
     stamp = f"{builder.info.full_name}:{count}:{total}"
-    return [Piece("tfds", spec.tfds_name, start, min(start + step, count),
+    return [Piece("tfds", split_name, start, min(start + step, count),
                   total * (min(start + step, count) - start) // max(count, 1), stamp)
             for start in range(0, count, step)]
 
@@ -300,7 +316,7 @@ def _tfds_documents(piece: Piece, spec: SourceSpec, replaced: Counter) -> Iterat
     import tensorflow_datasets as tfds
 
     builder = _tfds_builder(spec)
-    dataset = builder.as_dataset(split=f"{spec.tfds_split}[{piece.start}:{piece.stop}]", shuffle_files=False)
+    dataset = builder.as_dataset(split=f"{piece.path}[{piece.start}:{piece.stop}]", shuffle_files=False)
     for example in tfds.as_numpy(dataset):
         if spec.tfds_text_key not in example:
             raise ValueError(f"--tfds_text_key={spec.tfds_text_key!r}: {spec.tfds_name} examples have "
