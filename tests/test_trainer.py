@@ -124,3 +124,21 @@ def test_run_writes_tensorboard_events_and_generates(gpt_data, tmp_path):
     assert os.path.exists(tokenizer_path)
     out = Generator(model)([[1, 2, 3]], 5, temperature=0.0)
     assert out.shape == (1, 8)
+
+
+def test_exported_savedmodel_equals_the_trained_model(gpt_data, tmp_path):
+    from tfbig.export import export
+
+    trainer = Trainer(make_cfg(gpt_data, tmp_path / "run", max_steps=1))
+    trainer.fit()
+    out = export(str(tmp_path / "run"), str(tmp_path / "export"))
+    loaded = tf.saved_model.load(out)
+    ids = tf.constant([[1, 5, 9, 2], [3, 3, 7, 8]], tf.int32)
+    expected = trainer.model(ids).numpy()
+    np.testing.assert_allclose(loaded.signatures["serving_default"](token_ids=ids)["logits"],
+                               expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(loaded.signatures["next_token_logits"](token_ids=ids)["logits"],
+                               expected[:, -1], rtol=1e-5, atol=1e-6)
+    assert os.path.exists(os.path.join(out, "assets", "tokenizer.model"))
+    with pytest.raises(FileExistsError, match="exists; choose a new directory"):
+        export(str(tmp_path / "run"), out)

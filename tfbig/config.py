@@ -85,10 +85,25 @@ class AlbertTrainConfig:
 
 
 @dataclasses.dataclass
+class MultiWorkerConfig:
+    """tf.distribute options of --strategy=multiworker (MultiWorkerMirroredStrategy) and
+    --strategy=mirrored (MirroredStrategy, one host)."""
+
+    collective: str = field("auto", "All-reduce implementation: auto | ring (CPU or GPU) | "
+                                    "nccl (GPUs only).")
+    collective_timeout: float = field(600.0, "Seconds a collective may wait for the other "
+                                             "workers before the run fails (0: forever).")
+    cluster_resolver: str = field("auto", "Where --strategy=multiworker finds its cluster: "
+                                          "auto (TF_CONFIG, else Slurm under srun, else this "
+                                          "process alone) | tf_config | slurm.")
+
+
+@dataclasses.dataclass
 class ExperimentConfig:
     """All sections of one run; serialised to MODEL_DIR/config.json."""
 
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    multiworker: MultiWorkerConfig = dataclasses.field(default_factory=MultiWorkerConfig)
     albert: AlbertTrainConfig = dataclasses.field(default_factory=AlbertTrainConfig)
 
 

@@ -13,6 +13,7 @@ import numpy as np
 import tensorflow as tf
 from absl import app, flags
 
+from tfbig.checkpoint import model_variables
 from tfbig.models.gpt import GPT, GPTConfig
 
 
@@ -97,7 +98,8 @@ def load_model(model_dir):
         raise FileNotFoundError(f"--model_dir={model_dir} has no checkpoint")
     model = GPT(GPTConfig(**saved["model_config"]), name="gpt")
     model.build((None, None))
-    tf.train.Checkpoint(model=model).restore(latest).expect_partial()
+    status = tf.train.Checkpoint(model=model_variables(model)).restore(latest)
+    status.assert_existing_objects_matched().expect_partial()  # every weight, not the optimizer
     return model, os.path.join(model_dir, "tokenizer.model")
 
 

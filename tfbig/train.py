@@ -7,6 +7,7 @@ Example:
     tfbig-train --preset=tiny --max_steps=50 --model_dir=/tmp/run
 """
 import os
+import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -16,6 +17,8 @@ from tfbig import config as config_lib  # noqa: E402
 
 config_lib.define_flags()
 
+PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM: schedulers (TFJob ExitCode policy) restart it
+
 
 def main(argv):
     if len(argv) > 1:
@@ -24,6 +27,9 @@ def main(argv):
 
     trainer = Trainer(config_lib.from_flags(flags.FLAGS))
     summary = trainer.fit()
+    if summary.get("preempted"):  # checkpoint saved; the next start resumes from it
+        trainer.strategy.shutdown()
+        sys.exit(PREEMPTED_EXIT_CODE)
     if trainer.strategy.is_chief:
         print(f"checkpoint: {summary['checkpoint']}")
         print("validation: " + ", ".join(f"{k} {v:.4f}" for k, v in summary["eval"].items()))

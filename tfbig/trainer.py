@@ -16,6 +16,7 @@ import keras
 import tensorflow as tf
 
 from tfbig import config as config_lib
+from tfbig.checkpoint import model_variables, rng_variables
 from tfbig.distribute import get_strategy
 from tfbig.logs import RunLogger
 from tfbig.optim import build_optimizer, learning_rate, loss_scale
@@ -74,14 +75,10 @@ class Trainer:
                                                 name="batches_consumed")
             self.nonfinite_steps = tf.Variable(0, dtype=tf.int64, trainable=False,
                                                name="nonfinite_steps")
-        # Keras does not expose dropout seed-generator states to tf.train.Checkpoint; without
-        # them a resumed run would draw different dropout masks than an uninterrupted one.
-        # Their names carry a process-wide counter, so they are kept in layer order.
-        rng_state = [v.value for v in self.model.non_trainable_variables
-                     if "seed_generator" in v.path]
         self.checkpoint = tf.train.Checkpoint(
-            model=self.model, optimizer=self.optimizer, step=self.step, rng_state=rng_state,
-            batches_consumed=self.batches_consumed, nonfinite_steps=self.nonfinite_steps)
+            model=model_variables(self.model), rng_state=rng_variables(self.model),
+            optimizer=self.optimizer, step=self.step, batches_consumed=self.batches_consumed,
+            nonfinite_steps=self.nonfinite_steps)
         self._managers = {}
         self.restored_from = self._restore()
         self.strategy.broadcast_variables(self.model.variables + self.optimizer.variables)

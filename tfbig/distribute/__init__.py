@@ -4,6 +4,8 @@ import importlib
 # name -> "module:Class". Backends import their libraries (horovod, ...) only when chosen.
 BACKENDS = {
     "single": "tfbig.distribute.base:SingleDevice",
+    "multiworker": "tfbig.distribute.multiworker:MultiWorker",
+    "mirrored": "tfbig.distribute.multiworker:Mirrored",
 }
 
 

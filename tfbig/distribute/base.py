@@ -11,6 +11,8 @@ it with its schedules), how gradients and metrics are averaged (`all_reduce_grad
 `SingleDevice` is the reference every other backend is tested against.
 """
 import contextlib
+import signal
+import threading
 
 import tensorflow as tf
 
@@ -116,6 +118,10 @@ class Strategy:
         """Average a nest of scalars over data-parallel replicas."""
         return values
 
+    def prepare_optimizer(self, optimizer):
+        """The optimizer adapted to this backend (default: unchanged), before training."""
+        return optimizer
+
     def broadcast_variables(self, variables):
         """Make every replica's copy of `variables` equal to the chief's."""
 
@@ -125,6 +131,26 @@ class Strategy:
 
     def after_checkpoint(self, directory):
         """Clean up after a save to `directory` (e.g. a worker's temporary copy)."""
+
+    @contextlib.contextmanager
+    def watch_preemption(self):
+        """Within this context a SIGTERM (spot preemption, Kubernetes, Slurm) does not kill the
+        process; it makes `should_stop()` true so the loop saves a checkpoint and stops."""
+        self._sigterm = threading.Event()
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signal handlers can only be set from the main thread
+            return
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: self._sigterm.set())
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    def should_stop(self):
+        """Whether every process should save and stop after this step; called by all processes
+        after every step, and multi-process backends make them agree."""
+        sigterm = getattr(self, "_sigterm", None)
+        return bool(sigterm and sigterm.is_set())
 
     def shutdown(self):
         """Release backend resources at the end of the run."""

@@ -1,0 +1,20 @@
+"""What goes into a checkpoint for a Keras 3 model, keyed so it survives a new process.
+
+`tf.train.Checkpoint(model=keras_model)` does not reach every variable of a Keras 3 subclassed
+model (layers held in lists are invisible to TF's tracking), so tfbig saves the model's
+variables explicitly, keyed by their Keras path without the model's own name
+("block_0/attn/qkv/kernel"). Dropout seed-generator states, whose names carry a process-wide
+counter, are saved in layer order.
+"""
+
+
+def model_variables(model):
+    """{path below the model: tf.Variable} for every weight of `model`."""
+    prefix = model.name + "/"
+    return {v.path[len(prefix):] if v.path.startswith(prefix) else v.path: v.value
+            for v in model.variables if "seed_generator" not in v.path}
+
+
+def rng_variables(model):
+    """The model's random-generator states (dropout), in layer order."""
+    return [v.value for v in model.variables if "seed_generator" in v.path]
