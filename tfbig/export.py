@@ -1,0 +1,62 @@
+"""`tfbig-export`: a trained GPT as a TensorFlow SavedModel for serving (TF Serving, TFLite, C++).
+
+The SavedModel has two signatures:
+  serving_default(token_ids int32 (B, T)) -> {"logits": float32 (B, T, V)}
+  next_token_logits(token_ids int32 (B, T)) -> {"logits": float32 (B, V)}   (last position)
+and carries the tokenizer as an asset (`assets/tokenizer.model`).
+
+Example:
+    tfbig-export --model_dir=runs/gpt-small --export_dir=/tmp/gpt_savedmodel
+    loaded = tf.saved_model.load("/tmp/gpt_savedmodel")
+    loaded.signatures["serving_default"](token_ids=tf.constant([[1, 2, 3]]))["logits"]
+"""
+import os
+import shutil
+
+import tensorflow as tf
+from absl import app, flags
+
+from tfbig.generate import load_model
+
+
+class _Exported(tf.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    @tf.function(input_signature=[tf.TensorSpec((None, None), tf.int32, name="token_ids")])
+    def serve(self, token_ids):
+        return {"logits": self.model(token_ids, training=False)}
+
+    @tf.function(input_signature=[tf.TensorSpec((None, None), tf.int32, name="token_ids")])
+    def next_token_logits(self, token_ids):
+        return {"logits": self.model(token_ids, training=False)[:, -1]}
+
+
+def export(model_dir, export_dir):
+    """Write the GPT in `model_dir` to `export_dir`, which must not exist yet."""
+    if os.path.exists(export_dir):
+        raise FileExistsError(f"--export_dir={export_dir} exists; choose a new directory "
+                              f"(nothing is overwritten)")
+    model, tokenizer_path = load_model(model_dir)
+    module = _Exported(model)
+    tmp = export_dir.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tf.saved_model.save(module, tmp, signatures={
+        "serving_default": module.serve, "next_token_logits": module.next_token_logits})
+    os.makedirs(os.path.join(tmp, "assets"), exist_ok=True)
+    shutil.copyfile(tokenizer_path, os.path.join(tmp, "assets", "tokenizer.model"))
+    os.replace(tmp, export_dir)
+    return export_dir
+
+
+def main(argv):
+    del argv
+    print(export(flags.FLAGS.model_dir, flags.FLAGS.export_dir))
+
+
+def run():
+    flags.DEFINE_string("model_dir", None, "Run directory written by tfbig-train.")
+    flags.DEFINE_string("export_dir", None, "New directory for the SavedModel.")
+    flags.mark_flags_as_required(["model_dir", "export_dir"])
+    app.run(main)
