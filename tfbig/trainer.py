@@ -69,7 +69,8 @@ class Trainer:
         self._check_run_dir()
         with self.strategy.scope():
             self.model = self.task.build_model()
-            self.optimizer = build_optimizer(t, self.model.trainable_variables)
+            self.optimizer = self.strategy.prepare_optimizer(
+                build_optimizer(t, self.model.trainable_variables))
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
             self.batches_consumed = tf.Variable(0, dtype=tf.int64, trainable=False,
                                                 name="batches_consumed")
@@ -215,7 +216,13 @@ class Trainer:
 
         `steps` stops after that many steps instead (a checkpoint is saved), as an
         interrupted run would, so the schedule still runs to --max_steps on the next call.
+        A SIGTERM (preemption) saves a checkpoint after the current step and returns with
+        summary["preempted"] True; the next start resumes there.
         """
+        with self.strategy.watch_preemption():
+            return self._fit(steps)
+
+    def _fit(self, steps):
         t = self.cfg.train
         iterator = self._train_iterator()
         step = int(self.step.numpy())
@@ -240,11 +247,21 @@ class Trainer:
                 self._check_finite(step)
                 self.save()
                 window_start, window_steps = time.perf_counter(), 0
+            if self.strategy.should_stop():  # SIGTERM on any process: all save, then stop
+                return self._stop_preempted(step, last)
         self._check_finite(step)
         summary = {"step": step, "train": last, "checkpoint": self.save(),
                    "eval": self._report_eval(step)}
         self.logger.flush()
         return summary
+
+    def _stop_preempted(self, step, last):
+        self._check_finite(step)
+        path = self.save()
+        self.logger.info(f"preempted (SIGTERM) after step {step}: saved {path}; "
+                         "start the same command again to resume")
+        self.logger.flush()
+        return {"step": step, "train": last, "checkpoint": path, "eval": {}, "preempted": True}
 
     def _report_eval(self, step):
         summary = self.evaluate()

@@ -1,0 +1,225 @@
+"""tf.distribute backends: MultiWorkerMirroredStrategy and MirroredStrategy.
+
+`--strategy=multiworker`: one process per worker (host), each with its local devices; the
+cluster comes from TF_CONFIG (tfbig-launch, Kubernetes TFJob), from Slurm (srun, see
+launch/slurm_multiworker.sbatch) or, with neither, is this process alone.
+`--strategy=mirrored`: one process driving all local GPUs (or all logical CPU devices).
+
+Both keep the trainer's single-replica step: `run` calls it on every local replica, the data
+comes through `distribute_datasets_from_function` (tfbig.data shards by the InputContext), and
+gradients are averaged over all replicas in exactly one place, `all_reduce_gradients`, before
+the optimizer clips them by global norm. Keras' TF optimizer would sum gradients over replicas
+again inside `apply`; `prepare_optimizer` turns that second reduction off.
+
+Example (two local workers):
+    tfbig-launch --workers=2 -- tfbig-train --strategy=multiworker --preset=tiny
+"""
+import json
+import os
+import shutil
+import tempfile
+
+import tensorflow as tf
+
+from tfbig.distribute.base import Strategy
+
+IMPLEMENTATIONS = {"auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
+                   "ring": tf.distribute.experimental.CommunicationImplementation.RING,
+                   "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL}
+RESOLVERS = ("auto", "tf_config", "slurm")
+MEAN = tf.distribute.ReduceOp.MEAN
+
+
+def _check_choice(flag, value, choices):
+    if value not in choices:
+        raise ValueError(f"--{flag}={value!r}: expected one of {sorted(choices)}")
+
+
+def _require_gpus(flag_value):
+    if not tf.config.list_physical_devices("GPU"):
+        raise ValueError(f"--collective={flag_value} needs GPUs and this process sees none; "
+                         "use --collective=auto or ring on CPU")
+
+
+def cluster_resolver(kind):
+    """The cluster of --cluster_resolver=`kind` (auto: TF_CONFIG, then Slurm, then local)."""
+    _check_choice("cluster_resolver", kind, RESOLVERS)
+    under_srun = int(os.environ.get("SLURM_STEP_NUM_TASKS", "1")) > 1
+    if kind == "slurm" or (kind == "auto" and "TF_CONFIG" not in os.environ and under_srun):
+        return tf.distribute.cluster_resolver.SlurmClusterResolver()
+    if kind == "tf_config" and "TF_CONFIG" not in os.environ:
+        raise ValueError("--cluster_resolver=tf_config but TF_CONFIG is not set; start the "
+                         "workers with tfbig-launch or set TF_CONFIG (see launch/k8s/tfjob.yaml)")
+    if "TF_CONFIG" in os.environ:
+        try:
+            json.loads(os.environ["TF_CONFIG"])
+        except json.JSONDecodeError as error:
+            raise ValueError(f"TF_CONFIG is not valid JSON ({error}): "
+                             f"{os.environ['TF_CONFIG'][:200]!r}") from None
+    return tf.distribute.cluster_resolver.TFConfigClusterResolver()
+
+
+def _pipeline_id(resolver):
+    """This worker's index over chief + workers (the chief, if there is one, is 0)."""
+    jobs = resolver.cluster_spec().as_dict()
+    if not jobs:
+        return 0
+    offset = len(jobs.get("chief", [])) if resolver.task_type == "worker" else 0
+    return offset + int(resolver.task_id)
+
+
+class MultiWorker(Strategy):
+    """MultiWorkerMirroredStrategy: synchronous data parallelism over worker processes."""
+
+    name = "multiworker"
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        options = cfg.multiworker
+        _check_choice("collective", options.collective, IMPLEMENTATIONS)
+        if options.collective == "nccl":
+            _require_gpus(options.collective)
+        self.communication = tf.distribute.experimental.CommunicationOptions(
+            implementation=IMPLEMENTATIONS[options.collective],
+            timeout_seconds=options.collective_timeout or None)
+        self.tf_strategy = self._make_strategy(options)
+        self._temp_dir = None
+        self._min_max = None
+
+    def _make_strategy(self, options):
+        self.resolver = cluster_resolver(options.cluster_resolver)
+        return tf.distribute.MultiWorkerMirroredStrategy(
+            cluster_resolver=self.resolver, communication_options=self.communication)
+
+    @property
+    def num_replicas(self):
+        return self.tf_strategy.num_replicas_in_sync
+
+    @property
+    def num_workers(self):
+        return self.tf_strategy.extended._num_workers  # noqa: SLF001 - no public accessor
+
+    @property
+    def rank(self):
+        return _pipeline_id(self.resolver)
+
+    @property
+    def is_chief(self):
+        return self.tf_strategy.extended.should_checkpoint
+
+    def scope(self):
+        return self.tf_strategy.scope()
+
+    def input_context(self):
+        return tf.distribute.InputContext(num_input_pipelines=self.num_workers,
+                                          input_pipeline_id=self.rank,
+                                          num_replicas_in_sync=self.num_replicas)
+
+    def distribute_dataset(self, dataset_fn):
+        # tf.distribute: one pipeline per worker, each element goes to one local replica.
+        return self.tf_strategy.distribute_datasets_from_function(dataset_fn)
+
+    def run(self, fn, args):
+        return self.tf_strategy.run(fn, args=args)
+
+    def local_result(self, value):
+        return tf.nest.map_structure(
+            lambda v: self.tf_strategy.experimental_local_results(v)[0], value)
+
+    def all_reduce_gradients(self, grads):
+        # tf.distribute: the one average of gradients over all replicas (the optimizer then
+        # clips the averaged gradients; see prepare_optimizer).
+        return tf.distribute.get_replica_context().all_reduce(MEAN, grads, self.communication)
+
+    def all_reduce_mean(self, values):
+        return tf.distribute.get_replica_context().all_reduce(MEAN, values, self.communication)
+
+    def prepare_optimizer(self, optimizer):
+        """Stop Keras from summing the already averaged gradients over replicas again.
+
+        Keras 3's TF optimizer all-reduce-sums gradients inside `apply` when it runs in a
+        replica context, after clipping them; gradients here are averaged once, before
+        clipping, by `all_reduce_gradients`, so that second reduction must not happen.
+        """
+        inner = getattr(optimizer, "inner_optimizer", optimizer)  # LossScaleOptimizer
+        if not hasattr(inner, "_all_reduce_sum_gradients"):
+            raise TypeError(f"{type(inner).__name__} is not Keras' TensorFlow optimizer; "
+                            "cannot turn off its gradient all-reduce")
+        inner._all_reduce_sum_gradients = list  # noqa: SLF001 - grads_and_vars unchanged
+        return optimizer
+
+    def broadcast_variables(self, variables):
+        """Variables start equal (MWMS broadcasts initial values); check the restored state is
+        equal too, e.g. that every worker could read the checkpoint in --model_dir."""
+        total = tf.add_n([tf.reduce_sum(tf.cast(tf.convert_to_tensor(v), tf.float64))
+                         for v in variables])
+        low, high = self._all_workers_min_max(total)
+        if not low == high:
+            raise RuntimeError(
+                f"workers hold different weights after restoring (sums {low} vs {high}): "
+                f"every worker must see the same --model_dir={self.cfg.train.model_dir} "
+                "(shared storage)")
+
+    def _all_workers_min_max(self, value):
+        """(min, max) of a float over all workers (a collective: every worker must call it)."""
+        if self._min_max is None:
+            def min_max(x):
+                per_replica = self.tf_strategy.run(lambda: x[None])
+                values = self.tf_strategy.gather(per_replica, axis=0)  # (num_replicas,)
+                return tf.reduce_min(values), tf.reduce_max(values)
+            self._min_max = tf.function(min_max)
+        low, high = self._min_max(tf.cast(value, tf.float64))
+        return float(low), float(high)
+
+    def checkpoint_dir(self, model_dir):
+        """The chief writes to --model_dir; the others (saving is collective) to a temporary
+        directory deleted after each save."""
+        if self.is_chief:
+            return model_dir
+        if self._temp_dir is None:
+            self._temp_dir = tempfile.mkdtemp(prefix=f"tfbig-worker{self.rank}-")
+        return self._temp_dir
+
+    def after_checkpoint(self, directory):
+        if not self.is_chief:
+            shutil.rmtree(directory, ignore_errors=True)
+
+    def should_stop(self):
+        """True on every worker as soon as any one of them got SIGTERM."""
+        local = tf.constant(1.0 if super().should_stop() else 0.0)
+        return self._all_workers_min_max(local)[1] > 0
+
+    def shutdown(self):
+        if self._temp_dir:
+            shutil.rmtree(self._temp_dir, ignore_errors=True)
+
+
+class Mirrored(MultiWorker):
+    """MirroredStrategy: one process, one replica per local GPU (else per logical CPU)."""
+
+    name = "mirrored"
+
+    def _make_strategy(self, options):
+        if options.collective == "ring":
+            raise ValueError("--collective=ring applies to --strategy=multiworker; "
+                             "--strategy=mirrored takes auto or nccl")
+        self.resolver = None
+        devices = [d.name for d in tf.config.list_logical_devices("GPU")]
+        devices = devices or [d.name for d in tf.config.list_logical_devices("CPU")]
+        cross_device_ops = tf.distribute.NcclAllReduce() if options.collective == "nccl" else None
+        return tf.distribute.MirroredStrategy(devices, cross_device_ops=cross_device_ops)
+
+    @property
+    def num_workers(self):
+        return 1
+
+    @property
+    def rank(self):
+        return 0
+
+    @property
+    def is_chief(self):
+        return True
+
+    def should_stop(self):
+        return Strategy.should_stop(self)
