@@ -39,6 +39,8 @@ flags.DEFINE_string("jsonl_field", "text", "Field of each .jsonl line that holds
 flags.DEFINE_string("tfds_name", None, "TensorFlow Datasets dataset to read instead of files, e.g. "
                     "'my_corpus:1.0.0'. It must already be on disk: nothing is downloaded.")
 flags.DEFINE_string("tfds_split", "train", "TFDS split to read.")
+flags.DEFINE_string("tfds_validation_split", None, "TFDS split to validate on (e.g. 'validation'); "
+                    "default: hold out --validation_fraction of --tfds_split.")
 flags.DEFINE_string("tfds_text_key", "text", "TFDS feature holding the document text.")
 flags.DEFINE_string("tfds_data_dir", None, "TFDS data_dir holding the prepared dataset (default: TFDS's own).")
 flags.DEFINE_float("validation_fraction", 0.01, "Share of the input held out for validation, chosen as whole "
@@ -104,7 +106,8 @@ def _prepare_from_flags():
         FLAGS.input, FLAGS.output_dir, FLAGS.seq_length, FLAGS.vocab_size, FLAGS.shard_size_mb,
         FLAGS.num_workers, FLAGS.format, tokenizer=FLAGS.tokenizer, doc_per_line=FLAGS.doc_per_line,
         jsonl_field=FLAGS.jsonl_field, tfds_name=FLAGS.tfds_name or "", tfds_split=FLAGS.tfds_split,
-        tfds_text_key=FLAGS.tfds_text_key, tfds_data_dir=FLAGS.tfds_data_dir,
+        tfds_validation_split=FLAGS.tfds_validation_split or "", tfds_text_key=FLAGS.tfds_text_key,
+        tfds_data_dir=FLAGS.tfds_data_dir,
         validation_fraction=FLAGS.validation_fraction, validation_plays=tuple(FLAGS.validation_plays),
         tokenizer_sample_mb=FLAGS.tokenizer_sample_mb, overwrite=FLAGS.overwrite, seed=FLAGS.seed,
         format_options={name: FLAGS[name].value for name in _ALBERT_OPTIONS} if FLAGS.format == "albert" else None)

@@ -47,7 +47,7 @@ def prepare(inputs: list[str] | None = None, output_dir: str | None = None, seq_
             vocab_size: int = 8000, shard_size_mb: float = 1024, num_workers: int = 1, format: str = "gpt", *,
             tokenizer: str | None = None, doc_per_line: bool = False, jsonl_field: str = "text",
             tfds_name: str = "", tfds_split: str = "train", tfds_text_key: str = "text",
-            tfds_data_dir: str | None = None, validation_fraction: float = 0.01,
+            tfds_data_dir: str | None = None, tfds_validation_split: str = "", validation_fraction: float = 0.01,
             validation_plays: tuple[str, ...] = sources.DEFAULT_VALIDATION_PLAYS,
             tokenizer_sample_mb: float = 512, overwrite: bool = False, seed: int = 0,
             format_options: dict | None = None) -> Manifest:
@@ -66,7 +66,8 @@ def prepare(inputs: list[str] | None = None, output_dir: str | None = None, seq_
       tokenizer: an existing SentencePiece .model to use (copied next to the shards)
         instead of training one.
       doc_per_line, jsonl_field, tfds_*: see `tfbig.sources.SourceSpec`.
-      validation_fraction: share of input pieces (files or 1 MiB line ranges) held out.
+      validation_fraction: share of input pieces (files, 1 MiB line ranges, TFDS example
+        ranges) held out; unused with tfds_validation_split.
       validation_plays: embedded corpus only: plays held out for validation.
       tokenizer_sample_mb: at most this much training text trains the tokenizer.
       overwrite: replace a directory prepared with other settings instead of refusing.
@@ -75,12 +76,11 @@ def prepare(inputs: list[str] | None = None, output_dir: str | None = None, seq_
         `tfbig.albert_data.MaskingOptions` fields), recorded in the manifest.
     """
     spec = sources.SourceSpec(tuple(inputs or ()), doc_per_line, jsonl_field, tfds_name, tfds_split,
-                              tfds_text_key, tfds_data_dir)
+                              tfds_validation_split, tfds_text_key, tfds_data_dir)
     output_dir = _output_dir(output_dir, spec, seq_length, vocab_size)
     record_format = formats.get_format(format)
     _check_positive(seq_length=seq_length, vocab_size=vocab_size, shard_size_mb=shard_size_mb, num_workers=num_workers)
-    pieces = sources.plan_pieces(spec, _piece_bytes(shard_size_mb))
-    train, validation = sources.split_pieces(pieces, validation_fraction, validation_plays)
+    train, validation = sources.plan_splits(spec, _piece_bytes(shard_size_mb), validation_fraction, validation_plays)
     settings = {"format": format, "seq_length": seq_length, "vocab_size": vocab_size, "seed": seed,
                 "shard_size_mb": shard_size_mb, "spec": dataclasses.asdict(spec)}
     if format_options:
