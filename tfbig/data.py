@@ -22,6 +22,7 @@ from tfbig.manifest import load_manifest
 
 READ_BUFFER_BYTES = 8 << 20
 MAX_PARALLEL_FILES = 8
+CHECK_BLOCK_RECORDS = 256
 _DTYPES = {"int64": tf.int64, "float32": tf.float32}
 
 
@@ -75,8 +76,8 @@ def make_dataset(data_dir: str, split: str, batch_size: int, *, format: str = "g
         records = records.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
     if repeat:
         records = records.repeat()
-    # Skipping records before batching equals skipping batches, without parsing them.
-    records = records.skip(skip_batches * batch_size)
+    if skip_batches:  # skipping records before batching equals skipping batches, unparsed
+        records = records.skip(skip_batches * batch_size)
     options = manifest.info.get("format_options", {})  # e.g. ALBERT's max_predictions_per_seq
     parse = _parser(formats.get_format(format).features(manifest.seq_length, **options))
     batches = records.batch(batch_size, drop_remainder=drop_remainder)
@@ -117,13 +118,15 @@ def _checked_records(path: tf.Tensor, expected: tf.Tensor, skip_corrupt: bool) -
     TFRecordDataset's own DataLossError does not name the file, and an error can't be
     caught inside tf.data; so read errors end the file quietly (ignore_errors) and a
     short count then raises (or, with skip_corrupt, logs) a message naming the shard.
+    Records are counted in blocks: per-record tf.data functions would cost more than
+    the read itself.
     """
     records = tf.data.TFRecordDataset(path, buffer_size=READ_BUFFER_BYTES).ignore_errors(log_warning=skip_corrupt)
-    flagged = records.map(lambda record: (record, False))
-    flagged = flagged.concatenate(tf.data.Dataset.from_tensors((tf.constant(b""), True)))
+    blocks = records.batch(CHECK_BLOCK_RECORDS).map(lambda block: (block, False))
+    blocks = blocks.concatenate(tf.data.Dataset.from_tensors((tf.constant([], tf.string), True)))  # end marker
 
     def count_and_check(count, element):
-        record, is_end = element
+        block, is_end = element
         intact = tf.logical_or(tf.logical_not(is_end), tf.equal(count, expected))
         report = ["tfbig.data: shard", path, "is corrupt or truncated: read", count, "of", expected,
                   "records listed in manifest.json"]
@@ -132,10 +135,9 @@ def _checked_records(path: tf.Tensor, expected: tf.Tensor, skip_corrupt: bool) -
         else:
             check = tf.debugging.Assert(intact, report + ["; prepare the data again or pass skip_corrupt"])
         with tf.control_dependencies([check]):
-            return count + 1, (tf.identity(record), is_end)
+            return count + tf.size(block, out_type=tf.int64), tf.identity(block)
 
-    checked = flagged.scan(tf.constant(0, tf.int64), count_and_check)
-    return checked.filter(lambda record, is_end: tf.logical_not(is_end)).map(lambda record, is_end: record)
+    return blocks.scan(tf.constant(0, tf.int64), count_and_check).unbatch()  # the end marker is empty
 
 
 def _warn(message: list) -> tf.Operation:

@@ -1,0 +1,86 @@
+"""Input pipeline throughput: tokens/s from `make_dataset` vs a plain sequential read of the same shards.
+
+The baseline is the least work that still yields the same batches: one
+`tf.data.TFRecordDataset` over the shard files in order, batch, `tf.io.parse_example`,
+cast to int32 — no interleave, shuffle, integrity check or prefetch. Both are consumed
+by the same Python loop for the same number of batches, after a warm-up pass (page cache).
+
+    python benchmarks/input_pipeline.py                       # prepares Shakespeare in a temp dir
+    python benchmarks/input_pipeline.py --data_dir=/data/x --batch_size=16
+
+Prints one JSON line last: {"reader_tokens_per_s", "raw_tokens_per_s", "ratio", ...}.
+"""
+
+import json
+import os
+import tempfile
+import time
+
+from absl import app, flags
+
+import tensorflow as tf
+
+from tfbig.data import make_dataset
+from tfbig.manifest import load_manifest
+from tfbig.prepare import prepare
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("data_dir", None, "Prepared data directory; default: prepare the embedded corpus in a temp dir.")
+flags.DEFINE_integer("seq_length", 1024, "seq_length when preparing the embedded corpus.")
+flags.DEFINE_float("shard_size_mb", 1.0, "Shard size when preparing the embedded corpus (several files).")
+flags.DEFINE_integer("batch_size", 8, "Examples per batch.")
+flags.DEFINE_integer("num_tokens", 30_000_000, "Tokens to read per measurement.")
+flags.DEFINE_integer("repeats", 3, "Measurements per reader; the best is reported.")
+
+
+def raw_dataset(files: list[str], batch_size: int, seq_length: int) -> tf.data.Dataset:
+    """The baseline: sequential TFRecord read + parse, repeated."""
+    spec = {"input_ids": tf.io.FixedLenFeature([seq_length + 1], tf.int64)}
+    dataset = tf.data.TFRecordDataset(files).repeat().batch(batch_size, drop_remainder=True)
+    return dataset.map(lambda s: {"input_ids": tf.cast(tf.io.parse_example(s, spec)["input_ids"], tf.int32)})
+
+
+def tokens_per_second(dataset: tf.data.Dataset, num_batches: int) -> float:
+    """Tokens per second of iterating `num_batches` batches in a Python loop."""
+    iterator = iter(dataset)
+    next(iterator)  # build the pipeline before timing
+    start, tokens = time.perf_counter(), 0
+    for _ in range(num_batches):
+        tokens += int(tf.size(next(iterator)["input_ids"]))
+    return tokens / (time.perf_counter() - start)
+
+
+def file_read_mb_per_s(files: list[str]) -> float:
+    """Plain Python read of the files (for context: the disk/page-cache ceiling)."""
+    start, size = time.perf_counter(), 0
+    for path in files:
+        with open(path, "rb") as file:
+            while block := file.read(1 << 22):
+                size += len(block)
+    return size / 2**20 / (time.perf_counter() - start)
+
+
+def main(argv):
+    del argv
+    with tempfile.TemporaryDirectory() as scratch:
+        data_dir = FLAGS.data_dir or prepare(None, os.path.join(scratch, "data"), FLAGS.seq_length, 8000,
+                                             FLAGS.shard_size_mb, num_workers=2).data_dir
+        manifest = load_manifest(data_dir)
+        files = manifest.shard_paths("train")
+        num_batches = max(1, FLAGS.num_tokens // (FLAGS.batch_size * (manifest.seq_length + 1)))
+        file_mb_s = file_read_mb_per_s(files)  # also warms the page cache
+        raw = max(tokens_per_second(raw_dataset(files, FLAGS.batch_size, manifest.seq_length), num_batches)
+                  for _ in range(FLAGS.repeats))
+        reader = max(tokens_per_second(make_dataset(data_dir, "train", FLAGS.batch_size, seed=r), num_batches)
+                     for r in range(FLAGS.repeats))
+    print(json.dumps({"benchmark": "input_pipeline", "reader_tokens_per_s": round(reader),
+                      "raw_tokens_per_s": round(raw), "ratio": round(reader / raw, 3),
+                      "raw_baseline": "TFRecordDataset(files) sequential + batch + parse_example",
+                      "file_read_mb_per_s": round(file_mb_s, 1), "shards": len(files),
+                      "seq_length": manifest.seq_length, "batch_size": FLAGS.batch_size,
+                      "tokens_per_measurement": num_batches * FLAGS.batch_size * (manifest.seq_length + 1),
+                      "cpus": os.cpu_count()}))
+
+
+if __name__ == "__main__":
+    app.run(main)
