@@ -99,10 +99,24 @@ class MultiWorkerConfig:
 
 
 @dataclasses.dataclass
+class ProfileConfig:
+    """What a run records about its own speed (tfbig.profiling; `tfbig-profile report`)."""
+
+    monitor_interval_ms: int = field(500, "System monitor period in ms: CPU per core, memory, "
+                                          "disk reads, I/O wait, GPUs (0: no monitor).")
+    profile_steps: str = field("", "Capture a TensorFlow profiler trace of steps N,M "
+                                   "(inclusive, e.g. 20,25) for TensorBoard's Profile tab; "
+                                   "empty: none.")
+    peak_tflops: float = field(0.0, "Peak TFLOP/s of one device for MFU (0: the table for "
+                                    "V100/A100/H100/H200, else a CPU matmul probe at start).")
+
+
+@dataclasses.dataclass
 class ExperimentConfig:
     """All sections of one run; serialised to MODEL_DIR/config.json."""
 
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    profile: ProfileConfig = dataclasses.field(default_factory=ProfileConfig)
     multiworker: MultiWorkerConfig = dataclasses.field(default_factory=MultiWorkerConfig)
     albert: AlbertTrainConfig = dataclasses.field(default_factory=AlbertTrainConfig)
 

@@ -33,7 +33,7 @@ from tfbig.tokenizer import Tokenizer
 
 TOKENIZER_NAME = "tokenizer.model"
 PIECE_BYTES = 1 << 20  # input granularity: shards are runs of pieces
-SAMPLE_BYTES = 1 << 20  # text tokenized up front to estimate shard sizes
+SAMPLE_BYTES = 256 << 10  # text tokenized up front to estimate shard sizes
 _SHARD_FILE = re.compile(r"^(train|validation)-\d{5}-of-\d{5}\.tfrecord(\.done|\.tmp)?$")
 
 
@@ -286,7 +286,7 @@ def _plan_jobs(output_dir, spec, settings, splits: dict, tokenizer_sha: str) -> 
 
 
 def _record_bytes_per_source_byte(pieces, spec, tokenizer_path: str, seq_length: int) -> float:
-    """Estimate shard bytes per byte of source text by tokenizing a ~1 MB sample."""
+    """Estimate shard bytes per byte of source text by tokenizing a small sample."""
     tokenizer, text_bytes, ids = Tokenizer.load(tokenizer_path), 0, []
     for piece in pieces:
         for document in sources.read_documents(piece, spec, Counter()):

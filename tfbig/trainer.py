@@ -10,7 +10,6 @@ import json
 import math
 import os
 import shutil
-import time
 
 import keras
 import tensorflow as tf
@@ -20,6 +19,7 @@ from tfbig.checkpoint import model_variables, rng_variables
 from tfbig.distribute import get_strategy
 from tfbig.logs import RunLogger
 from tfbig.optim import build_optimizer, learning_rate, loss_scale
+from tfbig.profiling.profiler import RunProfiler
 from tfbig.tasks import get_task
 
 PRECISIONS = {"fp32": "float32", "mixed_float16": "mixed_float16",
@@ -67,6 +67,11 @@ class Trainer:
                                             t.grad_accum_steps)
         self.logger = logger or RunLogger(t.model_dir, self.strategy.is_chief, t.max_steps)
         self._check_run_dir()
+        self.profiler = RunProfiler(  # throughput, MFU, step-time breakdown, system monitor
+            cfg.profile, t.model_dir, enabled=self.strategy.is_chief,
+            tokens_per_step=t.batch_size * self.task.seq_length, sequences_per_step=t.batch_size,
+            flops_per_token=getattr(self.task, "flops_per_token", lambda: None)(),
+            precision=t.precision, num_devices=self.strategy.num_devices)
         with self.strategy.scope():
             self.model = self.task.build_model()
             self.optimizer = self.strategy.prepare_optimizer(
@@ -97,12 +102,13 @@ class Trainer:
 
     def _replica_step(self, batch):
         _, grads, metrics = self.forward_backward(batch)
-        grads = self.strategy.all_reduce_gradients(grads)
+        grads, communication_seconds = self.strategy.all_reduce_gradients_timed(grads)
         metrics = self.strategy.all_reduce_mean(metrics)
         scale = tf.cast(loss_scale(self.optimizer), tf.float32)  # read before apply changes it
         grad_norm = tf.linalg.global_norm(grads) / scale
         self.optimizer.apply(grads, self.model.trainable_variables)
-        return {**metrics, "grad_norm": grad_norm, "loss_scale": scale}
+        return {**metrics, "grad_norm": grad_norm, "loss_scale": scale,
+                "communication_seconds": communication_seconds}
 
     @tf.function
     def _train_step(self, batch):
@@ -199,11 +205,10 @@ class Trainer:
                 f"--precision={self.cfg.train.precision}; the last good checkpoint in "
                 f"{self.cfg.train.model_dir} is kept. Lower --learning_rate or check the data.")
 
-    def _log_train(self, step, out, tokens, seconds):
+    def _log_train(self, step, out, perf):
         values = {k: float(v) for k, v in out.items()}
         values["learning_rate"] = float(learning_rate(self.optimizer, step - 1))
-        if tokens:
-            values["tokens_per_sec"] = tokens / seconds
+        values.update(perf)  # tokens/s, MFU, step-time breakdown (tfbig.profiling)
         values["skipped_steps"] = float(self.nonfinite_steps.numpy())
         if self.cfg.train.precision != "mixed_float16":
             values.pop("loss_scale")
@@ -219,7 +224,7 @@ class Trainer:
         A SIGTERM (preemption) saves a checkpoint after the current step and returns with
         summary["preempted"] True; the next start resumes there.
         """
-        with self.strategy.watch_preemption():
+        with self.strategy.watch_preemption(), self.profiler.session(int(self.step.numpy())):
             return self._fit(steps)
 
     def _fit(self, steps):
@@ -227,26 +232,26 @@ class Trainer:
         iterator = self._train_iterator()
         step = int(self.step.numpy())
         stop = t.max_steps if steps is None else min(t.max_steps, step + steps)
-        tokens_per_step = t.batch_size * self.task.seq_length
-        last, window_steps, window_start = {}, 0, None
+        last = {}
         while step < stop:
-            out = self._train_step(next(iterator))
+            with self.profiler.phase("input"):
+                batch = next(iterator)
             step += 1
-            window_steps += 1
-            if window_start is None:  # the first step compiles: keep it out of tokens/s
-                window_start, window_steps = time.perf_counter(), 0
-            if step % t.log_every == 0 or step == stop:
+            log = step % t.log_every == 0 or step == stop
+            with self.profiler.phase("compute"):
+                out = self._train_step(batch)
+                if log:  # wait for device work still queued (GPUs run ahead of Python)
+                    out = {k: v.numpy() for k, v in out.items()}
+            self.profiler.step_done(step, out.pop("communication_seconds"))
+            if log:
                 self._check_finite(step)
-                last = self._log_train(step, out, window_steps * tokens_per_step,
-                                       time.perf_counter() - window_start)
-                window_start, window_steps = time.perf_counter(), 0
+                last = self._log_train(step, out, self.profiler.interval())
             if t.eval_every and step % t.eval_every == 0 and step < stop:
                 self._report_eval(step)
-                window_start, window_steps = time.perf_counter(), 0
             if step % t.checkpoint_every == 0 and step < stop:
                 self._check_finite(step)
-                self.save()
-                window_start, window_steps = time.perf_counter(), 0
+                with self.profiler.phase("checkpoint"):
+                    self.save()
             if self.strategy.should_stop():  # SIGTERM on any process: all save, then stop
                 return self._stop_preempted(step, last)
         self._check_finite(step)

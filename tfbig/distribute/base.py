@@ -15,6 +15,7 @@ import signal
 import threading
 
 import tensorflow as tf
+from tensorflow.python.framework import config as op_config  # no public determinism query
 
 
 def _unstack_micro(batch, index):
@@ -69,6 +70,11 @@ class Strategy:
         return 1
 
     @property
+    def num_devices(self):
+        """Devices one optimizer step runs on; MFU divides by their summed peak."""
+        return self.num_replicas
+
+    @property
     def rank(self):
         """This process's data-parallel rank (its input pipeline id)."""
         return 0
@@ -113,6 +119,20 @@ class Strategy:
     def all_reduce_gradients(self, grads):
         """Average gradients over data-parallel replicas (called once per optimizer step)."""
         return grads
+
+    def all_reduce_gradients_timed(self, grads):
+        """(all_reduce_gradients(grads), seconds it took) for the step-time breakdown.
+
+        Timed in the graph around `all_reduce_gradients`; one replica communicates nothing
+        (0). A backend that communicates elsewhere (e.g. inside its forward/backward)
+        overrides this to report that time.
+        """
+        # tf.timestamp is refused under op determinism (--deterministic): report 0 there too.
+        if self.num_replicas == 1 or op_config.is_op_determinism_enabled():
+            return self.all_reduce_gradients(grads), tf.constant(0.0, tf.float64)
+        from tfbig.profiling.timing import timed
+
+        return timed(self.all_reduce_gradients, grads)
 
     def all_reduce_mean(self, values):
         """Average a nest of scalars over data-parallel replicas."""
