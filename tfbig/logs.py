@@ -5,6 +5,10 @@ import sys
 import tensorflow as tf
 
 
+# Step-time shares that are usually zero (one device, no checkpoint in the interval).
+_SHOWN_IF_NONZERO = ("time_fraction/communication", "time_fraction/checkpoint")
+
+
 def _bar(fraction, width=20):
     filled = int(round(fraction * width))
     return "[" + "=" * max(filled - 1, 0) + (">" if filled else "") + " " * (width - filled) + "]"
@@ -46,8 +50,11 @@ class RunLogger:
         parts = [f"{_bar(step / self.max_steps)} step {step}/{self.max_steps}"]
         for key, fmt in (("loss", "loss {:.4f}"), ("learning_rate", "lr {:.2e}"),
                          ("grad_norm", "gnorm {:.3f}"), ("tokens_per_sec", "{:,.0f} tok/s"),
+                         ("mfu", "MFU {:.1%}"), ("time_fraction/input", "input wait {:.0%}"),
+                         ("time_fraction/communication", "comm {:.0%}"),
+                         ("time_fraction/checkpoint", "ckpt {:.0%}"),
                          ("loss_scale", "scale {:g}"), ("skipped_steps", "skipped {:.0f}")):
-            if key in values:
+            if key in values and not (key in _SHOWN_IF_NONZERO and values[key] < 0.005):
                 parts.append(fmt.format(values[key]))
         line = " | ".join(parts)
         if self.interactive:

@@ -77,6 +77,10 @@ class GPTTask:
             shuffle=shuffle, repeat=repeat, deterministic=self.train.deterministic,
             skip_corrupt=self.train.skip_corrupt, skip_batches=skip_batches)
 
+    def flops_per_token(self):
+        """Model training FLOPs per token at this task's seq_length (for MFU)."""
+        return self.model_config.flops_per_token(self.seq_length)
+
     def model_inputs(self, batch):
         return batch["input_ids"][:, :-1]
 
