@@ -19,6 +19,7 @@ from absl import app, flags, logging
 from tfbig import sources
 from tfbig.formats import FORMATS
 from tfbig.prepare import prepare
+from tfbig.tokenizer import Tokenizer
 
 FLAGS = flags.FLAGS
 flags.DEFINE_multi_string("input", None, "Input files, directories (searched recursively for .txt/.md/.jsonl) "
@@ -28,7 +29,8 @@ flags.DEFINE_string("output_dir", None, "Directory for shards, tokenizer.model a
                     "the embedded corpus: $TFBIG_CACHE or ~/.cache/tfbig/shakespeare-T{seq_length}-V{vocab_size}.")
 flags.DEFINE_enum("format", "gpt", sorted(FORMATS), "Record format of the shards.")
 flags.DEFINE_integer("seq_length", 1024, "Tokens per training example; each record holds seq_length + 1.")
-flags.DEFINE_integer("vocab_size", 8000, "Vocabulary size of the tokenizer to train (or of --tokenizer).")
+flags.DEFINE_integer("vocab_size", 8000, "Vocabulary size of the tokenizer to train; with --tokenizer it "
+                     "defaults to that tokenizer's size (and must match it if given).")
 flags.DEFINE_string("tokenizer", None, "Existing SentencePiece .model file to use instead of training one; "
                     "it is copied next to the shards.")
 flags.DEFINE_float("shard_size_mb", 1024, "Target size of one shard file in MiB.")
@@ -101,9 +103,16 @@ def _shard_files(flag):
     return files
 
 
+def _vocab_size() -> int:
+    """--vocab_size, or the size of --tokenizer when only that is given."""
+    if FLAGS.tokenizer and not FLAGS["vocab_size"].present:
+        return Tokenizer.load(FLAGS.tokenizer).vocab_size
+    return FLAGS.vocab_size
+
+
 def _prepare_from_flags():
     return prepare(
-        FLAGS.input, FLAGS.output_dir, FLAGS.seq_length, FLAGS.vocab_size, FLAGS.shard_size_mb,
+        FLAGS.input, FLAGS.output_dir, FLAGS.seq_length, _vocab_size(), FLAGS.shard_size_mb,
         FLAGS.num_workers, FLAGS.format, tokenizer=FLAGS.tokenizer, doc_per_line=FLAGS.doc_per_line,
         jsonl_field=FLAGS.jsonl_field, tfds_name=FLAGS.tfds_name or "", tfds_split=FLAGS.tfds_split,
         tfds_validation_split=FLAGS.tfds_validation_split or "", tfds_text_key=FLAGS.tfds_text_key,

@@ -67,6 +67,7 @@ def make_dataset(data_dir: str, split: str, batch_size: int, *, format: str = "g
     by_file = len(files) >= num_pipelines
     if by_file:
         files = files[pipeline_id::num_pipelines]
+    _check_not_empty(manifest, split, files, by_file, num_pipelines, pipeline_id)
     ordered = deterministic or not shuffle  # without shuffle, keep manifest order
     # Record sharding needs the same order in every pipeline, so its reads are ordered too.
     records = _read(files, shuffle, seed, ordered or not by_file, skip_corrupt)
@@ -88,6 +89,16 @@ def make_dataset(data_dir: str, split: str, batch_size: int, *, format: str = "g
 def count_records(data_dir: str, split: str) -> int:
     """Records in a split, from the manifest (e.g. for steps per epoch)."""
     return load_manifest(data_dir).split(split).records
+
+
+def _check_not_empty(manifest, split, files, by_file, num_pipelines, pipeline_id) -> None:
+    """An empty pipeline would make repeat() spin or a replica starve: say so up front."""
+    total = manifest.split(split).records
+    mine = sum(count for _, count in files) if by_file else len(range(pipeline_id, total, num_pipelines))
+    if not mine:
+        raise ValueError(f"{manifest.path}: split {split!r} gives input pipeline {pipeline_id} of {num_pipelines} "
+                         f"no records ({total} records in {len(manifest.split(split).shards)} shards); "
+                         "prepare more data or use fewer input pipelines")
 
 
 def _pipeline(input_context) -> tuple[int, int]:

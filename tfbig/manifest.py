@@ -47,14 +47,17 @@ class SplitInfo:
 
     @property
     def records(self) -> int:
+        """Examples in the split."""
         return sum(shard.records for shard in self.shards)
 
     @property
     def tokens(self) -> int:
+        """Tokens stored in the split's records (eos included)."""
         return sum(shard.tokens for shard in self.shards)
 
     @property
     def bytes(self) -> int:
+        """UTF-8 bytes of source text those tokens spell."""
         return sum(shard.bytes for shard in self.shards)
 
     def __getitem__(self, key: str):
@@ -64,6 +67,7 @@ class SplitInfo:
         return getattr(self, key)
 
     def to_json(self) -> dict:
+        """The split as in manifest.json."""
         shards = [dataclasses.asdict(shard) for shard in self.shards]
         return {"shards": shards, "records": self.records, "tokens": self.tokens, "bytes": self.bytes}
 

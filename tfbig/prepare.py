@@ -278,6 +278,9 @@ def _plan_jobs(output_dir, spec, settings, splits: dict, tokenizer_sha: str) -> 
     jobs = []
     for split, pieces in splits.items():
         groups = _balanced_groups(pieces, target)
+        text = sum(piece.size for piece in pieces)
+        logging.info("%s: %d shard(s) of ~%.1f MiB from %.1f MiB of text in %d piece(s)", split, len(groups),
+                     text / max(len(groups), 1) / target * settings["shard_size_mb"], text / 2**20, len(pieces))
         jobs += [shards.ShardJob(split, index, len(groups), tuple(group), spec, output_dir, settings["format"],
                                  settings["seq_length"], tokenizer_path, tokenizer_sha, settings["vocab_size"],
                                  settings["seed"], tuple(settings.get("format_options", {}).items()))

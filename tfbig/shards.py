@@ -56,6 +56,7 @@ class ShardJob:
 
     @property
     def path(self) -> str:
+        """Full path of the shard file."""
         return os.path.join(self.output_dir, self.file)
 
     def config(self) -> dict:

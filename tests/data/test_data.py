@@ -106,6 +106,15 @@ def test_manifest_mismatch_is_a_clear_error(multi_shard_dir):
         make_dataset(multi_shard_dir, "train", 4, input_context=tf.distribute.InputContext(2, 2))
 
 
+def test_a_pipeline_without_records_is_an_error(single_shard_dir):
+    records = count_records(single_shard_dir, "validation")
+    context = tf.distribute.InputContext(num_input_pipelines=records + 1, input_pipeline_id=records)
+    with pytest.raises(ValueError, match=rf"input pipeline {records} of {records + 1} no records"):
+        make_dataset(single_shard_dir, "validation", 1, input_context=context)
+    last = tf.distribute.InputContext(num_input_pipelines=records + 1, input_pipeline_id=records - 1)
+    assert len(_rows(make_dataset(single_shard_dir, "validation", 1, input_context=last, repeat=False))) == 1
+
+
 def test_validation_split_reads(multi_shard_dir):
     rows = _rows(make_dataset(multi_shard_dir, "validation", 2, shuffle=False, repeat=False, drop_remainder=False))
     assert len(rows) == count_records(multi_shard_dir, "validation") > 0

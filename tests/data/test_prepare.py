@@ -154,6 +154,17 @@ def test_bad_input(tmp_path, corpus_writer):
     assert manifest.info["replaced_chars_by_file"] == {paths[1]: 3}
 
 
+def test_worker_errors_reach_the_caller_and_name_the_file(tmp_path, multi_shard_dir):
+    lines = [json.dumps({"text": f"the king {i} " * 40}) for i in range(1000)]  # ~430 KB
+    lines[900] = json.dumps({"body": "no text field here"})  # past the sample prep reads itself
+    (tmp_path / "a.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=r"a\.jsonl: the line at byte \d+ has no string field 'text'"):
+        _prepare([str(tmp_path / "a.jsonl")], str(tmp_path / "out"), num_workers=2, shard_size_mb=0.05,
+                 validation_fraction=0, tokenizer=os.path.join(multi_shard_dir, "tokenizer.model"))
+    assert any(name.endswith(".done") for name in os.listdir(tmp_path / "out"))  # other shards finished
+    assert not os.path.exists(tmp_path / "out" / "manifest.json")
+
+
 def test_embedded_default_end_to_end(tmp_path, monkeypatch):
     monkeypatch.setenv("TFBIG_CACHE", str(tmp_path / "cache"))
     start = time.time()
@@ -187,6 +198,12 @@ def test_cli_with_flagfile_and_clear_errors(tmp_path, corpus_dir, multi_shard_di
     assert refused.returncode != 0
     assert "tfbig-prep: error:" in refused.stderr and "seq_length=32 was requested" in refused.stderr
     assert "Traceback" not in refused.stderr
+    with_tokenizer = subprocess.run(  # --vocab_size defaults to the given tokenizer's
+        [sys.executable, "-m", "data_prep.prep", f"--input={corpus_dir}", f"--output_dir={tmp_path / 'tok'}",
+         f"--tokenizer={os.path.join(multi_shard_dir, 'tokenizer.model')}", "--validation_fraction=0.2"],
+        cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert with_tokenizer.returncode == 0, with_tokenizer.stderr
+    assert load_manifest(str(tmp_path / "tok")).vocab_size == VOCAB
     help_text = subprocess.run([sys.executable, "-m", "data_prep.prep", "--helpfull"], cwd=REPO,
                                capture_output=True, text=True, timeout=120).stdout
     for flag in ("input", "output_dir", "seq_length", "vocab_size", "tokenizer", "shard_size_mb", "num_workers",
