@@ -69,8 +69,8 @@ def make_dataset(data_dir: str, split: str, batch_size: int, *, format: str = "g
         files = files[pipeline_id::num_pipelines]
     _check_not_empty(manifest, split, files, by_file, num_pipelines, pipeline_id)
     ordered = deterministic or not shuffle  # without shuffle, keep manifest order
-    # Record sharding needs the same order in every pipeline, so its reads are ordered too.
-    records = _read(files, shuffle, seed, ordered or not by_file, skip_corrupt)
+    # Record sharding needs one order in all pipelines (whatever their seeds): files unshuffled, reads ordered.
+    records = _read(files, shuffle and by_file, seed, ordered or not by_file, skip_corrupt)
     if not by_file:
         records = records.shard(num_pipelines, pipeline_id)
     if shuffle:
@@ -112,7 +112,7 @@ def _pipeline(input_context) -> tuple[int, int]:
 
 def _read(files: list[tuple[str, int]], shuffle: bool, seed: int, deterministic: bool,
           skip_corrupt: bool) -> tf.data.Dataset:
-    """Serialized records of `files`, interleaved (shuffle) or one file after another."""
+    """Serialized records of `files`: shuffled files interleaved, or one file after another."""
     paths, counts = zip(*files)
     names = tf.data.Dataset.from_tensor_slices((list(paths), tf.constant(counts, tf.int64)))
     if shuffle:
