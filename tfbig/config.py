@@ -112,6 +112,18 @@ class ProfileConfig:
 
 
 @dataclasses.dataclass
+class HorovodConfig:
+    """Options of --strategy=horovod (one process per device, started by horovodrun/mpirun)."""
+
+    scale_lr: bool = field(False, "Horovod: multiply --learning_rate by the number of processes "
+                                  "(the linear scaling rule, for a --batch_size that grows "
+                                  "with them).")
+    hvd_fp16_allreduce: bool = field(False, "Horovod: send gradients as float16 in the "
+                                            "allreduce (half the bytes; averaged in float32 "
+                                            "otherwise).")
+
+
+@dataclasses.dataclass
 class ExperimentConfig:
     """All sections of one run; serialised to MODEL_DIR/config.json."""
 
@@ -119,6 +131,7 @@ class ExperimentConfig:
     profile: ProfileConfig = dataclasses.field(default_factory=ProfileConfig)
     multiworker: MultiWorkerConfig = dataclasses.field(default_factory=MultiWorkerConfig)
     albert: AlbertTrainConfig = dataclasses.field(default_factory=AlbertTrainConfig)
+    horovod: HorovodConfig = dataclasses.field(default_factory=HorovodConfig)
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(ExperimentConfig)}

@@ -62,6 +62,9 @@ class Trainer:
         if t.deterministic:
             tf.config.experimental.enable_op_determinism()
         self.strategy = strategy or get_strategy(t.strategy, cfg)
+        if self.strategy.learning_rate_scale != 1.0:  # e.g. Horovod --scale_lr
+            t = dataclasses.replace(
+                t, learning_rate=t.learning_rate * self.strategy.learning_rate_scale)
         self.task = task or get_task(t)
         self.micro_batch = micro_batch_size(t.batch_size, self.strategy.num_replicas,
                                             t.grad_accum_steps)

@@ -84,6 +84,11 @@ class Strategy:
         """Whether this process writes logs, TensorBoard events and the checkpoint."""
         return True
 
+    @property
+    def learning_rate_scale(self):
+        """Factor on the peak learning rate (Horovod's --scale_lr: the number of processes)."""
+        return 1.0
+
     def scope(self):
         """Context in which the model and optimizer variables are created."""
         return contextlib.nullcontext()

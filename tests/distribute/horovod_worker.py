@@ -1,0 +1,133 @@
+"""Runs under `horovodrun` for tests/distribute/test_horovod.py: train the runs of a plan with
+--strategy=horovod and save what each rank ends with.
+
+    horovodrun -np 2 -H localhost:2 --gloo python horovod_worker.py PLAN_JSON
+
+PLAN_JSON is a list of runs, each {"name", "config" (tfbig.config.to_dict), "out" (directory),
+and optional "per_rank_model_dir" (rank r trains in MODEL_DIR/rank{r}), "interrupt_at" (fit that
+many steps, then resume with a new Trainer), "poison_rank" (that rank's loss is inf in the first
+step), "steps" (fit this many steps only), "seed_by_rank" (seed + rank), "timeline" (Horovod timeline file of the final fit)}. Each rank writes OUT/NAME.rank{R}.npz: trainable
+weights w0.., optimizer variables o0.., per-step train losses, the learning rates of steps 0..3
+and the final counters; OUT/NAME.rank{R}.pid holds its process id. A run {"post_style": [DATA_DIR,
+MODEL_DIR, OUT_DIR]} runs horovod_post_style.main instead. Runs share one launch because each
+start of TensorFlow costs seconds.
+"""
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import horovod.tensorflow as hvd  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from tfbig import config as config_lib  # noqa: E402
+from tfbig.distribute import get_strategy  # noqa: E402
+from tfbig.logs import RunLogger  # noqa: E402
+from tfbig.optim import learning_rate, loss_scale  # noqa: E402
+from tfbig.tasks.gpt import GPTTask  # noqa: E402
+from tfbig.trainer import Trainer  # noqa: E402
+
+
+class RecordingLogger(RunLogger):
+    """RunLogger that also keeps every train loss, on every rank (the chief still writes)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.losses = {}
+
+    def scalars(self, split, step, values):
+        if split == "train":
+            self.losses[step] = (values["loss"], values["grad_norm"])
+        super().scalars(split, step, values)
+
+
+class PoisonedTask(GPTTask):
+    """GPT whose loss is multiplied by `poison` (inf on one rank forces a non-finite step)."""
+
+    def __init__(self, train):
+        super().__init__(train)
+        self.poison = tf.Variable(1.0, trainable=False)
+
+    def loss(self, model, batch, training=False):
+        loss, metrics = super().loss(model, batch, training)
+        return loss * self.poison, {k: v * self.poison for k, v in metrics.items()}
+
+
+def make_trainer(run, cfg, strategy, logger):
+    task = PoisonedTask(cfg.train) if run.get("poison_rank") is not None else None
+    return Trainer(cfg, strategy=strategy, task=task, logger=logger)
+
+
+def train(run):
+    cfg = config_lib.from_dict(run["config"])
+    strategy = get_strategy("horovod", cfg)
+    rank = strategy.rank
+    if run.get("per_rank_model_dir"):
+        cfg.train.model_dir = os.path.join(cfg.train.model_dir, f"rank{rank}")
+    if run.get("seed_by_rank"):  # different initial weights: only the broadcast equalises them
+        cfg.train.seed += rank
+    logger = RecordingLogger(cfg.train.model_dir, strategy.is_chief, cfg.train.max_steps)
+    os.makedirs(run["out"], exist_ok=True)
+    with open(os.path.join(run["out"], f"{run['name']}.rank{rank}.pid"), "w") as f:
+        f.write(str(os.getpid()))  # for tests that signal one rank
+    trainer = make_trainer(run, cfg, strategy, logger)
+    extra = {"initial": [v.numpy() for v in trainer.model.trainable_variables]}
+    if run.get("poison_rank") is not None:
+        if rank == run["poison_rank"]:
+            trainer.task.poison.assign(float("inf"))
+        trainer.fit(steps=1)
+        trainer.task.poison.assign(1.0)
+        extra["after_poison"] = [v.numpy() for v in trainer.model.trainable_variables]
+        extra["scale_after_poison"] = float(loss_scale(trainer.optimizer))
+    if run.get("interrupt_at"):
+        trainer.fit(steps=run["interrupt_at"])
+        trainer = make_trainer(run, cfg, strategy, logger)  # resumes from the checkpoint
+        extra["restored_step"] = int(trainer.step.numpy())
+    if run.get("timeline"):
+        hvd.start_timeline(run["timeline"])  # Horovod's own record of every collective
+    summary = trainer.fit(steps=run.get("steps"))
+    if run.get("timeline"):
+        hvd.stop_timeline()
+    save(run, rank, trainer, logger, summary, extra)
+
+
+def save(run, rank, trainer, logger, summary, extra):
+    arrays = {f"w{i}": v.numpy() for i, v in enumerate(trainer.model.trainable_variables)}
+    arrays.update({f"o{i}": np.asarray(v.numpy())
+                   for i, v in enumerate(trainer.optimizer.variables)})
+    for key in ("initial", "after_poison"):
+        arrays.update({f"{key}{i}": w for i, w in enumerate(extra.pop(key, []))})
+    steps = sorted(logger.losses)
+    arrays["loss_steps"] = np.array(steps)
+    arrays["losses"] = np.array([logger.losses[s][0] for s in steps])
+    arrays["grad_norms"] = np.array([logger.losses[s][1] for s in steps])
+    arrays["learning_rates"] = np.array([float(learning_rate(trainer.optimizer, s))
+                                         for s in range(4)])
+    arrays["step"] = int(trainer.step.numpy())
+    arrays["nonfinite_steps"] = int(trainer.nonfinite_steps.numpy())
+    arrays["loss_scale"] = float(loss_scale(trainer.optimizer))
+    arrays["num_replicas"] = trainer.strategy.num_replicas
+    arrays["eval_loss"] = summary["eval"].get("loss", np.nan)
+    arrays["preempted"] = bool(summary.get("preempted"))
+    arrays.update({k: np.asarray(v) for k, v in extra.items()})
+    os.makedirs(run["out"], exist_ok=True)
+    np.savez(os.path.join(run["out"], f"{run['name']}.rank{rank}.npz"), **arrays)
+
+
+def main(plan_path):
+    with open(plan_path) as f:
+        plan = json.load(f)
+    for run in plan:
+        if "post_style" in run:  # the user-style script, as its own program would run it
+            import horovod_post_style
+
+            horovod_post_style.main(*run["post_style"])
+        else:
+            train(run)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,311 @@
+"""--strategy=horovod through real `horovodrun -np 2 --gloo` launches, against the single-device
+reference on the same data.
+
+One launch (module fixture `runs`) trains every scenario of a plan in tests/distribute/
+horovod_worker.py, plus the user-style script horovod_post_style.py; each rank saves its weights,
+optimizer state and losses. The reference is the single-device trainer reading, per step,
+exactly the examples both ranks read together (`PipelinesTask`). The kill test has a launch of
+its own. Every launch is bounded by a timeout.
+"""
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_trainer import make_cfg, weights  # noqa: E402
+
+from horovod_worker import RecordingLogger  # noqa: E402
+from tfbig import config as config_lib  # noqa: E402
+from tfbig.tasks.gpt import GPTTask  # noqa: E402
+from tfbig.trainer import Trainer  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+WORKER = os.path.join(HERE, "horovod_worker.py")
+HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+TIMEOUT = 480
+
+# Clipping at 0.5 is active (the averaged gradient norm is above it at every step), so
+# averaging twice, summing, or clipping before averaging would all change the weights.
+EQUIVALENCE = dict(max_steps=4, batch_size=8, grad_clip_norm=0.5, dropout=0.0)
+
+
+class PipelinesTask(GPTTask):
+    """The data `num_pipelines` ranks read, for one process: each batch is the concatenation
+    of the pipelines' batches of batch_size / num_pipelines."""
+
+    def __init__(self, train, num_pipelines):
+        super().__init__(train)
+        self.num_pipelines = num_pipelines
+
+    def dataset(self, split, batch_size, input_context=None, **kwargs):
+        n = self.num_pipelines
+        parts = tuple(super(PipelinesTask, self).dataset(
+            split, batch_size // n, tf.distribute.InputContext(n, i, n), **kwargs)
+            for i in range(n))
+        return tf.data.Dataset.zip(parts).map(
+            lambda *batches: tf.nest.map_structure(lambda *t: tf.concat(t, 0), *batches))
+
+
+def horovodrun(args, log_path, timeout=TIMEOUT, env=None, wait=True):
+    """`horovodrun -np 2 -H localhost:2 --gloo python ARGS`, output to `log_path`."""
+    command = [HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, *args]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{HERE}", "TF_CPP_MIN_LOG_LEVEL": "2",
+           **(env or {})}
+    log = open(log_path, "w")
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                            start_new_session=True)
+    if not wait:
+        return proc
+    try:
+        proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode
+
+
+def read(path):
+    with open(path) as f:
+        return f.read()
+
+
+def load(out, name, rank):
+    with np.load(os.path.join(out, f"{name}.rank{rank}.npz")) as data:
+        return {key: data[key] for key in data.files}
+
+
+def listed(result, prefix):
+    return [result[f"{prefix}{i}"] for i in range(sum(k[len(prefix):].isdigit() and
+                                                       k.startswith(prefix) for k in result))]
+
+
+def run_entry(name, cfg, out, **options):
+    return {"name": name, "config": config_lib.to_dict(cfg), "out": str(out), **options}
+
+
+def horovod_cfg(gpt_data, model_dir, scale_lr=False, hvd_fp16_allreduce=False, **train):
+    cfg = make_cfg(gpt_data, model_dir, strategy="horovod", **{**EQUIVALENCE, **train})
+    cfg.horovod.scale_lr = scale_lr
+    cfg.horovod.hvd_fp16_allreduce = hvd_fp16_allreduce
+    return cfg
+
+
+class Runs:
+    """The results of the shared launch: `runs[name]` is (rank 0, rank 1) result dicts."""
+
+    def __init__(self, root, out, output):
+        self.root, self.out, self.output = root, out, output
+
+    def __getitem__(self, name):
+        return load(self.out, name, 0), load(self.out, name, 1)
+
+
+@pytest.fixture(scope="module")
+def runs(gpt_data, tmp_path_factory):
+    root = tmp_path_factory.mktemp("horovod")
+    out = root / "out"
+    plan = [
+        {"post_style": [gpt_data, str(root / "post"), str(out)]},
+        run_entry("plain", horovod_cfg(gpt_data, root / "plain"), out, per_rank_model_dir=True),
+        run_entry("accum", horovod_cfg(gpt_data, root / "accum", grad_accum_steps=2), out,
+                  timeline=str(root / "accum_timeline.json")),
+        run_entry("resumed", horovod_cfg(gpt_data, root / "resumed"), out, interrupt_at=2),
+        run_entry("fp16_allreduce", horovod_cfg(gpt_data, root / "fp16ar",
+                                                hvd_fp16_allreduce=True), out),
+        run_entry("fp16_skip", horovod_cfg(gpt_data, root / "fp16skip", scale_lr=True,
+                                           precision="mixed_float16"), out, poison_rank=1,
+                  seed_by_rank=True),
+    ]
+    os.makedirs(out)
+    with open(root / "plan.json", "w") as f:
+        json.dump(plan, f)
+    code = horovodrun([WORKER, str(root / "plan.json")], root / "log.txt",
+                      env={"HOROVOD_TIMELINE": "DYNAMIC"})
+    output = read(root / "log.txt")
+    assert code == 0, output[-6000:]
+    return Runs(root, out, output)
+
+
+def reference(gpt_data, model_dir, **train):
+    """The single-device run on the examples both ranks read together; (trainer, losses)."""
+    cfg = make_cfg(gpt_data, model_dir, **{**EQUIVALENCE, **train})
+    logger = RecordingLogger(cfg.train.model_dir, True, cfg.train.max_steps)
+    trainer = Trainer(cfg, task=PipelinesTask(cfg.train, 2), logger=logger)
+    trainer.fit()
+    return trainer, np.array([logger.losses[s][0] for s in sorted(logger.losses)])
+
+
+def timeline_counts(path):
+    """{(tensor name, activity): times begun} from a Horovod timeline (written by rank 0)."""
+    text = read(path).rstrip().rstrip(",")
+    events = json.loads(text if text.endswith("]") else text + "]")
+    names = {e["pid"]: e["args"]["name"] for e in events
+             if e.get("name") == "process_name" and "name" in e.get("args", {})}
+    return collections.Counter((names.get(e["pid"]), e["name"]) for e in events
+                               if e.get("ph") == "B")
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", ["plain", "accum", "resumed", "fp16_allreduce", "fp16_skip"])
+def test_ranks_end_with_bit_identical_weights_and_optimizer_state(runs, name):
+    first, second = runs[name]
+    assert first["num_replicas"] == 2 and first["step"] == second["step"] > 0
+    keys = [k for k in first if k[0] in "wo" and k[1:].isdigit()]
+    assert len(keys) > 20
+    for key in keys:
+        np.testing.assert_array_equal(first[key], second[key], err_msg=key)
+    np.testing.assert_array_equal(first["losses"], second["losses"])
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name,grad_accum_steps", [("plain", 1), ("accum", 2)])
+def test_two_ranks_equal_one_process_on_the_same_data(runs, gpt_data, tmp_path, name,
+                                                      grad_accum_steps):
+    first, _ = runs[name]
+    single, losses = reference(gpt_data, tmp_path, grad_accum_steps=grad_accum_steps)
+    assert np.all(first["grad_norms"] > EQUIVALENCE["grad_clip_norm"])  # clipping is active
+    assert len(losses) == len(first["losses"]) == EQUIVALENCE["max_steps"]
+    np.testing.assert_allclose(first["losses"], losses, rtol=1e-5)
+    reference_weights = weights(single)
+    assert len(reference_weights) == len(listed(first, "w"))
+    # Weights are O(1e-2); atol 1e-6 only admits the float noise Adam amplifies in the key
+    # bias, whose gradient is zero in exact arithmetic (softmax ignores a per-row shift).
+    for ours, theirs in zip(listed(first, "w"), reference_weights):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.multiproc
+def test_one_gradient_allreduce_per_optimizer_step(runs):
+    first, _ = runs["accum"]
+    num_grads = len(listed(first, "w"))
+    counts = timeline_counts(runs.root / "accum_timeline.json")
+    # One grouped allreduce names its n tensors "..._{i}of{n}": the gradients plus the
+    # stop-request flag that travels with them.
+    group = num_grads + 1
+    grads = {name: n for (name, activity), n in counts.items()
+             if activity == "NEGOTIATE_ALLREDUCE" and name.endswith(f"of{group}")}
+    assert len(grads) == group
+    # 4 optimizer steps of 2 micro-batches each: 4 allreduces per gradient, not 8.
+    assert set(grads.values()) == {EQUIVALENCE["max_steps"]}, grads
+
+
+@pytest.mark.multiproc
+def test_only_rank_0_writes_files(runs):
+    # "plain" gave each rank its own --model_dir, as on hosts with local disks.
+    rank0, rank1 = runs.root / "plain" / "rank0", runs.root / "plain" / "rank1"
+    assert not rank1.exists() or not any(rank1.iterdir()), list(rank1.rglob("*"))
+    written = {p.name for p in rank0.iterdir()}
+    assert {"config.json", "checkpoint", "ckpt-4.index"} <= written, written
+    assert list(rank0.rglob("events.out.tfevents.*"))
+    assert "[0]<stdout>:[" in runs.output and "[1]<stdout>:[" not in runs.output  # progress
+
+
+@pytest.mark.multiproc
+def test_scale_lr_multiplies_the_learning_rate_by_the_number_of_processes(runs):
+    scaled, _ = runs["fp16_skip"]  # --scale_lr, and the learning rate schedule of "plain"
+    plain, _ = runs["plain"]
+    assert plain["learning_rates"][1] > 0
+    np.testing.assert_allclose(scaled["learning_rates"], 2 * plain["learning_rates"], rtol=1e-6)
+
+
+@pytest.mark.multiproc
+def test_resume_under_horovod_continues_the_run(runs):
+    resumed, other = runs["resumed"]
+    straight, _ = runs["plain"]  # the same config, uninterrupted
+    assert int(resumed["restored_step"]) == int(other["restored_step"]) == 2
+    assert resumed["step"] == straight["step"] == EQUIVALENCE["max_steps"]
+    np.testing.assert_allclose(resumed["losses"], straight["losses"], rtol=1e-6)
+    for ours, theirs in zip(listed(resumed, "w"), listed(straight, "w")):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-8)
+    assert os.path.exists(runs.root / "resumed" / "ckpt-4.index")
+
+
+@pytest.mark.multiproc
+def test_fp16_allreduce_sends_float16_and_stays_close(runs):
+    compressed, _ = runs["fp16_allreduce"]
+    plain, _ = runs["plain"]
+    pairs = list(zip(listed(compressed, "w"), listed(plain, "w")))
+    assert any(not np.array_equal(a, b) for a, b in pairs)  # float16 rounding changed them
+    np.testing.assert_allclose(compressed["losses"], plain["losses"], rtol=1e-3)
+    for a, b in pairs:
+        np.testing.assert_allclose(a, b, rtol=0, atol=5e-4)  # a few % of one step (lr 3e-3)
+
+
+@pytest.mark.multiproc
+def test_non_finite_fp16_step_on_one_rank_is_skipped_on_every_rank(runs):
+    for result in runs["fp16_skip"]:  # rank 1's loss was inf in step 1, rank 0's finite
+        for initial, after in zip(listed(result, "initial"), listed(result, "after_poison")):
+            np.testing.assert_array_equal(initial, after)  # the update was skipped
+        assert int(result["nonfinite_steps"]) == 1
+        assert float(result["scale_after_poison"]) == 2.0 ** 14  # halved from 2 ** 15
+        assert int(result["step"]) == 4 and np.isfinite(result["losses"][-1])
+        assert any(not np.array_equal(a, b) for a, b in
+                   zip(listed(result, "initial"), listed(result, "w")))  # later steps trained
+
+
+@pytest.mark.multiproc
+def test_trainer_broadcasts_rank_0_state_to_differently_seeded_ranks(runs):
+    seeded = runs["fp16_skip"]  # rank r used seed r; the broadcast gave both rank 0's weights
+    plain, _ = runs["plain"]  # seed 0 on both ranks
+    for rank0, rank1, seed0 in zip(listed(seeded[0], "initial"), listed(seeded[1], "initial"),
+                                   listed(plain, "initial")):
+        np.testing.assert_array_equal(rank0, rank1)
+        np.testing.assert_array_equal(rank1, seed0)
+    assert any(not np.array_equal(a, b) for a, b in
+               zip(listed(seeded[0], "initial"), listed(seeded[0], "w")))
+
+
+@pytest.mark.multiproc
+def test_post_style_script_with_the_keras3_helper(runs):
+    first, second = runs["post"]
+    initial = list(zip(listed(first, "initial"), listed(second, "initial")))
+    assert any(not np.array_equal(a, b) for a, b in initial)  # seeded differently per rank
+    for key in first:
+        if key[0] in "wo" and key[1:].isdigit():  # equal after the broadcast
+            np.testing.assert_array_equal(first[key], second[key], err_msg=key)
+    assert first["losses"][-1] < first["losses"][0] - 0.2
+    assert os.path.exists(runs.root / "post" / "ckpt-1.index")  # rank 0's checkpoint
+
+
+@pytest.mark.multiproc
+def test_killing_one_rank_fails_the_job_fast(gpt_data, tmp_path):
+    out = tmp_path / "out"
+    cfg = horovod_cfg(gpt_data, tmp_path / "run", max_steps=100000, checkpoint_every=100000)
+    with open(tmp_path / "plan.json", "w") as f:
+        json.dump([run_entry("long", cfg, out)], f)
+    log = tmp_path / "log.txt"
+    proc = horovodrun([WORKER, str(tmp_path / "plan.json")], log, wait=False)
+    try:
+        wait_for(lambda: "step 3/" in read(log), 240, "training to start", proc)
+        victim = int(read(out / "long.rank1.pid"))
+        os.kill(victim, signal.SIGKILL)
+        killed = time.monotonic()
+        proc.wait(timeout=60)
+        seconds = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    output = read(log)
+    assert proc.returncode != 0, output[-3000:]
+    assert "Process name: 1" in output and "Exit code: 137" in output, output[-3000:]
+    assert seconds < 60
+
+
+def wait_for(predicate, timeout, what, proc):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc.poll() is not None:
+            raise AssertionError(f"the job ended (code {proc.returncode}) before {what}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.2)
