@@ -124,10 +124,31 @@ class HorovodConfig:
 
 
 @dataclasses.dataclass
+class PipelineConfig:
+    """Options of --strategy=pipeline (stages on devices, micro-batches; tfbig.pipeline)."""
+
+    pipeline_stages: int = field(2, "Pipeline: stages the model is cut into, one device each "
+                                     "(GPUs, else logical CPU devices).")
+    num_microbatches: int = field(4, "Pipeline: micro-batches each replica's batch is split "
+                                     "into; must divide it.")
+    schedule: str = field("1f1b", "Pipeline: gpipe (all forwards, then all backwards) | 1f1b "
+                                  "(one forward one backward: at most K micro-batches alive "
+                                  "per stage).")
+    stage_boundaries: str = field("", "Pipeline: first layer of each stage after the first, "
+                                      "by index or name (e.g. 'block_2' or '3,6'); empty: "
+                                      "balance automatically.")
+    pipeline_balance: str = field("flops", "Pipeline: balance automatic stage boundaries by "
+                                           "flops | params.")
+    activation_checkpointing: bool = field(False, "Pipeline: keep only each stage's inputs "
+                                                  "and recompute its forward in the backward.")
+
+
+@dataclasses.dataclass
 class ExperimentConfig:
     """All sections of one run; serialised to MODEL_DIR/config.json."""
 
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
     profile: ProfileConfig = dataclasses.field(default_factory=ProfileConfig)
     multiworker: MultiWorkerConfig = dataclasses.field(default_factory=MultiWorkerConfig)
     albert: AlbertTrainConfig = dataclasses.field(default_factory=AlbertTrainConfig)

@@ -76,7 +76,7 @@ class Trainer:
             flops_per_token=getattr(self.task, "flops_per_token", lambda: None)(),
             precision=t.precision, num_devices=self.strategy.num_devices)
         with self.strategy.scope():
-            self.model = self.task.build_model()
+            self.model = self.strategy.build_model(self.task)
             self.optimizer = self.strategy.prepare_optimizer(
                 build_optimizer(t, self.model.trainable_variables))
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")

@@ -4,6 +4,7 @@ import importlib
 # name -> "module:Class". Backends import their libraries (horovod, ...) only when chosen.
 BACKENDS = {
     "single": "tfbig.distribute.base:SingleDevice",
+    "pipeline": "tfbig.pipeline.strategy:PipelineStrategy",
     "horovod": "tfbig.distribute.horovod:HorovodStrategy",
     "multiworker": "tfbig.distribute.multiworker:MultiWorker",
     "mirrored": "tfbig.distribute.multiworker:Mirrored",

@@ -93,6 +93,11 @@ class Strategy:
         """Context in which the model and optimizer variables are created."""
         return contextlib.nullcontext()
 
+    def build_model(self, task):
+        """The task's model, built inside `scope()`; a backend that places parts of the model
+        itself (the pipeline, one stage per device) overrides this."""
+        return task.build_model()
+
     def input_context(self):
         return tf.distribute.InputContext(num_input_pipelines=self.num_replicas,
                                           input_pipeline_id=self.rank,

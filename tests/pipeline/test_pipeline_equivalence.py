@@ -1,0 +1,168 @@
+"""The pipeline against the unsplit model on the same batch: loss, every gradient, outputs.
+
+Stages run on logical CPU devices (tests/pipeline/conftest.py). For K stages and M
+micro-batches under both schedules, with and without activation checkpointing, the pipeline's
+mean loss and each summed-then-averaged gradient equal the single-device ones (fp32).
+"""
+import os
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from test_trainer import make_cfg  # noqa: E402
+
+from tfbig.pipeline.strategy import PipelineStrategy  # noqa: E402
+from tfbig.tasks.gpt import GPTTask  # noqa: E402
+
+BATCH = 8  # sequences per step
+
+
+def pipeline_cfg(gpt_data, tmp_path, dropout=0.0, **pipeline):
+    cfg = make_cfg(gpt_data, tmp_path, hidden_size=16, num_heads=2, dropout=dropout,
+                   batch_size=BATCH)
+    for key, value in pipeline.items():
+        setattr(cfg.pipeline, key, value)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def batch(gpt_data, tmp_path_factory):
+    """One real batch of the prepared shards, shaped as the trainer hands it: (1, 8, 17)."""
+    cfg = pipeline_cfg(gpt_data, tmp_path_factory.mktemp("batch"))
+    data = GPTTask(cfg.train).dataset("train", BATCH, shuffle=False)
+    return tf.nest.map_structure(lambda t: t[None], next(iter(data)))
+
+
+def build(cfg, seed=0):
+    """(strategy, task, model) with the model built by the strategy, seeded."""
+    keras.utils.set_random_seed(seed)
+    strategy = PipelineStrategy(cfg)
+    task = GPTTask(cfg.train)
+    return strategy, task, strategy.build_model(task)
+
+
+def unsplit(task, model, batch):
+    """Loss and gradients of the whole model on the whole (flattened) batch, eagerly."""
+    flat = tf.nest.map_structure(lambda t: tf.reshape(t, [-1] + t.shape[2:].as_list()), batch)
+    with tf.GradientTape() as tape:
+        loss, _ = task.loss(model, flat, training=True)
+    grads = tape.gradient(loss, model.trainable_variables)
+    return float(loss), [tf.convert_to_tensor(g).numpy() for g in grads]
+
+
+def assert_gradients_equal(model, grads, reference, rtol=1e-5):
+    """Each gradient equal to rtol, relative to that gradient's own scale."""
+    assert len(grads) == len(reference) == len(model.trainable_variables)
+    for v, g, r in zip(model.trainable_variables, grads, reference):
+        np.testing.assert_allclose(np.asarray(g), r, rtol=rtol, atol=rtol * np.abs(r).max(),
+                                   err_msg=v.path)
+
+
+def run_pipeline(strategy, model, batch, jit_compile=False):
+    step = strategy.make_forward_backward(None, model.trainable_variables, lambda l: l,
+                                          jit_compile)
+    loss, grads, metrics = step(batch)
+    return float(loss), [g.numpy() for g in grads], metrics
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["stash", "recompute"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("num_microbatches", [1, 4, 8])
+@pytest.mark.parametrize("num_stages", [2, 4])
+def test_loss_and_every_gradient_equal_the_unsplit_model(
+        gpt_data, tmp_path, batch, num_stages, num_microbatches, schedule, checkpointing):
+    cfg = pipeline_cfg(gpt_data, tmp_path, pipeline_stages=num_stages, schedule=schedule,
+                       num_microbatches=num_microbatches, activation_checkpointing=checkpointing)
+    strategy, task, model = build(cfg)
+    assert len({v.value.device for v in model.trainable_variables}) == num_stages
+    loss, grads, metrics = run_pipeline(strategy, model, batch)
+    ref_loss, ref_grads = unsplit(task, model, batch)
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    assert float(metrics["loss"]) == pytest.approx(ref_loss, rel=1e-5)
+    assert_gradients_equal(model, grads, ref_grads)
+
+
+@pytest.mark.parametrize("schedule,expected", [("1f1b", [4, 3, 2, 1]), ("gpipe", [8, 8, 8, 8])])
+def test_live_microbatch_activations_per_stage(gpt_data, tmp_path, batch, schedule, expected):
+    """1F1B: stage s holds at most K - s <= K micro-batches; GPipe: every stage holds all M."""
+    cfg = pipeline_cfg(gpt_data, tmp_path, pipeline_stages=4, num_microbatches=8,
+                       schedule=schedule)
+    strategy, _, model = build(cfg)
+    run_pipeline(strategy, model, batch)
+    assert [stage.peak_live for stage in strategy.stages] == expected
+
+
+def test_recompute_replays_the_dropout_masks(gpt_data, tmp_path, batch):
+    """With dropout, checkpointed stages give the stashed stages' gradients exactly: the
+    recomputed forward draws the same masks. Both schedules draw the same masks too."""
+    results = {}
+    for schedule, checkpointing in [("1f1b", False), ("1f1b", True), ("gpipe", True)]:
+        cfg = pipeline_cfg(gpt_data, tmp_path, dropout=0.2, pipeline_stages=2,
+                           num_microbatches=4, schedule=schedule,
+                           activation_checkpointing=checkpointing)
+        strategy, task, model = build(cfg)
+        results[(schedule, checkpointing)] = run_pipeline(strategy, model, batch)
+        no_dropout = unsplit(task, model, batch)  # sanity: dropout changes the gradients
+    reference = results[("1f1b", False)]
+    assert abs(reference[0] - no_dropout[0]) > 1e-4
+    for key, (loss, grads, _) in results.items():
+        assert loss == pytest.approx(reference[0], rel=1e-6), key
+        assert_gradients_equal(model, grads, reference[1], rtol=1e-6)
+
+
+def test_xla_compiled_stages_equal_the_unsplit_model(gpt_data, tmp_path, batch):
+    """Each stage XLA-compiled on its device; the tied token table crosses devices as a tensor."""
+    cfg = pipeline_cfg(gpt_data, tmp_path, pipeline_stages=2, num_microbatches=4)
+    strategy, task, model = build(cfg)
+    loss, grads, _ = run_pipeline(strategy, model, batch, jit_compile=True)
+    ref_loss, ref_grads = unsplit(task, model, batch)
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    assert_gradients_equal(model, grads, ref_grads)
+
+
+def test_outputs_merge_and_eval_metrics_average_across_microbatches(gpt_data, tmp_path, batch):
+    cfg = pipeline_cfg(gpt_data, tmp_path, pipeline_stages=4, num_microbatches=4)
+    strategy, task, model = build(cfg)
+    flat = tf.nest.map_structure(lambda t: t[0], batch)
+    logits, loss, _ = strategy.predict(flat)
+    expected = model(task.model_inputs(flat))
+    np.testing.assert_allclose(logits.numpy(), expected.numpy(), rtol=1e-5, atol=1e-6)
+    ref_loss, _ = task.loss(model, flat)
+    metrics = strategy.make_forward(None, jit_compile=False)(flat)
+    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-5)
+    assert float(metrics["loss"]) == pytest.approx(float(ref_loss), rel=1e-5)
+
+
+def test_each_stage_owns_its_variables_and_their_optimizer_slots(gpt_data, tmp_path):
+    cfg = pipeline_cfg(gpt_data, tmp_path, pipeline_stages=2, stage_boundaries="block_1")
+    strategy, _, model = build(cfg)
+    device = {v.path: v.value.device for v in model.trainable_variables}
+    assert device["gpt/embedding/token/embeddings"].endswith("CPU:0")
+    assert device["gpt/block_0/attn/qkv/kernel"].endswith("CPU:0")
+    assert device["gpt/block_1/attn/qkv/kernel"].endswith("CPU:1")
+    assert device["gpt/final_norm/gamma"].endswith("CPU:1")
+    optimizer = keras.optimizers.AdamW()
+    optimizer.build(model.trainable_variables)
+    slots = {v.path: v.value.device for v in optimizer.variables}
+    assert slots["adam_w/gpt_block_1_attn_qkv_kernel_momentum"].endswith("CPU:1")
+
+
+def test_a_batch_that_does_not_split_names_both_numbers(gpt_data, tmp_path, batch):
+    cfg = pipeline_cfg(gpt_data, tmp_path, pipeline_stages=2, num_microbatches=3)
+    strategy, _, model = build(cfg)
+    with pytest.raises(ValueError, match=r"a batch of 8 sequences per replica does not split "
+                                         r"into --num_microbatches=3"):
+        run_pipeline(strategy, model, batch)
+
+
+def test_a_batch_without_fixed_size_is_refused(gpt_data, tmp_path, batch):
+    cfg = pipeline_cfg(gpt_data, tmp_path, pipeline_stages=2, num_microbatches=2)
+    strategy, _, model = build(cfg)
+    step = strategy.make_forward_backward(None, model.trainable_variables, lambda l: l, False)
+    spec = {"input_ids": tf.TensorSpec([1, None, 17], tf.int32)}
+    with pytest.raises(ValueError, match="drop_remainder=True"):
+        step.get_concrete_function(spec)

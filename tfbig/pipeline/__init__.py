@@ -1,0 +1,10 @@
+"""Pipeline parallelism, written by hand: a model cut into stages on several devices.
+
+    layers.py      the model as a sequence of cut-able layers, with their costs (per family)
+    partition.py   stage boundaries (balanced or given) and the printed plan
+    devices.py     one device per stage: GPUs, else logical CPU devices
+    stages.py      a stage: forward/backward of one micro-batch, gradients summed
+    schedules.py   GPipe and 1F1B (same signature), their timeline, and the runner
+    strategy.py    --strategy=pipeline on the one Strategy surface
+    data_parallel.py  data parallel x pipeline under Horovod
+"""

@@ -1,0 +1,107 @@
+"""Model families seen as a sequence of pipeline layers: the only model-specific pipeline code.
+
+The pipeline cuts a model into stages at layer boundaries, so it needs the model as a list of
+`PipeLayer`s: what each layer computes on the activation coming from the layer before, which
+Keras modules own its weights (to place them on the stage's device), and what it costs (to
+balance the stages). The model itself stays unaware of all this.
+
+GPT is `embedding, block_0 .. block_{L-1}, head` where `head` is the final LayerNorm and the
+vocabulary projection (`model.logits`); with tied embeddings the head also reads the token table
+that lives with the embedding on the first stage.
+
+Example:
+    layers = layer_sequence(model)            # [PipeLayer("embedding"), PipeLayer("block_0"), ...]
+    specs = layer_specs(model_config, seq_length=128)
+"""
+import dataclasses
+from typing import Callable
+
+from tfbig.models.gpt import GPT, GPTConfig
+
+
+@dataclasses.dataclass
+class PipeLayer:
+    """One cut-able unit of a model: `call(x, training) -> y` and the modules holding its weights."""
+
+    name: str  # also the Keras name-scope component of the variables it creates
+    call: Callable
+    modules: list  # Keras layers whose variables this layer owns (placed on its stage)
+    shared: list = dataclasses.field(default_factory=list)  # variables owned by another layer
+
+    @property
+    def variables(self):
+        return [v for m in self.modules for v in m.trainable_variables] + list(self.shared)
+
+    @property
+    def rng_state(self):
+        """Dropout seed-generator states: restored when the layer is recomputed."""
+        return [v for m in self.modules for v in m.non_trainable_variables
+                if "seed_generator" in v.path]
+
+
+@dataclasses.dataclass
+class LayerSpec:
+    """What the partitioner knows of a layer before the model exists: names and costs."""
+
+    name: str
+    scopes: tuple  # Keras name-scope components of the variables it owns (for placement)
+    params: int  # weights owned (a tied table counts once, with its owner)
+    flops_per_token: float  # training FLOPs (forward + backward) per token
+    activation_bytes_per_token: float  # fp32 bytes kept for backward per token
+    output_bytes_per_token: float  # fp32 bytes per token handed to the next layer
+
+
+def _keras_call(layer):
+    return lambda x, training: layer(x, training=training)
+
+
+# ---- GPT -------------------------------------------------------------------------------------
+def _gpt_layers(model):
+    def head(x, training):
+        return model.logits(x)
+
+    head_modules = [m for m in (model.final_norm, model.head) if m is not None]
+    tied = [] if model.head is not None else [model.embedding.token.embeddings]
+    return ([PipeLayer("embedding", _keras_call(model.embedding), [model.embedding])]
+            + [PipeLayer(block.name, _keras_call(block), [block]) for block in model.blocks]
+            + [PipeLayer("head", head, head_modules, tied)])
+
+
+def _gpt_specs(cfg, seq_length):
+    c, f, v, t = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, seq_length
+    block_params = 4 * c + 3 * c * c + 3 * c + c * c + c + 2 * c * f + f + c
+    # 6 FLOPs per matmul weight per token (2 forward, 4 backward) + attention scores and mix.
+    block_flops = 6 * (4 * c * c + 2 * c * f) + 12 * c * t
+    # Korthikanti et al. (2022): 34*C + 5*heads*T bytes per token per layer in 16 bits; x2 for fp32.
+    block_bytes = 2 * (34 * c + 5 * cfg.num_heads * t)
+    head_params = (2 * c if cfg.pre_layer_norm else 0) + (0 if cfg.tie_embeddings else c * v)
+    names = ["embedding"] + [f"block_{i}" for i in range(cfg.num_layers)] + ["head"]
+    return ([LayerSpec("embedding", ("embedding",), v * c + cfg.seq_length * c, 4 * c, 4 * c,
+                       4 * c)]
+            + [LayerSpec(n, (n,), block_params, block_flops, block_bytes, 4 * c)
+               for n in names[1:-1]]
+            # the head keeps float32 logits and their softmax: 2 x V floats per token
+            + [LayerSpec("head", ("final_norm", "head"), head_params, 6 * c * v, 4 * c + 8 * v,
+                         4 * v)])
+
+
+FAMILIES = {GPT: _gpt_layers}
+SPECS = {GPTConfig: _gpt_specs}
+
+
+def layer_sequence(model):
+    """The model as a list of PipeLayers, in the order activations flow."""
+    for cls, layers in FAMILIES.items():
+        if isinstance(model, cls):
+            return layers(model)
+    raise ValueError(f"--strategy=pipeline does not know how to cut a {type(model).__name__}; "
+                     f"it knows {sorted(c.__name__ for c in FAMILIES)} (tfbig/pipeline/layers.py)")
+
+
+def layer_specs(model_config, seq_length):
+    """LayerSpecs in the same order as `layer_sequence`, from the config alone."""
+    for cls, specs in SPECS.items():
+        if isinstance(model_config, cls):
+            return specs(model_config, seq_length)
+    raise ValueError(f"no pipeline cost model for {type(model_config).__name__}; it knows "
+                     f"{sorted(c.__name__ for c in SPECS)} (tfbig/pipeline/layers.py)")

@@ -1,0 +1,149 @@
+"""Pipeline schedules: in which order each stage runs the forwards and backwards of M micro-batches.
+
+Every schedule has the same signature, `schedule(num_stages, num_microbatches) -> ops`, where
+`ops[stage]` is that stage's list of `Op("F"|"B", microbatch)`; `run` executes any of them on
+the stages, and `timeline` computes when each op would start and end given per-stage op times.
+
+GPipe (Huang et al. 2019) runs all forwards, then all backwards: every stage holds the
+activations of all M micro-batches. 1F1B (PipeDream-Flush, Narayanan et al. 2021) starts the
+backwards as soon as the last stage can, so stage s holds at most K - s micro-batches. Both have
+the same bubble, (K - 1) / (M + K - 1) of the step for K balanced stages.
+
+Example:
+    ops = get_schedule("1f1b")(num_stages=2, num_microbatches=4)
+    loss, metrics = run(ops, stages, micro_batches)
+"""
+import collections
+
+import tensorflow as tf
+
+Op = collections.namedtuple("Op", "kind microbatch")  # kind: "F" forward, "B" backward
+
+
+def gpipe(num_stages, num_microbatches):
+    """All forwards, then all backwards, on every stage."""
+    forwards = [Op("F", m) for m in range(num_microbatches)]
+    backwards = [Op("B", m) for m in range(num_microbatches)]
+    return [forwards + backwards for _ in range(num_stages)]
+
+
+def one_f_one_b(num_stages, num_microbatches):
+    """One forward, one backward in the steady state; stage s keeps <= num_stages - s alive."""
+    ops = []
+    for stage in range(num_stages):
+        warmup = min(num_stages - stage - 1, num_microbatches)
+        steady = num_microbatches - warmup
+        # Warmup: forwards only, until the first backward can reach this stage.
+        stage_ops = [Op("F", m) for m in range(warmup)]
+        # Steady: each forward is followed by the backward of the oldest micro-batch in flight.
+        for i in range(steady):
+            stage_ops += [Op("F", warmup + i), Op("B", i)]
+        # Cooldown: drain the backwards of the micro-batches still in flight.
+        stage_ops += [Op("B", m) for m in range(steady, num_microbatches)]
+        ops.append(stage_ops)
+    return ops
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+
+
+def get_schedule(name):
+    if name not in SCHEDULES:
+        raise ValueError(f"--schedule={name!r}: expected one of {sorted(SCHEDULES)}")
+    return SCHEDULES[name]
+
+
+def _dependency(op, stage, num_stages):
+    """The op of another stage whose output `op` needs (None for the pipeline's ends)."""
+    if op.kind == "F":
+        return (stage - 1, Op("F", op.microbatch)) if stage > 0 else None
+    return (stage + 1, Op("B", op.microbatch)) if stage < num_stages - 1 else None
+
+
+def timeline(ops, forward_time=1.0, backward_time=2.0):
+    """{(stage, op): (start, end)} when each stage runs its ops in order as soon as their
+    inputs exist. Times are numbers or per-stage lists."""
+    num_stages = len(ops)
+    fwd = forward_time if isinstance(forward_time, (list, tuple)) else [forward_time] * num_stages
+    bwd = backward_time if isinstance(backward_time, (list, tuple)) else [backward_time] * num_stages
+    times, position, free = {}, [0] * num_stages, [0.0] * num_stages
+    while any(position[s] < len(ops[s]) for s in range(num_stages)):
+        progressed = False
+        for s in range(num_stages):
+            while position[s] < len(ops[s]):
+                op = ops[s][position[s]]
+                dep = _dependency(op, s, num_stages)
+                if dep is not None and dep not in times:
+                    break
+                start = max(free[s], times[dep][1] if dep else 0.0)
+                free[s] = start + (fwd[s] if op.kind == "F" else bwd[s])
+                times[(s, op)] = (start, free[s])
+                position[s] += 1
+                progressed = True
+        if not progressed:
+            raise ValueError(f"schedule deadlocks: stage ops {ops} wait on each other")
+    return times
+
+
+def makespan(ops, forward_time=1.0, backward_time=2.0):
+    """Time from the first op's start to the last op's end."""
+    return max(end for _, end in timeline(ops, forward_time, backward_time).values())
+
+
+def issue_order(ops):
+    """All (stage, op) in an order that respects dependencies: by start time, then stage."""
+    times = timeline(ops)
+    return sorted(times, key=lambda key: (times[key][0], key[0]))
+
+
+def run(ops, stages, micro_batches):
+    """Run schedule `ops` on `stages`; returns (mean loss, mean metrics) over micro-batches.
+
+    Activations flow forward stage to stage and their gradients back; weight gradients stay
+    summed in each stage (`Stage.gradient_sums`).
+    """
+    last = len(stages) - 1
+    outputs, input_grads, losses = {}, {}, {}
+    for s, op in issue_order(ops):
+        m, stage = op.microbatch, stages[s]
+        if op.kind == "F":
+            x = micro_batches[m] if s == 0 else outputs.pop((s - 1, m))
+            out = stage.forward(m, x, micro_batches[m])
+            (losses if s == last else outputs)[(s, m) if s < last else m] = out
+        else:
+            dx = stage.backward(m, input_grads.pop((s, m), None))
+            if s > 0:
+                input_grads[(s - 1, m)] = dx
+    return _mean([losses[m] for m in sorted(losses)])
+
+
+def run_forward(stages, micro_batches, with_outputs=False):
+    """Inference: micro-batches flow forward only; returns (mean loss, mean metrics), preceded
+    by the last stage's outputs concatenated over micro-batches if `with_outputs`."""
+    for stage in stages:
+        stage.begin_step(None, len(micro_batches))
+    forwards = [[Op("F", m) for m in range(len(micro_batches))] for _ in stages]
+    outputs, results = {}, {}
+    for s, op in issue_order(forwards):
+        m = op.microbatch
+        x = micro_batches[m] if s == 0 else outputs.pop((s - 1, m))
+        out = stages[s].infer(x, micro_batches[m])
+        if s == len(stages) - 1:
+            results[m] = out
+        else:
+            outputs[(s, m)] = out
+    ordered = [results[m] for m in sorted(results)]
+    mean = _mean([(loss, metrics) for _, loss, metrics in ordered])
+    if not with_outputs:
+        return mean
+    merged = tf.nest.map_structure(lambda *parts: tf.concat(parts, 0),
+                                   *[outputs for outputs, _, _ in ordered])
+    return merged, mean
+
+
+def _mean(values):
+    """Mean of a list of (loss, metrics) pairs."""
+    scale = 1.0 / len(values)
+    loss = tf.add_n([loss for loss, _ in values]) * scale
+    metrics = {k: tf.add_n([m[k] for _, m in values]) * scale for k in values[0][1]}
+    return loss, metrics

@@ -1,0 +1,169 @@
+"""A pipeline stage: a contiguous slice of the model's layers run on one device.
+
+A stage runs one micro-batch at a time, forward or backward, in the order its schedule gives. The
+forward keeps what the backward needs in a per-micro-batch stash: the gradient tape (all the
+layer activations) or, with activation checkpointing, only the stage input, the forward being
+recomputed in the backward. The backward takes the gradient of the stage output (`dy`, from the
+next stage), returns the gradient of the stage input for the stage before, and adds the weight
+gradients to the stage's running sums: one optimizer update per batch.
+
+State that lives off the stage's device — a weight shared with another stage (GPT's tied
+token table) and the dropout seed states — enters the stage computation as tensors through a
+`keras.StatelessScope` and new seed states come out of it. So an XLA-compiled stage touches
+only its own device's variables, and a recomputed forward replays exactly the dropout masks of
+the original one (it is given the same seed states).
+
+Each op of a stage waits for the stage's previous op (control dependencies), so inside one
+tf.function a stage runs exactly its schedule while different stages, on different devices,
+run concurrently; the number of stashed micro-batches is therefore the number whose activations
+are alive, and `peak_live` records its maximum.
+
+Example:
+    stage = Stage(0, layers[:3], "/device:CPU:0", task, is_first=True, is_last=False)
+    stage.begin_step(scale_loss, num_microbatches=4)
+    y = stage.forward(0, micro_batch, micro_batch)   # stage 0 reads the micro-batch itself
+    dx = stage.backward(0, dy)
+    stage.gradient_sums   # {id(variable): float32 sum over micro-batches}
+"""
+import keras
+import tensorflow as tf
+
+
+def _float_leaves(nest):
+    return [t for t in tf.nest.flatten(nest) if t.dtype.is_floating]
+
+
+def _on_device(variable, device):
+    a, b = tf.DeviceSpec.from_string(variable.value.device), tf.DeviceSpec.from_string(device)
+    return (a.device_type, a.device_index) == (b.device_type, b.device_index)
+
+
+class Stage:
+    """Layers `layers` (PipeLayers) on `device`; see the module docstring."""
+
+    def __init__(self, index, layers, device, task, is_first, is_last, checkpointing=False,
+                 jit_compile=False):
+        self.index = index
+        self.layers = layers
+        self.device = device
+        self.task = task
+        self.is_first = is_first
+        self.is_last = is_last
+        self.checkpointing = checkpointing
+        unique = {id(v): v for layer in layers for v in layer.variables}
+        self.own = [v for v in unique.values() if _on_device(v, device)]
+        self.shared = [v for v in unique.values() if not _on_device(v, device)]
+        self.variables = self.own + self.shared
+        self.rng_state = [v for layer in layers for v in layer.rng_state]
+        # One function per stage, called once per micro-batch and kept a call (not inlined):
+        # the step's graph stays small, so it is traced and optimised quickly.
+        attributes = None if jit_compile else {"_noinline": True}
+        self._run = tf.function(self._call, jit_compile=jit_compile, autograph=False,
+                                experimental_attributes=attributes)
+        self._infer = tf.function(self._evaluate, jit_compile=jit_compile, autograph=False,
+                                  experimental_attributes=attributes)
+        self.peak_live = 0
+
+    # ---- the computation (XLA-compiled with --xla) ------------------------------------------
+    def _outputs(self, x, micro_batch, shared, rng, training):
+        """Stage output and the new seed states; `shared`/`rng` are the off-device values."""
+        mapping = list(zip(self.shared, shared)) + list(zip(self.rng_state, rng))
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            if self.is_first:
+                x = self.task.model_inputs(micro_batch)
+            for layer in self.layers:
+                x = layer.call(x, training)
+        return x, [scope.get_current_value(v) for v in self.rng_state]
+
+    def _call(self, x, micro_batch, shared, rng):
+        """(stage output, new seed states); the last stage's output is (scaled loss, loss,
+        metrics)."""
+        x, rng = self._outputs(x, micro_batch, shared, rng, training=True)
+        if not self.is_last:
+            return x, rng
+        loss, metrics = self.task.loss_from_outputs(x, micro_batch)
+        return (self._scale_loss(loss) / self._num_microbatches, loss, metrics), rng
+
+    def _evaluate(self, x, micro_batch, shared, rng):
+        """Inference output; the last stage's is (outputs, loss, metrics)."""
+        x, _ = self._outputs(x, micro_batch, shared, rng, training=False)
+        return (x, *self.task.loss_from_outputs(x, micro_batch)) if self.is_last else x
+
+    def _read(self, variables):
+        return [tf.identity(v.value) for v in variables]  # copied onto this stage's device
+
+    # ---- per step ---------------------------------------------------------------------------
+    def begin_step(self, scale_loss, num_microbatches):
+        """Forget the previous trace's state; called once at the start of every traced step."""
+        self._scale_loss = scale_loss
+        self._num_microbatches = num_microbatches
+        self._stash = {}
+        self._previous = []  # outputs of this stage's last op: the next op waits for them
+        self.gradient_sums = {}
+        self.peak_live = 0
+
+    def _after_previous(self, nest):
+        """`nest` gated on this stage's previous op, so ops run in schedule order."""
+        if not self._previous or nest is None:
+            return nest
+        with tf.control_dependencies(self._previous):
+            return tf.nest.map_structure(tf.identity, nest)
+
+    def forward(self, microbatch, x, micro_batch):
+        """Forward of micro-batch number `microbatch`; returns the output (or (loss, metrics))."""
+        with tf.device(self.device):
+            x = self._after_previous(x)
+            rng = self._read(self.rng_state)
+            if self.checkpointing:
+                out, new_rng = self._run(x, micro_batch, self._read(self.shared), rng)
+                self._stash[microbatch] = (x, micro_batch, rng)
+            else:
+                with tf.GradientTape() as tape:
+                    shared = self._read(self.shared)
+                    tape.watch(_float_leaves(x) + shared)
+                    out, new_rng = self._run(x, micro_batch, shared, rng)
+                self._stash[microbatch] = (tape, x, shared, out)
+            for v, value in zip(self.rng_state, new_rng):
+                v.assign(value)
+            self.peak_live = max(self.peak_live, len(self._stash))
+            self._previous = tf.nest.flatten(out)
+        return out[1:] if self.is_last else out
+
+    def backward(self, microbatch, dy=None):
+        """Backward of micro-batch `microbatch`. `dy`: d(loss)/d(float leaves of the output),
+        None on the last stage; returns d(loss)/d(float leaves of the input) ([] on stage 0)."""
+        with tf.device(self.device):
+            dy = self._after_previous(dy)
+            if self.checkpointing:  # recompute, with the seed states the forward started from
+                x, micro_batch, rng = self._stash.pop(microbatch)
+                x = self._after_previous(x)  # in schedule order, not ahead of it
+                with tf.GradientTape() as tape:
+                    shared = self._read(self.shared)
+                    tape.watch(_float_leaves(x) + shared)
+                    out, _ = self._run(x, micro_batch, shared, rng)
+            else:
+                tape, x, shared, out = self._stash.pop(microbatch)
+            targets = [out[0]] if self.is_last else _float_leaves(out)
+            inputs = _float_leaves(x)
+            grads = tape.gradient(targets, inputs + self.own + shared, output_gradients=dy)
+            dx = [tf.zeros_like(t) if g is None else g for t, g in zip(inputs, grads)]
+            self._accumulate(grads[len(inputs):])
+            self._previous = dx + list(self.gradient_sums.values())
+        return dx  # aligned with the float leaves of the previous stage's output
+
+    def infer(self, x, micro_batch):
+        """Inference forward (no stash, no dropout); the last stage gives (outputs, loss, metrics)."""
+        with tf.device(self.device):
+            out = self._infer(self._after_previous(x), micro_batch, self._read(self.shared),
+                              self._read(self.rng_state))
+            self._previous = tf.nest.flatten(out)
+        return out
+
+    def _accumulate(self, grads):
+        for v, g in zip(self.variables, grads):
+            # Dense float32 sums: embedding gradients arrive as IndexedSlices.
+            g = tf.zeros(v.shape, tf.float32) if g is None else tf.cast(tf.convert_to_tensor(g),
+                                                                         tf.float32)
+            key = id(v)
+            self.gradient_sums[key] = g if key not in self.gradient_sums else (
+                self.gradient_sums[key] + g)

@@ -1,0 +1,256 @@
+"""`--strategy=pipeline`: the model cut into stages on several devices, fed micro-batches.
+
+The backend implements the one Strategy surface. `build_model` partitions the model (printing
+the plan) and creates each stage's variables on its device; `make_forward_backward` returns a
+function that splits the batch into micro-batches, runs the chosen schedule (GPipe or 1F1B) over
+the stages and returns the mean loss and the gradients summed inside each stage, so the
+trainer's one optimizer update per batch is unchanged. Under horovodrun, processes are
+data-parallel replicas of the whole pipeline (see data_parallel.py).
+
+Example:
+    tfbig-train --strategy=pipeline --pipeline_stages=2 --num_microbatches=8 --schedule=1f1b
+"""
+import contextlib
+import math
+
+import tensorflow as tf
+
+from tfbig.config import PipelineConfig
+from tfbig.distribute.base import Strategy
+from tfbig.pipeline import partition as partition_lib
+from tfbig.pipeline import schedules
+from tfbig.pipeline.data_parallel import HorovodGrid, launched_by_horovod
+from tfbig.pipeline.devices import stage_devices
+from tfbig.pipeline.layers import layer_sequence, layer_specs
+from tfbig.pipeline.stages import Stage
+
+
+def split_microbatches(batch, num_microbatches, batch_axes=1):
+    """A batch whose first `batch_axes` axes index sequences ((accum, micro, ...) from the
+    trainer: 2) -> a list of `num_microbatches` equal micro-batches, in order."""
+    flat = tf.nest.flatten(batch)
+    leading = flat[0].shape[:batch_axes]
+    if None in leading:
+        raise ValueError(f"the pipeline needs batches of a fixed size (drop_remainder=True); "
+                         f"got shape {flat[0].shape} with --num_microbatches={num_microbatches}")
+    total = math.prod(leading)
+    if total % num_microbatches:
+        raise ValueError(f"a batch of {total} sequences per replica does not split into "
+                         f"--num_microbatches={num_microbatches} equal micro-batches; choose a "
+                         f"--num_microbatches that divides {total} (or change --batch_size)")
+    size = total // num_microbatches
+
+    def reshape(t):
+        rows = tf.reshape(t, [total] + t.shape[len(leading):].as_list())
+        return tf.reshape(rows, [num_microbatches, size] + rows.shape[1:].as_list())
+
+    split = tf.nest.map_structure(reshape, batch)
+    return [tf.nest.map_structure(lambda t: t[i], split) for i in range(num_microbatches)]
+
+
+@contextlib.contextmanager
+def place_variables(plan, specs, devices):
+    """Create each layer's variables on the device of its stage (matched by Keras name scope)."""
+    owner = {scope: devices[stage.index] for stage in plan
+             for spec in specs[stage.start:stage.stop] for scope in spec.scopes}
+
+    def creator(next_creator, **kwargs):
+        parts = tf.get_current_name_scope().split("/")
+        device = next((owner[p] for p in parts if p in owner), None)
+        if device is None:  # e.g. dropout seed states: created before any layer scope
+            return next_creator(**kwargs)
+        with tf.device(device):
+            return next_creator(**kwargs)
+
+    with tf.variable_creator_scope(creator):
+        yield
+
+
+def _same_device(a, b):
+    a, b = tf.DeviceSpec.from_string(a), tf.DeviceSpec.from_string(b)
+    return (a.device_type, a.device_index) == (b.device_type, b.device_index)
+
+
+class PipelineStrategy(Strategy):
+    """K stages on K devices of this process, M micro-batches per step, GPipe or 1F1B."""
+
+    name = "pipeline"
+
+    def __init__(self, cfg=None):
+        super().__init__(cfg)
+        self.options = getattr(cfg, "pipeline", None) or PipelineConfig()
+        o = self.options
+        if o.pipeline_stages < 1 or o.num_microbatches < 1:
+            raise ValueError(f"--pipeline_stages={o.pipeline_stages} and --num_microbatches="
+                             f"{o.num_microbatches} must both be at least 1")
+        self.ops = schedules.get_schedule(o.schedule)(o.pipeline_stages, o.num_microbatches)
+        fp16_allreduce = getattr(getattr(cfg, "horovod", None), "hvd_fp16_allreduce", False)
+        self.grid = (HorovodGrid(o.pipeline_stages, fp16_allreduce) if launched_by_horovod()
+                     else None)
+        first = self.grid.local_rank * o.pipeline_stages if self.grid else 0
+        self.devices = stage_devices(o.pipeline_stages, first)
+        self.model = self.task = self.plan = self.layers = self.stages = None
+        self._scale_loss = None
+
+    # ---- who is who --------------------------------------------------------------------------
+    @property
+    def num_replicas(self):
+        return self.grid.size if self.grid else 1
+
+    @property
+    def num_devices(self):
+        return self.num_replicas * self.options.pipeline_stages
+
+    @property
+    def rank(self):
+        return self.grid.rank if self.grid else 0
+
+    @property
+    def is_chief(self):
+        return self.rank == 0
+
+    # ---- model -------------------------------------------------------------------------------
+    def build_model(self, task):
+        """Partition `task`'s model, print the plan, build it with each stage on its device."""
+        o = self.options
+        specs = layer_specs(task.model_config, task.seq_length)
+        self.plan = partition_lib.partition(specs, o.pipeline_stages, o.stage_boundaries,
+                                            o.pipeline_balance)
+        with place_variables(self.plan, specs, self.devices):
+            model = task.build_model()
+        self.layers = layer_sequence(model)
+        names = [layer.name for layer in self.layers]
+        if names != [spec.name for spec in specs]:
+            raise ValueError(f"tfbig/pipeline/layers.py: layer names {names} differ from the "
+                             f"cost model's {[spec.name for spec in specs]}")
+        self._check_placement()
+        self.model, self.task = model, task
+        if self.is_chief and self.cfg is not None:
+            t = self.cfg.train
+            per_replica = t.batch_size // max(1, self.num_replicas)
+            print(self.describe(per_replica // o.num_microbatches * task.seq_length), flush=True)
+        return model
+
+    def _check_placement(self):
+        for stage in self.plan:
+            for layer in self.layers[stage.start:stage.stop]:
+                for v in (v for m in layer.modules for v in m.trainable_variables):
+                    if not _same_device(v.value.device, self.devices[stage.index]):
+                        raise RuntimeError(
+                            f"{v.path} of stage {stage.index} was created on {v.value.device}, "
+                            f"not {self.devices[stage.index]}: its layer's name scopes in "
+                            f"tfbig/pipeline/layers.py do not match the model's")
+
+    def describe(self, micro_batch_tokens):
+        """The plan as a table (layers, parameters, est. memory per stage)."""
+        o = self.options
+        memory = [partition_lib.estimate_memory(
+            stage, o.schedule, o.pipeline_stages, o.num_microbatches, micro_batch_tokens,
+            o.activation_checkpointing) for stage in self.plan]
+        header = (f"pipeline: {o.pipeline_stages} stages, --schedule={o.schedule}, "
+                  f"{o.num_microbatches} micro-batches of {micro_batch_tokens} tokens, "
+                  f"activation checkpointing {'on' if o.activation_checkpointing else 'off'}, "
+                  f"{self.num_replicas} data-parallel replica(s)")
+        return header + "\n" + partition_lib.format_plan(self.plan, self.devices, memory)
+
+    def make_stages(self, jit_compile):
+        """Fresh Stage objects over the model's layers (one set per compiled function)."""
+        if self.model is None:
+            raise RuntimeError("the pipeline strategy builds the model: call build_model(task) "
+                               "before make_forward_backward / make_forward")
+        last = len(self.plan) - 1
+        return [Stage(s.index, self.layers[s.start:s.stop], self.devices[s.index], self.task,
+                      s.index == 0, s.index == last, self.options.activation_checkpointing,
+                      jit_compile) for s in self.plan]
+
+    # ---- steps -------------------------------------------------------------------------------
+    def make_forward_backward(self, loss_fn, variables, scale_loss, jit_compile):
+        """batch -> (mean loss, gradients of `variables`, mean metrics) through the schedule.
+
+        `loss_fn` is not called: the stages compute the task's loss on the last device. With
+        `jit_compile` each stage's computation is XLA-compiled on its own device.
+        """
+        self._scale_loss = scale_loss
+        stages = self.make_stages(jit_compile)
+        self.stages = stages  # for inspection: peak_live, gradient_sums of the last trace
+        num_micro = self.options.num_microbatches
+        self._owner = self._owner_stages(variables, stages)
+
+        def forward_backward(batch):
+            micro_batches = split_microbatches(batch, num_micro, batch_axes=2)
+            for stage in stages:
+                stage.begin_step(scale_loss, num_micro)
+            loss, metrics = schedules.run(self.ops, stages, micro_batches)
+            grads = []
+            for v in variables:  # a shared variable (tied embedding) sums its stages' parts
+                parts = [s.gradient_sums[id(v)] for s in stages if id(v) in s.gradient_sums]
+                grads.append(tf.add_n(parts))
+            return loss, grads, metrics
+
+        return tf.function(forward_backward, autograph=False)  # plain Python schedule
+
+    def _owner_stages(self, variables, stages):
+        """For each variable, the stage whose device holds it (where its gradient is averaged)."""
+        owner = {id(v): s.index for s, plan in zip(stages, self.plan)
+                 for layer in self.layers[plan.start:plan.stop]
+                 for m in layer.modules for v in m.trainable_variables}
+        missing = [v.path for v in variables if id(v) not in owner]
+        if missing:
+            raise ValueError(f"variables {missing} belong to no pipeline stage; "
+                             f"tfbig/pipeline/layers.py must list their modules")
+        return [owner[id(v)] for v in variables]
+
+    def make_forward(self, loss_fn, jit_compile):
+        """batch -> mean metrics, the micro-batches flowing through the stages forward only."""
+        stages = self.make_stages(jit_compile)
+
+        def forward(batch):
+            size = tf.nest.flatten(batch)[0].shape[0]
+            num_micro = math.gcd(self.options.num_microbatches, size) if size else 1
+            _, metrics = schedules.run_forward(stages, split_microbatches(batch, num_micro))
+            return metrics
+
+        return tf.function(forward, autograph=False)
+
+    def predict(self, inputs_batch, jit_compile=False):
+        """(merged outputs, mean loss, mean metrics) of a batch run through the stages."""
+        stages = self.make_stages(jit_compile)
+        size = tf.nest.flatten(inputs_batch)[0].shape[0]
+        num_micro = math.gcd(self.options.num_microbatches, size)
+        outputs, (loss, metrics) = schedules.run_forward(
+            stages, split_microbatches(inputs_batch, num_micro), with_outputs=True)
+        return outputs, loss, metrics
+
+    # ---- data parallel -----------------------------------------------------------------------
+    def all_reduce_gradients(self, grads):
+        """Average each stage's gradients over the replicas holding that stage."""
+        if self.grid is None:
+            return grads
+        scale = self._loss_scale()
+        if scale is not None:  # average unscaled values (float16 on the wire cannot hold them)
+            grads = [g / tf.cast(scale, g.dtype) for g in grads]
+        out = list(grads)
+        for stage in range(len(self.plan)):
+            index = [i for i, owner in enumerate(self._owner) if owner == stage]
+            if index:
+                with tf.device(self.devices[stage]):
+                    averaged = self.grid.average_stage_gradients(stage, [grads[i] for i in index])
+                for i, g in zip(index, averaged):
+                    out[i] = g
+        if scale is not None:
+            out = [g * tf.cast(scale, g.dtype) for g in out]
+        return out
+
+    def _loss_scale(self):
+        if self._scale_loss is None:
+            return None
+        one = tf.constant(1.0)
+        scale = tf.convert_to_tensor(self._scale_loss(one))
+        return None if scale is one or tf.get_static_value(scale) == 1.0 else scale
+
+    def all_reduce_mean(self, values):
+        return self.grid.average_values(values) if self.grid else values
+
+    def broadcast_variables(self, variables):
+        if self.grid is not None:
+            self.grid.broadcast(variables)
