@@ -28,6 +28,7 @@ IMPLEMENTATIONS = {"auto": tf.distribute.experimental.CommunicationImplementatio
                    "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL}
 RESOLVERS = ("auto", "tf_config", "slurm")
 MEAN = tf.distribute.ReduceOp.MEAN
+SLURM_PORT_BASE, SLURM_PORT_SPAN = 20000, 20000
 
 
 def _check_choice(flag, value, choices):
@@ -41,12 +42,24 @@ def _require_gpus(flag_value):
                          "use --collective=auto or ring on CPU")
 
 
+def slurm_resolver():
+    """The cluster of this srun job step: one worker per task, GPUs split among a node's tasks.
+
+    Ports are SLURM_PORT_BASE + the task's index on its node, where the base comes from the job
+    id, so two jobs sharing a node do not collide.
+    """
+    job = int(os.environ.get("SLURM_JOB_ID", "0"))
+    has_gpus = "CUDA_VISIBLE_DEVICES" in os.environ or shutil.which("nvidia-smi")
+    return tf.distribute.cluster_resolver.SlurmClusterResolver(
+        port_base=SLURM_PORT_BASE + job % SLURM_PORT_SPAN, gpus_per_node=None if has_gpus else 0)
+
+
 def cluster_resolver(kind):
     """The cluster of --cluster_resolver=`kind` (auto: TF_CONFIG, then Slurm, then local)."""
     _check_choice("cluster_resolver", kind, RESOLVERS)
     under_srun = int(os.environ.get("SLURM_STEP_NUM_TASKS", "1")) > 1
     if kind == "slurm" or (kind == "auto" and "TF_CONFIG" not in os.environ and under_srun):
-        return tf.distribute.cluster_resolver.SlurmClusterResolver()
+        return slurm_resolver()
     if kind == "tf_config" and "TF_CONFIG" not in os.environ:
         raise ValueError("--cluster_resolver=tf_config but TF_CONFIG is not set; start the "
                          "workers with tfbig-launch or set TF_CONFIG (see launch/k8s/tfjob.yaml)")
