@@ -209,3 +209,26 @@ def test_cli_with_flagfile_and_clear_errors(tmp_path, corpus_dir, multi_shard_di
     for flag in ("input", "output_dir", "seq_length", "vocab_size", "tokenizer", "shard_size_mb", "num_workers",
                  "doc_per_line", "jsonl_field", "tfds_name", "tfds_data_dir", "validation_fraction", "overwrite"):
         assert f"--{flag}" in help_text or f"--[no]{flag}" in help_text
+
+
+def test_killed_run_resumes_to_identical_output(tmp_path):
+    """SIGKILL a real tfbig-prep process mid-run, rerun, compare with an uninterrupted run."""
+    flags = ["--seq_length=64", "--vocab_size=1000", "--shard_size_mb=0.03", "--num_workers=1"]
+    killed = str(tmp_path / "killed")
+    process = subprocess.Popen([sys.executable, "-m", "data_prep.prep", f"--output_dir={killed}", *flags],
+                               cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and process.poll() is None:
+        done = [n for n in os.listdir(killed) if n.endswith(".done")] if os.path.isdir(killed) else []
+        if len(done) >= 3:
+            break
+        time.sleep(0.005)
+    process.kill()
+    process.wait()
+    assert not os.path.exists(os.path.join(killed, "manifest.json")), "the run ended before it could be killed"
+    survivors = {n: os.stat(os.path.join(killed, n[:-5])).st_mtime_ns
+                 for n in os.listdir(killed) if n.endswith(".done")}
+    resumed = prepare(None, killed, 64, 1000, 0.03).to_json()
+    assert resumed == prepare(None, str(tmp_path / "clean"), 64, 1000, 0.03).to_json()
+    assert {n: os.stat(os.path.join(killed, n[:-5])).st_mtime_ns for n in survivors} == survivors
+    assert not [n for n in os.listdir(killed) if n.endswith(".tmp")]
