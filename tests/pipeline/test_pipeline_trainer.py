@@ -1,0 +1,93 @@
+"""--strategy=pipeline through the one training loop, against the single-device run."""
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from test_trainer import assert_weights_close, make_cfg, weights  # noqa: E402
+
+from tfbig.trainer import Trainer  # noqa: E402
+
+# Clipping at 0.5 is active, so a gradient summed instead of averaged over micro-batches
+# (or a micro-batch counted twice) would change the weights.
+RUN = dict(max_steps=4, batch_size=8, grad_clip_norm=0.5, dropout=0.0, hidden_size=16,
+           num_heads=2, eval_steps=2)
+
+
+def pipeline_trainer(gpt_data, model_dir, pipeline=None, **train):
+    cfg = make_cfg(gpt_data, model_dir, strategy="pipeline", **{**RUN, **train})
+    for key, value in (pipeline or {}).items():
+        setattr(cfg.pipeline, key, value)
+    return Trainer(cfg)
+
+
+@pytest.fixture(scope="module")
+def single(gpt_data, tmp_path_factory):
+    """The single-device reference run: (weights, summary)."""
+    trainer = Trainer(make_cfg(gpt_data, tmp_path_factory.mktemp("single"), **RUN))
+    summary = trainer.fit()
+    return weights(trainer), summary
+
+
+@pytest.mark.parametrize("pipeline,train", [
+    (dict(pipeline_stages=2, num_microbatches=4, schedule="1f1b"), {}),
+    (dict(pipeline_stages=4, num_microbatches=8, schedule="gpipe",
+          activation_checkpointing=True), {}),
+    (dict(pipeline_stages=2, num_microbatches=4, schedule="1f1b"), dict(grad_accum_steps=2)),
+], ids=["2x4-1f1b", "4x8-gpipe-recompute", "2x4-1f1b-accum2"])
+def test_training_matches_the_single_device_weights(gpt_data, tmp_path, single, capsys,
+                                                    pipeline, train):
+    trainer = pipeline_trainer(gpt_data, tmp_path, pipeline, **train)
+    summary = trainer.fit()
+    single_weights, single_summary = single
+    assert summary["step"] == RUN["max_steps"]
+    assert summary["train"]["grad_norm"] > RUN["grad_clip_norm"]  # clipping is active
+    assert summary["train"]["loss"] == pytest.approx(single_summary["train"]["loss"], rel=1e-5)
+    assert_weights_close(weights(trainer), single_weights, rtol=1e-5, atol=1e-6)
+    if "grad_accum_steps" not in train:  # same eval batches (of batch_size / accum)
+        assert summary["eval"]["loss"] == pytest.approx(single_summary["eval"]["loss"],
+                                                        rel=1e-5)
+    plan = capsys.readouterr().out
+    assert f"pipeline: {pipeline['pipeline_stages']} stages" in plan and "est. memory" in plan
+
+
+def test_xla_compiled_stages_train_like_the_single_device(gpt_data, tmp_path, single):
+    trainer = pipeline_trainer(gpt_data, tmp_path, dict(pipeline_stages=2, num_microbatches=2),
+                               xla=True)
+    trainer.fit()
+    assert_weights_close(weights(trainer), single[0], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_resumed_pipeline_run_equals_uninterrupted(gpt_data, tmp_path):
+    options = dict(pipeline_stages=2, num_microbatches=2, schedule="1f1b")
+    straight = pipeline_trainer(gpt_data, tmp_path / "straight", options, dropout=0.1)
+    straight.fit()
+    first = pipeline_trainer(gpt_data, tmp_path / "resumed", options, dropout=0.1)
+    first.fit(steps=2)
+    second = pipeline_trainer(gpt_data, tmp_path / "resumed", options, dropout=0.1)
+    assert int(second.step.numpy()) == 2
+    second.fit()
+    assert_weights_close(weights(straight), weights(second), rtol=1e-6)
+
+
+def test_a_batch_size_not_divisible_by_microbatches_is_a_clear_error(gpt_data, tmp_path):
+    trainer = pipeline_trainer(gpt_data, tmp_path, dict(pipeline_stages=2, num_microbatches=3))
+    with pytest.raises(ValueError, match=r"a batch of 8 sequences per replica does not split "
+                                         r"into --num_microbatches=3"):
+        trainer.fit()
+
+
+def test_too_many_stages_for_the_devices_names_the_flag(gpt_data, tmp_path):
+    with pytest.raises(RuntimeError, match=r"--pipeline_stages=16 needs 16 logical CPU devices"):
+        pipeline_trainer(gpt_data, tmp_path, dict(pipeline_stages=16))
+
+
+def test_loss_curve_falls_under_the_pipeline(gpt_data, tmp_path):
+    trainer = pipeline_trainer(gpt_data, tmp_path, dict(pipeline_stages=2, num_microbatches=4),
+                               max_steps=30, learning_rate=1e-2, log_every=30, eval_steps=2)
+    first = trainer.evaluate()["loss"]
+    summary = trainer.fit()
+    assert np.isfinite(summary["eval"]["loss"]) and summary["eval"]["loss"] < first - 0.3
