@@ -3,17 +3,23 @@
 
     horovodrun -np 2 -H localhost:2 --gloo python horovod_worker.py PLAN_JSON
 
-PLAN_JSON is a list of runs, each {"name", "config" (tfbig.config.to_dict), "out" (directory),
-and optional "per_rank_model_dir" (rank r trains in MODEL_DIR/rank{r}), "interrupt_at" (fit that
-many steps, then resume with a new Trainer), "poison_rank" (that rank's loss is inf in the first
-step), "steps" (fit this many steps only), "seed_by_rank" (seed + rank), "timeline" (Horovod timeline file of the final fit)}. Each rank writes OUT/NAME.rank{R}.npz: trainable
-weights w0.., optimizer variables o0.., per-step train losses, the learning rates of steps 0..3
-and the final counters; OUT/NAME.rank{R}.pid holds its process id. A run {"post_style": [DATA_DIR,
-MODEL_DIR, OUT_DIR]} runs horovod_post_style.main instead. Runs share one launch because each
-start of TensorFlow costs seconds.
+PLAN_JSON is a list of runs: {"name", "config" (tfbig.config.to_dict), "out" (directory)} plus
+optional keys:
+    per_rank_model_dir  rank r trains in MODEL_DIR/rank{r} (hosts with local disks)
+    interrupt_at        fit that many steps, then resume with a new Trainer
+    poison_rank         that rank's loss is inf in the first step
+    steps               fit this many steps only
+    seed_by_rank        seed + rank: different initial weights before the broadcast
+    sigterm             {"rank", "step"}: that rank sends itself SIGTERM after logging that step
+    timeline            Horovod timeline file of the final fit
+Each rank writes OUT/NAME.rank{R}.npz (trainable weights w0.., optimizer variables o0..,
+per-step train losses and grad norms, the learning rates of steps 0..3, final counters) and
+OUT/NAME.rank{R}.pid. A run {"post_style": [DATA_DIR, MODEL_DIR, OUT_DIR]} runs
+horovod_post_style.main instead. Runs share one launch: each start of TensorFlow costs seconds.
 """
 import json
 import os
+import signal
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -33,13 +39,16 @@ from tfbig.trainer import Trainer  # noqa: E402
 class RecordingLogger(RunLogger):
     """RunLogger that also keeps every train loss, on every rank (the chief still writes)."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, sigterm_at=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.losses = {}
+        self.sigterm_at = sigterm_at
 
     def scalars(self, split, step, values):
         if split == "train":
             self.losses[step] = (values["loss"], values["grad_norm"])
+            if step == self.sigterm_at:  # as a scheduler preempting this one process would
+                os.kill(os.getpid(), signal.SIGTERM)
         super().scalars(split, step, values)
 
 
@@ -68,7 +77,10 @@ def train(run):
         cfg.train.model_dir = os.path.join(cfg.train.model_dir, f"rank{rank}")
     if run.get("seed_by_rank"):  # different initial weights: only the broadcast equalises them
         cfg.train.seed += rank
-    logger = RecordingLogger(cfg.train.model_dir, strategy.is_chief, cfg.train.max_steps)
+    sigterm = run.get("sigterm") or {}
+    sigterm_at = sigterm.get("step") if sigterm.get("rank") == rank else None
+    logger = RecordingLogger(cfg.train.model_dir, strategy.is_chief, cfg.train.max_steps,
+                             sigterm_at=sigterm_at)
     os.makedirs(run["out"], exist_ok=True)
     with open(os.path.join(run["out"], f"{run['name']}.rank{rank}.pid"), "w") as f:
         f.write(str(os.getpid()))  # for tests that signal one rank

@@ -125,6 +125,8 @@ def runs(gpt_data, tmp_path_factory):
         run_entry("fp16_skip", horovod_cfg(gpt_data, root / "fp16skip", scale_lr=True,
                                            precision="mixed_float16"), out, poison_rank=1,
                   seed_by_rank=True),
+        run_entry("preempted", horovod_cfg(gpt_data, root / "preempted", max_steps=6), out,
+                  sigterm={"rank": 1, "step": 2}),
     ]
     os.makedirs(out)
     with open(root / "plan.json", "w") as f:
@@ -156,7 +158,8 @@ def timeline_counts(path):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name", ["plain", "accum", "resumed", "fp16_allreduce", "fp16_skip"])
+@pytest.mark.parametrize("name", ["plain", "accum", "resumed", "fp16_allreduce", "fp16_skip",
+                                  "preempted"])
 def test_ranks_end_with_bit_identical_weights_and_optimizer_state(runs, name):
     first, second = runs[name]
     assert first["num_replicas"] == 2 and first["step"] == second["step"] > 0
@@ -266,6 +269,15 @@ def test_trainer_broadcasts_rank_0_state_to_differently_seeded_ranks(runs):
 
 
 @pytest.mark.multiproc
+def test_sigterm_on_one_rank_stops_every_rank_after_the_same_step(runs):
+    first, second = runs["preempted"]  # rank 1 alone got SIGTERM while logging step 2
+    assert bool(first["preempted"]) and bool(second["preempted"])
+    # The request travels with step 3's gradient allreduce; both stop after step 3.
+    assert int(first["step"]) == int(second["step"]) == 3
+    assert os.path.exists(runs.root / "preempted" / "ckpt-3.index")
+
+
+@pytest.mark.multiproc
 def test_post_style_script_with_the_keras3_helper(runs):
     first, second = runs["post"]
     initial = list(zip(listed(first, "initial"), listed(second, "initial")))
@@ -277,17 +289,70 @@ def test_post_style_script_with_the_keras3_helper(runs):
     assert os.path.exists(runs.root / "post" / "ckpt-1.index")  # rank 0's checkpoint
 
 
+def launch_local(flags, log_path, wait=True):
+    """launch/horovod_local.sh 2 FLAGS: tfbig-train --strategy=horovod on 2 CPU processes."""
+    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
+           "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    log = open(log_path, "w")
+    proc = subprocess.Popen([os.path.join(ROOT, "launch", "horovod_local.sh"), "2", *flags],
+                            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                            start_new_session=True)
+    if wait:
+        try:
+            proc.wait(timeout=TIMEOUT)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    return proc
+
+
+def cli_flags(gpt_data, model_dir, **train):
+    values = {**dict(data_dir=gpt_data, model_dir=model_dir, preset="tiny", num_layers=2,
+                     hidden_size=32, num_heads=4, seq_length=16, batch_size=8, log_every=1,
+                     eval_steps=1, sample_tokens=0, xla=False), **train}
+    return [f"--{k}={v}" for k, v in values.items()]
+
+
+@pytest.mark.multiproc
+def test_tfbig_train_under_the_local_launch_script(gpt_data, tmp_path):
+    model_dir = tmp_path / "run"
+    proc = launch_local(cli_flags(gpt_data, model_dir, max_steps=3, scale_lr=True,
+                                  hvd_fp16_allreduce=True), tmp_path / "log.txt")
+    output = read(tmp_path / "log.txt")
+    assert proc.returncode == 0, output[-5000:]
+    assert "horovodrun -np 2 -H localhost:2 --gloo tfbig-train --strategy=horovod" in output
+    assert "[0]<stdout>:checkpoint:" in output and "[1]<stdout>" not in output
+    assert os.path.exists(model_dir / "ckpt-3.index")
+    with open(model_dir / "config.json") as f:
+        saved = json.load(f)
+    assert saved["train"]["strategy"] == "horovod" and saved["horovod"]["scale_lr"] is True
+
+
+def horovod_rank_pid(rank, marker):
+    """The Python process of Horovod rank `rank` whose command line contains `marker`."""
+    import psutil
+
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if (any(marker in part for part in proc.info["cmdline"] or [])
+                    and "python" in os.path.basename(proc.info["cmdline"][0])
+                    and proc.environ().get("HOROVOD_RANK") == str(rank)):
+                return proc.pid
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return None
+
+
 @pytest.mark.multiproc
 def test_killing_one_rank_fails_the_job_fast(gpt_data, tmp_path):
-    out = tmp_path / "out"
-    cfg = horovod_cfg(gpt_data, tmp_path / "run", max_steps=100000, checkpoint_every=100000)
-    with open(tmp_path / "plan.json", "w") as f:
-        json.dump([run_entry("long", cfg, out)], f)
+    model_dir = str(tmp_path / "run")
     log = tmp_path / "log.txt"
-    proc = horovodrun([WORKER, str(tmp_path / "plan.json")], log, wait=False)
+    proc = launch_local(cli_flags(gpt_data, model_dir, max_steps=100000,
+                                  checkpoint_every=100000), log, wait=False)
     try:
         wait_for(lambda: "step 3/" in read(log), 240, "training to start", proc)
-        victim = int(read(out / "long.rank1.pid"))
+        victim = horovod_rank_pid(1, model_dir)
+        assert victim, "rank 1 not found"
         os.kill(victim, signal.SIGKILL)
         killed = time.monotonic()
         proc.wait(timeout=60)
@@ -309,3 +374,24 @@ def wait_for(predicate, timeout, what, proc):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.2)
+
+
+def dry_run(script, *args):
+    proc = subprocess.run([os.path.join(ROOT, "launch", script), *args], cwd=ROOT,
+                          env={**os.environ, "DRY_RUN": "1"}, capture_output=True, text=True,
+                          timeout=30)
+    return proc.returncode, proc.stderr
+
+
+def test_launch_scripts_count_processes_from_hosts():
+    code, output = dry_run("horovod_multihost.sh", "launch/hostfile.example", "--preset=tiny")
+    assert code == 0, output
+    assert ("+ horovodrun -np 16 -hostfile launch/hostfile.example --gloo tfbig-train "
+            "--strategy=horovod --preset=tiny") in output
+    code, output = dry_run("mpirun.sh", "node1:2,node2:4", "--preset=tiny")
+    assert code == 0 and "+ mpirun -np 6 -H node1:2,node2:4 -bind-to none" in output, output
+    assert output.rstrip().endswith("tfbig-train --strategy=horovod --preset=tiny")
+    code, output = dry_run("mpirun.sh", "launch/hostfile.example")
+    assert code == 0 and "-np 16 -hostfile launch/hostfile.example" in output, output
+    code, output = dry_run("horovod_multihost.sh", "no/such/hostfile")
+    assert code == 2 and "no/such/hostfile not found" in output

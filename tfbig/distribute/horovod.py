@@ -75,18 +75,19 @@ class HorovodStrategy(Strategy):
         """The fp16 loss scale of this step, or None when the loss is not scaled."""
         if self._scale_loss is None:
             return None
-        one = tf.constant(1.0)
-        scale = tf.convert_to_tensor(self._scale_loss(one))
-        return None if scale is one or tf.get_static_value(scale) == 1.0 else scale
+        scale = tf.convert_to_tensor(self._scale_loss(tf.constant(1.0)))
+        return None if tf.get_static_value(scale) == 1.0 else scale  # 1.0: loss not scaled
 
     def all_reduce_gradients(self, grads):
         """Average gradients over processes: one grouped allreduce per optimizer step.
 
-        fp16: gradients are unscaled before averaging (float16 on the wire with
-        --hvd_fp16_allreduce cannot hold loss-scaled values) and scaled back after, so the
-        LossScaleOptimizer sees what it expects. The loss scale is a power of two, so this
-        is exact. A non-finite gradient on any process makes the average non-finite on all
-        of them, so every process skips that step and lowers its loss scale identically.
+        fp16 loss scaling: gradients are unscaled before averaging and scaled back after, so
+        the LossScaleOptimizer sees what it expects; the scale is a power of two, so this is
+        exact in float32. What is averaged then does not depend on the loss scale: with
+        --hvd_fp16_allreduce, loss-scaled values (2**15 x the gradient) would overflow
+        float16 on the wire (the price: unscaled entries below ~6e-5 lose precision there).
+        A non-finite gradient on any process makes the average non-finite on all of them,
+        so every process skips that step and lowers its loss scale identically.
         """
         scale = self._loss_scale()
         if scale is not None:
