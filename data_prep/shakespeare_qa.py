@@ -1,0 +1,190 @@
+"""Embedded QA set: SQuAD-format v1.1 / v2.0 train and dev files built from the Shakespeare plays.
+
+Each context is a stretch of a scene, whole speeches only, as tfbig-prep's embedded corpus spells
+it (speaker name on its own line, then the speech). A question quotes one line of a speech:
+
+    Who says: 'Nay, answer me: stand, and unfold yourself.'?   ->  FRANCISCO
+
+and the answer is the speaker's name as it appears in the context, at the head of that speech.
+The v2.0 files add unanswerable questions (one per two answerable ones, rounded up), quoting
+a line of the same scene that is not in the context. Quoted lines are at least 4 words and
+occur once in their context.
+Dev uses the plays tfbig-prep holds out for validation (tfbig.sources.DEFAULT_VALIDATION_PLAYS),
+so neither pretraining nor fine-tuning has read a dev context. Deterministic for a given seed.
+
+Example:
+    python -m data_prep.shakespeare_qa --output_dir=/tmp/qa
+    # /tmp/qa/shakespeare-qa-v1.1-{train,dev}.json, /tmp/qa/shakespeare-qa-v2.0-{train,dev}.json
+"""
+import json
+import os
+import random
+import re
+
+from absl import app, flags
+
+from tfbig import sources
+
+MIN_WORDS = 4  # a shorter quote ("Ay, my lord.") is rarely unique enough to ask about
+_SPEAKER = re.compile(r"^[A-Z][A-Z'. -]*[A-Z.]$")  # BERNARDO, FIRST CITIZEN, LADY MACBETH
+
+
+def speeches(scene):
+    """Blocks of a scene text (blank-line separated): [(speaker or None, [lines], offset)].
+
+    `offset` is the character offset of the block in `scene`; a block whose first line is
+    an upper-case name is a speech by that speaker, any other block (heading, stage
+    direction) has speaker None.
+    """
+    blocks, offset = [], 0
+    for chunk in re.split(r"(\n\n+)", scene):
+        if chunk.strip() and not chunk.startswith("\n\n"):
+            lines = chunk.rstrip("\n").split("\n")
+            speaker = lines[0] if len(lines) > 1 and _SPEAKER.match(lines[0]) else None
+            blocks.append((speaker, lines, offset))
+        offset += len(chunk)
+    return blocks
+
+
+def contexts(scene, max_chars):
+    """Consecutive runs of whole blocks of about max_chars: [(context text, [blocks])].
+
+    Offsets in the returned blocks are relative to the context text.
+    """
+    out, run = [], []
+    for block in speeches(scene):
+        text = "\n".join(block[1])
+        run_chars = sum(len("\n".join(b[1])) + 2 for b in run)
+        if run and run_chars + len(text) > max_chars:
+            out.append(run)
+            run = []
+        run.append(block)
+    if run:
+        out.append(run)
+    result = []
+    for run in out:
+        start = run[0][2]
+        text = "\n\n".join("\n".join(b[1]) for b in run) + "\n"
+        result.append((text, [(s, lines, off - start) for s, lines, off in run]))
+    return result
+
+
+def _quotable(line, context):
+    return len(line.split()) >= MIN_WORDS and context.count(line) == 1
+
+
+def answerable_questions(context, blocks):
+    """Every (line, speaker, speaker offset) whose line can be asked about in `context`."""
+    found = []
+    for speaker, lines, offset in blocks:
+        if speaker is None:
+            continue
+        for line in lines[1:]:
+            if _quotable(line.strip(), context):
+                found.append((line.strip(), speaker, offset))
+    return found
+
+
+def question(line):
+    return f"Who says: '{line}'?"
+
+
+def _paragraph(context, blocks, scene_lines, rng, prefix, num_questions, with_impossible):
+    candidates = answerable_questions(context, blocks)
+    qas = []
+    for i, (line, speaker, offset) in enumerate(rng.sample(candidates,
+                                                         min(num_questions, len(candidates)))):
+        assert context[offset:offset + len(speaker)] == speaker
+        qa = {"id": f"{prefix}-q{i}", "question": question(line),
+              "answers": [{"text": speaker, "answer_start": offset}]}
+        qas.append({**qa, "is_impossible": False} if with_impossible else qa)
+    if with_impossible and qas:  # one unanswerable per two answerable, rounded up
+        outside = sorted({line for line in scene_lines if line not in context})
+        for i, line in enumerate(rng.sample(outside, min(-(-len(qas) // 2), len(outside)))):
+            qas.append({"id": f"{prefix}-n{i}", "question": question(line), "answers": [],
+                        "is_impossible": True})
+    return {"context": context, "qas": qas} if qas else None
+
+
+def build(plays, version, seed=0, max_chars=300, questions_per_context=2):
+    """A SQuAD-format dict for `plays` (paths of Markdown plays) and version "1.1" or "2.0".
+
+    v2.0 has the same answerable questions as v1.1 (same seed) plus one unanswerable
+    question per two answerable ones in each context (rounded up).
+    """
+    if version not in ("1.1", "2.0"):
+        raise ValueError(f"--version={version!r}: expected 1.1 or 2.0")
+    data = []
+    for path in plays:
+        name = sources.play_name(path)
+        with open(path, encoding="utf-8") as file:
+            scenes = sources.play_scenes(file.read())
+        paragraphs = []
+        for s, scene in enumerate(scenes):
+            scene_lines = [line.strip() for speaker, lines, _ in speeches(scene) if speaker
+                           for line in lines[1:] if len(line.split()) >= MIN_WORDS]
+            for c, (context, blocks) in enumerate(contexts(scene, max_chars)):
+                rng = random.Random(f"{seed}-{name}-{s}-{c}")  # independent of other contexts
+                paragraph = _paragraph(context, blocks, scene_lines, rng, f"{name}-s{s}-c{c}",
+                                       questions_per_context, version == "2.0")
+                if paragraph:
+                    paragraphs.append(paragraph)
+        data.append({"title": name, "paragraphs": paragraphs})
+    return {"version": f"v{version}", "data": data}
+
+
+def split_plays(validation=sources.DEFAULT_VALIDATION_PLAYS):
+    """(train play paths, dev play paths): dev = the plays tfbig-prep holds out."""
+    plays = sources.shakespeare_plays()
+    dev = [p for p in plays if sources.play_name(p) in validation]
+    return [p for p in plays if p not in dev], dev
+
+
+def write_all(output_dir, seed=0, max_chars=300, questions_per_context=2):
+    """Write the four files; returns {(version, split): path}."""
+    os.makedirs(output_dir, exist_ok=True)
+    train, dev = split_plays()
+    paths = {}
+    for version in ("1.1", "2.0"):
+        for split, plays in (("train", train), ("dev", dev)):
+            path = os.path.join(output_dir, f"shakespeare-qa-v{version}-{split}.json")
+            content = build(plays, version, seed, max_chars, questions_per_context)
+            with open(path + ".tmp", "w", encoding="utf-8") as file:
+                json.dump(content, file, ensure_ascii=False)
+            os.replace(path + ".tmp", path)
+            paths[version, split] = path
+    return paths
+
+
+def count_questions(dataset):
+    """(answerable, unanswerable) questions in a SQuAD dict."""
+    qas = [qa for article in dataset["data"] for p in article["paragraphs"] for qa in p["qas"]]
+    impossible = sum(1 for qa in qas if not qa["answers"])
+    return len(qas) - impossible, impossible
+
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("output_dir", "shakespeare-qa", "Where the four JSON files are written.")
+flags.DEFINE_integer("seed", 0, "Seed for the choice of quoted lines.")
+flags.DEFINE_integer("max_chars", 300, "Context length in characters (whole speeches; a "
+                                       "longer single speech is kept whole).")
+flags.DEFINE_integer("questions_per_context", 2, "Answerable questions per context (v2.0 adds "
+                                                  "one unanswerable per two, rounded up).")
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    paths = write_all(FLAGS.output_dir, FLAGS.seed, FLAGS.max_chars, FLAGS.questions_per_context)
+    for (version, split), path in sorted(paths.items()):
+        with open(path, encoding="utf-8") as file:
+            answerable, impossible = count_questions(json.load(file))
+        print(f"{path}: {answerable} answerable, {impossible} unanswerable questions")
+
+
+def run():
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,77 @@
+"""The embedded QA set: deterministic, answers correct and where they say, v2 adds nulls."""
+import json
+import re
+
+from data_prep import shakespeare_qa
+from tfbig import sources
+
+
+def questions(dataset):
+    for article in dataset["data"]:
+        for paragraph in article["paragraphs"]:
+            for qa in paragraph["qas"]:
+                yield paragraph["context"], qa
+
+
+def quoted(qa):
+    return re.fullmatch(r"Who says: '(.*)'\?", qa["question"]).group(1)
+
+
+def speaker_of(context, line):
+    """The speaker heading the speech (blank-line separated block) that holds `line`."""
+    for block in context.split("\n\n"):
+        lines = block.split("\n")
+        if line in lines[1:]:
+            return lines[0]
+    raise AssertionError(line)
+
+
+def test_answers_are_the_speakers_of_the_quoted_lines(qa_sets):
+    for version in ("1.1", "2.0"):
+        count = 0
+        for context, qa in questions(qa_sets[version, "dev"]):
+            line = quoted(qa)
+            if not qa["answers"]:
+                assert line not in context and version == "2.0"
+                continue
+            (answer,) = qa["answers"]
+            start = answer["answer_start"]
+            assert context[start:start + len(answer["text"])] == answer["text"]
+            assert context.count(line) == 1 and len(line.split()) >= 4
+            assert speaker_of(context, line) == answer["text"]
+            assert context[start - 2:start] in ("", "\n\n") or start == 0  # heads its speech
+            count += 1
+        assert count > 300
+
+
+def test_v2_is_v1_plus_about_a_third_unanswerable(qa_sets):
+    v1 = {qa["id"]: qa for _, qa in questions(qa_sets["1.1", "train"])}
+    v2 = {qa["id"]: qa for _, qa in questions(qa_sets["2.0", "train"])}
+    answerable = {qid: qa for qid, qa in v2.items() if qa["answers"]}
+    assert set(answerable) == set(v1)
+    assert all(answerable[q]["answers"] == v1[q]["answers"] for q in v1)
+    share = 1 - len(answerable) / len(v2)
+    assert 0.3 < share < 0.4  # one per two answerable, rounded up
+    assert all(qa["is_impossible"] == (not qa["answers"]) for qa in v2.values())
+
+
+def test_deterministic_and_dev_plays_held_out(qa_play_paths):
+    dev_play = qa_play_paths[1]
+    first = shakespeare_qa.build(dev_play, "2.0", seed=3)
+    assert first == shakespeare_qa.build(dev_play, "2.0", seed=3)
+    assert first != shakespeare_qa.build(dev_play, "2.0", seed=4)
+    train, dev = shakespeare_qa.split_plays()
+    assert {sources.play_name(p) for p in dev} == set(sources.DEFAULT_VALIDATION_PLAYS)
+    assert not set(train) & set(dev) and len(train) + len(dev) == 38
+
+
+def test_writes_squad_files_the_reader_accepts(tmp_path, monkeypatch, qa_play_paths):
+    from tfbig.squad.features import read_squad
+
+    monkeypatch.setattr(shakespeare_qa, "split_plays", lambda: qa_play_paths)
+    paths = shakespeare_qa.write_all(str(tmp_path))
+    for (version, split), path in paths.items():
+        examples, found = read_squad(path)
+        assert found == version and len(examples) > 300
+        with open(path, encoding="utf-8") as file:
+            assert json.load(file)["version"] == f"v{version}"

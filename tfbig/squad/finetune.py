@@ -1,0 +1,150 @@
+"""Fine-tune ALBERT on SQuAD features, and predict start/end logits.
+
+The backbone comes from a tfbig-train ALBERT run directory (config.json, tokenizer.model and
+its latest checkpoint), or is initialised at random with the same configuration (the
+ablation that shows what pretraining is worth). The span head is always new.
+
+Loss: mean of the start and end cross-entropies over the sequence positions (BERT). AdamW
+with linear warmup and linear decay to zero, weight decay off LayerNorm, biases and
+embeddings (tfbig.optim).
+
+Example:
+    config, tokenizer_path = pretrained_config("runs/albert")
+    model = build_model(config, init_checkpoint="runs/albert")
+    history = train(model, features, batch_size=32, num_epochs=2, learning_rate=5e-5)
+    start_logits, end_logits = predict(model, dev_features)
+"""
+import json
+import math
+import os
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfbig.checkpoint import model_variables
+from tfbig.config import TrainConfig
+from tfbig.models.albert import AlbertConfig, AlbertForQuestionAnswering
+from tfbig.optim import build_optimizer
+
+INPUTS = ("input_ids", "segment_ids", "input_mask")
+
+
+def pretrained_config(model_dir):
+    """(AlbertConfig, tokenizer path) of a tfbig-train --model=albert run directory."""
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"--init_checkpoint={model_dir}: no config.json; expected the "
+                         "--model_dir of a tfbig-train --model=albert run")
+    with open(path) as file:
+        saved = json.load(file)
+    if saved.get("model_format") != "albert":
+        raise ValueError(f"--init_checkpoint={model_dir} holds a {saved.get('model_format')!r} "
+                         "model; tfbig-squad fine-tunes ALBERT (tfbig-train --model=albert)")
+    tokenizer = os.path.join(model_dir, "tokenizer.model")
+    if not os.path.isfile(tokenizer):
+        raise ValueError(f"--init_checkpoint={model_dir}: no tokenizer.model next to the "
+                         "checkpoint")
+    return AlbertConfig(**saved["model_config"]), tokenizer
+
+
+def build_model(config, init_checkpoint=None, seed=0):
+    """An AlbertForQuestionAnswering; its backbone restored from `init_checkpoint` (a run
+    directory or checkpoint path) if given, else randomly initialised."""
+    keras.utils.set_random_seed(seed)
+    model = AlbertForQuestionAnswering(config, name="albert_qa")
+    model.build()
+    if init_checkpoint:
+        path = tf.train.latest_checkpoint(init_checkpoint) if os.path.isdir(init_checkpoint) \
+            else init_checkpoint
+        if not path:
+            raise ValueError(f"--init_checkpoint={init_checkpoint}: no checkpoint found")
+        backbone = {name: v for name, v in model_variables(model).items()
+                    if name.startswith("backbone/")}  # the trainer's keys: Keras paths
+        status = tf.train.Checkpoint(model=backbone).restore(path)
+        status.expect_partial().assert_existing_objects_matched()
+    return model
+
+
+def save_model(model, prefix):
+    """Write all of `model`'s weights (the same layout the trainer uses)."""
+    tf.train.Checkpoint(model=model_variables(model)).write(prefix)
+
+
+def restore_model(model, prefix):
+    """Read weights written by `save_model`."""
+    tf.train.Checkpoint(model=model_variables(model)).read(prefix).assert_existing_objects_matched()
+
+
+def _dataset(features, names, batch_size, seed=None, repeat=False):
+    arrays = {name: features.arrays[name] for name in names}
+    dataset = tf.data.Dataset.from_tensor_slices(arrays)
+    if seed is not None:
+        dataset = dataset.shuffle(len(features), seed=seed, reshuffle_each_iteration=True)
+    if repeat:
+        dataset = dataset.repeat()
+    return dataset.batch(batch_size, drop_remainder=repeat).prefetch(tf.data.AUTOTUNE)
+
+
+def span_loss(outputs, batch):
+    """Mean of start and end cross-entropy over positions (float32)."""
+    start = tf.nn.sparse_softmax_cross_entropy_with_logits(batch["start_positions"],
+                                                           outputs["start_logits"])
+    end = tf.nn.sparse_softmax_cross_entropy_with_logits(batch["end_positions"],
+                                                         outputs["end_logits"])
+    return tf.reduce_mean(start + end) / 2.0
+
+
+def train(model, features, batch_size=32, num_epochs=2.0, learning_rate=5e-5,
+          warmup_fraction=0.1, weight_decay=0.01, max_steps=0, seed=0, xla=True,
+          log_every=50, log=print):
+    """Fine-tune `model` on training `features`; returns the list of per-step losses.
+
+    Steps = num_epochs x features / batch_size (or max_steps if > 0).
+    """
+    if len(features) < batch_size:
+        raise ValueError(f"--train_batch_size={batch_size} is above the {len(features)} "
+                         "training features")
+    steps = max_steps or max(1, math.ceil(num_epochs * len(features) / batch_size))
+    settings = TrainConfig(optimizer="adamw", learning_rate=learning_rate, max_steps=steps,
+                           warmup_steps=int(warmup_fraction * steps), lr_schedule="linear",
+                           min_lr_ratio=0.0, weight_decay=weight_decay, beta_2=0.999,
+                           epsilon=1e-6, grad_clip_norm=1.0)
+    unused = {id(v) for v in model.backbone.pooler.weights}  # the span head reads tokens only
+    variables = [v for v in model.trainable_variables if id(v) not in unused]
+    optimizer = build_optimizer(settings, variables)
+
+    @tf.function(jit_compile=xla)
+    def forward_backward(batch):
+        with tf.GradientTape() as tape:
+            loss = span_loss(model({k: batch[k] for k in INPUTS}, training=True), batch)
+        return loss, tape.gradient(loss, variables)
+
+    @tf.function
+    def step(batch):
+        loss, grads = forward_backward(batch)
+        optimizer.apply(grads, variables)
+        return loss
+
+    names = INPUTS + ("start_positions", "end_positions")
+    batches = iter(_dataset(features, names, batch_size, seed=seed, repeat=True))
+    losses, start = [], time.perf_counter()
+    for index in range(steps):
+        losses.append(float(step(next(batches))))
+        if log and ((index + 1) % log_every == 0 or index + 1 == steps):
+            recent = np.mean(losses[-log_every:])
+            log(f"step {index + 1}/{steps} | loss {recent:.4f} | "
+                f"{(index + 1) * batch_size / (time.perf_counter() - start):.1f} features/s")
+    return losses
+
+
+def predict(model, features, batch_size=64, xla=True):
+    """(start_logits, end_logits), float32 numpy arrays of shape (num_features, T)."""
+    forward = tf.function(lambda batch: model(batch, training=False), jit_compile=xla)
+    starts, ends = [], []
+    for batch in _dataset(features, INPUTS, batch_size):
+        out = forward(batch)
+        starts.append(out["start_logits"].numpy())
+        ends.append(out["end_logits"].numpy())
+    return np.concatenate(starts), np.concatenate(ends)
