@@ -101,6 +101,10 @@ class AlbertTask:
             lambda index, batch: masking(batch, tf.stack([tf.constant(key, tf.int64), index])),
             num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
 
+    def flops_per_token(self):
+        """Model training FLOPs per token at this task's seq_length (for MFU)."""
+        return self.model_config.flops_per_token(self.seq_length)
+
     def model_inputs(self, batch):
         return {name: batch[name] for name in ("input_ids", "segment_ids", "input_mask",
                                                "masked_lm_positions")}
