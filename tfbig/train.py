@@ -23,6 +23,8 @@ PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM: schedulers (TFJob ExitCode policy) r
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}; every option is a --flag")
+    if flags.FLAGS.model == "albert" and not flags.FLAGS["optimizer"].present:
+        flags.FLAGS.optimizer = "lamb"  # ALBERT's recipe (Lan et al. 2019); GPT keeps adamw
     from tfbig.trainer import Trainer
 
     trainer = Trainer(config_lib.from_flags(flags.FLAGS))
