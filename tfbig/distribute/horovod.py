@@ -19,11 +19,11 @@ Example:
 """
 import contextlib
 
-import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from tfbig.config import HorovodConfig
-from tfbig.distribute import horovod_keras
+from tfbig.distribute import horovod_keras  # first: a clear error if Horovod is missing
+from tfbig.distribute.horovod_keras import hvd
 from tfbig.distribute.base import Strategy
 
 

@@ -33,8 +33,15 @@ style of the Horovod examples uses them directly:
 Every collective takes a `process_set` (default: all processes), so a caller can average over
 one group of ranks only, e.g. the data-parallel replicas of one pipeline stage.
 """
-import horovod.tensorflow as hvd
 import tensorflow as tf
+
+try:
+    import horovod.tensorflow as hvd
+except ImportError as error:  # pragma: no cover - depends on the installation
+    raise ImportError(
+        "--strategy=horovod and tfbig.distribute.horovod_keras need Horovod built for "
+        "TensorFlow: run ./install.sh (it builds Horovod 0.28.1 against TF 2.20), or "
+        "HOROVOD_WITH_TENSORFLOW=1 pip install horovod[tensorflow]") from error
 
 
 def init(pin_gpu=True, **init_kwargs):
