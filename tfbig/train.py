@@ -25,10 +25,19 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments {argv[1:]}; every option is a --flag")
     if flags.FLAGS.model == "albert" and not flags.FLAGS["optimizer"].present:
         flags.FLAGS.optimizer = "lamb"  # ALBERT's recipe (Lan et al. 2019); GPT keeps adamw
+    import tensorflow as tf
+
     from tfbig.trainer import Trainer
 
-    trainer = Trainer(config_lib.from_flags(flags.FLAGS))
-    summary = trainer.fit()
+    cfg = config_lib.from_flags(flags.FLAGS)
+    try:
+        trainer = Trainer(cfg)
+        summary = trainer.fit()
+    except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError) as error:
+        message = _peer_failure(error, cfg.train.model_dir)
+        if not message:
+            raise
+        sys.exit(message)
     if summary.get("preempted"):  # checkpoint saved; the next start resumes from it
         trainer.strategy.shutdown()
         sys.exit(PREEMPTED_EXIT_CODE)
@@ -43,6 +52,20 @@ def main(argv):
                                seed=trainer.cfg.train.seed)
             print("sample:\n" + text)
     trainer.strategy.shutdown()
+
+
+def _peer_failure(error, model_dir):
+    """One clear message for a collective that failed because another worker died or hung
+    (None if `error` is not about other workers)."""
+    lines = [line.strip() for line in str(error.message).splitlines()]
+    cause = [line for line in lines if not line.startswith("Detected at") and any(
+        key in line for key in ("Collective", "unhealthy", "remote target", "/job:"))][:3]
+    if not cause:
+        return None
+    return (f"{type(error).__name__}: {' | '.join(cause)}\n"
+            "tfbig-train: stopped because another worker died, hung or became unreachable "
+            "during a collective (see its log; a hung one fails after --collective_timeout). "
+            f"Start the job again to resume from the last checkpoint in --model_dir={model_dir}.")
 
 
 def run():

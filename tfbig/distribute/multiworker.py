@@ -42,16 +42,29 @@ def _require_gpus(flag_value):
                          "use --collective=auto or ring on CPU")
 
 
+class _SlurmCPUResolver(tf.distribute.cluster_resolver.SlurmClusterResolver):
+    """SlurmClusterResolver for nodes without GPUs. TF's lays tasks out one per slice of a
+    node's GPUs, which fails with zero GPUs; here each task gets a nominal slot of one, and
+    the resolver reports no accelerators, so every worker uses its CPU."""
+
+    def __init__(self, port_base):
+        super().__init__(port_base=port_base, gpus_per_node=1 << 12, gpus_per_task=1,
+                         auto_set_gpu=False)
+
+    def num_accelerators(self, task_type=None, task_id=None, config_proto=None):
+        return {}
+
+
 def slurm_resolver():
     """The cluster of this srun job step: one worker per task, GPUs split among a node's tasks.
 
     Ports are SLURM_PORT_BASE + the task's index on its node, where the base comes from the job
     id, so two jobs sharing a node do not collide.
     """
-    job = int(os.environ.get("SLURM_JOB_ID", "0"))
-    has_gpus = "CUDA_VISIBLE_DEVICES" in os.environ or shutil.which("nvidia-smi")
-    return tf.distribute.cluster_resolver.SlurmClusterResolver(
-        port_base=SLURM_PORT_BASE + job % SLURM_PORT_SPAN, gpus_per_node=None if has_gpus else 0)
+    port_base = SLURM_PORT_BASE + int(os.environ.get("SLURM_JOB_ID", "0")) % SLURM_PORT_SPAN
+    if "CUDA_VISIBLE_DEVICES" in os.environ or shutil.which("nvidia-smi"):
+        return tf.distribute.cluster_resolver.SlurmClusterResolver(port_base=port_base)
+    return _SlurmCPUResolver(port_base)
 
 
 def cluster_resolver(kind):
