@@ -55,13 +55,10 @@ class Stage:
         self.shared = [v for v in unique.values() if not _on_device(v, device)]
         self.variables = self.own + self.shared
         self.rng_state = [v for layer in layers for v in layer.rng_state]
-        # One function per stage, called once per micro-batch and kept a call (not inlined):
-        # the step's graph stays small, so it is traced and optimised quickly.
-        attributes = None if jit_compile else {"_noinline": True}
-        self._run = tf.function(self._call, jit_compile=jit_compile, autograph=False,
-                                experimental_attributes=attributes)
-        self._infer = tf.function(self._evaluate, jit_compile=jit_compile, autograph=False,
-                                  experimental_attributes=attributes)
+        # One function per stage, traced once and called once per micro-batch. Without XLA it
+        # is inlined into the step (function calls kept as calls do not run concurrently).
+        self._run = tf.function(self._call, jit_compile=jit_compile, autograph=False)
+        self._infer = tf.function(self._evaluate, jit_compile=jit_compile, autograph=False)
         self.peak_live = 0
 
     # ---- the computation (XLA-compiled with --xla) ------------------------------------------
@@ -92,6 +89,13 @@ class Stage:
     def _read(self, variables):
         return [tf.identity(v.value) for v in variables]  # copied onto this stage's device
 
+    def _shared_values(self):
+        """The off-device weights, read once per step: ops touching a variable run in program
+        order inside a tf.function, so a read per micro-batch would serialise the stages."""
+        if self._shared is None:
+            self._shared = self._read(self.shared)
+        return self._shared
+
     # ---- per step ---------------------------------------------------------------------------
     def begin_step(self, scale_loss, num_microbatches):
         """Forget the previous trace's state; called once at the start of every traced step."""
@@ -99,6 +103,7 @@ class Stage:
         self._num_microbatches = num_microbatches
         self._stash = {}
         self._previous = []  # outputs of this stage's last op: the next op waits for them
+        self._shared = None
         self.gradient_sums = {}
         self.peak_live = 0
 
@@ -115,11 +120,11 @@ class Stage:
             x = self._after_previous(x)
             rng = self._read(self.rng_state)
             if self.checkpointing:
-                out, new_rng = self._run(x, micro_batch, self._read(self.shared), rng)
+                out, new_rng = self._run(x, micro_batch, self._shared_values(), rng)
                 self._stash[microbatch] = (x, micro_batch, rng)
             else:
                 with tf.GradientTape() as tape:
-                    shared = self._read(self.shared)
+                    shared = self._shared_values()
                     tape.watch(_float_leaves(x) + shared)
                     out, new_rng = self._run(x, micro_batch, shared, rng)
                 self._stash[microbatch] = (tape, x, shared, out)
@@ -138,7 +143,7 @@ class Stage:
                 x, micro_batch, rng = self._stash.pop(microbatch)
                 x = self._after_previous(x)  # in schedule order, not ahead of it
                 with tf.GradientTape() as tape:
-                    shared = self._read(self.shared)
+                    shared = self._shared_values()
                     tape.watch(_float_leaves(x) + shared)
                     out, _ = self._run(x, micro_batch, shared, rng)
             else:
@@ -154,7 +159,7 @@ class Stage:
     def infer(self, x, micro_batch):
         """Inference forward (no stash, no dropout); the last stage gives (outputs, loss, metrics)."""
         with tf.device(self.device):
-            out = self._infer(self._after_previous(x), micro_batch, self._read(self.shared),
+            out = self._infer(self._after_previous(x), micro_batch, self._shared_values(),
                               self._read(self.rng_state))
             self._previous = tf.nest.flatten(out)
         return out
