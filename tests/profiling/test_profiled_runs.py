@@ -166,3 +166,38 @@ def test_report_renders_charts_with_content(normal_run, tmp_path):
 def test_report_on_a_directory_without_profile_is_a_clear_error(tmp_path, capsys):
     assert report.main(["report", str(tmp_path)]) == 2
     assert "not a run directory of tfbig-train" in capsys.readouterr().err
+
+
+MIRRORED_RUN = """
+import json, sys
+import tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+sys.path.insert(0, {tests!r})
+from test_trainer import make_cfg
+from tfbig.trainer import Trainer
+cfg = make_cfg({data!r}, {model_dir!r}, strategy="mirrored", deterministic=False, max_steps=6,
+               log_every=6, eval_steps=1)
+cfg.profile.monitor_interval_ms = 0
+trainer = Trainer(cfg)
+print("RESULT " + json.dumps({{"replicas": trainer.strategy.num_replicas,
+                               "train": trainer.fit()["train"]}}))
+"""
+
+
+@pytest.mark.slow  # a fresh TF process with 2 logical CPUs: ~30 s alone, minutes when busy
+def test_two_replica_run_reports_its_gradient_communication(gpt_data, tmp_path):
+    """MirroredStrategy over 2 logical CPUs: the surface times its all-reduce in the graph."""
+    import subprocess
+
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = MIRRORED_RUN.format(tests=tests, data=gpt_data, model_dir=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.split("RESULT ", 1)[1])
+    assert result["replicas"] == 2
+    assert 0.0 < result["train"]["time_fraction/communication"] < 1.0
+    with open(os.path.join(tmp_path, "profile", "steps.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    assert all(r["communication"] > 0 for r in records if not r.get("warmup"))

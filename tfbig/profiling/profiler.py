@@ -70,7 +70,9 @@ class RunProfiler:
       tokens_per_step, sequences_per_step: global, per optimizer step.
       flops_per_token: model training FLOPs per token (None: no TFLOP/s or MFU).
       precision: --precision, picks the peak.
-      num_devices: devices the step runs on (MFU is over all of them).
+      num_devices: devices the step runs on (MFU is over all of them). A CPU peak measured
+        by the probe is the whole host's, which its replicas share: MFU then counts one
+        device (one host; multi-host CPU runs are not normalised).
     """
 
     def __init__(self, cfg, model_dir, *, enabled=True, tokens_per_step, sequences_per_step,
@@ -116,7 +118,7 @@ class RunProfiler:
         peak, source = self.peak()
         with open(self._path("run.json"), "w") as f:
             json.dump({"peak_flops_per_device": peak, "peak_source": source,
-                       "num_devices": self.num_devices, "precision": self.precision,
+                       "num_devices": self._mfu_devices(), "precision": self.precision,
                        "flops_per_token": self.flops_per_token,
                        "tokens_per_step": self.tokens_per_step,
                        "sequences_per_step": self.sequences_per_step,
@@ -138,6 +140,10 @@ class RunProfiler:
             self._write_steps(self.timer.window()["step_records"])
             self._steps_file.close()
             self._steps_file = None
+
+    def _mfu_devices(self):
+        _, source = self.peak()
+        return 1 if source and source.startswith("measured:cpu") else self.num_devices
 
     def peak(self):
         """(peak FLOP/s of one device, source), or (None, None) without FLOPs to compare."""
@@ -181,7 +187,7 @@ class RunProfiler:
         if self.flops_per_token:
             values["tflops"] = self.flops_per_token * tokens_per_sec / 1e12
         if peak:
-            values["mfu"] = self.flops_per_token * tokens_per_sec / (peak * self.num_devices)
+            values["mfu"] = self.flops_per_token * tokens_per_sec / (peak * self._mfu_devices())
         for phase in PHASES:
             values[f"time_fraction/{phase}"] = window["seconds"][phase] / seconds
         return values
