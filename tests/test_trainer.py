@@ -142,3 +142,17 @@ def test_exported_savedmodel_equals_the_trained_model(gpt_data, tmp_path):
     assert os.path.exists(os.path.join(out, "assets", "tokenizer.model"))
     with pytest.raises(FileExistsError, match="exists; choose a new directory"):
         export(str(tmp_path / "run"), out)
+
+
+@pytest.mark.parametrize("section,flag,value,message", [
+    ("horovod", "scale_lr", True, "--scale_lr=True has no effect with --strategy=single"),
+    ("pipeline", "num_microbatches", 8, "--num_microbatches=8 has no effect with --strategy=single"),
+    ("multiworker", "collective", "ring", "it applies to --strategy=multiworker or mirrored"),
+    ("albert", "dynamic_masking", True, "--dynamic_masking=True has no effect with --model=gpt"),
+])
+def test_flags_of_another_backend_are_refused(gpt_data, tmp_path, section, flag, value, message):
+    cfg = make_cfg(gpt_data, tmp_path)
+    setattr(getattr(cfg, section), flag, value)
+    with pytest.raises(ValueError, match=message):
+        Trainer(cfg)
+    assert not os.path.exists(tmp_path / "config.json")  # refused before touching the run dir

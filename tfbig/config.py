@@ -70,6 +70,20 @@ class TrainConfig:
 
 
 @dataclasses.dataclass
+class MultiWorkerConfig:
+    """tf.distribute options of --strategy=multiworker (MultiWorkerMirroredStrategy) and
+    --strategy=mirrored (MirroredStrategy, one host)."""
+
+    collective: str = field("auto", "All-reduce implementation: auto | ring (CPU or GPU) | "
+                                    "nccl (GPUs only).")
+    collective_timeout: float = field(600.0, "Seconds a collective may wait for the other "
+                                             "workers before the run fails (0: forever).")
+    cluster_resolver: str = field("auto", "Where --strategy=multiworker finds its cluster: "
+                                          "auto (TF_CONFIG, else Slurm under srun, else this "
+                                          "process alone) | tf_config | slurm.")
+
+
+@dataclasses.dataclass
 class AlbertTrainConfig:
     """ALBERT pretraining options (--model=albert); the masking of the shards is set by tfbig-prep."""
 
@@ -85,17 +99,15 @@ class AlbertTrainConfig:
 
 
 @dataclasses.dataclass
-class MultiWorkerConfig:
-    """tf.distribute options of --strategy=multiworker (MultiWorkerMirroredStrategy) and
-    --strategy=mirrored (MirroredStrategy, one host)."""
+class HorovodConfig:
+    """Options of --strategy=horovod (one process per device, started by horovodrun/mpirun)."""
 
-    collective: str = field("auto", "All-reduce implementation: auto | ring (CPU or GPU) | "
-                                    "nccl (GPUs only).")
-    collective_timeout: float = field(600.0, "Seconds a collective may wait for the other "
-                                             "workers before the run fails (0: forever).")
-    cluster_resolver: str = field("auto", "Where --strategy=multiworker finds its cluster: "
-                                          "auto (TF_CONFIG, else Slurm under srun, else this "
-                                          "process alone) | tf_config | slurm.")
+    scale_lr: bool = field(False, "Horovod: multiply --learning_rate by the number of processes "
+                                  "(the linear scaling rule, for a --batch_size that grows "
+                                  "with them).")
+    hvd_fp16_allreduce: bool = field(False, "Horovod: send gradients as float16 in the "
+                                            "allreduce (half the bytes; averaged in float32 "
+                                            "otherwise).")
 
 
 @dataclasses.dataclass
@@ -109,18 +121,6 @@ class ProfileConfig:
                                    "empty: none.")
     peak_tflops: float = field(0.0, "Peak TFLOP/s of one device for MFU (0: the table for "
                                     "V100/A100/H100/H200, else a CPU matmul probe at start).")
-
-
-@dataclasses.dataclass
-class HorovodConfig:
-    """Options of --strategy=horovod (one process per device, started by horovodrun/mpirun)."""
-
-    scale_lr: bool = field(False, "Horovod: multiply --learning_rate by the number of processes "
-                                  "(the linear scaling rule, for a --batch_size that grows "
-                                  "with them).")
-    hvd_fp16_allreduce: bool = field(False, "Horovod: send gradients as float16 in the "
-                                            "allreduce (half the bytes; averaged in float32 "
-                                            "otherwise).")
 
 
 @dataclasses.dataclass
@@ -150,12 +150,35 @@ class ExperimentConfig:
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
     profile: ProfileConfig = dataclasses.field(default_factory=ProfileConfig)
-    multiworker: MultiWorkerConfig = dataclasses.field(default_factory=MultiWorkerConfig)
     albert: AlbertTrainConfig = dataclasses.field(default_factory=AlbertTrainConfig)
+    multiworker: MultiWorkerConfig = dataclasses.field(default_factory=MultiWorkerConfig)
     horovod: HorovodConfig = dataclasses.field(default_factory=HorovodConfig)
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(ExperimentConfig)}
+
+
+def _applicability():
+    """flag -> (the TrainConfig field that decides, values under which the flag is read)."""
+    rules = {"scale_lr": ("strategy", ("horovod",)),
+             "hvd_fp16_allreduce": ("strategy", ("horovod", "pipeline"))}
+    for section, key, allowed in ((PipelineConfig, "strategy", ("pipeline",)),
+                                  (MultiWorkerConfig, "strategy", ("multiworker", "mirrored")),
+                                  (AlbertTrainConfig, "model", ("albert",))):
+        rules.update({f.name: (key, allowed) for f in dataclasses.fields(section)})
+    return rules
+
+
+def check_applicable(cfg):
+    """Refuse a flag set away from its default where nothing reads it (it would do nothing)."""
+    values = {f.name: (getattr(getattr(cfg, name), f.name), f.default)
+              for name, section in SECTIONS.items() for f in dataclasses.fields(section)}
+    for flag, (key, allowed) in _applicability().items():
+        value, default = values[flag]
+        chosen = getattr(cfg.train, key)
+        if value != default and chosen not in allowed:
+            raise ValueError(f"--{flag}={value} has no effect with --{key}={chosen}; it applies "
+                             f"to --{key}={' or '.join(allowed)}")
 
 
 def define_flags(flag_values=None):

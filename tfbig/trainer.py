@@ -57,6 +57,7 @@ class Trainer:
     def __init__(self, cfg, strategy=None, task=None, logger=None):
         self.cfg = cfg
         t = cfg.train
+        config_lib.check_applicable(cfg)
         set_precision(t.precision)
         keras.utils.set_random_seed(t.seed)
         if t.deterministic:
