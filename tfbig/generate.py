@@ -44,6 +44,8 @@ class Generator:
 
     def __init__(self, model, jit_compile=True):
         self.model = model
+        # XLA compiles for one device: a model split over devices (pipeline stages) runs unjitted.
+        jit_compile = jit_compile and len({v.value.device for v in model.trainable_variables}) < 2
         self._prefill = tf.function(model.call_with_cache, jit_compile=jit_compile)
         self._decode = tf.function(model.call_with_cache, jit_compile=jit_compile)
 

@@ -171,6 +171,9 @@ class PipelineStrategy(Strategy):
         `jit_compile` each stage's computation is XLA-compiled on its own device.
         """
         self._scale_loss = scale_loss
+        if jit_compile and "CPU" in self.devices[-1] and len(self.devices) > 1 and self.is_chief:
+            print("pipeline: XLA-compiled stages on CPU devices run one at a time (XLA's CPU "
+                  "runtime); use --noxla for stages that overlap", flush=True)
         stages = self.make_stages(jit_compile)
         self.stages = stages  # for inspection: peak_live, gradient_sums of the last trace
         num_micro = self.options.num_microbatches
