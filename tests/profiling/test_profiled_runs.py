@@ -90,7 +90,8 @@ def test_interval_logs_throughput_mfu_and_breakdown(normal_run):
     tokens_per_step = 32 * trainer.task.seq_length
     assert train["tokens_per_sec"] == pytest.approx(
         tokens_per_step / (train["step_time_ms"] / 1000.0), rel=1e-6)
-    assert train["sequences_per_sec"] == pytest.approx(train["tokens_per_sec"] / trainer.task.seq_length)
+    assert train["sequences_per_sec"] == pytest.approx(
+        train["tokens_per_sec"] / trainer.task.seq_length)
     flops = trainer.task.model_config.flops_per_token(trainer.task.seq_length)
     assert train["tflops"] == pytest.approx(flops * train["tokens_per_sec"] / 1e12)
     with open(os.path.join(model_dir, "profile", "run.json")) as f:

@@ -119,6 +119,7 @@ def summarize(run):
         "swap_growth": (max(swap) - min(swap)) if swap else 0.0,
         "gpu_memory_max": max((g["memory_used_mb"] / g["memory_total_mb"] for g in gpus),
                               default=0.0),
+        "compile_seconds": sum(w["total"] for w in run.warmup),
         "samples": len(run.samples),
         "monitor_overhead": _monitor_overhead(run.samples),
     }
@@ -140,10 +141,11 @@ def _input_finding(run, s):
     swinging = s["util_std"] > SWING_POINTS and s["iowait_mean"] > HIGH_IOWAIT
     if share <= INPUT_WAIT_LIMIT and not swinging:
         return None
-    evidence = [f"waiting for input: {share:.1%} of step time, limit {INPUT_WAIT_LIMIT:.0%} "
-                f"(all steps: {s['shares']['input']:.1%} = {s['step_ms'] * s['shares']['input']:.1f}"
-                f" of {s['step_ms']:.1f} ms per step; without the {s['input_steps_dropped']} "
-                f"longest wait(s): {share:.1%})",
+    every = s["shares"]["input"]
+    evidence = [f"waiting for input: {share:.1%} of step time without the "
+                f"{s['input_steps_dropped']} longest wait(s), limit {INPUT_WAIT_LIMIT:.0%} "
+                f"(all steps: {every:.1%}, {s['step_ms'] * every:.1f} of {s['step_ms']:.1f} ms "
+                f"per step)",
                 f"{s['device']} utilisation {s['util_mean']:.0f}% ± {s['util_std']:.0f} points, "
                 f"I/O wait {s['iowait_mean']:.1f}%, disk reads "
                 f"{s['disk_read_mb_per_sec']:.1f} MB/s"]
@@ -219,9 +221,9 @@ def _compute_finding(run, s):
     advice = []
     if not _train(run, "xla", True):
         advice.append("compile the step with XLA: --xla")
-    if _train(run, "precision", "fp32") == "fp32":
-        advice.append("mixed precision: --precision=mixed_bfloat16 (A100/H100, recent CPUs) "
-                      "or mixed_float16 (V100)")
+    if _train(run, "precision", "fp32") == "fp32" and s["device"] == "GPU":
+        advice.append("mixed precision: --precision=mixed_bfloat16 (A100/H100) or "
+                      "mixed_float16 (V100) for the tensor cores")
     if mfu is not None and mfu < 0.3:
         advice.append(f"MFU {mfu:.0%} is low: small matmuls waste the device — a larger "
                       f"per-device batch or sequence length gives it bigger blocks of work")

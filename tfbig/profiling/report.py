@@ -33,58 +33,67 @@ def _origin(run):
     return min(times) if times else 0.0
 
 
+def _cpu_panel(ax, run, seconds, t0):
+    cores = list(zip(*[s["cpu_percent"] for s in run.samples]))
+    for i, core in enumerate(cores):
+        ax.plot(seconds, core, lw=0.6, alpha=0.5, label="per core" if i == 0 else None)
+    ax.plot(seconds, [s["cpu_mean"] for s in run.samples], lw=2, label="mean")
+    ax.plot(seconds, [s["iowait_percent"] for s in run.samples], "--", label="I/O wait")
+    ax.set_ylabel("CPU %")
+    ax.set_ylim(0, 105)
+
+
+def _gpu_panel(ax, run, seconds, t0):
+    for index in sorted({g["index"] for s in run.samples for g in s["gpus"]}):
+        gpu = [(x, g) for x, s in zip(seconds, run.samples) for g in s["gpus"]
+               if g["index"] == index]
+        x = [x for x, _ in gpu]
+        ax.plot(x, [g["utilization_percent"] for _, g in gpu], label=f"GPU {index} util")
+        ax.plot(x, [100 * g["memory_used_mb"] / g["memory_total_mb"] for _, g in gpu], ":",
+                label=f"GPU {index} memory")
+    ax.set_ylabel("GPU %")
+    ax.set_ylim(0, 105)
+
+
+def _memory_panel(ax, run, seconds, t0):
+    ax.plot(seconds, [s["process_rss_mb"] for s in run.samples], label="process RSS")
+    ax.set_ylabel("MB")
+    host = ax.twinx()
+    host.plot(seconds, [s["memory_used_percent"] for s in run.samples], "--",
+              color="tab:purple", label="host used %")
+    host.set_ylabel("host %")
+    host.set_ylim(0, 105)
+
+
+def _io_panel(ax, run, seconds, t0):
+    ax.plot(seconds, [s["disk_read_mb_per_sec"] for s in run.samples], label="disk reads")
+    ax.plot(seconds, [s["process_read_mb_per_sec"] for s in run.samples],
+            label="process reads (incl. page cache)")
+    ax.set_ylabel("MB/s")
+
+
+def _steps_panel(ax, run, seconds, t0):
+    x = [s["time"] - t0 for s in run.steps]
+    ax.plot(x, [1000 * s["total"] for s in run.steps], ".-", ms=3, lw=0.8, label="step time")
+    ax.plot(x, [1000 * s["input"] for s in run.steps], ".", ms=3, color=PHASE_COLORS["input"],
+            label="input wait")
+    for warm in run.warmup:  # the first step of each session compiles
+        ax.axvspan(warm["time"] - t0 - warm["total"], warm["time"] - t0, color="tab:gray",
+                   alpha=0.2, label="first step (compiles)" if warm is run.warmup[0] else None)
+    ax.set_ylabel("ms")
+
+
 def plot_timeline(run, path):
     """CPU, GPU (if any), memory, I/O and step-time panels over wall-clock seconds."""
     plt = _pyplot()
     t0 = _origin(run)
     seconds = [s["time"] - t0 for s in run.samples]
     has_gpu = any(s.get("gpus") for s in run.samples)
-    panels = ["cpu"] + (["gpu"] if has_gpu else []) + ["memory", "io", "steps"]
+    panels = ([_cpu_panel] + ([_gpu_panel] if has_gpu else [])
+              + [_memory_panel, _io_panel, _steps_panel])
     fig, axes = plt.subplots(len(panels), 1, figsize=(11, 2.3 * len(panels)), sharex=True)
     for ax, panel in zip(axes, panels):
-        if panel == "cpu":
-            cores = list(zip(*[s["cpu_percent"] for s in run.samples])) if run.samples else []
-            for i, core in enumerate(cores):
-                ax.plot(seconds, core, lw=0.6, alpha=0.5, label="per core" if i == 0 else None)
-            ax.plot(seconds, [s["cpu_mean"] for s in run.samples], lw=2, label="mean")
-            ax.plot(seconds, [s["iowait_percent"] for s in run.samples], "--", label="I/O wait")
-            ax.set_ylabel("CPU %")
-            ax.set_ylim(0, 105)
-        elif panel == "gpu":
-            for index in sorted({g["index"] for s in run.samples for g in s["gpus"]}):
-                gpu = [(x, g) for x, s in zip(seconds, run.samples) for g in s["gpus"]
-                       if g["index"] == index]
-                ax.plot([x for x, _ in gpu], [g["utilization_percent"] for _, g in gpu],
-                        label=f"GPU {index} util")
-                ax.plot([x for x, _ in gpu],
-                        [100 * g["memory_used_mb"] / g["memory_total_mb"] for _, g in gpu],
-                        ":", label=f"GPU {index} memory")
-            ax.set_ylabel("GPU %")
-            ax.set_ylim(0, 105)
-        elif panel == "memory":
-            ax.plot(seconds, [s["process_rss_mb"] for s in run.samples], label="process RSS")
-            ax.set_ylabel("MB")
-            twin = ax.twinx()
-            twin.plot(seconds, [s["memory_used_percent"] for s in run.samples], "--",
-                      color="tab:purple", label="host used %")
-            twin.set_ylabel("host %")
-            twin.set_ylim(0, 105)
-        elif panel == "io":
-            ax.plot(seconds, [s["disk_read_mb_per_sec"] for s in run.samples], label="disk reads")
-            ax.plot(seconds, [s["process_read_mb_per_sec"] for s in run.samples],
-                    label="process reads (incl. page cache)")
-            ax.set_ylabel("MB/s")
-        else:
-            x = [s["time"] - t0 for s in run.steps]
-            ax.plot(x, [1000 * s["total"] for s in run.steps], ".-", ms=3, lw=0.8,
-                    label="step time")
-            ax.plot(x, [1000 * s["input"] for s in run.steps], ".", ms=3,
-                    color=PHASE_COLORS["input"], label="input wait")
-            for warm in run.warmup:  # the first step of each session compiles
-                start = warm["time"] - t0 - warm["total"]
-                ax.axvspan(start, warm["time"] - t0, color="tab:gray", alpha=0.2,
-                           label="first step (compiles)" if warm is run.warmup[0] else None)
-            ax.set_ylabel("ms")
+        panel(ax, run, seconds, t0)
         ax.legend(loc="upper right", fontsize=7)
         ax.grid(alpha=0.3)
     axes[0].set_title(f"{run.directory}: system and steps over the run")
@@ -136,6 +145,8 @@ def format_report(summary, findings, charts):
              f"{s['tokens_per_sec']:,.0f} tok/s"
              + (f" | MFU {s['mfu']:.1%}" if s["mfu"] is not None else ""),
              "step time: " + ", ".join(f"{p} {s['shares'][p]:.1%}" for p in PHASES)]
+    if s["compile_seconds"]:
+        lines.append(f"first step (compiles, not in the figures): {s['compile_seconds']:.1f} s")
     if s["monitor_overhead"] is not None:
         lines.append(f"system monitor: {s['samples']} samples, its own CPU time "
                      f"{s['monitor_overhead']:.2%} of the run")
