@@ -81,7 +81,7 @@ def test_fine_tune_predict_and_score_v2(pretrained_run, qa_sets, tmp_path):
     assert all(len(candidates) <= 20 for candidates in nbest.values())
     # Predict-only, from the fine-tuned checkpoint, via the console script's code path.
     subprocess.run([sys.executable, "-m", "tfbig.squad.cli", f"--output_dir={out}",
-                    f"--init_checkpoint={pretrained_run}", f"--predict_file={tmp_path / 'dev.json'}",
+                    f"--predict_file={tmp_path / 'dev.json'}",
                     "--max_seq_length=64", "--doc_stride=32", "--max_query_length=24",
                     f"--null_score_diff_threshold={scores['null_score_diff_threshold']}",
                     "--noxla"], check=True, capture_output=True)

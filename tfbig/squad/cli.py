@@ -79,12 +79,18 @@ def _model_config_and_tokenizer(options):
     from tfbig.squad.finetune import pretrained_config
     from tfbig.tokenizer import Tokenizer
 
-    if options.init_checkpoint:
+    saved = os.path.join(options.output_dir, "squad_config.json")
+    if not options.train_file and os.path.isfile(saved):  # predict with a fine-tuned model
+        with open(saved) as file:
+            config = AlbertConfig(**json.load(file)["model_config"])
+        tokenizer_path = os.path.join(options.output_dir, "tokenizer.model")
+    elif options.init_checkpoint:
         config, tokenizer_path = pretrained_config(options.init_checkpoint)
     else:
         if not options.tokenizer:
-            raise ValueError("give --init_checkpoint (a tfbig-train ALBERT run) or --tokenizer "
-                             "(with --preset, for a randomly initialised model)")
+            raise ValueError("give --init_checkpoint (a tfbig-train ALBERT run), --tokenizer "
+                             "(with --preset, for a randomly initialised model), or an "
+                             "--output_dir holding a fine-tuned model")
         tokenizer_path = options.tokenizer
         config = AlbertConfig.from_preset(options.preset, vocab_size=Tokenizer.load(
             tokenizer_path).vocab_size, seq_length=max(options.max_seq_length, 128))
@@ -131,7 +137,8 @@ def fine_tune(options):
         shutil.copyfile(tokenizer.path, os.path.join(options.output_dir, "tokenizer.model"))
         _write_json(options.output_dir, "squad_config.json",
                     {"model_config": dataclasses.asdict(config),
-                     "options": dataclasses.asdict(options)})
+                     "options": {k: None if v != v else v  # NaN (unset) is not JSON
+                                 for k, v in dataclasses.asdict(options).items()}})
     else:
         model = finetune.build_model(config)
         if not tf.io.gfile.exists(checkpoint_prefix + ".index"):

@@ -11,13 +11,14 @@ tokens and draws new token-level masks for every batch (stateless RNG keyed by t
 the batch number, so a resumed run draws the same masks).
 """
 import contextlib
+import dataclasses
 import fcntl
 import os
 
 import tensorflow as tf
 
 from tfbig import data, manifest as manifest_lib
-from tfbig.albert_data import MaskingVocab
+from tfbig.albert_data import MaskingOptions, MaskingVocab
 from tfbig.config import AlbertTrainConfig
 from tfbig.models.albert import AlbertConfig, AlbertForPretraining
 
@@ -66,7 +67,8 @@ class AlbertTask:
         seq_length = self.train.seq_length or 128
         out = prepare.default_data_dir(seq_length=seq_length, vocab_size=8000) + "-albert"
         with _file_lock(out + ".lock"):
-            prepare.prepare(None, out, seq_length=seq_length, format=self.format)
+            prepare.prepare(None, out, seq_length=seq_length, format=self.format,
+                            format_options=dataclasses.asdict(MaskingOptions()))
         return out
 
     def _model_config(self):
