@@ -116,11 +116,12 @@ def test_step_timer_splits_compute_and_communication():
     timer.step_done(3, communication=1.0)  # more than the step: clamped to it
     window = timer.window()
     assert window["steps"] == 3
-    first, _, third = window["step_records"]
-    assert first["input"] == pytest.approx(0.02, abs=0.015)
-    assert first["compute"] == pytest.approx(0.02, abs=0.015)
+    first, _, third = window["step_records"]  # sleeps last at least as long as asked
+    assert 0.02 <= first["input"] < first["total"]
     assert first["communication"] == pytest.approx(0.03)
-    assert third["checkpoint"] == pytest.approx(0.01, abs=0.01) and third["compute"] == 0.0
+    assert first["compute"] >= 0.05 - 0.03 - 1e-6  # the step less its communication
+    assert third["checkpoint"] >= 0.01 and third["compute"] == 0.0  # clamped to the step
+    assert third["communication"] >= 0.01
     assert window["step_seconds"] == pytest.approx(sum(r["total"] for r in window["step_records"]))
     with pytest.raises(ValueError, match="unknown step phase 'io'"):
         with timer.phase("io"):
