@@ -75,6 +75,8 @@ def run_pipeline(strategy, model, batch, jit_compile=False):
 @pytest.mark.parametrize("num_stages", [2, 4])
 def test_loss_and_every_gradient_equal_the_unsplit_model(
         gpt_data, tmp_path, batch, num_stages, num_microbatches, schedule, checkpointing):
+    """... and the live micro-batch activations per stage are counted: 1F1B keeps at most
+    K - s <= K on stage s, GPipe keeps all M on every stage."""
     cfg = pipeline_cfg(gpt_data, tmp_path, pipeline_stages=num_stages, schedule=schedule,
                        num_microbatches=num_microbatches, activation_checkpointing=checkpointing)
     strategy, task, model = build(cfg)
@@ -84,16 +86,12 @@ def test_loss_and_every_gradient_equal_the_unsplit_model(
     assert loss == pytest.approx(ref_loss, rel=1e-5)
     assert float(metrics["loss"]) == pytest.approx(ref_loss, rel=1e-5)
     assert_gradients_equal(model, grads, ref_grads)
-
-
-@pytest.mark.parametrize("schedule,expected", [("1f1b", [4, 3, 2, 1]), ("gpipe", [8, 8, 8, 8])])
-def test_live_microbatch_activations_per_stage(gpt_data, tmp_path, batch, schedule, expected):
-    """1F1B: stage s holds at most K - s <= K micro-batches; GPipe: every stage holds all M."""
-    cfg = pipeline_cfg(gpt_data, tmp_path, pipeline_stages=4, num_microbatches=8,
-                       schedule=schedule)
-    strategy, _, model = build(cfg)
-    run_pipeline(strategy, model, batch)
-    assert [stage.peak_live for stage in strategy.stages] == expected
+    live = [stage.peak_live for stage in strategy.stages]
+    if schedule == "gpipe":
+        assert live == [num_microbatches] * num_stages
+    else:
+        assert live == [min(num_stages - s, num_microbatches) for s in range(num_stages)]
+        assert max(live) <= num_stages
 
 
 def test_recompute_replays_the_dropout_masks(gpt_data, tmp_path, batch):

@@ -34,9 +34,8 @@ def single(gpt_data, tmp_path_factory):
 @pytest.mark.parametrize("pipeline,train", [
     (dict(pipeline_stages=2, num_microbatches=4, schedule="1f1b"), {}),
     (dict(pipeline_stages=4, num_microbatches=8, schedule="gpipe",
-          activation_checkpointing=True), {}),
-    (dict(pipeline_stages=2, num_microbatches=4, schedule="1f1b"), dict(grad_accum_steps=2)),
-], ids=["2x4-1f1b", "4x8-gpipe-recompute", "2x4-1f1b-accum2"])
+          activation_checkpointing=True), dict(grad_accum_steps=2)),
+], ids=["2x4-1f1b", "4x8-gpipe-recompute-accum2"])
 def test_training_matches_the_single_device_weights(gpt_data, tmp_path, single, capsys,
                                                     pipeline, train):
     trainer = pipeline_trainer(gpt_data, tmp_path, pipeline, **train)
@@ -51,13 +50,6 @@ def test_training_matches_the_single_device_weights(gpt_data, tmp_path, single, 
                                                         rel=1e-5)
     plan = capsys.readouterr().out
     assert f"pipeline: {pipeline['pipeline_stages']} stages" in plan and "est. memory" in plan
-
-
-def test_xla_compiled_stages_train_like_the_single_device(gpt_data, tmp_path, single):
-    trainer = pipeline_trainer(gpt_data, tmp_path, dict(pipeline_stages=2, num_microbatches=2),
-                               xla=True)
-    trainer.fit()
-    assert_weights_close(weights(trainer), single[0], rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.slow
@@ -85,9 +77,12 @@ def test_too_many_stages_for_the_devices_names_the_flag(gpt_data, tmp_path):
         pipeline_trainer(gpt_data, tmp_path, dict(pipeline_stages=16))
 
 
-def test_loss_curve_falls_under_the_pipeline(gpt_data, tmp_path):
-    trainer = pipeline_trainer(gpt_data, tmp_path, dict(pipeline_stages=2, num_microbatches=4),
-                               max_steps=30, learning_rate=1e-2, log_every=30, eval_steps=2)
-    first = trainer.evaluate()["loss"]
+def test_fp16_xla_stages_scale_the_loss_and_stay_finite(gpt_data, tmp_path):
+    """fp16's loss scale is a variable on another device than the last stage, which XLA
+    cannot read there: it enters the stage as a tensor."""
+    trainer = pipeline_trainer(gpt_data, tmp_path, dict(pipeline_stages=2, num_microbatches=2),
+                               precision="mixed_float16", xla=True, max_steps=3)
     summary = trainer.fit()
-    assert np.isfinite(summary["eval"]["loss"]) and summary["eval"]["loss"] < first - 0.3
+    assert np.isfinite(summary["train"]["loss"]) and summary["train"]["skipped_steps"] == 0
+    assert trainer.model.blocks[0].attn.qkv.compute_dtype == "float16"
+    assert summary["train"]["loss_scale"] > 1.0

@@ -47,3 +47,9 @@ def stage_devices(num_stages, first=0):
         return [f"/GPU:{first + i}" for i in range(num_stages)]
     configure_cpu_devices(num_stages)  # logical CPUs belong to this process: no offset
     return [f"/device:CPU:{i}" for i in range(num_stages)]
+
+
+def same_device(a, b):
+    """Whether device names `a` and `b` ('/job:localhost/.../device:CPU:1', '/CPU:1') match."""
+    a, b = tf.DeviceSpec.from_string(a), tf.DeviceSpec.from_string(b)
+    return (a.device_type, a.device_index) == (b.device_type, b.device_index)

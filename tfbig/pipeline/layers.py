@@ -21,7 +21,7 @@ from tfbig.models.gpt import GPT, GPTConfig
 
 @dataclasses.dataclass
 class PipeLayer:
-    """One cut-able unit of a model: `call(x, training) -> y` and the modules holding its weights."""
+    """One cut-able unit of a model: `call(x, training) -> y`, the modules owning its weights."""
 
     name: str  # also the Keras name-scope component of the variables it creates
     call: Callable

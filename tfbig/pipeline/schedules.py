@@ -64,8 +64,8 @@ def timeline(ops, forward_time=1.0, backward_time=2.0):
     """{(stage, op): (start, end)} when each stage runs its ops in order as soon as their
     inputs exist. Times are numbers or per-stage lists."""
     num_stages = len(ops)
-    fwd = forward_time if isinstance(forward_time, (list, tuple)) else [forward_time] * num_stages
-    bwd = backward_time if isinstance(backward_time, (list, tuple)) else [backward_time] * num_stages
+    per_stage = lambda t: list(t) if isinstance(t, (list, tuple)) else [t] * num_stages  # noqa
+    fwd, bwd = per_stage(forward_time), per_stage(backward_time)
     times, position, free = {}, [0] * num_stages, [0.0] * num_stages
     while any(position[s] < len(ops[s]) for s in range(num_stages)):
         progressed = False

@@ -28,14 +28,11 @@ Example:
 import keras
 import tensorflow as tf
 
+from tfbig.pipeline.devices import same_device
+
 
 def _float_leaves(nest):
     return [t for t in tf.nest.flatten(nest) if t.dtype.is_floating]
-
-
-def _on_device(variable, device):
-    a, b = tf.DeviceSpec.from_string(variable.value.device), tf.DeviceSpec.from_string(device)
-    return (a.device_type, a.device_index) == (b.device_type, b.device_index)
 
 
 class Stage:
@@ -51,8 +48,8 @@ class Stage:
         self.is_last = is_last
         self.checkpointing = checkpointing
         unique = {id(v): v for layer in layers for v in layer.variables}
-        self.own = [v for v in unique.values() if _on_device(v, device)]
-        self.shared = [v for v in unique.values() if not _on_device(v, device)]
+        self.own = [v for v in unique.values() if same_device(v.value.device, device)]
+        self.shared = [v for v in unique.values() if not same_device(v.value.device, device)]
         self.variables = self.own + self.shared
         self.rng_state = [v for layer in layers for v in layer.rng_state]
         # One function per stage, traced once and called once per micro-batch. Without XLA it
@@ -72,14 +69,14 @@ class Stage:
                 x = layer.call(x, training)
         return x, [scope.get_current_value(v) for v in self.rng_state]
 
-    def _call(self, x, micro_batch, shared, rng):
-        """(stage output, new seed states); the last stage's output is (scaled loss, loss,
-        metrics)."""
+    def _call(self, x, micro_batch, shared, rng, loss_weight):
+        """(stage output, new seed states); the last stage's output is (loss x loss_weight,
+        loss, metrics), loss_weight being the fp16 loss scale / M."""
         x, rng = self._outputs(x, micro_batch, shared, rng, training=True)
         if not self.is_last:
             return x, rng
         loss, metrics = self.task.loss_from_outputs(x, micro_batch)
-        return (self._scale_loss(loss) / self._num_microbatches, loss, metrics), rng
+        return (loss * tf.cast(loss_weight, loss.dtype), loss, metrics), rng
 
     def _evaluate(self, x, micro_batch, shared, rng):
         """Inference output; the last stage's is (outputs, loss, metrics)."""
@@ -88,6 +85,15 @@ class Stage:
 
     def _read(self, variables):
         return [tf.identity(v.value) for v in variables]  # copied onto this stage's device
+
+    def _loss_weight(self):
+        """fp16 loss scale / M, read once per step outside the (maybe XLA) stage function:
+        the loss-scale variable lives on another device. Loss scaling is linear."""
+        if self._weight is None:
+            one = tf.constant(1.0)
+            self._weight = (tf.identity(self._scale_loss(one)) / self._num_microbatches
+                            if self.is_last else one)
+        return self._weight
 
     def _shared_values(self):
         """The off-device weights, read once per step: ops touching a variable run in program
@@ -103,7 +109,7 @@ class Stage:
         self._num_microbatches = num_microbatches
         self._stash = {}
         self._previous = []  # outputs of this stage's last op: the next op waits for them
-        self._shared = None
+        self._shared = self._weight = None
         self.gradient_sums = {}
         self.peak_live = 0
 
@@ -120,13 +126,14 @@ class Stage:
             x = self._after_previous(x)
             rng = self._read(self.rng_state)
             if self.checkpointing:
-                out, new_rng = self._run(x, micro_batch, self._shared_values(), rng)
+                out, new_rng = self._run(x, micro_batch, self._shared_values(), rng,
+                                         self._loss_weight())
                 self._stash[microbatch] = (x, micro_batch, rng)
             else:
                 with tf.GradientTape() as tape:
                     shared = self._shared_values()
                     tape.watch(_float_leaves(x) + shared)
-                    out, new_rng = self._run(x, micro_batch, shared, rng)
+                    out, new_rng = self._run(x, micro_batch, shared, rng, self._loss_weight())
                 self._stash[microbatch] = (tape, x, shared, out)
             for v, value in zip(self.rng_state, new_rng):
                 v.assign(value)
@@ -145,7 +152,7 @@ class Stage:
                 with tf.GradientTape() as tape:
                     shared = self._shared_values()
                     tape.watch(_float_leaves(x) + shared)
-                    out, _ = self._run(x, micro_batch, shared, rng)
+                    out, _ = self._run(x, micro_batch, shared, rng, self._loss_weight())
             else:
                 tape, x, shared, out = self._stash.pop(microbatch)
             targets = [out[0]] if self.is_last else _float_leaves(out)
@@ -157,7 +164,7 @@ class Stage:
         return dx  # aligned with the float leaves of the previous stage's output
 
     def infer(self, x, micro_batch):
-        """Inference forward (no stash, no dropout); the last stage gives (outputs, loss, metrics)."""
+        """Inference forward (no stash, no dropout); the last stage: (outputs, loss, metrics)."""
         with tf.device(self.device):
             out = self._infer(self._after_previous(x), micro_batch, self._shared_values(),
                               self._read(self.rng_state))

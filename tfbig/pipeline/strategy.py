@@ -20,7 +20,7 @@ from tfbig.distribute.base import Strategy
 from tfbig.pipeline import partition as partition_lib
 from tfbig.pipeline import schedules
 from tfbig.pipeline.data_parallel import HorovodGrid, launched_by_horovod
-from tfbig.pipeline.devices import stage_devices
+from tfbig.pipeline.devices import same_device, stage_devices
 from tfbig.pipeline.layers import layer_sequence, layer_specs
 from tfbig.pipeline.stages import Stage
 
@@ -64,11 +64,6 @@ def place_variables(plan, specs, devices):
 
     with tf.variable_creator_scope(creator):
         yield
-
-
-def _same_device(a, b):
-    a, b = tf.DeviceSpec.from_string(a), tf.DeviceSpec.from_string(b)
-    return (a.device_type, a.device_index) == (b.device_type, b.device_index)
 
 
 class PipelineStrategy(Strategy):
@@ -135,7 +130,7 @@ class PipelineStrategy(Strategy):
         for stage in self.plan:
             for layer in self.layers[stage.start:stage.stop]:
                 for v in (v for m in layer.modules for v in m.trainable_variables):
-                    if not _same_device(v.value.device, self.devices[stage.index]):
+                    if not same_device(v.value.device, self.devices[stage.index]):
                         raise RuntimeError(
                             f"{v.path} of stage {stage.index} was created on {v.value.device}, "
                             f"not {self.devices[stage.index]}: its layer's name scopes in "
