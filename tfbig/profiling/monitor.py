@@ -94,11 +94,13 @@ class SystemSampler:
             return 0
 
     def sample(self):
-        now, disk, proc = time.perf_counter(), self._disk_read_bytes(), self._process_read_bytes()
+        wall, now = time.time(), time.perf_counter()
+        disk, proc = self._disk_read_bytes(), self._process_read_bytes()
         seconds = max(now - self._last[0], 1e-6)
         cores, iowait = self._cpu()
         record = {
-            "time": time.time(),
+            "time": wall,
+            "interval_seconds": seconds,  # what the rates below are averaged over
             "cpu_percent": cores,
             "cpu_mean": sum(cores) / max(len(cores), 1),
             "iowait_percent": iowait,
