@@ -151,7 +151,7 @@ def reference(gpt_data, model_dir, num_pipelines, steps=None, **train):
 # weights. (With epsilon 1e-8, Adam also turns the rounding noise of gradients that are
 # exactly zero in theory - attention key biases - into full-size steps.)
 EQUIVALENCE = dict(max_steps=4, batch_size=8, grad_accum_steps=2, grad_clip_norm=0.5,
-                   epsilon=0.1, learning_rate=3e-2, dropout=0.0)
+                   epsilon=0.1, learning_rate=3e-2, dropout=0.0, xla=True)
 
 
 @pytest.mark.multiproc
@@ -171,6 +171,24 @@ def test_two_workers_equal_one_process_on_the_same_data(gpt_data, tmp_path):
     assert os.path.exists(first["checkpoint"] + ".index")  # the chief's, in --model_dir
     assert second["checkpoint"] is not None and not os.path.exists(
         os.path.dirname(second["checkpoint"]))  # the other worker's copy was deleted
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_mixed_float16_with_xla_on_two_workers(gpt_data, tmp_path):
+    # Loss scaling across workers: the optimizer unscales and checks the all-reduced gradients,
+    # so every worker takes the same skip-or-apply decision.
+    train = {**EQUIVALENCE, "precision": "mixed_float16"}
+    cfg = make_cfg(gpt_data, tmp_path / "run", strategy="multiworker", **train)
+    code, output = launch(cfg, tmp_path)
+    assert code == 0, output
+    (first, w0), (second, w1) = worker_result(tmp_path, 0), worker_result(tmp_path, 1)
+    assert first["train"]["loss_scale"] > 1 and first["train"]["skipped_steps"] == 0
+    for a, b in zip(w0, w1):
+        np.testing.assert_array_equal(a, b)
+    single, summary = reference(gpt_data, tmp_path / "single", 2, **train)
+    assert first["train"]["loss"] == pytest.approx(summary["train"]["loss"], rel=1e-3)
+    assert_weights_close(w0, weights(single), rtol=1e-3, atol=1e-5)
 
 
 # Long enough to be signalled mid-run; the numerics of EQUIVALENCE, so the resumed workers can
@@ -225,6 +243,7 @@ def test_a_dead_worker_makes_the_other_fail_fast_with_a_clear_message(gpt_data, 
     assert "/job:worker/replica:0/task:1" in output  # names the worker that is gone
 
 
+@pytest.mark.slow
 @pytest.mark.multiproc
 def test_a_hung_worker_makes_the_other_fail_after_the_collective_timeout(gpt_data, tmp_path):
     cfg = make_cfg(gpt_data, tmp_path / "run", strategy="multiworker", max_steps=50)
@@ -267,7 +286,7 @@ def test_kill_under_tfbig_launch_fails_the_job_and_stops_the_rest(gpt_data, tmp_
 def test_mirrored_over_two_cpu_devices_equals_single_device(gpt_data, tmp_path):
     # One input pipeline; its consecutive per-replica batches go to the replicas in order, so
     # the single device with the global batch reads the same examples in each step.
-    train = {**EQUIVALENCE, "grad_accum_steps": 1}
+    train = {**EQUIVALENCE, "grad_accum_steps": 1, "xla": False}
     cfg = make_cfg(gpt_data, tmp_path / "run", strategy="mirrored", **train)
     proc = subprocess.run([sys.executable, WORKER, write_config(cfg, tmp_path), str(tmp_path),
                            "--cpu_devices=2"], env=worker_env(), cwd=ROOT, capture_output=True,
@@ -296,6 +315,7 @@ def free_port_pair(low=20000, high=40000):
     raise RuntimeError("no two consecutive free ports")
 
 
+@pytest.mark.slow
 @pytest.mark.multiproc
 def test_srun_environment_makes_a_two_worker_cluster(gpt_data, tmp_path, monkeypatch):
     # What srun sets for 2 tasks on one node; the job id selects the ports (20000 + id).
@@ -321,6 +341,7 @@ def test_srun_environment_makes_a_two_worker_cluster(gpt_data, tmp_path, monkeyp
 @pytest.mark.parametrize("strategy, options, env, message", [
     ("multiworker", {"collective": "mpi"}, {}, "--collective='mpi': expected one of"),
     ("multiworker", {"collective": "nccl"}, {}, "--collective=nccl needs GPUs"),
+    ("multiworker", {"collective_timeout": -1.0}, {}, "--collective_timeout=-1.0: expected"),
     ("mirrored", {"collective": "ring"}, {}, "--collective=ring applies to --strategy=multi"),
     ("multiworker", {"cluster_resolver": "k8s"}, {}, "--cluster_resolver='k8s': expected"),
     ("multiworker", {"cluster_resolver": "tf_config"}, {}, "TF_CONFIG is not set"),

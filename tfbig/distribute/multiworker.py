@@ -85,13 +85,14 @@ def cluster_resolver(kind):
     return tf.distribute.cluster_resolver.TFConfigClusterResolver()
 
 
-def _pipeline_id(resolver):
-    """This worker's index over chief + workers (the chief, if there is one, is 0)."""
-    jobs = resolver.cluster_spec().as_dict()
+def _worker_index(resolver):
+    """(this worker's index over chief + workers, number of workers); the chief is 0."""
+    jobs = resolver.cluster_spec().as_dict() if resolver else {}
     if not jobs:
-        return 0
-    offset = len(jobs.get("chief", [])) if resolver.task_type == "worker" else 0
-    return offset + int(resolver.task_id)
+        return 0, 1
+    num_chiefs = len(jobs.get("chief", []))
+    offset = num_chiefs if resolver.task_type == "worker" else 0
+    return offset + int(resolver.task_id), num_chiefs + len(jobs.get("worker", []))
 
 
 class MultiWorker(Strategy):
@@ -103,6 +104,13 @@ class MultiWorker(Strategy):
         super().__init__(cfg)
         options = cfg.multiworker
         _check_choice("collective", options.collective, IMPLEMENTATIONS)
+        if options.collective_timeout < 0:
+            raise ValueError(f"--collective_timeout={options.collective_timeout}: expected "
+                             "seconds >= 0 (0 waits forever)")
+        self.resolver = self._resolver(options)
+        # Resolving first: SlurmClusterResolver picks the task's GPUs (CUDA_VISIBLE_DEVICES)
+        # and the GPU check below would freeze the visible set.
+        self._rank, self.num_workers = _worker_index(self.resolver)
         if options.collective == "nccl":
             _require_gpus(options.collective)
         self.communication = tf.distribute.experimental.CommunicationOptions(
@@ -112,8 +120,10 @@ class MultiWorker(Strategy):
         self._temp_dir = None
         self._min_max = None
 
+    def _resolver(self, options):
+        return cluster_resolver(options.cluster_resolver)
+
     def _make_strategy(self, options):
-        self.resolver = cluster_resolver(options.cluster_resolver)
         return tf.distribute.MultiWorkerMirroredStrategy(
             cluster_resolver=self.resolver, communication_options=self.communication)
 
@@ -122,12 +132,8 @@ class MultiWorker(Strategy):
         return self.tf_strategy.num_replicas_in_sync
 
     @property
-    def num_workers(self):
-        return self.tf_strategy.extended._num_workers  # noqa: SLF001 - no public accessor
-
-    @property
     def rank(self):
-        return _pipeline_id(self.resolver)
+        return self._rank
 
     @property
     def is_chief(self):
@@ -216,6 +222,9 @@ class MultiWorker(Strategy):
         return self._all_workers_min_max(local)[1] > 0
 
     def shutdown(self):
+        """Leave together: a worker that exits while another still works (the chief writing
+        a sample) is reported by the coordination service as crashed."""
+        self._all_workers_min_max(0.0)
         if self._temp_dir:
             shutil.rmtree(self._temp_dir, ignore_errors=True)
 
@@ -225,23 +234,17 @@ class Mirrored(MultiWorker):
 
     name = "mirrored"
 
-    def _make_strategy(self, options):
+    def _resolver(self, options):
         if options.collective == "ring":
             raise ValueError("--collective=ring applies to --strategy=multiworker; "
                              "--strategy=mirrored takes auto or nccl")
-        self.resolver = None
+        return None
+
+    def _make_strategy(self, options):
         devices = [d.name for d in tf.config.list_logical_devices("GPU")]
         devices = devices or [d.name for d in tf.config.list_logical_devices("CPU")]
         cross_device_ops = tf.distribute.NcclAllReduce() if options.collective == "nccl" else None
         return tf.distribute.MirroredStrategy(devices, cross_device_ops=cross_device_ops)
-
-    @property
-    def num_workers(self):
-        return 1
-
-    @property
-    def rank(self):
-        return 0
 
     @property
     def is_chief(self):
