@@ -193,7 +193,7 @@ def test_mixed_float16_with_xla_on_two_workers(gpt_data, tmp_path):
 
 # Long enough to be signalled mid-run; the numerics of EQUIVALENCE, so the resumed workers can
 # be compared with one uninterrupted process.
-PREEMPTION = {**EQUIVALENCE, "max_steps": 1000}
+PREEMPTION = {**EQUIVALENCE, "max_steps": 1000, "xla": False}
 
 
 @pytest.mark.multiproc
