@@ -51,7 +51,9 @@ class GPTTask:
         seq_length = self.train.seq_length or GPTConfig.from_preset(self.train.preset).seq_length
         out = prepare.default_data_dir(seq_length, DEFAULT_VOCAB_SIZE)
         with _file_lock(out + ".lock"):
-            prepare.prepare(None, out, seq_length=seq_length, vocab_size=DEFAULT_VOCAB_SIZE)
+            # tfbig owns this cache: data made by an older recipe is rebuilt, not refused.
+            prepare.prepare(None, out, seq_length=seq_length, vocab_size=DEFAULT_VOCAB_SIZE,
+                            overwrite=True)
         return out
 
     def _model_config(self):
