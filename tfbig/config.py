@@ -33,13 +33,13 @@ class TrainConfig:
                               "Empty: prepare the embedded Shakespeare corpus once (cached).")
     model_dir: str = field("runs/gpt-small", "Run directory: checkpoints, config.json, "
                                              "TensorBoard events. An existing checkpoint resumes.")
-    max_steps: int = field(1000, "Optimizer steps to train for (in total, across resumes).")
+    max_steps: int = field(500, "Optimizer steps to train for (in total, across resumes).")
     batch_size: int = field(32, "Global batch size in sequences per optimizer step, over all "
                                 "data-parallel replicas and accumulation steps.")
     seq_length: int = field(0, "Tokens per training sequence (0: the data's seq_length).")
     learning_rate: float = field(1e-3, "Peak learning rate, reached after warmup.")
     min_lr_ratio: float = field(0.1, "Final learning rate as a fraction of the peak.")
-    warmup_steps: int = field(100, "Linear warmup steps from 0 to the peak learning rate.")
+    warmup_steps: int = field(50, "Linear warmup steps from 0 to the peak learning rate.")
     lr_schedule: str = field("cosine", "Decay after warmup: linear | cosine | polynomial.")
     optimizer: str = field("adamw", "adamw | lamb.")
     weight_decay: float = field(0.1, "Decoupled weight decay (not on LayerNorm, biases, "
