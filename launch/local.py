@@ -142,7 +142,10 @@ def main(argv=None):
                      "--strategy=multiworker")
     if args.workers < 1:
         parser.error(f"--workers={args.workers}: expected at least 1")
-    workers = Workers(command, args.workers)
+    try:
+        workers = Workers(command, args.workers)
+    except (FileNotFoundError, PermissionError) as error:
+        parser.error(f"cannot start the worker command {command[0]!r}: {error.strerror}")
     received = []
 
     def forward(signum, frame):
