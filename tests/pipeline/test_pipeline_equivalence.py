@@ -151,6 +151,7 @@ def test_each_stage_owns_its_variables_and_their_optimizer_slots(gpt_data, tmp_p
 
 def test_a_batch_that_does_not_split_names_both_numbers(gpt_data, tmp_path, batch):
     cfg = pipeline_cfg(gpt_data, tmp_path, pipeline_stages=2, num_microbatches=3)
+    cfg.train.batch_size = 6  # the configured batch splits; the one given to the step does not
     strategy, _, model = build(cfg)
     with pytest.raises(ValueError, match=r"a batch of 8 sequences per replica does not split "
                                          r"into --num_microbatches=3"):
@@ -164,3 +165,31 @@ def test_a_batch_without_fixed_size_is_refused(gpt_data, tmp_path, batch):
     spec = {"input_ids": tf.TensorSpec([1, None, 17], tf.int32)}
     with pytest.raises(ValueError, match="drop_remainder=True"):
         step.get_concrete_function(spec)
+
+
+def test_measured_peak_memory_follows_the_schedule(gpt_data, tmp_path):
+    """The CPU allocator's peak during a step, above what was held before it: GPipe keeps all
+    M micro-batches' activations, 1F1B at most K - s on stage s, recompute only stage inputs.
+    Every op of a stage waits for the one before it, so the counted stash is what is alive.
+    (TF's CPU allocator counts only large allocations: micro-batches of 64 x 16 tokens.)"""
+    num_micro, size = 8, 64
+    cfg = pipeline_cfg(gpt_data, tmp_path)
+    data = GPTTask(cfg.train).dataset("train", num_micro * size, shuffle=False)
+    big_batch = tf.nest.map_structure(lambda t: t[None], next(iter(data)))  # (1, 512, 17)
+    peaks = {}
+    for schedule, checkpointing in [("gpipe", False), ("1f1b", False), ("gpipe", True)]:
+        cfg = pipeline_cfg(gpt_data, tmp_path, pipeline_stages=2, num_microbatches=num_micro,
+                           schedule=schedule, activation_checkpointing=checkpointing)
+        cfg.train.batch_size = num_micro * size
+        strategy, _, model = build(cfg)
+        step = strategy.make_forward_backward(None, model.trainable_variables, lambda l: l,
+                                              False)
+        step(big_batch)  # trace and warm up
+        before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        step(big_batch)
+        peaks[(schedule, checkpointing)] = (
+            tf.config.experimental.get_memory_info("CPU:0")["peak"] - before)
+    # Stage 0 holds 2 and stage 1 holds 1 micro-batch under 1F1B, against 8 and 8 under GPipe.
+    assert peaks[("gpipe", False)] > 2 * peaks[("1f1b", False)] > 0, peaks
+    assert peaks[("gpipe", False)] > 2 * peaks[("gpipe", True)] > 0, peaks

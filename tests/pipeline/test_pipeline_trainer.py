@@ -65,11 +65,10 @@ def test_resumed_pipeline_run_equals_uninterrupted(gpt_data, tmp_path):
     assert_weights_close(weights(straight), weights(second), rtol=1e-6)
 
 
-def test_a_batch_size_not_divisible_by_microbatches_is_a_clear_error(gpt_data, tmp_path):
-    trainer = pipeline_trainer(gpt_data, tmp_path, dict(pipeline_stages=2, num_microbatches=3))
+def test_a_batch_size_not_divisible_by_microbatches_fails_before_training(gpt_data, tmp_path):
     with pytest.raises(ValueError, match=r"a batch of 8 sequences per replica does not split "
                                          r"into --num_microbatches=3"):
-        trainer.fit()
+        pipeline_trainer(gpt_data, tmp_path, dict(pipeline_stages=2, num_microbatches=3))
 
 
 def test_too_many_stages_for_the_devices_names_the_flag(gpt_data, tmp_path):

@@ -123,7 +123,8 @@ class Stage:
     def forward(self, microbatch, x, micro_batch):
         """Forward of micro-batch number `microbatch`; returns the output (or (loss, metrics))."""
         with tf.device(self.device):
-            x = self._after_previous(x)
+            # Gate the micro-batch too: the first stage reads its inputs from it.
+            x, micro_batch = self._after_previous((x, micro_batch))
             rng = self._read(self.rng_state)
             if self.checkpointing:
                 out, new_rng = self._run(x, micro_batch, self._shared_values(), rng,
@@ -145,10 +146,10 @@ class Stage:
         """Backward of micro-batch `microbatch`. `dy`: d(loss)/d(float leaves of the output),
         None on the last stage; returns d(loss)/d(float leaves of the input) ([] on stage 0)."""
         with tf.device(self.device):
-            dy = self._after_previous(dy)
             if self.checkpointing:  # recompute, with the seed states the forward started from
                 x, micro_batch, rng = self._stash.pop(microbatch)
-                x = self._after_previous(x)  # in schedule order, not ahead of it
+                # in schedule order, not ahead of it
+                x, micro_batch = self._after_previous((x, micro_batch))
                 with tf.GradientTape() as tape:
                     shared = self._shared_values()
                     tape.watch(_float_leaves(x) + shared)
@@ -156,6 +157,9 @@ class Stage:
             else:
                 tape, x, shared, out = self._stash.pop(microbatch)
             targets = [out[0]] if self.is_last else _float_leaves(out)
+            if dy is None:  # the last stage seeds the backward: 1 = d(loss term)/d(itself)
+                dy = [tf.ones_like(out[0])]
+            dy = self._after_previous(dy)  # the backward starts in schedule order
             inputs = _float_leaves(x)
             grads = tape.gradient(targets, inputs + self.own + shared, output_gradients=dy)
             dx = [tf.zeros_like(t) if g is None else g for t, g in zip(inputs, grads)]
@@ -166,8 +170,8 @@ class Stage:
     def infer(self, x, micro_batch):
         """Inference forward (no stash, no dropout); the last stage: (outputs, loss, metrics)."""
         with tf.device(self.device):
-            out = self._infer(self._after_previous(x), micro_batch, self._shared_values(),
-                              self._read(self.rng_state))
+            x, micro_batch = self._after_previous((x, micro_batch))
+            out = self._infer(x, micro_batch, self._shared_values(), self._read(self.rng_state))
             self._previous = tf.nest.flatten(out)
         return out
 

@@ -25,6 +25,15 @@ from tfbig.pipeline.layers import layer_sequence, layer_specs
 from tfbig.pipeline.stages import Stage
 
 
+def microbatch_size(total, num_microbatches):
+    """Sequences per micro-batch when a replica's batch of `total` splits into M equal parts."""
+    if total % num_microbatches:
+        raise ValueError(f"a batch of {total} sequences per replica does not split into "
+                         f"--num_microbatches={num_microbatches} equal micro-batches; choose a "
+                         f"--num_microbatches that divides {total} (or change --batch_size)")
+    return total // num_microbatches
+
+
 def split_microbatches(batch, num_microbatches, batch_axes=1):
     """A batch whose first `batch_axes` axes index sequences ((accum, micro, ...) from the
     trainer: 2) -> a list of `num_microbatches` equal micro-batches, in order."""
@@ -34,11 +43,7 @@ def split_microbatches(batch, num_microbatches, batch_axes=1):
         raise ValueError(f"the pipeline needs batches of a fixed size (drop_remainder=True); "
                          f"got shape {flat[0].shape} with --num_microbatches={num_microbatches}")
     total = math.prod(leading)
-    if total % num_microbatches:
-        raise ValueError(f"a batch of {total} sequences per replica does not split into "
-                         f"--num_microbatches={num_microbatches} equal micro-batches; choose a "
-                         f"--num_microbatches that divides {total} (or change --batch_size)")
-    size = total // num_microbatches
+    size = microbatch_size(total, num_microbatches)
 
     def reshape(t):
         rows = tf.reshape(t, [total] + t.shape[len(leading):].as_list())
@@ -120,10 +125,11 @@ class PipelineStrategy(Strategy):
                              f"cost model's {[spec.name for spec in specs]}")
         self._check_placement()
         self.model, self.task = model, task
-        if self.is_chief and self.cfg is not None:
-            t = self.cfg.train
-            per_replica = t.batch_size // max(1, self.num_replicas)
-            print(self.describe(per_replica // o.num_microbatches * task.seq_length), flush=True)
+        if self.cfg is not None:  # fail before any graph is built; print the plan
+            micro = microbatch_size(self.cfg.train.batch_size // self.num_replicas,
+                                    o.num_microbatches)
+            if self.is_chief:
+                print(self.describe(micro * task.seq_length), flush=True)
         return model
 
     def _check_placement(self):
