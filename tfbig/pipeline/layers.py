@@ -27,6 +27,7 @@ class PipeLayer:
     call: Callable
     modules: list  # Keras layers whose variables this layer owns (placed on its stage)
     shared: list = dataclasses.field(default_factory=list)  # variables owned by another layer
+    random: bool = True  # draws dropout masks (False: no seed states to carry)
 
     @property
     def variables(self):
@@ -36,7 +37,7 @@ class PipeLayer:
     def rng_state(self):
         """Dropout seed-generator states: restored when the layer is recomputed."""
         return [v for m in self.modules for v in m.non_trainable_variables
-                if "seed_generator" in v.path]
+                if self.random and "seed_generator" in v.path]
 
 
 @dataclasses.dataclass
@@ -62,9 +63,12 @@ def _gpt_layers(model):
 
     head_modules = [m for m in (model.final_norm, model.head) if m is not None]
     tied = [] if model.head is not None else [model.embedding.token.embeddings]
-    return ([PipeLayer("embedding", _keras_call(model.embedding), [model.embedding])]
-            + [PipeLayer(block.name, _keras_call(block), [block]) for block in model.blocks]
-            + [PipeLayer("head", head, head_modules, tied)])
+    random = model.config.dropout > 0
+    return ([PipeLayer("embedding", _keras_call(model.embedding), [model.embedding],
+                       random=random)]
+            + [PipeLayer(block.name, _keras_call(block), [block], random=random)
+               for block in model.blocks]
+            + [PipeLayer("head", head, head_modules, tied, random=False)])
 
 
 def _gpt_specs(cfg, seq_length):
