@@ -13,10 +13,11 @@ token table) and the dropout seed states — enters the stage computation as ten
 only its own device's variables, and a recomputed forward replays exactly the dropout masks of
 the original one (it is given the same seed states).
 
-Each op of a stage waits for the stage's previous op (control dependencies), so inside one
-tf.function a stage runs exactly its schedule while different stages, on different devices,
-run concurrently; the number of stashed micro-batches is therefore the number whose activations
-are alive, and `peak_live` records its maximum.
+Each op of a stage waits for the stage's previous op: its inputs — the micro-batch included,
+and the backward's seed gradient — pass through identities under control dependencies. So inside
+one tf.function a stage runs exactly its schedule while different stages, on different devices,
+run concurrently; the number of stashed micro-batches is the number whose activations are alive
+(a test measures the allocator's peak), and `peak_live` records its maximum.
 
 Example:
     stage = Stage(0, layers[:3], "/device:CPU:0", task, is_first=True, is_last=False)
