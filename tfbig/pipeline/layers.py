@@ -7,7 +7,8 @@ balance the stages). The model itself stays unaware of all this.
 
 GPT is `embedding, block_0 .. block_{L-1}, head` where `head` is the final LayerNorm and the
 vocabulary projection (`model.logits`); with tied embeddings the head also reads the token table
-that lives with the embedding on the first stage.
+that lives with the embedding on the first stage. ALBERT is `embedding, layer_0 .. layer_{L-1},
+heads`, its layers reusing num_groups shared blocks, possibly across stages.
 
 Example:
     layers = layer_sequence(model)            # [PipeLayer("embedding"), PipeLayer("block_0"), ...]
@@ -16,6 +17,9 @@ Example:
 import dataclasses
 from typing import Callable
 
+from keras import ops
+
+from tfbig.models.albert import AlbertConfig, AlbertForPretraining
 from tfbig.models.gpt import GPT, GPTConfig
 
 
@@ -28,6 +32,7 @@ class PipeLayer:
     modules: list  # Keras layers whose variables this layer owns (placed on its stage)
     shared: list = dataclasses.field(default_factory=list)  # variables owned by another layer
     random: bool = True  # draws dropout masks (False: no seed states to carry)
+    calls: list = None  # modules it runs whose seed states it advances (default: `modules`)
 
     @property
     def variables(self):
@@ -36,7 +41,8 @@ class PipeLayer:
     @property
     def rng_state(self):
         """Dropout seed-generator states: restored when the layer is recomputed."""
-        return [v for m in self.modules for v in m.non_trainable_variables
+        modules = self.modules if self.calls is None else self.calls
+        return [v for m in modules for v in m.non_trainable_variables
                 if self.random and "seed_generator" in v.path]
 
 
@@ -71,7 +77,7 @@ def _gpt_layers(model):
             + [PipeLayer("head", head, head_modules, tied, random=False)])
 
 
-def _gpt_specs(cfg, seq_length):
+def _gpt_specs(cfg, seq_length, masked_per_seq=None):
     c, f, v, t = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, seq_length
     block_params = 4 * c + 3 * c * c + 3 * c + c * c + c + 2 * c * f + f + c
     # 6 FLOPs per matmul weight per token (2 forward, 4 backward) + attention scores and mix.
@@ -89,8 +95,69 @@ def _gpt_specs(cfg, seq_length):
                          4 * v)])
 
 
-FAMILIES = {GPT: _gpt_layers}
-SPECS = {GPTConfig: _gpt_specs}
+# ---- ALBERT ----------------------------------------------------------------------------------
+def _albert_layers(model):
+    """embedding (+ projection), layer_0 .. layer_{L-1}, heads. Layer i runs shared block
+    group_of_layer(i); the first layer running a block owns it, later ones (maybe on other
+    stages) read it as a shared weight. The activation is (hidden states, model inputs)."""
+    backbone, cfg = model.backbone, model.config
+    random = cfg.dropout > 0
+
+    def embed(inputs, training):
+        x = backbone.embedding(inputs["input_ids"], inputs["segment_ids"], training=training)
+        return backbone.projection(x), inputs  # (B, T, H)
+
+    def layer_call(block):
+        return lambda carry, training: (block(carry[0], carry[1]["input_mask"],
+                                              training=training), carry[1])
+
+    def heads(carry, training):  # AlbertForPretraining.call after the backbone
+        x, inputs = carry
+        pooled = backbone.pooler(x[:, 0])
+        positions = ops.cast(inputs["masked_lm_positions"], "int32")[:, :, None]  # (B, P, 1)
+        masked = ops.take_along_axis(x, positions, axis=1)  # (B, P, H)
+        sop = model.sop_head(model.sop_dropout(pooled, training=training))
+        return {"mlm_logits": model.mlm_head(masked, backbone.embedding.word.embeddings),
+                "sop_logits": ops.cast(sop, "float32")}
+
+    layers = [PipeLayer("embedding", embed, [backbone.embedding, backbone.projection],
+                        random=random)]
+    owned = set()
+    for i in range(cfg.num_layers):
+        block = backbone.groups[cfg.group_of_layer(i)]
+        owner = id(block) not in owned
+        owned.add(id(block))
+        layers.append(PipeLayer(f"layer_{i}", layer_call(block), [block] if owner else [],
+                                [] if owner else list(block.trainable_variables), random,
+                                calls=[block]))
+    layers.append(PipeLayer("heads", heads, [backbone.pooler, model.mlm_head, model.sop_head,
+                                             model.sop_dropout],
+                            [backbone.embedding.word.embeddings], random))
+    return layers
+
+
+def _albert_specs(cfg, seq_length, masked_per_seq=None):
+    v, e, h, i, t = (cfg.vocab_size, cfg.embedding_size, cfg.hidden_size,
+                     cfg.intermediate_size, seq_length)
+    p = masked_per_seq or max(1, round(0.15 * t))  # MLM positions per sequence
+    block = (3 * h * h + 3 * h) + (h * h + h) + (h * i + i) + (i * h + h) + 2 * 2 * h
+    layer_flops = 6 * (4 * h * h + 2 * h * i) + 12 * h * t
+    layer_bytes = 2 * (34 * h + 5 * cfg.num_heads * t)
+    first = {cfg.group_of_layer(n): n for n in reversed(range(cfg.num_layers))}
+    layers = [LayerSpec(f"layer_{n}", (f"group_{cfg.group_of_layer(n)}",) if first[
+        cfg.group_of_layer(n)] == n else (), block if first[cfg.group_of_layer(n)] == n else 0,
+        layer_flops, layer_bytes, 4 * h) for n in range(cfg.num_layers)]
+    embedding = LayerSpec("embedding", ("embedding", "projection"),
+                          (v + cfg.seq_length + cfg.type_vocab_size) * e + 2 * e + e * h + h,
+                          6 * e * h, 4 * (3 * e + h), 4 * h)
+    heads = LayerSpec("heads", ("pooler", "mlm_head", "sop_head"),
+                      (h * h + h) + (h * e + e) + 2 * e + v + (2 * h + 2),
+                      6 * (h * h / t + (h * e + e * v) * p / t), 4 * (e + 2 * v) * p / t, 4 * v)
+    return [embedding] + layers + [heads]
+
+
+FAMILIES = {GPT: _gpt_layers, AlbertForPretraining: _albert_layers}
+SPECS = {GPTConfig: _gpt_specs, AlbertConfig: _albert_specs}
 
 
 def layer_sequence(model):
@@ -102,10 +169,11 @@ def layer_sequence(model):
                      f"it knows {sorted(c.__name__ for c in FAMILIES)} (tfbig/pipeline/layers.py)")
 
 
-def layer_specs(model_config, seq_length):
-    """LayerSpecs in the same order as `layer_sequence`, from the config alone."""
+def layer_specs(model_config, seq_length, masked_per_seq=None):
+    """LayerSpecs in the same order as `layer_sequence`, from the config alone
+    (`masked_per_seq`: ALBERT's masked-LM positions per sequence, for the head's cost)."""
     for cls, specs in SPECS.items():
         if isinstance(model_config, cls):
-            return specs(model_config, seq_length)
+            return specs(model_config, seq_length, masked_per_seq)
     raise ValueError(f"no pipeline cost model for {type(model_config).__name__}; it knows "
                      f"{sorted(c.__name__ for c in SPECS)} (tfbig/pipeline/layers.py)")

@@ -52,7 +52,7 @@ class Stage:
         self.own = [v for v in unique.values() if same_device(v.value.device, device)]
         self.shared = [v for v in unique.values() if not same_device(v.value.device, device)]
         self.variables = self.own + self.shared
-        self.rng_state = [v for layer in layers for v in layer.rng_state]
+        self.rng_state = list({id(v): v for layer in layers for v in layer.rng_state}.values())
         # One function per stage, traced once and called once per micro-batch. Without XLA it
         # is inlined into the step (function calls kept as calls do not run concurrently).
         self._run = tf.function(self._call, jit_compile=jit_compile, autograph=False)

@@ -113,7 +113,8 @@ class PipelineStrategy(Strategy):
     def build_model(self, task):
         """Partition `task`'s model, print the plan, build it with each stage on its device."""
         o = self.options
-        specs = layer_specs(task.model_config, task.seq_length)
+        specs = layer_specs(task.model_config, task.seq_length,
+                            getattr(task, "max_predictions_per_seq", None))
         self.plan = partition_lib.partition(specs, o.pipeline_stages, o.stage_boundaries,
                                             o.pipeline_balance)
         with place_variables(self.plan, specs, self.devices):
