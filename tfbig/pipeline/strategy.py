@@ -37,6 +37,8 @@ def microbatch_size(total, num_microbatches):
 def split_microbatches(batch, num_microbatches, batch_axes=1):
     """A batch whose first `batch_axes` axes index sequences ((accum, micro, ...) from the
     trainer: 2) -> a list of `num_microbatches` equal micro-batches, in order."""
+    if num_microbatches == 1 and batch_axes == 1:
+        return [batch]  # nothing to split (an evaluation batch may have no static size)
     flat = tf.nest.flatten(batch)
     leading = flat[0].shape[:batch_axes]
     if None in leading:
