@@ -1,7 +1,8 @@
 """Embedded QA set: SQuAD-format v1.1 / v2.0 train and dev files built from the Shakespeare plays.
 
-Each context is a stretch of a scene, whole speeches only, as tfbig-prep's embedded corpus spells
-it (speaker name on its own line, then the speech). A question quotes one line of a speech:
+Each context is a stretch of a scene, whole speeches by at least two people, as tfbig-prep's
+embedded corpus spells it (speaker name on its own line, then the speech). A question quotes
+one line of a speech (speakers are drawn first, so answers spread over a context's speakers):
 
     Who says: 'Nay, answer me: stand, and unfold yourself.'?   ->  FRANCISCO
 
@@ -26,6 +27,7 @@ from absl import app, flags
 from tfbig import sources
 
 MIN_WORDS = 4  # a shorter quote ("Ay, my lord.") is rarely unique enough to ask about
+MIN_SPEAKERS = 2  # a context with one speaker would make "who" a trivial question
 _SPEAKER = re.compile(r"^[A-Z][A-Z'. -]*[A-Z.]$")  # BERNARDO, FIRST CITIZEN, LADY MACBETH
 
 
@@ -46,26 +48,27 @@ def speeches(scene):
     return blocks
 
 
-def contexts(scene, max_chars):
-    """Consecutive runs of whole blocks of about max_chars: [(context text, [blocks])].
+def contexts(scene, max_chars, min_speakers=MIN_SPEAKERS):
+    """Non-overlapping runs of whole consecutive blocks, at most max_chars each, with speeches
+    by at least `min_speakers` people: [(context text, [blocks])].
 
-    Offsets in the returned blocks are relative to the context text.
+    Runs are grown greedily from the first unused block; a run with too few speakers is
+    dropped one block at a time from its start. Block offsets are relative to the context.
     """
-    out, run = [], []
-    for block in speeches(scene):
-        text = "\n".join(block[1])
-        run_chars = sum(len("\n".join(b[1])) + 2 for b in run)
-        if run and run_chars + len(text) > max_chars:
-            out.append(run)
-            run = []
-        run.append(block)
-    if run:
-        out.append(run)
-    result = []
-    for run in out:
-        start = run[0][2]
-        text = "\n\n".join("\n".join(b[1]) for b in run) + "\n"
-        result.append((text, [(s, lines, off - start) for s, lines, off in run]))
+    blocks, result, start = speeches(scene), [], 0
+    while start < len(blocks):
+        end, chars = start, 0
+        while end < len(blocks) and chars + len("\n".join(blocks[end][1])) <= max_chars:
+            chars += len("\n".join(blocks[end][1])) + 2
+            end += 1
+        run = blocks[start:end]
+        if len({speaker for speaker, _, _ in run if speaker}) < min_speakers:
+            start += 1
+            continue
+        origin = run[0][2]
+        text = "\n\n".join("\n".join(lines) for _, lines, _ in run) + "\n"
+        result.append((text, [(speaker, lines, off - origin) for speaker, lines, off in run]))
+        start = end
     return result
 
 
@@ -89,11 +92,22 @@ def question(line):
     return f"Who says: '{line}'?"
 
 
+def _spread(candidates, count, rng):
+    """`count` candidates by different speakers where possible: speaker first, then a line."""
+    by_speaker = {}
+    for candidate in candidates:
+        by_speaker.setdefault(candidate[1], []).append(candidate)
+    speakers = sorted(by_speaker)
+    rng.shuffle(speakers)
+    return [rng.choice(by_speaker[speakers[i % len(speakers)]]) for i in range(count)] \
+        if speakers else []
+
+
 def _paragraph(context, blocks, scene_lines, rng, prefix, num_questions, with_impossible):
     candidates = answerable_questions(context, blocks)
+    chosen = list(dict.fromkeys(_spread(candidates, num_questions, rng)))  # no repeats
     qas = []
-    for i, (line, speaker, offset) in enumerate(rng.sample(candidates,
-                                                         min(num_questions, len(candidates)))):
+    for i, (line, speaker, offset) in enumerate(chosen):
         assert context[offset:offset + len(speaker)] == speaker
         qa = {"id": f"{prefix}-q{i}", "question": question(line),
               "answers": [{"text": speaker, "answer_start": offset}]}

@@ -48,7 +48,7 @@ def test_answers_are_recovered_exactly_from_features(qa_sets, qa_tokenizer, vers
                                 max_query_length=32)
     found = answers_recovered(examples, features)
     answerable = [e for e in examples if not e.is_impossible]
-    assert len(answerable) > 400
+    assert len(answerable) > 300
     for example in examples:
         if example.is_impossible:
             assert example.qid not in found  # every window says [CLS]
