@@ -8,10 +8,14 @@ import pytest  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
-def _reset_dtype_policy():
-    """Tests that train in mixed precision must not leak the global policy into others."""
+def _reset_process_state():
+    """Process-wide TF/Keras settings a test changes (mixed precision policy, op determinism
+    from --deterministic runs) must not leak into the tests after it."""
     yield
     keras.mixed_precision.set_global_policy("float32")
+    from tensorflow.python.framework import config as op_config
+
+    op_config.disable_op_determinism()
 
 
 def _synthetic_corpus(directory, num_docs=60, seed=0):

@@ -13,6 +13,7 @@ import shutil
 
 import keras
 import tensorflow as tf
+from tensorflow.python.framework import config as op_config
 
 from tfbig import config as config_lib
 from tfbig.checkpoint import model_variables, rng_variables
@@ -60,8 +61,11 @@ class Trainer:
         config_lib.check_applicable(cfg)
         set_precision(t.precision)
         keras.utils.set_random_seed(t.seed)
+        # Process-wide: set it both ways so a deterministic run does not leak into the next.
         if t.deterministic:
             tf.config.experimental.enable_op_determinism()
+        else:
+            op_config.disable_op_determinism()  # TF exposes only the enabling half publicly
         self.strategy = strategy or get_strategy(t.strategy, cfg)
         if self.strategy.learning_rate_scale != 1.0:  # e.g. Horovod --scale_lr
             t = dataclasses.replace(
