@@ -61,6 +61,12 @@ def parse_args():
                         help="sequences per micro-batch for the memory figures: TF's CPU "
                              "allocator counts only large (>= 256 KiB) allocations")
     parser.add_argument("--xla", action="store_true", help="XLA-compile each stage")
+    parser.add_argument("--wait_idle", type=float, default=0.0,
+                        help="wait up to this many seconds for the CPUs to be >= 90%% idle "
+                             "before the K=2 timings (other processes take the cores the two "
+                             "stages need)")
+    parser.add_argument("--parts", default="k2,memory,timelines",
+                        help="what to run: k2 (real 2-stage steps), memory, timelines (K=4, 8)")
     return parser.parse_args()
 
 
@@ -81,6 +87,30 @@ def best_of_rounds(functions, repeats):
         for name, fn in functions.items():
             best[name] = min(best[name], timed(fn))
     return best
+
+
+def idle_fraction(seconds=1.0):
+    """Share of all CPUs' time spent idle over the next `seconds` (from /proc/stat)."""
+    def sample():
+        with open("/proc/stat") as f:
+            values = [int(v) for v in f.readline().split()[1:]]
+        return values[3] + values[4], sum(values)  # idle + iowait, total
+
+    idle0, total0 = sample()
+    time.sleep(seconds)
+    idle1, total1 = sample()
+    return (idle1 - idle0) / max(1, total1 - total0)
+
+
+def wait_until_idle(max_seconds, threshold=0.9):
+    """Wait until the CPUs are idle for two seconds in a row; returns the last idle share."""
+    deadline, calm, idle = time.monotonic() + max_seconds, 0, idle_fraction()
+    while time.monotonic() < deadline:
+        idle = idle_fraction()
+        calm = calm + 1 if idle >= threshold else 0
+        if calm >= 2:
+            break
+    return idle
 
 
 def make_pipeline(args, num_stages, num_microbatches, schedule="1f1b", checkpointing=False,
@@ -146,6 +176,9 @@ def measure_k2(args, microbatches):
             strategy, _, step = make_pipeline(args, 2, m, schedule)
             functions[(m, schedule)] = step
     functions.update(stage_functions(args, strategy))
+    for fn in functions.values():
+        fn()  # trace and compile before waiting for a quiet machine
+    idle = wait_until_idle(args.wait_idle) if args.wait_idle else None
     best = best_of_rounds(functions, args.repeats)
     fwd, bwd = split_times(best, 2)
     rows = []
@@ -162,7 +195,8 @@ def measure_k2(args, microbatches):
                   f"{ideal * 1e3:8.1f} ms  excess {measured / ideal - 1:+6.1%}  bubble "
                   f"measured {1 - busy / measured:5.1%} ideal {1 / (m + 1):5.1%}  cores used "
                   f"{cpu / measured:4.2f}", flush=True)
-    return {"stage_forward_seconds": fwd, "stage_backward_seconds": bwd, "rows": rows}
+    return {"stage_forward_seconds": fwd, "stage_backward_seconds": bwd, "rows": rows,
+            "idle_before_timing": idle}
 
 
 def timelines(args, num_stages, microbatches):
@@ -214,15 +248,20 @@ def main():
     tf.config.threading.set_inter_op_parallelism_threads(2)
     configure_cpu_devices(8)
     microbatches = [int(m) for m in args.microbatches.split(",")]
+    parts = set(args.parts.split(","))
     strategy, _, _ = make_pipeline(args, 2, max(microbatches))
     print(strategy.describe(args.micro_batch * args.seq_length), flush=True)
-    k2 = measure_k2(args, microbatches)
-    memory = {str(k): peak_activation_bytes(args, k) for k in (2, 4)}
-    computed = {str(k): timelines(args, k, microbatches) for k in (4, 8)}
-    worst = max(row["excess_over_ideal"] for row in k2["rows"])
-    print(json.dumps({"benchmark": "pipeline_bubble", "worst_excess_over_ideal": worst,
-                      "goal": 0.10, "k2": k2, "peak_activation_bytes": memory,
-                      "timelines": computed, "config": vars(args)}))
+    result = {"benchmark": "pipeline_bubble"}
+    if "k2" in parts:
+        k2 = measure_k2(args, microbatches)
+        result.update(worst_excess_over_ideal=max(r["excess_over_ideal"] for r in k2["rows"]),
+                      goal=0.10, k2=k2)
+    if "memory" in parts:
+        result["peak_activation_bytes"] = {str(k): peak_activation_bytes(args, k) for k in (2, 4)}
+    if "timelines" in parts:
+        result["timelines"] = {str(k): timelines(args, k, microbatches) for k in (4, 8)}
+    result["config"] = vars(args)
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":
