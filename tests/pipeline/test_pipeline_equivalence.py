@@ -143,10 +143,11 @@ def test_each_stage_owns_its_variables_and_their_optimizer_slots(gpt_data, tmp_p
     assert device["gpt/block_0/attn/qkv/kernel"].endswith("CPU:0")
     assert device["gpt/block_1/attn/qkv/kernel"].endswith("CPU:1")
     assert device["gpt/final_norm/gamma"].endswith("CPU:1")
-    optimizer = keras.optimizers.AdamW()
+    optimizer = keras.optimizers.AdamW(name="stage_test_adamw")  # Keras numbers repeated names
     optimizer.build(model.trainable_variables)
     slots = {v.path: v.value.device for v in optimizer.variables}
-    assert slots["adam_w/gpt_block_1_attn_qkv_kernel_momentum"].endswith("CPU:1")
+    assert slots["stage_test_adamw/gpt_block_1_attn_qkv_kernel_momentum"].endswith("CPU:1")
+    assert slots["stage_test_adamw/gpt_block_0_attn_qkv_kernel_momentum"].endswith("CPU:0")
 
 
 def test_a_batch_that_does_not_split_names_both_numbers(gpt_data, tmp_path, batch):
