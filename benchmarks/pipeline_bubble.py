@@ -10,7 +10,10 @@ Peak activation memory (the CPU allocator's peak during a step, above what was a
 before it) is measured for GPipe and 1F1B, with and without activation checkpointing.
 
 `cores_used` (process CPU time / wall time of that step) shows whether the two stage threads
-really got two cores: on a machine busy with other work it stays near 1 and the excess grows.
+really got two cores: on a machine busy with other work it stays near 1 and the excess grows
+(--wait_idle waits for a quiet machine). `concurrent_slowdown` is how much slower both stages'
+forward+backward run at once, on independent data, than the slower alone: the part of the
+excess that is the hardware's (two busy cores share caches, memory bandwidth and clocks).
 Times are the minimum over --repeats rounds (the least disturbed by other processes); the rounds
 interleave every step and stage timing so that a busy spell of the machine hits all alike.
 
@@ -158,7 +161,16 @@ def stage_functions(args, strategy):
         for kind, fn in (("F", forward), ("FB", forward_backward)):
             compiled = tf.function(fn, autograph=False)
             functions[(kind, stage.index)] = lambda f=compiled: [t.numpy() for t in f()]
+        functions[("raw", stage.index)] = forward_backward
     return functions
+
+
+def concurrent_pair(functions):
+    """Both stages' forward+backward of one micro-batch at once, on independent data: how much
+    each core slows down when the other is busy too (shared caches, memory, clocks)."""
+    raw = [functions.pop(("raw", s)) for s in (0, 1)]
+    both = tf.function(lambda: raw[0]() + raw[1](), autograph=False)
+    return lambda: [t.numpy() for t in both()]
 
 
 def split_times(best, num_stages):
@@ -176,11 +188,15 @@ def measure_k2(args, microbatches):
             strategy, _, step = make_pipeline(args, 2, m, schedule)
             functions[(m, schedule)] = step
     functions.update(stage_functions(args, strategy))
+    functions["pair"] = concurrent_pair(functions)
     for fn in functions.values():
         fn()  # trace and compile before waiting for a quiet machine
     idle = wait_until_idle(args.wait_idle) if args.wait_idle else None
     best = best_of_rounds(functions, args.repeats)
     fwd, bwd = split_times(best, 2)
+    slowdown = best["pair"][0] / max(best[("FB", 0)][0], best[("FB", 1)][0])
+    print(f"K=2 both stages at once on independent data: {slowdown:.2f}x the slower one alone",
+          flush=True)
     rows = []
     for m in microbatches:
         for schedule in ("gpipe", "1f1b"):
@@ -196,14 +212,14 @@ def measure_k2(args, microbatches):
                   f"measured {1 - busy / measured:5.1%} ideal {1 / (m + 1):5.1%}  cores used "
                   f"{cpu / measured:4.2f}", flush=True)
     return {"stage_forward_seconds": fwd, "stage_backward_seconds": bwd, "rows": rows,
-            "idle_before_timing": idle}
+            "idle_before_timing": idle, "concurrent_slowdown": slowdown}
 
 
 def timelines(args, num_stages, microbatches):
     """Computed steps for K stages from their measured times (more stages than cores)."""
     strategy, _, _ = make_pipeline(args, num_stages, 1)
-    fwd, bwd = split_times(best_of_rounds(stage_functions(args, strategy), args.repeats),
-                           num_stages)
+    functions = {k: v for k, v in stage_functions(args, strategy).items() if k[0] != "raw"}
+    fwd, bwd = split_times(best_of_rounds(functions, args.repeats), num_stages)
     out = {"stage_forward_seconds": fwd, "stage_backward_seconds": bwd, "rows": []}
     for m in microbatches:
         for name in ("gpipe", "1f1b"):
