@@ -23,6 +23,8 @@ import math
 import keras
 from keras import ops
 
+from tfbig.models.common import ArchitectureConfig
+
 
 def _truncated_normal(stddev):
     return keras.initializers.TruncatedNormal(stddev=stddev)
@@ -257,7 +259,7 @@ class MaskedLMHead(keras.layers.Layer):
 
 
 @dataclasses.dataclass
-class AlbertConfig:
+class AlbertConfig(ArchitectureConfig):
     """Everything that fixes the ALBERT architecture (and so its checkpoint layout)."""
 
     vocab_size: int = 30000  # rows of the word table; must equal the data manifest's
@@ -276,39 +278,21 @@ class AlbertConfig:
     def __post_init__(self):
         if self.intermediate_size == 0:
             self.intermediate_size = 4 * self.hidden_size
-        for name in ("vocab_size", "embedding_size", "hidden_size", "num_layers", "num_groups",
-                     "num_heads", "seq_length", "type_vocab_size"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"AlbertConfig.{name} must be positive, got {getattr(self, name)}")
-        if self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size={self.hidden_size} is not divisible by "
-                             f"num_heads={self.num_heads}; choose num_heads among the divisors "
-                             f"of {self.hidden_size}")
+        self._check_fields(("vocab_size", "embedding_size", "hidden_size", "num_layers",
+                            "num_groups", "num_heads", "seq_length", "type_vocab_size"))
         if self.num_groups > self.num_layers:
             raise ValueError(f"num_groups={self.num_groups} is above num_layers="
                              f"{self.num_layers}; a group is a set of shared layer weights")
 
+    family = "ALBERT"
+
     @classmethod
-    def from_preset(cls, name, **overrides):
-        """A preset from ALBERT_PRESETS with fields overridden (None values are ignored)."""
-        if name not in ALBERT_PRESETS:
-            raise ValueError(f"unknown ALBERT preset {name!r}; choose one of "
-                             f"{sorted(ALBERT_PRESETS)}")
-        fields = {**ALBERT_PRESETS[name], **{k: v for k, v in overrides.items() if v is not None}}
-        return cls(**fields)
+    def presets(cls):
+        return ALBERT_PRESETS
 
     def group_of_layer(self, layer):
         """Index of the parameter group transformer layer `layer` runs."""
         return layer * self.num_groups // self.num_layers
-
-    def check_inputs(self, seq_length=None, vocab_size=None):
-        """Raise ValueError before any graph is built if data does not fit this model."""
-        if seq_length is not None and seq_length > self.seq_length:
-            raise ValueError(f"sequence length {seq_length} is above the model's position table "
-                             f"(seq_length={self.seq_length})")
-        if vocab_size is not None and vocab_size != self.vocab_size:
-            raise ValueError(f"the data's vocab_size={vocab_size} differs from the model's "
-                             f"vocab_size={self.vocab_size}")
 
     def num_params(self, head="pretraining"):
         """Closed-form parameter count (equals the built model's exactly).

@@ -16,6 +16,8 @@ import math
 import keras
 from keras import ops
 
+from tfbig.models.common import ArchitectureConfig
+
 
 def _normal(stddev):
     return keras.initializers.RandomNormal(stddev=stddev)
@@ -191,7 +193,7 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
 
 
 @dataclasses.dataclass
-class GPTConfig:
+class GPTConfig(ArchitectureConfig):
     """Everything that fixes the GPT architecture (and so its checkpoint layout)."""
 
     vocab_size: int = 50257  # rows of the token embedding; must equal the data manifest's
@@ -209,30 +211,13 @@ class GPTConfig:
     def __post_init__(self):
         if self.intermediate_size == 0:
             self.intermediate_size = 4 * self.hidden_size
-        for name in ("vocab_size", "seq_length", "num_layers", "hidden_size", "num_heads"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"GPTConfig.{name} must be positive, got {getattr(self, name)}")
-        if self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size={self.hidden_size} is not divisible by "
-                             f"num_heads={self.num_heads}; choose num_heads among the divisors "
-                             f"of {self.hidden_size}")
+        self._check_fields(("vocab_size", "seq_length", "num_layers", "hidden_size", "num_heads"))
+
+    family = "GPT"
 
     @classmethod
-    def from_preset(cls, name, **overrides):
-        """A preset from GPT_PRESETS with fields overridden (None values are ignored)."""
-        if name not in GPT_PRESETS:
-            raise ValueError(f"unknown GPT preset {name!r}; choose one of {sorted(GPT_PRESETS)}")
-        fields = {**GPT_PRESETS[name], **{k: v for k, v in overrides.items() if v is not None}}
-        return cls(**fields)
-
-    def check_inputs(self, seq_length=None, vocab_size=None):
-        """Raise ValueError before any graph is built if data does not fit this model."""
-        if seq_length is not None and seq_length > self.seq_length:
-            raise ValueError(f"sequence length {seq_length} is above the model's position table "
-                             f"(seq_length={self.seq_length})")
-        if vocab_size is not None and vocab_size != self.vocab_size:
-            raise ValueError(f"the data's vocab_size={vocab_size} differs from the model's "
-                             f"vocab_size={self.vocab_size}")
+    def presets(cls):
+        return GPT_PRESETS
 
     def num_params(self):
         """Closed-form parameter count (matches the built model exactly)."""
