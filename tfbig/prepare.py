@@ -16,6 +16,7 @@ Example:
 """
 
 import dataclasses
+import fcntl
 import hashlib
 import json
 import math
@@ -41,6 +42,19 @@ def default_data_dir(seq_length: int, vocab_size: int = 8000) -> str:
     """Cache directory for the embedded corpus: $TFBIG_CACHE (or ~/.cache/tfbig)/shakespeare-T{seq}-V{vocab}."""
     root = os.environ.get("TFBIG_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "tfbig")
     return os.path.join(root, f"shakespeare-T{seq_length}-V{vocab_size}")
+
+
+def prepare_locked(output_dir: str, **kwargs) -> str:
+    """prepare() under a host-wide file lock beside output_dir, so the processes of one host
+    (horovodrun, tfbig-launch) that all ask for the same cached data build it once."""
+    os.makedirs(os.path.dirname(os.path.abspath(output_dir)), exist_ok=True)
+    with open(output_dir.rstrip("/") + ".lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            prepare(None, output_dir, **kwargs)
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+    return output_dir
 
 
 def prepare(inputs: list[str] | None = None, output_dir: str | None = None, seq_length: int = 1024,

@@ -10,9 +10,7 @@ Their masks are static; with --dynamic_masking the input pipeline restores the o
 tokens and draws new token-level masks for every batch (stateless RNG keyed by the seed and
 the batch number, so a resumed run draws the same masks).
 """
-import contextlib
 import dataclasses
-import fcntl
 import os
 
 import tensorflow as tf
@@ -23,18 +21,6 @@ from tfbig.config import AlbertTrainConfig
 from tfbig.models.albert import AlbertConfig, AlbertForPretraining
 
 METRICS = ("mlm_loss", "sop_loss", "mlm_accuracy", "sop_accuracy")
-
-
-@contextlib.contextmanager
-def _file_lock(path):
-    """Serialise data preparation between processes of one host."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 class AlbertTask:
@@ -66,10 +52,8 @@ class AlbertTask:
 
         seq_length = self.train.seq_length or 128
         out = prepare.default_data_dir(seq_length=seq_length, vocab_size=8000) + "-albert"
-        with _file_lock(out + ".lock"):
-            prepare.prepare(None, out, seq_length=seq_length, format=self.format,
-                            format_options=dataclasses.asdict(MaskingOptions()))
-        return out
+        return prepare.prepare_locked(out, seq_length=seq_length, format=self.format,
+                                      format_options=dataclasses.asdict(MaskingOptions()))
 
     def _model_config(self):
         t, a = self.train, self.albert

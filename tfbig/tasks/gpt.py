@@ -3,27 +3,12 @@
 A task knows the model family, its data format and its loss; it knows nothing about devices or
 distribution. The trainer asks it for the data directory, the model, batches and the loss.
 """
-import contextlib
-import fcntl
 import math
-import os
 
 import tensorflow as tf
 
 from tfbig import data, manifest as manifest_lib
 from tfbig.models.gpt import GPT, GPTConfig
-
-
-@contextlib.contextmanager
-def _file_lock(path):
-    """Serialise data preparation between processes of one host (horovodrun, tfbig-launch)."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 DEFAULT_VOCAB_SIZE = 8000  # tokenizer trained on the embedded corpus when no --data_dir is given
@@ -50,11 +35,9 @@ class GPTTask:
 
         seq_length = self.train.seq_length or GPTConfig.from_preset(self.train.preset).seq_length
         out = prepare.default_data_dir(seq_length, DEFAULT_VOCAB_SIZE)
-        with _file_lock(out + ".lock"):
-            # tfbig owns this cache: data made by an older recipe is rebuilt, not refused.
-            prepare.prepare(None, out, seq_length=seq_length, vocab_size=DEFAULT_VOCAB_SIZE,
-                            overwrite=True)
-        return out
+        # tfbig owns this cache: data made by an older recipe is rebuilt, not refused.
+        return prepare.prepare_locked(out, seq_length=seq_length, vocab_size=DEFAULT_VOCAB_SIZE,
+                                      overwrite=True)
 
     def _model_config(self):
         t = self.train
