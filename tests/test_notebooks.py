@@ -3,7 +3,6 @@ import json
 import os
 
 import matplotlib
-import pytest
 
 NOTEBOOKS = os.path.join(os.path.dirname(__file__), "..", "notebooks")
 

@@ -8,6 +8,7 @@ import tensorflow as tf
 
 from tfbig.config import ExperimentConfig
 from tfbig.generate import Generator, load_model
+from tfbig.tasks.gpt import GPTTask
 from tfbig.trainer import NonFiniteLossError, Trainer
 
 
@@ -30,6 +31,24 @@ def assert_weights_close(a, b, rtol=1e-5, atol=1e-7):
     assert len(a) == len(b)
     for x, y in zip(a, b):
         np.testing.assert_allclose(x, y, rtol=rtol, atol=atol)
+
+
+class ReplicasTask(GPTTask):
+    """What `num_replicas` data-parallel processes read, for one process: each batch is the
+    concatenation of their batches of batch_size / num_replicas (the distributed tests'
+    single-device reference)."""
+
+    def __init__(self, train, num_replicas):
+        super().__init__(train)
+        self.num_replicas = num_replicas
+
+    def dataset(self, split, batch_size, input_context=None, **kwargs):
+        n = self.num_replicas
+        parts = tuple(super(ReplicasTask, self).dataset(
+            split, batch_size // n, tf.distribute.InputContext(n, i, n), **kwargs)
+            for i in range(n))
+        return tf.data.Dataset.zip(parts).map(
+            lambda *batches: tf.nest.map_structure(lambda *t: tf.concat(t, 0), *batches))
 
 
 def test_loss_falls_on_a_tiny_corpus(gpt_data, tmp_path):

@@ -4,7 +4,7 @@ reference on the same data.
 One launch (module fixture `runs`) trains every scenario of a plan in tests/distribute/
 horovod_worker.py, plus the user-style script horovod_post_style.py; each rank saves its weights,
 optimizer state and losses. The reference is the single-device trainer reading, per step,
-exactly the examples both ranks read together (`PipelinesTask`). The kill test has a launch of
+exactly the examples both ranks read together (`ReplicasTask`). The kill test has a launch of
 its own. Every launch is bounded by a timeout.
 """
 import collections
@@ -17,15 +17,13 @@ import time
 
 import numpy as np
 import pytest
-import tensorflow as tf
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_trainer import make_cfg, weights  # noqa: E402
+from test_trainer import ReplicasTask, make_cfg, weights  # noqa: E402
 
 from horovod_worker import RecordingLogger  # noqa: E402
 from tfbig import config as config_lib  # noqa: E402
-from tfbig.tasks.gpt import GPTTask  # noqa: E402
 from tfbig.trainer import Trainer  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -38,22 +36,6 @@ TIMEOUT = 480
 # averaging twice, summing, or clipping before averaging would all change the weights.
 EQUIVALENCE = dict(max_steps=4, batch_size=8, grad_clip_norm=0.5, dropout=0.0)
 
-
-class PipelinesTask(GPTTask):
-    """The data `num_pipelines` ranks read, for one process: each batch is the concatenation
-    of the pipelines' batches of batch_size / num_pipelines."""
-
-    def __init__(self, train, num_pipelines):
-        super().__init__(train)
-        self.num_pipelines = num_pipelines
-
-    def dataset(self, split, batch_size, input_context=None, **kwargs):
-        n = self.num_pipelines
-        parts = tuple(super(PipelinesTask, self).dataset(
-            split, batch_size // n, tf.distribute.InputContext(n, i, n), **kwargs)
-            for i in range(n))
-        return tf.data.Dataset.zip(parts).map(
-            lambda *batches: tf.nest.map_structure(lambda *t: tf.concat(t, 0), *batches))
 
 
 def horovodrun(args, log_path, timeout=TIMEOUT, env=None, wait=True):
@@ -142,7 +124,7 @@ def reference(gpt_data, model_dir, **train):
     """The single-device run on the examples both ranks read together; (trainer, losses)."""
     cfg = make_cfg(gpt_data, model_dir, **{**EQUIVALENCE, **train})
     logger = RecordingLogger(cfg.train.model_dir, True, cfg.train.max_steps)
-    trainer = Trainer(cfg, task=PipelinesTask(cfg.train, 2), logger=logger)
+    trainer = Trainer(cfg, task=ReplicasTask(cfg.train, 2), logger=logger)
     trainer.fit()
     return trainer, np.array([logger.losses[s][0] for s in sorted(logger.losses)])
 

@@ -3,7 +3,7 @@
 Workers are real processes (tests/distribute/multiworker_worker.py) with TF_CONFIG on free
 localhost ports, started through tfbig-launch or directly; every run is bounded by a timeout.
 The reference is the single-device trainer reading, per step, exactly the examples all workers
-read together (`PipelinesTask`).
+read together (`ReplicasTask`).
 """
 import dataclasses
 import json
@@ -21,11 +21,10 @@ import pytest
 import tensorflow as tf
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from test_trainer import assert_weights_close, make_cfg, weights  # noqa: E402
+from test_trainer import ReplicasTask, assert_weights_close, make_cfg, weights  # noqa: E402
 
 from launch.local import free_ports, tf_config  # noqa: E402
 from tfbig import config as config_lib  # noqa: E402
-from tfbig.tasks.gpt import GPTTask  # noqa: E402
 from tfbig.trainer import Trainer  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -33,22 +32,6 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 WORKER = os.path.join(HERE, "multiworker_worker.py")
 TIMEOUT = 240
 
-
-class PipelinesTask(GPTTask):
-    """The data `num_pipelines` workers read, for one process: each batch is the
-    concatenation of the pipelines' batches of batch_size / num_pipelines."""
-
-    def __init__(self, train, num_pipelines):
-        super().__init__(train)
-        self.num_pipelines = num_pipelines
-
-    def dataset(self, split, batch_size, input_context=None, **kwargs):
-        n = self.num_pipelines
-        parts = tuple(super(PipelinesTask, self).dataset(
-            split, batch_size // n, tf.distribute.InputContext(n, i, n), **kwargs)
-            for i in range(n))
-        return tf.data.Dataset.zip(parts).map(
-            lambda *batches: tf.nest.map_structure(lambda *t: tf.concat(t, 0), *batches))
 
 
 def write_config(cfg, directory):
@@ -141,7 +124,7 @@ def worker_result(out, rank):
 def reference(gpt_data, model_dir, num_pipelines, steps=None, **train):
     """The single-device run on the examples `num_pipelines` workers read together."""
     cfg = make_cfg(gpt_data, model_dir, **train)
-    trainer = Trainer(cfg, task=PipelinesTask(cfg.train, num_pipelines))
+    trainer = Trainer(cfg, task=ReplicasTask(cfg.train, num_pipelines))
     return trainer, trainer.fit(steps)
 
 
@@ -183,7 +166,8 @@ def test_mixed_float16_with_xla_on_two_workers(gpt_data, tmp_path):
     code, output = launch(cfg, tmp_path)
     assert code == 0, output
     (first, w0), (second, w1) = worker_result(tmp_path, 0), worker_result(tmp_path, 1)
-    assert first["train"]["loss_scale"] > 1 and first["train"]["skipped_steps"] == 0
+    for result in (first, second):
+        assert result["train"]["loss_scale"] > 1 and result["train"]["skipped_steps"] == 0
     for a, b in zip(w0, w1):
         np.testing.assert_array_equal(a, b)
     single, summary = reference(gpt_data, tmp_path / "single", 2, **train)
@@ -220,6 +204,8 @@ def test_sigterm_saves_on_every_worker_and_a_restart_resumes_there(gpt_data, tmp
     assert code == 0, output
     (a, w0), (b, w1) = worker_result(second, 0), worker_result(second, 1)
     assert a["restored_step"] == b["restored_step"] == step and a["step"] == step + 2
+    for a, b in zip(w0, w1):
+        np.testing.assert_array_equal(a, b)
     single, _ = reference(gpt_data, tmp_path / "single", 2, steps=step + 2, **PREEMPTION)
     assert_weights_close(w0, weights(single), rtol=1e-5)
 

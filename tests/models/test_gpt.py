@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 from tfbig.generate import Generator
-from tfbig.models.gpt import GPT, GPT_PRESETS, GPTConfig
+from tfbig.models.gpt import GPT, GPTConfig
 
 
 def tiny_config(**overrides):

@@ -13,13 +13,11 @@ import sys
 
 import numpy as np
 import pytest
-import tensorflow as tf
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from test_trainer import assert_weights_close, make_cfg, weights  # noqa: E402
+from test_trainer import ReplicasTask, assert_weights_close, make_cfg, weights  # noqa: E402
 
 from tfbig import config as config_lib  # noqa: E402
-from tfbig.tasks.gpt import GPTTask  # noqa: E402
 from tfbig.trainer import Trainer  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -33,21 +31,6 @@ TIMEOUT = 300
 RUN = dict(max_steps=4, batch_size=8, grad_clip_norm=0.5, dropout=0.0, hidden_size=16,
            num_heads=2, eval_steps=1)
 
-
-class ReplicasTask(GPTTask):
-    """What `num_replicas` ranks read, for one process: each batch concatenates their batches."""
-
-    def __init__(self, train, num_replicas):
-        super().__init__(train)
-        self.num_replicas = num_replicas
-
-    def dataset(self, split, batch_size, input_context=None, **kwargs):
-        n = self.num_replicas
-        parts = tuple(super(ReplicasTask, self).dataset(
-            split, batch_size // n, tf.distribute.InputContext(n, i, n), **kwargs)
-            for i in range(n))
-        return tf.data.Dataset.zip(parts).map(
-            lambda *batches: tf.nest.map_structure(lambda *t: tf.concat(t, 0), *batches))
 
 
 def horovodrun(args, log_path):
