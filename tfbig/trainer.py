@@ -95,7 +95,10 @@ class Trainer:
             nonfinite_steps=self.nonfinite_steps)
         self._managers = {}
         self.restored_from = self._restore()
-        self.strategy.broadcast_variables(self.model.variables + self.optimizer.variables)
+        # Weights, optimizer slots, dropout RNG states and the step/input counters: a rank that
+        # found no checkpoint (local disks) continues where the chief's restore left off.
+        self.strategy.broadcast_variables(self.model.variables + self.optimizer.variables + [
+            self.step, self.batches_consumed, self.nonfinite_steps])
         self.forward_backward = self.strategy.make_forward_backward(
             self._loss_fn, self.model.trainable_variables, self._scale_loss, t.xla)
         self.forward = self.strategy.make_forward(self._loss_fn, t.xla)

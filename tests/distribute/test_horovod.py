@@ -101,7 +101,8 @@ def runs(gpt_data, tmp_path_factory):
         run_entry("plain", horovod_cfg(gpt_data, root / "plain"), out, per_rank_model_dir=True),
         run_entry("accum", horovod_cfg(gpt_data, root / "accum", grad_accum_steps=2), out,
                   timeline=str(root / "accum_timeline.json")),
-        run_entry("resumed", horovod_cfg(gpt_data, root / "resumed"), out, interrupt_at=2),
+        run_entry("resumed", horovod_cfg(gpt_data, root / "resumed"), out, interrupt_at=2,
+                  per_rank_model_dir=True),
         run_entry("fp16_allreduce", horovod_cfg(gpt_data, root / "fp16ar",
                                                 hvd_fp16_allreduce=True), out),
         run_entry("fp16_skip", horovod_cfg(gpt_data, root / "fp16skip", scale_lr=True,
@@ -204,15 +205,20 @@ def test_scale_lr_multiplies_the_learning_rate_by_the_number_of_processes(runs):
 
 
 @pytest.mark.multiproc
-def test_resume_under_horovod_continues_the_run(runs):
+def test_resume_under_horovod_continues_the_run_from_rank_0s_local_disk(runs):
+    # Each rank has its own --model_dir, so rank 1 finds no checkpoint: it must take the step,
+    # input position and weights rank 0 restored, or the ranks would read and run apart.
     resumed, other = runs["resumed"]
+    assert not os.path.exists(runs.root / "resumed" / "rank1" / "checkpoint")
     straight, _ = runs["plain"]  # the same config, uninterrupted
     assert int(resumed["restored_step"]) == int(other["restored_step"]) == 2
     assert resumed["step"] == straight["step"] == EQUIVALENCE["max_steps"]
     np.testing.assert_allclose(resumed["losses"], straight["losses"], rtol=1e-6)
     for ours, theirs in zip(listed(resumed, "w"), listed(straight, "w")):
         np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-8)
-    assert os.path.exists(runs.root / "resumed" / "ckpt-4.index")
+    assert int(other["step"]) == EQUIVALENCE["max_steps"]
+    np.testing.assert_array_equal(resumed["losses"], other["losses"])
+    assert os.path.exists(runs.root / "resumed" / "rank0" / "ckpt-4.index")
 
 
 @pytest.mark.multiproc

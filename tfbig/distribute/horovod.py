@@ -6,7 +6,7 @@ The post's six steps, each done once, here:
     2. one GPU per process (local_rank), memory growth -> horovod_keras.pin_gpu_to_local_rank
     3. learning rate x world size (--scale_lr)      -> learning_rate_scale
     4. average gradients, once per optimizer step   -> all_reduce_gradients
-    5. broadcast model + optimizer from rank 0      -> broadcast_variables (the trainer calls it
+    5. broadcast model, optimizer, step counters     -> broadcast_variables (the trainer calls it
        after building the optimizer's slots and restoring a checkpoint)
     6. only rank 0 writes checkpoints, logs, events -> is_chief
 
