@@ -48,3 +48,23 @@ def gpt_data(tmp_path_factory):
     prepare([corpus], out, seq_length=16, vocab_size=320, shard_size_mb=0.01,
             validation_fraction=0.2)
     return out
+
+
+@pytest.fixture(scope="session")
+def albert_data(tmp_path_factory):
+    """A tiny prepared ALBERT dataset (standard BERT/ALBERT features, seq 32).
+
+    Every sequence is full length and has exactly 2 masked predictions: the MLM loss is a mean
+    over each replica's predictions (as in tf-models-official), which equals the mean over the
+    global batch only when replicas hold equally many, so distributed runs can be compared
+    with one device exactly."""
+    from tfbig.prepare import prepare
+
+    root = tmp_path_factory.mktemp("albert_data")
+    corpus = _synthetic_corpus(str(root / "text"))
+    out = str(root / "shards")
+    prepare([corpus], out, seq_length=32, vocab_size=320, shard_size_mb=0.01,
+            validation_fraction=0.2, format="albert",
+            format_options={"max_predictions_per_seq": 2, "short_seq_prob": 0.0,
+                            "dupe_factor": 2})
+    return out

@@ -33,20 +33,23 @@ def assert_weights_close(a, b, rtol=1e-5, atol=1e-7):
         np.testing.assert_allclose(x, y, rtol=rtol, atol=atol)
 
 
-class ReplicasTask(GPTTask):
+class ReplicasTask:
     """What `num_replicas` data-parallel processes read, for one process: each batch is the
     concatenation of their batches of batch_size / num_replicas (the distributed tests'
-    single-device reference)."""
+    single-device reference). Wraps any task (GPT by default); the rest is the task's."""
 
-    def __init__(self, train, num_replicas):
-        super().__init__(train)
+    def __init__(self, train, num_replicas, task=None):
+        self.task = task or GPTTask(train)
         self.num_replicas = num_replicas
+
+    def __getattr__(self, name):
+        return getattr(self.task, name)
 
     def dataset(self, split, batch_size, input_context=None, **kwargs):
         n = self.num_replicas
-        parts = tuple(super(ReplicasTask, self).dataset(
-            split, batch_size // n, tf.distribute.InputContext(n, i, n), **kwargs)
-            for i in range(n))
+        parts = tuple(self.task.dataset(split, batch_size // n,
+                                        tf.distribute.InputContext(n, i, n), **kwargs)
+                      for i in range(n))
         return tf.data.Dataset.zip(parts).map(
             lambda *batches: tf.nest.map_structure(lambda *t: tf.concat(t, 0), *batches))
 

@@ -70,7 +70,7 @@ class Trainer:
         if self.strategy.learning_rate_scale != 1.0:  # e.g. Horovod --scale_lr
             t = dataclasses.replace(
                 t, learning_rate=t.learning_rate * self.strategy.learning_rate_scale)
-        self.task = task or get_task(t)
+        self.task = task or get_task(t, cfg)  # with the family's section (e.g. --num_groups)
         self.micro_batch = micro_batch_size(t.batch_size, self.strategy.num_replicas,
                                             t.grad_accum_steps)
         self.logger = logger or RunLogger(t.model_dir, self.strategy.is_chief, t.max_steps)

@@ -46,6 +46,16 @@ def test_get_task_passes_the_albert_section(albert_data_dir, tmp_path):
     assert task.model_config.vocab_size == 1000 and task.seq_length == 64
 
 
+def test_trainer_from_the_config_alone_takes_the_albert_section(albert_data_dir, tmp_path):
+    # As tfbig-train builds it: Trainer(cfg), no task handed in.
+    cfg = make_cfg(albert_data_dir, tmp_path, max_steps=1)
+    cfg.albert.embedding_size, cfg.albert.num_groups, cfg.train.num_layers = 8, 2, 4
+    trainer = Trainer(cfg)
+    assert (trainer.task.model_config.embedding_size, trainer.task.model_config.num_groups) \
+        == (8, 2)
+    assert len(trainer.model.backbone.groups) == 2
+
+
 def test_dynamic_masking_trains_and_resumes_exactly(albert_data_dir, tmp_path):
     cfg = make_cfg(albert_data_dir, tmp_path / "whole", max_steps=6)
     cfg.albert.dynamic_masking = True

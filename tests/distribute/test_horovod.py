@@ -24,6 +24,7 @@ from test_trainer import ReplicasTask, make_cfg, weights  # noqa: E402
 
 from horovod_worker import RecordingLogger  # noqa: E402
 from tfbig import config as config_lib  # noqa: E402
+from tfbig.tasks import get_task  # noqa: E402
 from tfbig.trainer import Trainer  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -35,6 +36,9 @@ TIMEOUT = 480
 # Clipping at 0.5 is active (the averaged gradient norm is above it at every step), so
 # averaging twice, summing, or clipping before averaging would all change the weights.
 EQUIVALENCE = dict(max_steps=4, batch_size=8, grad_clip_norm=0.5, dropout=0.0)
+# ALBERT (MLM + SOP, LAMB as its recipe) on the same loop; shards of seq_length 32.
+ALBERT = dict(model="albert", seq_length=32, optimizer="lamb", learning_rate=1e-2,
+              weight_decay=0.01, epsilon=1e-6)
 
 
 
@@ -93,7 +97,7 @@ class Runs:
 
 
 @pytest.fixture(scope="module")
-def runs(gpt_data, tmp_path_factory):
+def runs(gpt_data, albert_data, tmp_path_factory):
     root = tmp_path_factory.mktemp("horovod")
     out = root / "out"
     plan = [
@@ -110,6 +114,7 @@ def runs(gpt_data, tmp_path_factory):
                   seed_by_rank=True),
         run_entry("preempted", horovod_cfg(gpt_data, root / "preempted", max_steps=6), out,
                   sigterm={"rank": 1, "step": 2}),
+        run_entry("albert", horovod_cfg(albert_data, root / "albert", **ALBERT), out),
     ]
     os.makedirs(out)
     with open(root / "plan.json", "w") as f:
@@ -121,11 +126,12 @@ def runs(gpt_data, tmp_path_factory):
     return Runs(root, out, output)
 
 
-def reference(gpt_data, model_dir, **train):
+def reference(data_dir, model_dir, **train):
     """The single-device run on the examples both ranks read together; (trainer, losses)."""
-    cfg = make_cfg(gpt_data, model_dir, **{**EQUIVALENCE, **train})
+    cfg = make_cfg(data_dir, model_dir, **{**EQUIVALENCE, **train})
     logger = RecordingLogger(cfg.train.model_dir, True, cfg.train.max_steps)
-    trainer = Trainer(cfg, task=ReplicasTask(cfg.train, 2), logger=logger)
+    task = ReplicasTask(cfg.train, 2, get_task(cfg.train, cfg))
+    trainer = Trainer(cfg, task=task, logger=logger)
     trainer.fit()
     return trainer, np.array([logger.losses[s][0] for s in sorted(logger.losses)])
 
@@ -166,6 +172,21 @@ def test_two_ranks_equal_one_process_on_the_same_data(runs, gpt_data, tmp_path, 
     assert len(reference_weights) == len(listed(first, "w"))
     # Weights are O(1e-2); atol 1e-6 only admits the float noise Adam amplifies in the key
     # bias, whose gradient is zero in exact arithmetic (softmax ignores a per-row shift).
+    for ours, theirs in zip(listed(first, "w"), reference_weights):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.multiproc
+def test_albert_on_two_ranks_equals_one_process_on_the_same_data(runs, albert_data, tmp_path):
+    first, second = runs["albert"]
+    for key in [k for k in first if k[0] == "w" and k[1:].isdigit()]:
+        np.testing.assert_array_equal(first[key], second[key], err_msg=key)
+    single, losses = reference(albert_data, tmp_path, **ALBERT)
+    assert np.all(first["grad_norms"] > EQUIVALENCE["grad_clip_norm"])  # clipping is active
+    assert len(losses) == len(first["losses"]) == EQUIVALENCE["max_steps"]
+    np.testing.assert_allclose(first["losses"], losses, rtol=1e-5)
+    reference_weights = weights(single)
+    assert len(reference_weights) == len(listed(first, "w"))
     for ours, theirs in zip(listed(first, "w"), reference_weights):
         np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
 

@@ -25,6 +25,7 @@ from test_trainer import ReplicasTask, assert_weights_close, make_cfg, weights  
 
 from launch.local import free_ports, tf_config  # noqa: E402
 from tfbig import config as config_lib  # noqa: E402
+from tfbig.tasks import get_task  # noqa: E402
 from tfbig.trainer import Trainer  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -121,10 +122,10 @@ def worker_result(out, rank):
         return summary, [data[f"arr_{i}"] for i in range(len(data.files))]
 
 
-def reference(gpt_data, model_dir, num_pipelines, steps=None, **train):
+def reference(data_dir, model_dir, num_pipelines, steps=None, **train):
     """The single-device run on the examples `num_pipelines` workers read together."""
-    cfg = make_cfg(gpt_data, model_dir, **train)
-    trainer = Trainer(cfg, task=ReplicasTask(cfg.train, num_pipelines))
+    cfg = make_cfg(data_dir, model_dir, **train)
+    trainer = Trainer(cfg, task=ReplicasTask(cfg.train, num_pipelines, get_task(cfg.train, cfg)))
     return trainer, trainer.fit(steps)
 
 
@@ -137,9 +138,16 @@ EQUIVALENCE = dict(max_steps=4, batch_size=8, grad_accum_steps=2, grad_clip_norm
                    epsilon=0.1, learning_rate=3e-2, dropout=0.0, xla=True)
 
 
+# ALBERT (MLM + SOP, LAMB as its recipe) on shards of seq_length 32.
+ALBERT = dict(model="albert", seq_length=32, optimizer="lamb", weight_decay=0.01)
+
+
 @pytest.mark.multiproc
-def test_two_workers_equal_one_process_on_the_same_data(gpt_data, tmp_path):
-    cfg = make_cfg(gpt_data, tmp_path / "run", strategy="multiworker", **EQUIVALENCE)
+@pytest.mark.parametrize("model", ["gpt", "albert"])
+def test_two_workers_equal_one_process_on_the_same_data(model, gpt_data, albert_data, tmp_path):
+    data, train = (gpt_data, EQUIVALENCE) if model == "gpt" else (albert_data,
+                                                                  {**EQUIVALENCE, **ALBERT})
+    cfg = make_cfg(data, tmp_path / "run", strategy="multiworker", **train)
     code, output = launch(cfg, tmp_path)
     assert code == 0, output
     (first, w0), (second, w1) = worker_result(tmp_path, 0), worker_result(tmp_path, 1)
@@ -147,7 +155,7 @@ def test_two_workers_equal_one_process_on_the_same_data(gpt_data, tmp_path):
     assert first["train"]["grad_norm"] > EQUIVALENCE["grad_clip_norm"]
     for a, b in zip(w0, w1):
         np.testing.assert_array_equal(a, b)  # the workers hold identical weights
-    single, summary = reference(gpt_data, tmp_path / "single", 2, **EQUIVALENCE)
+    single, summary = reference(data, tmp_path / "single", 2, **train)
     assert_weights_close(w0, weights(single), rtol=1e-5)
     assert first["train"]["loss"] == pytest.approx(summary["train"]["loss"], rel=1e-5)
     assert "[worker 0]" in output and "[worker 1]" in output
