@@ -148,7 +148,7 @@ def timeline_counts(path):
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", ["plain", "accum", "resumed", "fp16_allreduce", "fp16_skip",
-                                  "preempted"])
+                                  "preempted", "albert"])
 def test_ranks_end_with_bit_identical_weights_and_optimizer_state(runs, name):
     first, second = runs[name]
     assert first["num_replicas"] == 2 and first["step"] == second["step"] > 0
@@ -160,11 +160,12 @@ def test_ranks_end_with_bit_identical_weights_and_optimizer_state(runs, name):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name,grad_accum_steps", [("plain", 1), ("accum", 2)])
-def test_two_ranks_equal_one_process_on_the_same_data(runs, gpt_data, tmp_path, name,
-                                                      grad_accum_steps):
+@pytest.mark.parametrize("name,data,train", [("plain", "gpt_data", {}),
+                                             ("accum", "gpt_data", {"grad_accum_steps": 2}),
+                                             ("albert", "albert_data", ALBERT)])
+def test_two_ranks_equal_one_process_on_the_same_data(runs, request, tmp_path, name, data, train):
     first, _ = runs[name]
-    single, losses = reference(gpt_data, tmp_path, grad_accum_steps=grad_accum_steps)
+    single, losses = reference(request.getfixturevalue(data), tmp_path, **train)
     assert np.all(first["grad_norms"] > EQUIVALENCE["grad_clip_norm"])  # clipping is active
     assert len(losses) == len(first["losses"]) == EQUIVALENCE["max_steps"]
     np.testing.assert_allclose(first["losses"], losses, rtol=1e-5)
@@ -172,21 +173,6 @@ def test_two_ranks_equal_one_process_on_the_same_data(runs, gpt_data, tmp_path, 
     assert len(reference_weights) == len(listed(first, "w"))
     # Weights are O(1e-2); atol 1e-6 only admits the float noise Adam amplifies in the key
     # bias, whose gradient is zero in exact arithmetic (softmax ignores a per-row shift).
-    for ours, theirs in zip(listed(first, "w"), reference_weights):
-        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.multiproc
-def test_albert_on_two_ranks_equals_one_process_on_the_same_data(runs, albert_data, tmp_path):
-    first, second = runs["albert"]
-    for key in [k for k in first if k[0] == "w" and k[1:].isdigit()]:
-        np.testing.assert_array_equal(first[key], second[key], err_msg=key)
-    single, losses = reference(albert_data, tmp_path, **ALBERT)
-    assert np.all(first["grad_norms"] > EQUIVALENCE["grad_clip_norm"])  # clipping is active
-    assert len(losses) == len(first["losses"]) == EQUIVALENCE["max_steps"]
-    np.testing.assert_allclose(first["losses"], losses, rtol=1e-5)
-    reference_weights = weights(single)
-    assert len(reference_weights) == len(listed(first, "w"))
     for ours, theirs in zip(listed(first, "w"), reference_weights):
         np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
 
