@@ -47,16 +47,14 @@ def cpu_peak_flops(size=2048, dtype=tf.float32, seconds=1.0, clock=None):
     b = tf.random.normal((size, size), dtype=dtype)
     matmul = tf.function(lambda x, y: tf.reduce_sum(tf.matmul(x, y)), jit_compile=True)
     matmul(a, b).numpy()  # compile
-    threads = 1 if clock is not None else cpu_threads()
-    clocks = (clock,) if clock is not None else (time.perf_counter, time.process_time)
+    # (clock, threads its reading is spread over)
+    clocks = [(clock, 1)] if clock else [(time.perf_counter, 1), (time.process_time, cpu_threads())]
     best = [float("inf")] * len(clocks)
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline or best[0] == float("inf"):
-        starts = [c() for c in clocks]
+        starts = [read() for read, _ in clocks]
         matmul(a, b).numpy()
-        best = [min(b_, c() - s_) for b_, c, s_ in zip(best, clocks, starts)]
-    if len(best) == 2:
-        best = [best[0], best[1] / threads]
+        best = [min(b_, (read() - s_) / n) for b_, (read, n), s_ in zip(best, clocks, starts)]
     return 2.0 * size ** 3 / max(min(best), 1e-9)
 
 

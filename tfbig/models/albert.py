@@ -262,6 +262,8 @@ class MaskedLMHead(keras.layers.Layer):
 class AlbertConfig(ArchitectureConfig):
     """Everything that fixes the ALBERT architecture (and so its checkpoint layout)."""
 
+    family = "ALBERT"  # in messages
+
     vocab_size: int = 30000  # rows of the word table; must equal the data manifest's
     embedding_size: int = 128  # E: width of the factorised word/position/segment embeddings
     hidden_size: int = 768  # H: transformer width
@@ -283,8 +285,6 @@ class AlbertConfig(ArchitectureConfig):
         if self.num_groups > self.num_layers:
             raise ValueError(f"num_groups={self.num_groups} is above num_layers="
                              f"{self.num_layers}; a group is a set of shared layer weights")
-
-    family = "ALBERT"
 
     @classmethod
     def presets(cls):

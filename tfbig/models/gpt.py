@@ -196,6 +196,8 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
 class GPTConfig(ArchitectureConfig):
     """Everything that fixes the GPT architecture (and so its checkpoint layout)."""
 
+    family = "GPT"  # in messages
+
     vocab_size: int = 50257  # rows of the token embedding; must equal the data manifest's
     seq_length: int = 1024  # rows of the position table: the longest sequence the model reads
     num_layers: int = 12  # transformer blocks
@@ -212,8 +214,6 @@ class GPTConfig(ArchitectureConfig):
         if self.intermediate_size == 0:
             self.intermediate_size = 4 * self.hidden_size
         self._check_fields(("vocab_size", "seq_length", "num_layers", "hidden_size", "num_heads"))
-
-    family = "GPT"
 
     @classmethod
     def presets(cls):
