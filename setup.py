@@ -14,6 +14,11 @@ setup(
         "sentencepiece>=0.2",
         "psutil>=5.9",
     ],
+    extras_require={
+        # TensorBoard's Profile tab for --profile_steps traces. The 2.20 line matches
+        # TensorBoard 2.20; newer releases pull absl-py 2 over the pinned set.
+        "profile": ["tensorboard-plugin-profile==2.20.*"],
+    },
     entry_points={
         "console_scripts": [
             "tfbig-prep=data_prep.prep:run",
