@@ -5,14 +5,8 @@ refuse a bad config, or data that does not fit it, before any graph is built."""
 class ArchitectureConfig:
     """Base of the architecture dataclasses (GPTConfig, AlbertConfig).
 
-    A subclass returns its preset table from `presets()` and calls `_check_fields` from
-    `__post_init__`."""
-
-    family = ""  # the model family's name in messages ("GPT", "ALBERT")
-
-    @classmethod
-    def presets(cls) -> dict:
-        raise NotImplementedError
+    A subclass sets `family` (its name in messages), returns its preset table from a
+    classmethod `presets()`, and calls `_check_fields` from `__post_init__`."""
 
     @classmethod
     def from_preset(cls, name, **overrides):
