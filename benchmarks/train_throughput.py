@@ -17,11 +17,12 @@ Prints one JSON line last; `mfu` is the XLA fp32 figure.
 import json
 import os
 import tempfile
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app, flags  # noqa: E402
+
+import _timing  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("preset", "small", "GPT preset.")
@@ -34,26 +35,6 @@ flags.DEFINE_list("modes", ["fp32", "fp32_xla", "bf16_xla"], "Modes to measure."
 
 MODES = {"fp32": ("fp32", False), "fp32_xla": ("fp32", True),
          "bf16_xla": ("mixed_bfloat16", True)}
-
-
-def _clock():
-    """(wall seconds, CPU seconds of this process): CPU time is robust to other processes
-    taking cores on a shared machine, wall time is what a user waits."""
-    return time.perf_counter(), time.process_time()
-
-
-def peak_flops(precision):
-    """(peak FLOP/s, peak FLOP per CPU-second or None): the vendor table on GPUs; on CPU a
-    2048^3 XLA matmul probe, timed by each clock for ~2 s."""
-    import tensorflow as tf
-
-    from tfbig.perf import cpu_peak_flops, device_peak_flops
-
-    if tf.config.list_physical_devices("GPU"):
-        return device_peak_flops(precision)[0], None
-    dtype = tf.bfloat16 if precision == "mixed_bfloat16" else tf.float32
-    return (cpu_peak_flops(dtype=dtype, seconds=2.0),
-            cpu_peak_flops(dtype=dtype, seconds=2.0, clock=time.process_time))
 
 
 def train_once(precision, xla, model_dir):
@@ -70,18 +51,9 @@ def train_once(precision, xla, model_dir):
             precision=precision, xla=xla).items():
         setattr(cfg.train, key, value)
     trainer = Trainer(cfg)
-    marks, train_step = [], trainer._train_step
-
-    def clocked_step(batch):  # the trainer's own step, with the clocks read when it returns
-        out = train_step(batch)
-        marks.append(_clock())
-        return out
-
-    trainer._train_step = clocked_step
+    marks = _timing.clock_steps(trainer)
     summary = trainer.fit()["train"]
-    tokens = FLAGS.steps * FLAGS.batch_size * trainer.task.seq_length
-    return {"tokens_per_sec": tokens / (marks[-1][0] - marks[0][0]),
-            "tokens_per_cpu_sec": tokens / (marks[-1][1] - marks[0][1]),
+    return {**_timing.rates(marks, FLAGS.batch_size * trainer.task.seq_length),
             "input_wait": summary["time_fraction/input"],
             "flops_per_token": trainer.task.flops_per_token()}
 
@@ -93,7 +65,7 @@ def main(argv):
         for round_index in range(FLAGS.repeats):
             for mode in FLAGS.modes:
                 precision, xla = MODES[mode]
-                wall, cpu = peak_flops(precision)
+                wall, cpu = _timing.peak_flops(precision)
                 old = peaks.get(precision, (0.0, 0.0))
                 peaks[precision] = (max(old[0], wall), max(old[1], cpu or 0.0))
                 run = train_once(precision, xla, os.path.join(root, f"{mode}-{round_index}"))

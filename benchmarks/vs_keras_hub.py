@@ -22,11 +22,12 @@ Prints one JSON line last: tokens/s and MFU of each, `ratio` = tfbig / keras-hub
 import json
 import os
 import tempfile
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app, flags  # noqa: E402
+
+import _timing  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("preset", "small", "GPT preset giving the dimensions of both models.")
@@ -53,34 +54,13 @@ def train_config(model_dir):
     return cfg
 
 
-def _clock():
-    """(wall seconds, CPU seconds of this process): CPU time is robust to other processes
-    taking cores on a shared machine, wall time is what a user waits."""
-    return time.perf_counter(), time.process_time()
-
-
-def _rates(marks, tokens_per_step):
-    """tokens/s and tokens per CPU-second between the first and the last step end."""
-    (wall0, cpu0), (wall1, cpu1) = marks[0], marks[-1]
-    tokens = (len(marks) - 1) * tokens_per_step
-    return {"tokens_per_sec": tokens / (wall1 - wall0),
-            "tokens_per_cpu_sec": tokens / (cpu1 - cpu0)}
-
-
 def run_tfbig(model_dir):
     from tfbig.trainer import Trainer
 
     trainer = Trainer(train_config(model_dir))
-    marks, train_step = [], trainer._train_step
-
-    def clocked_step(batch):  # the trainer's own step, with the clock read when it returns
-        out = train_step(batch)
-        marks.append(_clock())
-        return out
-
-    trainer._train_step = clocked_step
+    marks = _timing.clock_steps(trainer)
     trainer.fit()
-    return {**_rates(marks, FLAGS.batch_size * trainer.task.seq_length),
+    return {**_timing.rates(marks, FLAGS.batch_size * trainer.task.seq_length),
             "params": trainer.model.count_params(),
             "flops_per_token": trainer.task.flops_per_token()}
 
@@ -121,25 +101,11 @@ def run_keras_hub(model_dir):
         marks = []
 
         def on_train_batch_end(self, batch, logs=None):
-            self.marks.append(_clock())
+            self.marks.append(_timing.clock())
 
     clock = Clock()
     model.fit(dataset, epochs=1, steps_per_epoch=1 + FLAGS.steps, callbacks=[clock], verbose=0)
-    return {**_rates(clock.marks, cfg.train.batch_size * seq), "params": model.count_params()}
-
-
-def peak_flops():
-    """(peak FLOP/s, peak FLOP per CPU-second or None): the vendor table on GPUs; on CPU a
-    2048^3 XLA matmul probe, timed by each clock for ~2 s."""
-    import tensorflow as tf
-
-    from tfbig.perf import cpu_peak_flops, device_peak_flops
-
-    if tf.config.list_physical_devices("GPU"):
-        return device_peak_flops(FLAGS.precision)[0], None
-    dtype = tf.bfloat16 if FLAGS.precision == "mixed_bfloat16" else tf.float32
-    return (cpu_peak_flops(dtype=dtype, seconds=2.0),
-            cpu_peak_flops(dtype=dtype, seconds=2.0, clock=time.process_time))
+    return {**_timing.rates(clock.marks, cfg.train.batch_size * seq), "params": model.count_params()}
 
 
 def main(argv):
@@ -150,7 +116,7 @@ def main(argv):
         for index in range(FLAGS.repeats):
             order = list(sides) if index % 2 == 0 else list(sides)[::-1]
             for name in order:
-                wall, cpu = peak_flops()
+                wall, cpu = _timing.peak_flops(FLAGS.precision)
                 peak, peak_cpu = max(peak, wall), max(peak_cpu, cpu or 0.0)
                 result = sides[name](os.path.join(root, f"{name}-{index}"))
                 rounds[name].append(result)
