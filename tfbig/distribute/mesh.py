@@ -1,0 +1,199 @@
+"""The rank grid: world = data x pipeline x tensor, with sharded-DP partition groups inside data.
+
+Built once from the flags, printed at start and passed explicitly to every backend; nothing
+else computes "who is in which group" from `rank % n`.
+
+Axes and what travels along them:
+    tensor    T ranks holding slices of the same layers (Megatron): activations all-reduced per
+              sub-layer. Normally the GPUs of one host (NVLink).
+    pipeline  K ranks holding consecutive stages: activations forward, gradients back.
+    data      D ranks reading different batches: gradients averaged. With `shard_degree=N`
+              (ZeRO/MiCS) the data axis is split into D/N partition groups of N consecutive
+              data indices, each holding one sharded copy of the model state; the N ranks
+              at the same position in each group form a replica group (2-hop gradient sync:
+              reduce-scatter inside the partition group, all-reduce across the replica group).
+
+`order` lists the axes by letter (D, P, T), the last varying fastest between consecutive ranks:
+`DPT` ("cluster", the default) puts the tensor ranks of a layer on adjacent ranks (one host),
+then the pipeline stages, then the data replicas; `TPD` ("spread") does the reverse.
+
+Example (8 ranks, TP2 x PP2 x DP2):
+    mesh = Mesh.build(world_size=8, tensor=2, pipeline=2)
+    mesh.coords(5)              # {'data': 1, 'pipeline': 0, 'tensor': 1}
+    mesh.group("tensor", 5)     # (4, 5)
+    mesh.group("data", 5)       # (1, 5)
+    print(mesh.describe())
+"""
+import dataclasses
+
+AXES = {"D": "data", "P": "pipeline", "T": "tensor"}
+PLACEMENTS = {"cluster": "DPT", "spread": "TPD"}
+
+
+def placement_order(placement):
+    """--placement value -> axis order ('cluster', 'spread' or a permutation of 'DPT')."""
+    order = PLACEMENTS.get(placement, placement.upper() if placement else "")
+    if sorted(order) != sorted("DPT"):
+        raise ValueError(f"--placement={placement!r}: expected cluster, spread or an order of "
+                         f"the letters D, P, T such as DPT (the last letter varies fastest)")
+    return order
+
+
+@dataclasses.dataclass(frozen=True)
+class Mesh:
+    """A data x pipeline x tensor grid of `data * pipeline * tensor` ranks.
+
+    Attributes:
+      data, pipeline, tensor: the size of each axis.
+      shard_degree: data ranks per ZeRO/MiCS partition group (`data`: the whole data axis,
+        as ZeRO/FSDP; fewer: MiCS partition groups replicated across the rest). Divides `data`.
+      order: axis letters, last varying fastest (see the module docstring).
+    """
+
+    data: int = 1
+    pipeline: int = 1
+    tensor: int = 1
+    shard_degree: int = 1
+    order: str = "DPT"
+
+    @classmethod
+    def build(cls, world_size, tensor=1, pipeline=1, shard_degree=0, placement="cluster"):
+        """The grid for `world_size` ranks; the data axis takes what tensor x pipeline leave.
+
+        shard_degree 0 means the whole data axis (plain ZeRO); errors name the flags.
+        """
+        for name, value in (("--tensor_parallel", tensor), ("--pipeline_stages", pipeline)):
+            if value < 1:
+                raise ValueError(f"{name}={value}: expected a positive number of ranks")
+        if world_size % (tensor * pipeline):
+            raise ValueError(
+                f"the world of {world_size} ranks is not data x pipeline x tensor: "
+                f"--pipeline_stages={pipeline} x --tensor_parallel={tensor} = "
+                f"{pipeline * tensor} does not divide {world_size}; start a multiple of "
+                f"{pipeline * tensor} processes")
+        data = world_size // (tensor * pipeline)
+        shard_degree = shard_degree or data
+        if shard_degree < 1 or data % shard_degree:
+            raise ValueError(
+                f"--shard_degree={shard_degree} does not divide the {data} data-parallel ranks "
+                f"(world {world_size} / (pipeline {pipeline} x tensor {tensor})); choose a "
+                f"divisor of {data}")
+        return cls(data, pipeline, tensor, shard_degree, placement_order(placement))
+
+    @property
+    def size(self):
+        return self.data * self.pipeline * self.tensor
+
+    def _sizes(self):
+        return {"data": self.data, "pipeline": self.pipeline, "tensor": self.tensor}
+
+    def coords(self, rank):
+        """{'data': d, 'pipeline': p, 'tensor': t} of global rank `rank`."""
+        if not 0 <= rank < self.size:
+            raise ValueError(f"rank {rank} is outside the mesh of {self.size} ranks")
+        sizes, out = self._sizes(), {}
+        for letter in reversed(self.order):  # the last letter varies fastest
+            axis = AXES[letter]
+            rank, out[axis] = divmod(rank, sizes[axis])
+        return {axis: out[axis] for axis in ("data", "pipeline", "tensor")}
+
+    def rank_of(self, data=0, pipeline=0, tensor=0):
+        """The global rank at these coordinates."""
+        coords, sizes, rank = {"data": data, "pipeline": pipeline, "tensor": tensor}, \
+            self._sizes(), 0
+        for letter in self.order:
+            axis = AXES[letter]
+            rank = rank * sizes[axis] + coords[axis]
+        return rank
+
+    def group(self, axis, rank):
+        """The ranks that differ from `rank` only along `axis`, in axis order.
+
+        axis: 'data', 'pipeline', 'tensor', or the sharded-DP groups 'partition' (the
+        shard_degree ranks sharing one sharded copy of the state) and 'replica' (the ranks
+        holding the same shard in each partition group).
+        """
+        c = self.coords(rank)
+        if axis in ("partition", "replica"):
+            first, position = divmod(c["data"], self.shard_degree)
+            indices = (range(first * self.shard_degree, (first + 1) * self.shard_degree)
+                       if axis == "partition" else
+                       range(position, self.data, self.shard_degree))
+            return tuple(self.rank_of(**{**c, "data": d}) for d in indices)
+        if axis not in self._sizes():
+            raise ValueError(f"unknown mesh axis {axis!r}: expected data, pipeline, tensor, "
+                             f"partition or replica")
+        return tuple(self.rank_of(**{**c, axis: i}) for i in range(self._sizes()[axis]))
+
+    def groups(self, axis):
+        """Every distinct group along `axis` (each a tuple of ranks), in rank order."""
+        return sorted({self.group(axis, r) for r in range(self.size)})
+
+    def describe(self):
+        """A few lines for the start of a run: the grid and each rank's coordinates."""
+        lines = [f"mesh: {self.size} ranks = data {self.data} x pipeline {self.pipeline} x "
+                 f"tensor {self.tensor} (order {self.order}, last varies fastest)"]
+        if 1 < self.shard_degree < self.data:
+            lines.append(f"  sharded-DP partition groups of {self.shard_degree}: "
+                         f"{self.groups('partition')}; replica groups: "
+                         f"{self.groups('replica')}")
+        for axis in ("tensor", "pipeline", "data"):
+            if self._sizes()[axis] > 1:
+                lines.append(f"  {axis} groups: {self.groups(axis)}")
+        for rank in range(self.size):
+            c = self.coords(rank)
+            lines.append(f"  rank {rank}: data {c['data']} pipeline {c['pipeline']} "
+                         f"tensor {c['tensor']}")
+        return "\n".join(lines)
+
+    def process_set_ranks(self):
+        """Every group of two or more ranks below the whole world, once (for hvd.init)."""
+        axes = ("data", "pipeline", "tensor", "partition", "replica")
+        found = {g for axis in axes for g in self.groups(axis) if 1 < len(g) < self.size}
+        # Adjacent pipeline stages exchange activations on a two-rank set of their own.
+        found |= {pair for g in self.groups("pipeline") for pair in zip(g, g[1:])
+                  if len(g) > 2}
+        return sorted(found, key=lambda g: (len(g), g))
+
+
+class HorovodMesh:
+    """A Mesh whose groups are Horovod process sets, all created at `hvd.init` (static sets).
+
+    Every process must build the same Mesh (it follows from the flags), so they all declare
+    the same process sets. `process_set(axis)` is this rank's group along `axis`; a group of
+    one rank is None (nothing to communicate) and the whole world is the global set.
+
+    Example:
+        hmesh = HorovodMesh(Mesh.build(hvd_size_from_env, tensor=2))
+        hvd.allreduce(x, process_set=hmesh.process_set("tensor"))
+    """
+
+    def __init__(self, mesh, pin_gpu=True):
+        from tfbig.distribute import horovod_keras
+        from tfbig.distribute.horovod_keras import hvd
+
+        self.mesh = mesh
+        sets = {ranks: hvd.ProcessSet(list(ranks)) for ranks in mesh.process_set_ranks()}
+        if hvd.is_initialized():
+            raise RuntimeError("HorovodMesh must initialise Horovod itself (its process sets "
+                               "are declared at hvd.init); build it before anything else "
+                               "calls hvd.init()")
+        horovod_keras.init(pin_gpu=pin_gpu, process_sets=list(sets.values()))
+        if hvd.size() != mesh.size:
+            raise ValueError(f"the mesh has {mesh.size} ranks but horovodrun started "
+                             f"{hvd.size()} processes")
+        self._sets = {**sets, tuple(range(mesh.size)): hvd.global_process_set}
+        self.rank = hvd.rank()
+
+    def process_set(self, axis, rank=None):
+        """The process set of this rank's (or `rank`'s) group along `axis`; None for one rank."""
+        ranks = self.mesh.group(axis, self.rank if rank is None else rank)
+        return None if len(ranks) == 1 else self._sets[ranks]
+
+    def pair_process_set(self, rank_a, rank_b):
+        """The two-rank process set of adjacent pipeline stages `rank_a`, `rank_b`."""
+        return self._sets[tuple(sorted((rank_a, rank_b)))]
+
+    @property
+    def coords(self):
+        return self.mesh.coords(self.rank)
