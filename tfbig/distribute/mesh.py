@@ -25,9 +25,23 @@ Example (8 ranks, TP2 x PP2 x DP2):
     print(mesh.describe())
 """
 import dataclasses
+import os
 
 AXES = {"D": "data", "P": "pipeline", "T": "tensor"}
 PLACEMENTS = {"cluster": "DPT", "spread": "TPD"}
+# What horovodrun (Gloo), Open MPI and MPICH/Slurm PMI set for every process before hvd.init.
+WORLD_SIZE_VARIABLES = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+
+
+def launcher_world_size():
+    """The number of processes the launcher started (1 when not started by one).
+
+    Process sets are declared at hvd.init, so the mesh is built before Horovod can say.
+    """
+    for name in WORLD_SIZE_VARIABLES:
+        if os.environ.get(name):
+            return int(os.environ[name])
+    return 1
 
 
 def placement_order(placement):
@@ -164,7 +178,7 @@ class HorovodMesh:
     one rank is None (nothing to communicate) and the whole world is the global set.
 
     Example:
-        hmesh = HorovodMesh(Mesh.build(hvd_size_from_env, tensor=2))
+        hmesh = HorovodMesh.start(tensor=2)   # world size from horovodrun/mpirun
         hvd.allreduce(x, process_set=hmesh.process_set("tensor"))
     """
 
@@ -184,6 +198,12 @@ class HorovodMesh:
                              f"{hvd.size()} processes")
         self._sets = {**sets, tuple(range(mesh.size)): hvd.global_process_set}
         self.rank = hvd.rank()
+
+    @classmethod
+    def start(cls, tensor=1, pipeline=1, shard_degree=0, placement="cluster", pin_gpu=True):
+        """Build the Mesh for the launcher's world size and initialise Horovod with its sets."""
+        return cls(Mesh.build(launcher_world_size(), tensor, pipeline, shard_degree, placement),
+                   pin_gpu=pin_gpu)
 
     def process_set(self, axis, rank=None):
         """The process set of this rank's (or `rank`'s) group along `axis`; None for one rank."""
