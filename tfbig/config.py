@@ -111,6 +111,25 @@ class HorovodConfig:
 
 
 @dataclasses.dataclass
+class ParallelConfig:
+    """Model-parallel and sharded layouts on the Horovod backend: the rank grid
+    (tfbig.distribute.mesh) is data x pipeline x tensor, with ZeRO/MiCS groups inside data."""
+
+    tensor_parallel: int = field(1, "Horovod: ranks that split each layer (Megatron tensor "
+                                    "parallelism; normally the GPUs of one host).")
+    sequence_parallel: bool = field(False, "Horovod, with --tensor_parallel: split the "
+                                           "LayerNorm/dropout regions along the sequence.")
+    placement: str = field("cluster", "Horovod: rank order of the mesh: cluster (tensor ranks "
+                                      "adjacent, then pipeline, then data), spread, or an "
+                                      "order of D, P, T such as DPT (last varies fastest).")
+    zero_stage: int = field(0, "Horovod: ZeRO sharding of the model state over a partition "
+                               "group: 0 none, 1 optimizer slots, 2 + gradients, "
+                               "3 + parameters.")
+    shard_degree: int = field(0, "Horovod, with --zero_stage: data-parallel ranks per "
+                                 "partition group (MiCS); 0: all of them (ZeRO/FSDP).")
+
+
+@dataclasses.dataclass
 class ProfileConfig:
     """What a run records about its own speed (tfbig.profiling; `tfbig-profile report`)."""
 
@@ -153,6 +172,7 @@ class ExperimentConfig:
     albert: AlbertTrainConfig = dataclasses.field(default_factory=AlbertTrainConfig)
     multiworker: MultiWorkerConfig = dataclasses.field(default_factory=MultiWorkerConfig)
     horovod: HorovodConfig = dataclasses.field(default_factory=HorovodConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(ExperimentConfig)}
@@ -164,6 +184,7 @@ def _applicability():
              "hvd_fp16_allreduce": ("strategy", ("horovod", "pipeline"))}
     for section, key, allowed in ((PipelineConfig, "strategy", ("pipeline",)),
                                   (MultiWorkerConfig, "strategy", ("multiworker", "mirrored")),
+                                  (ParallelConfig, "strategy", ("horovod",)),
                                   (AlbertTrainConfig, "model", ("albert",))):
         rules.update({f.name: (key, allowed) for f in dataclasses.fields(section)})
     return rules

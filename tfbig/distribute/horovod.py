@@ -21,29 +21,50 @@ import contextlib
 
 import tensorflow as tf
 
-from tfbig.config import HorovodConfig
+from tfbig.config import HorovodConfig, ParallelConfig
 from tfbig.distribute import horovod_keras  # first: a clear error if Horovod is missing
 from tfbig.distribute.horovod_keras import hvd
 from tfbig.distribute.base import Strategy
+from tfbig.distribute.mesh import HorovodMesh, Mesh, launcher_world_size
+
+# --flag=value pairs of ParallelConfig this backend cannot run yet (refused before training).
+UNSUPPORTED = {"tensor_parallel": lambda v: v != 1, "sequence_parallel": bool,
+               "zero_stage": lambda v: v != 0}
+
+
+def build_mesh(parallel, world_size):
+    """The rank grid for ParallelConfig `parallel` over `world_size` ranks (errors name flags)."""
+    for name, unsupported in UNSUPPORTED.items():
+        value = getattr(parallel, name)
+        if unsupported(value):
+            raise ValueError(f"--{name}={value} is not supported by --strategy=horovod yet")
+    if parallel.shard_degree and not parallel.zero_stage:
+        raise ValueError(f"--shard_degree={parallel.shard_degree} needs --zero_stage=1, 2 or 3 "
+                         f"(it sizes the groups the model state is sharded over)")
+    return Mesh.build(world_size, tensor=parallel.tensor_parallel,
+                      shard_degree=parallel.shard_degree, placement=parallel.placement)
 
 
 class HorovodStrategy(Strategy):
-    """Data parallel over all Horovod processes (or over `process_set`).
+    """Data parallel over the data axis of the rank grid (tfbig.distribute.mesh).
 
     Args:
-      cfg: the ExperimentConfig; its `horovod` section gives --scale_lr, --hvd_fp16_allreduce.
-      process_set: the processes that average gradients (default: all). A pipeline backend
-        passes the data-parallel group of one stage.
+      cfg: the ExperimentConfig; its `horovod` section gives --scale_lr, --hvd_fp16_allreduce,
+        its `parallel` section the layout of the grid.
+      mesh: a HorovodMesh built by the caller (default: built here from `cfg`, which also
+        initialises Horovod and pins one GPU per process).
     """
 
     name = "horovod"
 
-    def __init__(self, cfg=None, process_set=hvd.global_process_set):
+    def __init__(self, cfg=None, mesh=None):
         super().__init__(cfg)
         self.options = getattr(cfg, "horovod", None) or HorovodConfig()
-        if not hvd.is_initialized():
-            horovod_keras.init()  # Horovod: initialise, pin one GPU per process
-        self.process_set = process_set
+        self.parallel = getattr(cfg, "parallel", None) or ParallelConfig()
+        size = hvd.size() if hvd.is_initialized() else launcher_world_size()
+        # Horovod: initialise with every process set of the grid, pin one GPU per process.
+        self.mesh = mesh or HorovodMesh(build_mesh(self.parallel, size))
+        self.process_set = self.mesh.process_set("data")  # None: one data-parallel replica
         self._scale_loss = None
         # SIGTERM agreement without an extra collective: each step's gradient allreduce also
         # averages this process's stop request; a non-zero average stops every process.
@@ -52,11 +73,11 @@ class HorovodStrategy(Strategy):
 
     @property
     def num_replicas(self):
-        return self.process_set.size()
+        return self.mesh.mesh.data
 
     @property
     def rank(self):
-        return self.process_set.rank()
+        return self.mesh.coords["data"]
 
     @property
     def is_chief(self):
@@ -120,7 +141,7 @@ class HorovodStrategy(Strategy):
     def broadcast_variables(self, variables):
         # Horovod: every process starts from the first process's model and optimizer state
         # (root_rank is a global rank, also with a process set).
-        root = self.process_set.ranks[0] if self.process_set.ranks else 0
+        root = self.mesh.mesh.group("data", self.mesh.rank)[0]
         horovod_keras.broadcast_variables(variables, root_rank=root, process_set=self.process_set)
 
     def shutdown(self):

@@ -31,7 +31,8 @@ style of the Horovod examples uses them directly:
         checkpoint.save(...)                    # only rank 0 writes
 
 Every collective takes a `process_set` (default: all processes), so a caller can average over
-one group of ranks only, e.g. the data-parallel replicas of one pipeline stage.
+one group of ranks only, e.g. the data-parallel replicas of one pipeline stage; None stands
+for a group of one process (the input comes back unchanged).
 """
 import tensorflow as tf
 
@@ -98,7 +99,7 @@ def broadcast_variables(variables, root_rank=0, process_set=hvd.global_process_s
     `optimizer.build`, or at the first `apply`), and again after restoring a checkpoint.
     """
     variables = tf_variables(variables)
-    if variables:
+    if variables and process_set is not None:  # None: a group of one process
         return hvd.broadcast_variables(variables, root_rank=root_rank, process_set=process_set)
     return None
 
@@ -115,6 +116,8 @@ def average_gradients(grads, fp16=False, process_set=hvd.global_process_set):
     gradient is in the one group. `fp16=True` sends them as float16 (half the bytes).
     """
     dense = [tf.convert_to_tensor(g) for g in grads]
+    if process_set is None:  # a group of one process: nothing to average
+        return dense
     return hvd.grouped_allreduce(dense, op=hvd.Average, compression=compression(fp16),
                                  process_set=process_set)
 
@@ -122,7 +125,7 @@ def average_gradients(grads, fp16=False, process_set=hvd.global_process_set):
 def average_values(values, process_set=hvd.global_process_set):
     """Average a nest (dict, list) of tensors over processes, uncompressed (metrics)."""
     flat = tf.nest.flatten(values)
-    if not flat:
+    if not flat or process_set is None:
         return values
     reduced = hvd.grouped_allreduce([tf.convert_to_tensor(v) for v in flat], op=hvd.Average,
                                     process_set=process_set)

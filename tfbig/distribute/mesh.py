@@ -170,12 +170,23 @@ class Mesh:
         return sorted(found, key=lambda g: (len(g), g))
 
 
+def hvd_global_set():
+    from tfbig.distribute.horovod_keras import hvd
+
+    return hvd.global_process_set
+
+
 class HorovodMesh:
     """A Mesh whose groups are Horovod process sets, all created at `hvd.init` (static sets).
 
     Every process must build the same Mesh (it follows from the flags), so they all declare
-    the same process sets. `process_set(axis)` is this rank's group along `axis`; a group of
-    one rank is None (nothing to communicate) and the whole world is the global set.
+    the same process sets: at hvd.init when the mesh initialises Horovod, or, when Horovod is
+    already running with HOROVOD_DYNAMIC_PROCESS_SETS=1 (several layouts in one launch, as
+    the tests do), added then and removed by `close()`.
+
+    `process_set(axis)` is this rank's group along `axis`: the global set for the whole world,
+    None for a group of one rank (nothing to communicate; the horovod_keras helpers return
+    their input for None).
 
     Example:
         hmesh = HorovodMesh.start(tensor=2)   # world size from horovodrun/mpirun
@@ -187,17 +198,32 @@ class HorovodMesh:
         from tfbig.distribute.horovod_keras import hvd
 
         self.mesh = mesh
-        sets = {ranks: hvd.ProcessSet(list(ranks)) for ranks in mesh.process_set_ranks()}
-        if hvd.is_initialized():
-            raise RuntimeError("HorovodMesh must initialise Horovod itself (its process sets "
-                               "are declared at hvd.init); build it before anything else "
-                               "calls hvd.init()")
-        horovod_keras.init(pin_gpu=pin_gpu, process_sets=list(sets.values()))
+        needed = mesh.process_set_ranks()
+        self._added = []
+        if not hvd.is_initialized():  # static sets, declared at init (FACTS.md)
+            sets = {ranks: hvd.ProcessSet(list(ranks)) for ranks in needed}
+            horovod_keras.init(pin_gpu=pin_gpu, process_sets=list(sets.values()))
+        elif needed and not os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS"):
+            raise RuntimeError(
+                f"Horovod was initialised before the mesh ({mesh.data} x {mesh.pipeline} x "
+                f"{mesh.tensor}) could declare its process sets: build the strategy before "
+                f"anything calls hvd.init(), or launch with HOROVOD_DYNAMIC_PROCESS_SETS=1")
+        else:  # one process trying several layouts (tests): sets added now, removed by close()
+            sets = {ranks: hvd.add_process_set(list(ranks)) for ranks in needed}
+            self._added = list(sets.values())
         if hvd.size() != mesh.size:
             raise ValueError(f"the mesh has {mesh.size} ranks but horovodrun started "
                              f"{hvd.size()} processes")
-        self._sets = {**sets, tuple(range(mesh.size)): hvd.global_process_set}
+        self._sets = sets
         self.rank = hvd.rank()
+
+    def close(self):
+        """Remove the process sets this mesh added after init (dynamic sets only)."""
+        from tfbig.distribute.horovod_keras import hvd
+
+        for process_set in self._added:
+            hvd.remove_process_set(process_set)
+        self._added = []
 
     @classmethod
     def start(cls, tensor=1, pipeline=1, shard_degree=0, placement="cluster", pin_gpu=True):
@@ -207,12 +233,16 @@ class HorovodMesh:
 
     def process_set(self, axis, rank=None):
         """The process set of this rank's (or `rank`'s) group along `axis`; None for one rank."""
-        ranks = self.mesh.group(axis, self.rank if rank is None else rank)
-        return None if len(ranks) == 1 else self._sets[ranks]
+        return self._set_of(self.mesh.group(axis, self.rank if rank is None else rank))
 
     def pair_process_set(self, rank_a, rank_b):
         """The two-rank process set of adjacent pipeline stages `rank_a`, `rank_b`."""
-        return self._sets[tuple(sorted((rank_a, rank_b)))]
+        return self._set_of(tuple(sorted((rank_a, rank_b))))
+
+    def _set_of(self, ranks):
+        if len(ranks) == 1:
+            return None
+        return hvd_global_set() if len(ranks) == self.mesh.size else self._sets[ranks]
 
     @property
     def coords(self):
