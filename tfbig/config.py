@@ -67,6 +67,9 @@ class TrainConfig:
                                       "instead of failing.")
     sample_tokens: int = field(200, "Tokens of text generated at the end of training "
                                     "(0: none).")
+    plan_only: bool = field(False, "Print the plan of these flags on this machine (memory per "
+                                   "device, step time, tokens/s; tfbig.plan) and exit before "
+                                   "any data or model is built.")
 
 
 @dataclasses.dataclass

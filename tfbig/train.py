@@ -25,6 +25,11 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments {argv[1:]}; every option is a --flag")
     if flags.FLAGS.model == "albert" and not flags.FLAGS["optimizer"].present:
         flags.FLAGS.optimizer = "lamb"  # ALBERT's recipe (Lan et al. 2019); GPT keeps adamw
+    if flags.FLAGS.plan_only:  # before any data or model is built
+        from tfbig.plan.local import training_plan
+
+        print(training_plan(config_lib.from_flags(flags.FLAGS)))
+        return
     import tensorflow as tf
 
     from tfbig.trainer import Trainer

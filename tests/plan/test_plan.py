@@ -1,0 +1,162 @@
+"""tfbig.plan without TensorFlow: the published 175B figure, named errors, the search, the CLI."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tfbig.config import ExperimentConfig
+from tfbig.plan import cli, estimate, hardware, search
+from tfbig.plan.local import training_plan
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+P4D = ["--preset=175b", "--gpu=A100-40GB", "--gpus_per_node=8", "--nodes=120",
+       "--seq_length=2048", "--internode_gbps=400"]
+
+
+def plan(argv):
+    """(flag values, fixed layout, estimates best first) of tfbig-plan flags."""
+    flag_values = cli.flags.FlagValues()
+    cli.define_flags(flag_values)
+    flag_values(["tfbig-plan"] + argv)
+    values = {name: flag_values[name].value for name in cli.FLAGS_SPEC}
+    fixed = {n: values[n] for n in search.LAYOUT_FLAGS if flag_values[n].present}
+    return values, fixed, cli.plan(values, fixed)[1]
+
+
+def test_published_175b_on_120_p4d_within_20_percent():
+    # The SageMaker 175B post: 32 samples/s at seq 2048 on 120 p4d.24xlarge with tensor,
+    # pipeline and optimizer-state sharding plus activation checkpointing. Layout assumed:
+    # T=8 (one node's NVLink), K=8 (the fewest stages whose state fits 40 GB with T=8),
+    # D=15, ZeRO-1 over the 15 replicas, 1F1B, batch of ~1M tokens (the plan's default).
+    _, _, estimates = plan(P4D + ["--tensor_parallel=8", "--pipeline_stages=8",
+                                  "--zero_stage=1", "--activation_checkpointing",
+                                  "--sequence_parallel=false"])
+    best = estimates[0]
+    assert (best.layout.data, best.layout.partition, best.batch_size) == (15, 15, 525)
+    assert best.fits and best.memory_bytes < 40e9
+    assert 0.8 * 32 <= best.samples_per_sec <= 1.2 * 32, best.samples_per_sec
+    four_stages = plan(P4D + ["--tensor_parallel=8", "--pipeline_stages=4", "--zero_stage=1",
+                              "--activation_checkpointing"])[2]
+    assert not any(e.fits for e in four_stages)  # why K=8: K=4 cannot hold the state
+
+
+def test_cli_answers_175b_in_under_2_seconds_without_tensorflow():
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    start = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "tfbig.plan"] + P4D, env=env,
+                         capture_output=True, text=True, check=True).stdout
+    assert time.perf_counter() - start < 2.0
+    for text in ("recommended: ", "memory per GPU", "samples/s", "tokens/s",
+                 "model TFLOP/s per GPU", "MFU", "days", "GPU-hours"):
+        assert text in out
+    probe = "import sys, tfbig.plan.cli, tfbig.plan.local; print('tensorflow' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                          text=True, check=True).stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gpu=B200"], "--gpu='B200' is not in the GPU table; choose one of ['V100-16GB', "
+     "'V100-32GB', 'A100-40GB', 'A100-80GB', 'H100-80GB', 'H200-141GB'], or describe the "
+     "device with --peak_tflops and --hbm_gb"),
+    (["--preset=13b", "--tensor_parallel=3"], "--tensor_parallel=3 does not divide the "
+     "model's num_heads=40; choose one of [1, 2, 4, 5, 8, 10, 20, 40]"),
+    (["--preset=1.3b", "--pipeline_stages=5"], "--pipeline_stages=5 does not divide the "
+     "model's num_layers=24; choose one of [1, 2, 3, 4, 6, 8, 12, 24]"),
+    (["--preset=1.3b", "--nodes=2", "--tensor_parallel=2", "--pipeline_stages=2",
+      "--num_microbatches=3", "--batch_size=64"], "--batch_size=64 is not divisible into 4 "
+     "data-parallel replicas x --num_microbatches=3 = 12 equal micro-batches; use a multiple "
+     "of 12"),
+    (["--preset=1.3b", "--precision=mixed_bfloat16", "--gpu=V100-32GB"],
+     "--precision=mixed_bfloat16 has no hardware support on V100-32GB (it has ['fp16', "
+     "'fp32']); choose another --precision or --gpu"),
+])
+def test_bad_input_is_a_named_error(argv, message, capsys):
+    with pytest.raises(ValueError) as error:
+        plan(argv)
+    assert str(error.value) == message
+    assert cli.main(["tfbig-plan"] + argv) == 2
+    assert capsys.readouterr().err == f"tfbig-plan: {message}\n"
+
+
+def test_given_flags_fix_the_layout_and_the_rest_is_searched():
+    _, _, free = plan(["--preset=1.3b", "--nodes=2", "--batch_size=512"])
+    assert {e.layout.tensor for e in free} == {1, 2, 4, 8}
+    assert {e.layout.zero_stage for e in free} == {0, 1, 2, 3}
+    assert {e.layout.activation_checkpointing for e in free} == {False, True}
+    _, _, fixed = plan(["--preset=1.3b", "--nodes=2", "--batch_size=512", "--tensor_parallel=4",
+                        "--zero_stage=2", "--shard_degree=2"])
+    assert {(e.layout.tensor, e.layout.zero_stage, e.layout.partition) for e in fixed} == {
+        (4, 2, 2)}
+    assert all(e.layout.gpus == 16 for e in fixed)
+    assert [e.samples_per_sec for e in fixed if e.fits] == sorted(
+        (e.samples_per_sec for e in fixed if e.fits), reverse=True)
+
+
+def test_13b_on_16_a100_40gb_needs_sharding():
+    # The issue's question: will a 13B model fit on 16 A100-40GB, and with which layout?
+    _, _, plain = plan(["--preset=13b", "--nodes=2", "--tensor_parallel=1",
+                        "--pipeline_stages=1", "--zero_stage=0"])
+    assert not any(e.fits for e in plain)  # 16 bytes x 12.9B weights = 206 GB per GPU
+    _, _, zero3 = plan(["--preset=13b", "--nodes=2", "--tensor_parallel=1",
+                        "--pipeline_stages=1", "--zero_stage=3"])
+    state, group = zero3[0].memory, zero3[0].layout.partition
+    assert zero3[0].fits and group in (8, 16)  # a node (MiCS) or all 16 ranks
+    params = 12.85e9
+    assert state["optimizer"] == pytest.approx(8 * params / group, rel=0.01)
+    assert state["parameters"] == pytest.approx(4 * params / group, rel=0.01)
+
+
+def test_memory_terms_follow_zero_stage_and_schedule():
+    shape = cli.shape_from_flags({**{k: v[1] for k, v in cli.FLAGS_SPEC.items()},
+                                  "preset": "1.3b"})
+    device = hardware.gpu("A100-80GB", "mixed_bfloat16")
+    by_stage = {z: estimate.memory(shape, estimate.Layout(data=8, zero_stage=z), 1,
+                                   "mixed_bfloat16", device) for z in range(4)}
+    full = by_stage[0]
+    assert by_stage[1]["optimizer"] == full["optimizer"] / 8
+    assert by_stage[1]["gradients"] == full["gradients"]
+    assert by_stage[2]["gradients"] == full["gradients"] / 8
+    assert by_stage[3]["parameters"] == full["parameters"] / 8
+    gpipe, one_f = (estimate.memory(shape, estimate.Layout(pipeline=4, num_microbatches=16,
+                                                           schedule=s), 1, "fp32", device)
+                    for s in ("gpipe", "1f1b"))
+    layer_part = gpipe["activations"] / 16  # GPipe holds all 16 micro-batches, 1F1B 4
+    assert one_f["activations"] == pytest.approx(4 * layer_part)
+
+
+def test_json_holds_the_recommendation_and_the_table(capsys):
+    assert cli.main(["tfbig-plan", "--preset=6.7b", "--nodes=4", "--top=3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["recommended"] == out["top"][0] and out["recommended"]["fits"]
+    assert len(out["top"]) == 3 and out["cluster"]["size"] == 32
+    for key in ("memory", "time", "samples_per_sec", "tokens_per_sec", "tflops_per_gpu",
+                "mfu", "days", "gpu_hours"):
+        assert key in out["recommended"]
+
+
+def test_train_plan_only_reads_the_training_layout():
+    cfg = ExperimentConfig()
+    cfg.train.strategy, cfg.train.preset, cfg.train.batch_size = "pipeline", "tiny", 16
+    cfg.pipeline.pipeline_stages, cfg.pipeline.num_microbatches = 2, 4
+    assert search.layout_from_config(cfg) == {
+        "tensor_parallel": 1, "sequence_parallel": False, "zero_stage": 0, "shard_degree": 0,
+        "pipeline_stages": 2, "num_microbatches": 4, "schedule": "1f1b",
+        "activation_checkpointing": False}
+    device = hardware.Device("cpu", 1e11, 16e9, 2e10, 2e10, 1.0, 0.0)
+    text = training_plan(cfg, device=device, world_size=1)
+    assert "recommended: D1 P2 T1 M4 1f1b" in text
+    assert "batch 16 = 1 replicas x 4 micro-batches x 4 sequences" in text
+
+
+def test_tfbig_train_plan_only_exits_before_any_data(tmp_path):
+    env = {**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    out = subprocess.run(
+        [sys.executable, "-m", "tfbig.train", "--plan_only", "--preset=tiny", "--batch_size=8",
+         f"--data_dir={tmp_path}/none", f"--model_dir={tmp_path}/run", "--peak_tflops=0.1"],
+        env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "recommended: D1 P1 T1 M1" in out.stdout
+    assert not os.path.exists(tmp_path / "run")

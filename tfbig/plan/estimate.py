@@ -1,0 +1,178 @@
+"""Memory per GPU and step time of one layout: closed forms, each term named.
+
+Memory (the busiest pipeline stage, first or last):
+    parameters, gradients   4 bytes each per weight held (tfbig keeps float32 variables under
+                            mixed precision too), divided by the ZeRO partition group from
+                            stage 3 (parameters) / stage 2 (gradients)
+    optimizer               Adam/LAMB's two float32 slots, 8 bytes per weight, sharded from stage 1
+    activations             per layer and token, Korthikanti et al. (2022) in 16 bits:
+                            (8 + 24/t) h + 2 a s / t without dropout, (10 + 24/t) h + 5 a s / t
+                            with its masks (the 8-10 h kept by LayerNorms is split too under
+                            sequence parallelism), doubled in float32; x layers on the stage x
+                            micro-batches in flight (GPipe: all M; 1F1B: min(K, M) on the first
+                            stage). Checkpointing keeps each layer's input and one layer's full
+                            set while it is recomputed. The last stage holds three float32
+                            vocabulary-sized tensors per token at its peak (logits, the loss's
+                            saved softmax, the logits' gradient: 12 V / t bytes; + 2 V for the
+                            16-bit matmul output under mixed precision).
+    communication           Horovod's fusion buffer, pipeline send/receive of a micro-batch's
+                            boundary activation, ZeRO-3's gathered weights of two layers
+    reserve                 CUDA context, workspaces, fragmentation (hardware.GPU_RESERVE_BYTES)
+
+Step time (nothing assumed overlapped; tfbig runs collectives between XLA-compiled pieces):
+    per micro-batch and stage ("tick"): matmul FLOPs (x 4/3 with recomputation) at
+    MATMUL_FRACTION of peak + memory-bound element-wise passes over the activations (4 passes,
+    5 with recomputation) at BANDWIDTH_FRACTION of memory bandwidth + 4 tensor-parallel
+    all-reduces per layer (6 with recomputation) + the pipeline send/receive;
+    pipeline: (M + K - 1) ticks (the bubble); then the data-parallel gradient sync of float32
+    gradients over the slowest link of each group: one all-reduce (ZeRO 0) or the 2-hop sync
+    (reduce-scatter inside the partition group, all-reduce of the slice across the replica
+    group, all-gather of the updated weights); ZeRO 2-3 reduce-scatter every micro-batch and
+    ZeRO 3 gathers the weights before each forward, backward (and recompute); the optimizer
+    update streams the state once through memory.
+"""
+import dataclasses
+
+from tfbig.plan import hardware
+
+SCHEDULES = ("1f1b", "gpipe")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a batch and a model are spread over data x pipeline x tensor ranks."""
+
+    data: int = 1
+    pipeline: int = 1  # --pipeline_stages
+    tensor: int = 1  # --tensor_parallel
+    zero_stage: int = 0
+    shard_degree: int = 0  # data ranks per ZeRO partition group; 0: all of them
+    num_microbatches: int = 1  # per replica and step (pipeline micro-batches or accumulation)
+    activation_checkpointing: bool = False
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"
+
+    @property
+    def gpus(self):
+        return self.data * self.pipeline * self.tensor
+
+    @property
+    def partition(self):
+        """Ranks one copy of the model state is sharded over (1 without ZeRO)."""
+        return (self.shard_degree or self.data) if self.zero_stage else 1
+
+    def describe(self):
+        zero = f" zero{self.zero_stage}/{self.partition}" if self.zero_stage else ""
+        return (f"D{self.data} P{self.pipeline} T{self.tensor}{zero} M{self.num_microbatches}"
+                f"{' ckpt' if self.activation_checkpointing else ''}"
+                f"{' sp' if self.sequence_parallel else ''}"
+                f"{' ' + self.schedule if self.pipeline > 1 else ''}")
+
+
+def _allreduce(size, ranks, bandwidth):
+    return 2 * (ranks - 1) / ranks * size / (bandwidth * hardware.BANDWIDTH_FRACTION)
+
+
+def _gather(size, ranks, bandwidth):  # reduce-scatter or all-gather of `size` bytes in all
+    return (ranks - 1) / ranks * size / (bandwidth * hardware.BANDWIDTH_FRACTION)
+
+
+def _act_bytes(precision):
+    return 4 if precision == "fp32" else 2
+
+
+def stage_params(shape, layout, last):
+    """Weights one GPU holds before ZeRO: its layers (ALBERT: every shared block), plus the
+    embedding on the first stage and the final norm (and untied head) on the last, over T."""
+    layers = shape.block_params if shape.shared_layers else shape.block_params / layout.pipeline
+    ends = shape.params - shape.block_params if layout.pipeline == 1 or not last else 0
+    return (layers + ends) / layout.tensor
+
+
+def layer_activation_bytes(shape, layout, precision):
+    """Bytes per token one transformer layer keeps for its backward pass."""
+    h, a, s, t = shape.hidden_size, shape.num_heads, shape.seq_length, layout.tensor
+    replicated = (10 if shape.dropout else 8) * h / (t if layout.sequence_parallel else 1)
+    split = (24 * h + (5 if shape.dropout else 2) * a * s) / t
+    return (replicated + split) * _act_bytes(precision) / 2
+
+
+def head_bytes(shape, layout, precision):
+    """Bytes per token of the logits, the loss's softmax and the logits' gradient (float32)."""
+    return (12 + (0 if precision == "fp32" else 2)) * shape.vocab_size / layout.tensor
+
+
+def memory(shape, layout, micro_batch, precision, device, last=False):
+    """Bytes per GPU by kind, on the first stage (`last=False`) or the last."""
+    params = stage_params(shape, layout, last)
+    g, z = layout.partition, layout.zero_stage
+    tokens = micro_batch * shape.seq_length
+    layers = shape.num_layers // layout.pipeline
+    per_layer = layer_activation_bytes(shape, layout, precision)
+    k, m = layout.pipeline, layout.num_microbatches
+    live = 1 if k == 1 else (m if layout.schedule == "gpipe" else (1 if last else min(k, m)))
+    if layout.activation_checkpointing:
+        kept = _act_bytes(precision) * shape.hidden_size / (
+            layout.tensor if layout.sequence_parallel else 1)
+        activations = (live * layers * kept + per_layer) * tokens
+    else:
+        activations = live * layers * per_layer * tokens
+    if last:
+        activations += (m if layout.schedule == "gpipe" and k > 1 else 1) * (
+            head_bytes(shape, layout, precision) * tokens)
+    boundary = tokens * shape.hidden_size * _act_bytes(precision)
+    comm = ((hardware.FUSION_BUFFER_BYTES if layout.data > 1 else 0)
+            + (2 * boundary if k > 1 else 0)
+            + (2 * 4 * shape.layer_params / layout.tensor if z == 3 else 0))
+    return {"parameters": 4 * params / (g if z >= 3 else 1),
+            "gradients": 4 * params / (g if z >= 2 else 1),
+            "optimizer": 8 * params / (g if z >= 1 else 1),
+            "activations": activations, "communication": comm,
+            "reserve": device.reserve_bytes}
+
+
+def step_time(shape, layout, micro_batch, precision, cluster):
+    """Seconds per optimizer step by part: compute, elementwise, tensor, pipeline, data, update."""
+    device, t, k, m = cluster.device, layout.tensor, layout.pipeline, layout.num_microbatches
+    tokens = micro_batch * shape.seq_length
+    recompute = layout.activation_checkpointing
+    flops = shape.flops_per_token * tokens / (k * t) * (4 / 3 if recompute else 1)
+    compute = flops / (device.peak_flops * device.matmul_fraction)
+    layers = shape.num_layers // k
+    traffic = ((5 if recompute else 4) * layer_activation_bytes(shape, layout, precision) * layers
+               + 2 * head_bytes(shape, layout, precision) / k) * tokens  # head: spread by balance
+    elementwise = traffic / (device.memory_bandwidth * hardware.BANDWIDTH_FRACTION)
+    boundary = tokens * shape.hidden_size * _act_bytes(precision)
+    tensor = 0.0 if t == 1 else layers * (6 if recompute else 4) * _allreduce(
+        boundary, t, cluster.link_bandwidth(t))
+    pipe = 0.0 if k == 1 else 2 * boundary / (
+        cluster.link_bandwidth(t * k) * hardware.BANDWIDTH_FRACTION)
+    ticks = m + k - 1
+    data = data_sync_time(shape, layout, cluster)
+    state = sum(v for key, v in memory(shape, layout, micro_batch, precision, device).items()
+                if key in ("parameters", "gradients", "optimizer"))
+    update = 2 * state / (device.memory_bandwidth * hardware.BANDWIDTH_FRACTION)
+    return {"compute": ticks * compute, "elementwise": ticks * elementwise,
+            "tensor": ticks * tensor, "pipeline": ticks * pipe, "data": data, "update": update}
+
+
+def data_sync_time(shape, layout, cluster):
+    """Gradient averaging (and ZeRO's gathers) over the data axis, per optimizer step."""
+    d = layout.data
+    if d == 1:
+        return 0.0
+    size = 4 * stage_params(shape, layout, last=False)  # float32 gradients / weights
+    span = layout.tensor * layout.pipeline  # data neighbours are this many ranks apart
+    if layout.zero_stage == 0:
+        return _allreduce(size, d, cluster.link_bandwidth(span * d))
+    g = layout.partition
+    inner, outer = cluster.link_bandwidth(span * g), cluster.link_bandwidth(span * d)
+    replicas = d // g
+    hop2 = _allreduce(size / g, replicas, outer) if replicas > 1 else 0.0
+    if layout.zero_stage < 2:  # one reduce-scatter, the slice's all-reduce, one all-gather
+        return 2 * _gather(size, g, inner) + hop2
+    # ZeRO 2-3 keep no full gradient: reduce-scatter each micro-batch; ZeRO 3 gathers the
+    # weights before every forward and backward (and recompute) of every micro-batch
+    passes = (3 if layout.activation_checkpointing else 2) if layout.zero_stage == 3 else 0
+    gathers = layout.num_microbatches * passes if passes else 1
+    return (layout.num_microbatches + gathers) * _gather(size, g, inner) + hop2

@@ -1,0 +1,71 @@
+"""`tfbig-train --plan_only`: the plan of a training config's own layout on this machine.
+
+The layout comes from the training flags (`search.layout_from_config`), the data-parallel degree
+from the launcher (horovodrun/mpirun), the device from what is here: a GPU of the table, else the
+CPU with its matmul peak measured by tfbig.perf's probe, its RAM and its memory bandwidth (a
+copy probe). Nothing else of training (data, model) is built.
+
+Example:
+    tfbig-train --preset=small --batch_size=16 --plan_only
+"""
+import time
+
+from tfbig.plan import hardware, models, report, search
+
+BANDWIDTH_PROBE_BYTES = 256 * 2 ** 20
+
+
+def memory_bandwidth(seconds=0.3):
+    """Bytes/s of a large array copy (read + write), best of repeated runs."""
+    import numpy as np
+
+    src = np.ones(BANDWIDTH_PROBE_BYTES // 8)
+    dst = src.copy()  # touched once, so that page faults are not timed
+    best, deadline = float("inf"), time.perf_counter() + seconds
+    while time.perf_counter() < deadline or best == float("inf"):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.nbytes / best
+
+
+def local_device(precision, peak_tflops=0.0):
+    """This machine's first GPU from the table, else the CPU, measured."""
+    import psutil
+    import tensorflow as tf
+
+    from tfbig import perf
+
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        name = tf.config.experimental.get_device_details(gpus[0]).get("device_name", "")
+        for key in hardware.GPUS:
+            if key.split("-")[0] in name:
+                return hardware.gpu(key, precision)
+    dtype = tf.bfloat16 if precision == "mixed_bfloat16" else tf.float32
+    peak = peak_tflops * 1e12 if peak_tflops else perf.cpu_peak_flops(dtype=dtype)
+    bandwidth = memory_bandwidth()
+    # the probe's rate is already an achieved matmul rate; the CPU allocator holds no reserve
+    return hardware.Device("cpu", peak, psutil.virtual_memory().total, bandwidth, bandwidth,
+                           matmul_fraction=1.0, reserve_bytes=0.0)
+
+
+def training_plan(cfg, device=None, world_size=None):
+    """The plan text of an ExperimentConfig's model, batch and layout on this machine."""
+    from tfbig.distribute.mesh import launcher_world_size
+
+    t = cfg.train
+    overrides = dict(num_layers=t.num_layers or None, hidden_size=t.hidden_size or None,
+                     num_heads=t.num_heads or None, seq_length=t.seq_length or None,
+                     embedding_size=cfg.albert.embedding_size or None,
+                     num_groups=cfg.albert.num_groups or None,
+                     dropout=t.dropout if t.dropout >= 0 else None)
+    model_cfg = models.model_config(t.model, t.preset, **overrides)
+    shape = models.shape_of(model_cfg, t.model, t.seq_length or model_cfg.seq_length)
+    fixed = search.layout_from_config(cfg)
+    devices = (world_size or launcher_world_size()) * (
+        fixed["pipeline_stages"] if t.strategy == "pipeline" else 1)
+    device = device or local_device(t.precision, cfg.profile.peak_tflops)
+    cluster = hardware.Cluster(device, devices, 1, device.local_bandwidth)
+    estimates = search.search(shape, cluster, t.precision, t.batch_size, fixed=fixed)
+    return report.text(shape, cluster, t.precision, 300e9, estimates, top=1)

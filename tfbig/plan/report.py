@@ -1,0 +1,84 @@
+"""The plan as text (the recommendation, then a table of the best layouts) or as JSON."""
+import json
+
+from tfbig.plan.hardware import GB
+
+PARTS = ("parameters", "gradients", "optimizer", "activations", "communication", "reserve")
+TIME_PARTS = ("compute", "elementwise", "tensor", "pipeline", "data", "update")
+
+
+def _human(n):
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= scale:
+            return f"{n / scale:.1f}{suffix}"
+    return f"{n:.0f}"
+
+
+def _days(days):
+    return f"{days:,.0f}" if days >= 100 else f"{days:.3g}"
+
+
+def header(shape, cluster, precision, token_budget):
+    d = cluster.device
+    network = (f", inter-node {cluster.internode_bandwidth * 8 / 1e9:g} Gb/s per node"
+               if cluster.nodes > 1 else "")
+    return [f"model: {shape.family.upper()} {shape.num_layers} layers x {shape.hidden_size} "
+            f"({shape.num_heads} heads), {_human(shape.params)} parameters, "
+            f"{_human(shape.flops_per_token)}FLOP per token at seq {shape.seq_length}, "
+            f"{precision}, budget {_human(token_budget)} tokens",
+            f"cluster: {cluster.nodes} x {cluster.gpus_per_node} {d.name} "
+            f"({d.memory_bytes / GB:.0f} GB, {d.peak_flops / 1e12:.4g} TFLOP/s peak, "
+            f"links {d.local_bandwidth / GB:.0f} GB/s{network})"]
+
+
+def describe_estimate(e, memory_limit):
+    mem = ", ".join(f"{k} {e.memory[k] / GB:.2f}" for k in PARTS)
+    time = ", ".join(f"{k} {e.time[k]:.3g}" for k in TIME_PARTS)
+    return [f"  batch {e.batch_size} = {e.layout.data} replicas x {e.layout.num_microbatches} "
+            f"micro-batches x {e.micro_batch} sequences",
+            f"  memory per GPU {e.memory_bytes / GB:.2f} GB of {memory_limit / GB:.0f} "
+            f"({'fits' if e.fits else 'does NOT fit'}): {mem}",
+            f"  step {e.step_seconds:.3g} s: {time}",
+            f"  {e.samples_per_sec:.3g} samples/s, {_human(e.tokens_per_sec)} tokens/s, "
+            f"{e.tflops_per_gpu:.3g} model TFLOP/s per GPU, MFU {e.mfu:.1%}",
+            f"  token budget: {_days(e.days)} days, {_human(e.gpu_hours)} GPU-hours"]
+
+
+def table(estimates):
+    rows = [f"{'layout':<36}{'batch':>6}{'GB/GPU':>8}{'fits':>5}{'samples/s':>11}"
+            f"{'tokens/s':>10}{'TFLOP/s':>9}{'MFU':>7}{'days':>9}{'GPU-h':>8}"]
+    for e in estimates:
+        rows.append(f"{e.layout.describe():<36}{e.batch_size:>6}{e.memory_bytes / GB:>8.1f}"
+                    f"{'yes' if e.fits else 'no':>5}{e.samples_per_sec:>11.3g}"
+                    f"{_human(e.tokens_per_sec):>10}{e.tflops_per_gpu:>9.3g}{e.mfu:>7.1%}"
+                    f"{_days(e.days):>9}{_human(e.gpu_hours):>8}")
+    return rows
+
+
+def text(shape, cluster, precision, token_budget, estimates, top):
+    """The recommendation (the fastest layout that fits) and the best `top` layouts."""
+    lines = header(shape, cluster, precision, token_budget)
+    best = estimates[0]
+    if best.fits:
+        lines.append(f"recommended: {best.layout.describe()}")
+    else:
+        lines.append(f"no layout fits in {cluster.device.memory_bytes / GB:.0f} GB per GPU; "
+                     f"the fastest needs {best.memory_bytes / GB:.1f} GB: more GPUs, "
+                     f"a smaller --batch_size or ZeRO would be needed")
+    lines += describe_estimate(best, cluster.device.memory_bytes)
+    lines.append(f"best {min(top, len(estimates))} of {len(estimates)} layouts (D data, "
+                 f"P pipeline, T tensor, M micro-batches per replica, ckpt activation "
+                 f"checkpointing, sp sequence parallel):")
+    return "\n".join(lines + table(estimates[:top]))
+
+
+def as_json(shape, cluster, precision, token_budget, estimates, top):
+    import dataclasses
+
+    best = estimates[0]
+    return json.dumps({"model": dataclasses.asdict(shape), "precision": precision,
+                       "token_budget": token_budget,
+                       "cluster": {**dataclasses.asdict(cluster), "size": cluster.size},
+                       "recommended": best.to_dict() if best.fits else None,
+                       "layouts_considered": len(estimates),
+                       "top": [e.to_dict() for e in estimates[:top]]})

@@ -1,0 +1,153 @@
+"""Candidate layouts for a model on a cluster, checked, estimated and ranked.
+
+Every layout flag the user gives fixes that part; the rest is searched: tensor parallel within a
+node (dividing the heads), pipeline stages dividing the layers, data = GPUs / (T x K), ZeRO 0-3
+over all data ranks or a node-sized partition group (MiCS), micro-batches dividing the per-replica
+batch, with and without activation checkpointing, sequence parallel wherever T > 1.
+
+Example:
+    best = search(shape, cluster, precision="mixed_bfloat16", batch_size=512)[0]
+"""
+import dataclasses
+import math
+
+from tfbig.plan import estimate
+
+DEFAULT_BATCH_TOKENS = 2 ** 20  # --batch_size=0: about a million tokens per step (GPT-3's 0.5-3.2M)
+LAYOUT_FLAGS = ("tensor_parallel", "pipeline_stages", "num_microbatches", "zero_stage",
+                "shard_degree", "activation_checkpointing", "sequence_parallel", "schedule")
+
+
+@dataclasses.dataclass
+class Estimate:
+    """One layout's figures (bytes, seconds, per-second rates)."""
+
+    layout: estimate.Layout
+    batch_size: int
+    micro_batch: int
+    memory: dict  # bytes per GPU by kind, on the busier pipeline stage
+    memory_bytes: float
+    fits: bool
+    time: dict  # seconds per step by part
+    step_seconds: float
+    samples_per_sec: float
+    tokens_per_sec: float
+    tflops_per_gpu: float  # model FLOPs (no recomputation) per second per GPU / 1e12
+    mfu: float
+    days: float  # for the token budget
+    gpu_hours: float
+
+    def to_dict(self):
+        return {**dataclasses.asdict(self), "layout": {**dataclasses.asdict(self.layout),
+                                                       "describe": self.layout.describe()}}
+
+
+def layout_from_config(cfg):
+    """The layout flags an ExperimentConfig (tfbig-train's flags) sets: the one place that knows
+    which config section holds which field."""
+    pipelined = cfg.train.strategy == "pipeline"
+    return {"tensor_parallel": cfg.parallel.tensor_parallel,
+            "sequence_parallel": cfg.parallel.sequence_parallel,
+            "zero_stage": cfg.parallel.zero_stage, "shard_degree": cfg.parallel.shard_degree,
+            "pipeline_stages": cfg.pipeline.pipeline_stages if pipelined else 1,
+            "num_microbatches": (cfg.pipeline.num_microbatches if pipelined
+                                 else cfg.train.grad_accum_steps),
+            "schedule": cfg.pipeline.schedule if pipelined else "1f1b",
+            "activation_checkpointing": pipelined and cfg.pipeline.activation_checkpointing}
+
+
+def evaluate(shape, layout, batch_size, precision, cluster, token_budget):
+    """The Estimate of one valid layout."""
+    micro_batch = batch_size // (layout.data * layout.num_microbatches)
+    first = estimate.memory(shape, layout, micro_batch, precision, cluster.device)
+    last = estimate.memory(shape, layout, micro_batch, precision, cluster.device, last=True)
+    worst = max(first, last, key=lambda m: sum(m.values()))
+    total = sum(worst.values())
+    time = estimate.step_time(shape, layout, micro_batch, precision, cluster)
+    step = sum(time.values())
+    tokens = batch_size * shape.seq_length / step
+    tflops = shape.flops_per_token * tokens / layout.gpus / 1e12
+    days = token_budget / tokens / 86400
+    return Estimate(layout, batch_size, micro_batch, worst, total,
+                    total <= cluster.device.memory_bytes, time, step, batch_size / step, tokens,
+                    tflops, tflops * 1e12 / cluster.device.peak_flops, days,
+                    days * 24 * layout.gpus)
+
+
+def _divisors(n):
+    return [i for i in range(1, n + 1) if n % i == 0]
+
+
+def check_layout(shape, fixed, cluster, batch_size):
+    """Named errors for fixed flags that cannot divide the model, the cluster or the batch."""
+    t, k = fixed.get("tensor_parallel"), fixed.get("pipeline_stages")
+    if t is not None and (t < 1 or shape.num_heads % t):
+        raise ValueError(f"--tensor_parallel={t} does not divide the model's "
+                         f"num_heads={shape.num_heads}; choose one of "
+                         f"{_divisors(shape.num_heads)}")
+    if k is not None and (k < 1 or shape.num_layers % k):
+        raise ValueError(f"--pipeline_stages={k} does not divide the model's "
+                         f"num_layers={shape.num_layers}; choose one of "
+                         f"{_divisors(shape.num_layers)}")
+    if t and k and cluster.size % (t * k):
+        raise ValueError(f"--tensor_parallel={t} x --pipeline_stages={k} = {t * k} GPUs per "
+                         f"model copy does not divide the cluster's {cluster.size} GPUs")
+    if t and k and batch_size and fixed.get("num_microbatches"):
+        d, m = cluster.size // (t * k), fixed["num_microbatches"]
+        if batch_size % (d * m):
+            raise ValueError(f"--batch_size={batch_size} is not divisible into {d} data-parallel "
+                             f"replicas x --num_microbatches={m} = {d * m} equal micro-batches; "
+                             f"use a multiple of {d * m}")
+    if fixed.get("zero_stage", 0) not in (0, 1, 2, 3):
+        raise ValueError(f"--zero_stage={fixed['zero_stage']}: expected 0, 1, 2 or 3")
+    if fixed.get("schedule", "1f1b") not in estimate.SCHEDULES:
+        raise ValueError(f"--schedule={fixed['schedule']!r}: expected one of "
+                         f"{list(estimate.SCHEDULES)}")
+
+
+def _options(fixed, name, searched):
+    return [fixed[name]] if name in fixed else searched
+
+
+def candidates(shape, cluster, fixed, batch_size):
+    """(Layout, global batch) pairs allowed by the fixed flags."""
+    for t in _options(fixed, "tensor_parallel", [t for t in _divisors(shape.num_heads)
+                                                 if t <= cluster.gpus_per_node]):
+        for k in _options(fixed, "pipeline_stages", _divisors(shape.num_layers)):
+            if cluster.size % (t * k):
+                continue
+            d = cluster.size // (t * k)
+            batch = batch_size or d * math.ceil(DEFAULT_BATCH_TOKENS / shape.seq_length / d)
+            if batch % d:
+                continue
+            yield from _data_layouts(fixed, t, k, d, batch)
+
+
+def _data_layouts(fixed, t, k, d, batch):
+    node_group = [g for g in _divisors(d) if g < d and g * t * k in (8, 16)]
+    for z in _options(fixed, "zero_stage", [0, 1, 2, 3] if d > 1 else [0]):
+        shard = _options(fixed, "shard_degree", [0] + node_group if z else [0])
+        for g in shard:
+            if g and d % g:
+                continue
+            for m in _options(fixed, "num_microbatches", _divisors(batch // d)):
+                if (batch // d) % m:
+                    continue
+                for ckpt in _options(fixed, "activation_checkpointing", [False, True]):
+                    yield estimate.Layout(
+                        d, k, t, z, g if z else 0, m, ckpt,
+                        fixed.get("sequence_parallel", t > 1),
+                        fixed.get("schedule", "1f1b")), batch
+
+
+def search(shape, cluster, precision, batch_size=0, token_budget=300e9, fixed=None):
+    """Estimates of every allowed layout, best first: those that fit, fastest first."""
+    fixed = fixed or {}
+    check_layout(shape, fixed, cluster, batch_size)
+    found = [evaluate(shape, layout, batch, precision, cluster, token_budget)
+             for layout, batch in candidates(shape, cluster, fixed, batch_size)]
+    if not found:
+        raise ValueError(f"no layout of {cluster.size} GPUs matches the given flags "
+                         f"{fixed or ''} with --batch_size={batch_size}: every data-parallel "
+                         f"degree must divide the batch into equal micro-batches")
+    return sorted(found, key=lambda e: (not e.fits, -e.samples_per_sec, e.memory_bytes))
