@@ -28,6 +28,7 @@ setup(
             "tfbig-export=tfbig.export:run",
             "tfbig-profile=tfbig.profiling.report:run",
             "tfbig-launch=launch.local:run",
+            "tfbig-plan=tfbig.plan.cli:run",
         ]
     },
 )

@@ -1,6 +1,6 @@
 """Predicted bytes per rank beside the bytes measured on this machine (within 10%).
 
-What is compared, per case (tests/plan/memory_probe.py): the model state a rank holds (weights
+What is compared, per case (tfbig/plan/measure.py): the model state a rank holds (weights
 and optimizer slots: the bytes of its variables) and the peak of a training step (that state +
 the CPU allocator's peak above it during forward, backward and apply). Cases: a single device,
 which is also every rank of plain Horovod data parallelism (each holds the whole model state).
@@ -13,7 +13,9 @@ from tfbig.models.albert import ALBERT_PRESETS, AlbertConfig
 from tfbig.models.gpt import GPT_PRESETS, GPTConfig
 from tfbig.plan import models
 
-from .memory_probe import Case, measure, predicted
+from tfbig.plan.measure import measure_step
+
+from .memory_probe import Case, predicted
 
 MODEL_128 = dict(hidden_size=128, num_layers=2, num_heads=4, seq_length=128, vocab_size=2048)
 MODEL_256 = dict(hidden_size=256, num_layers=4, num_heads=4, seq_length=256, vocab_size=8000)
@@ -26,7 +28,7 @@ CASES = [Case("h128 no-xla", MODEL_128, 8, xla=False),
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_predicted_memory_within_10_percent_of_measured(case):
-    plan, held = predicted(case), measure(case)
+    plan, held = predicted(case), measure_step(case.model, case.micro_batch, case.xla)
     assert held["model_state"] == pytest.approx(plan["model_state"], rel=0.10)
     peak_plan = plan["model_state"] + plan["step_peak"]
     peak_held = held["model_state"] + held["step_peak"]
