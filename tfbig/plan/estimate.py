@@ -69,14 +69,6 @@ class Layout:
                 f"{' ' + self.schedule if self.pipeline > 1 else ''}")
 
 
-def _allreduce(size, ranks, bandwidth):
-    return 2 * (ranks - 1) / ranks * size / (bandwidth * hardware.BANDWIDTH_FRACTION)
-
-
-def _gather(size, ranks, bandwidth):  # reduce-scatter or all-gather of `size` bytes in all
-    return (ranks - 1) / ranks * size / (bandwidth * hardware.BANDWIDTH_FRACTION)
-
-
 def _act_bytes(precision):
     return 4 if precision == "fp32" else 2
 
@@ -143,10 +135,12 @@ def step_time(shape, layout, micro_batch, precision, cluster):
                + 2 * head_bytes(shape, layout, precision) / k) * tokens  # head: spread by balance
     elementwise = traffic / (device.memory_bandwidth * hardware.BANDWIDTH_FRACTION)
     boundary = tokens * shape.hidden_size * _act_bytes(precision)
-    tensor = 0.0 if t == 1 else layers * (6 if recompute else 4) * _allreduce(
-        boundary, t, cluster.link_bandwidth(t))
+    tensor = layers * (6 if recompute else 4) * cluster.collective_time(boundary, t, 1, 2)
+    # each stage sends its output forward and receives a gradient back; the slowest boundary
+    # (across nodes once a model copy spans several) sets the pace
     pipe = 0.0 if k == 1 else 2 * boundary / (
-        cluster.link_bandwidth(t * k) * hardware.BANDWIDTH_FRACTION)
+        cluster.link_bandwidth(t * k if t * k > cluster.gpus_per_node else 1)
+        * hardware.BANDWIDTH_FRACTION)
     ticks = m + k - 1
     data = data_sync_time(shape, layout, cluster)
     state = sum(v for key, v in memory(shape, layout, micro_batch, precision, device).items()
@@ -164,15 +158,14 @@ def data_sync_time(shape, layout, cluster):
     size = 4 * stage_params(shape, layout, last=False)  # float32 gradients / weights
     span = layout.tensor * layout.pipeline  # data neighbours are this many ranks apart
     if layout.zero_stage == 0:
-        return _allreduce(size, d, cluster.link_bandwidth(span * d))
+        return cluster.collective_time(size, d, span, passes=2)
     g = layout.partition
-    inner, outer = cluster.link_bandwidth(span * g), cluster.link_bandwidth(span * d)
-    replicas = d // g
-    hop2 = _allreduce(size / g, replicas, outer) if replicas > 1 else 0.0
+    inner = cluster.collective_time(size, g, span, passes=1)  # in the partition group
+    outer = cluster.collective_time(size / g, d // g, span * g, passes=2)  # across replicas
     if layout.zero_stage < 2:  # one reduce-scatter, the slice's all-reduce, one all-gather
-        return 2 * _gather(size, g, inner) + hop2
+        return 2 * inner + outer
     # ZeRO 2-3 keep no full gradient: reduce-scatter each micro-batch; ZeRO 3 gathers the
     # weights before every forward and backward (and recompute) of every micro-batch
     passes = (3 if layout.activation_checkpointing else 2) if layout.zero_stage == 3 else 0
     gathers = layout.num_microbatches * passes if passes else 1
-    return (layout.num_microbatches + gathers) * _gather(size, g, inner) + hop2
+    return (layout.num_microbatches + gathers) * inner + outer

@@ -71,11 +71,29 @@ class Cluster:
         return self.gpus_per_node * self.nodes
 
     def link_bandwidth(self, span):
-        """Bytes/s per GPU of a collective whose ring spans `span` consecutive ranks: NVLink inside
-        a node, else the node's network shared by all its GPUs (the slowest link sets the pace)."""
-        if span <= self.gpus_per_node or self.nodes == 1:
+        """Bytes/s per GPU between ranks `span` apart: NVLink inside a node, else the node's
+        network shared by all its GPUs (they all communicate at once)."""
+        if span < self.gpus_per_node or self.nodes == 1:
             return self.device.local_bandwidth
         return self.internode_bandwidth / self.gpus_per_node
+
+    def collective_time(self, size, ranks, stride, passes):
+        """Seconds of a ring collective over `ranks` ranks `stride` apart, moving `size` bytes
+        `passes` times (1: reduce-scatter or all-gather; 2: all-reduce).
+
+        Hierarchical, as NCCL and the 2-hop sync of MiCS do: the r ranks of the group on one node
+        reduce over NVLink first, then each of them syncs its 1/r slice across the nodes, all
+        GPUs of a node at once through its network; r = 1 is a flat ring over the network."""
+        if ranks == 1:
+            return 0.0
+        local = max(1, min(ranks, self.gpus_per_node // stride)) if stride < self.gpus_per_node \
+            else 1
+        nodes = ranks / local
+        seconds = (local - 1) / local * size / self.device.local_bandwidth
+        if nodes > 1:
+            seconds += (nodes - 1) / nodes * (size / local) / self.link_bandwidth(
+                self.gpus_per_node)
+        return passes * seconds / BANDWIDTH_FRACTION
 
 
 def gpu(name, precision="fp32"):

@@ -1,7 +1,7 @@
 """Candidate layouts for a model on a cluster, checked, estimated and ranked.
 
 Every layout flag the user gives fixes that part; the rest is searched: tensor parallel within a
-node (dividing the heads), pipeline stages dividing the layers, data = GPUs / (T x K), ZeRO 0-3
+node (dividing the heads and the node's GPUs), pipeline stages dividing the layers, data = GPUs / (T x K), ZeRO 0-3
 over all data ranks or a node-sized partition group (MiCS), micro-batches dividing the per-replica
 batch, with and without activation checkpointing, sequence parallel wherever T > 1.
 
@@ -111,8 +111,9 @@ def _options(fixed, name, searched):
 
 def candidates(shape, cluster, fixed, batch_size):
     """(Layout, global batch) pairs allowed by the fixed flags."""
+    node = cluster.gpus_per_node  # a tensor group is never split between nodes
     for t in _options(fixed, "tensor_parallel", [t for t in _divisors(shape.num_heads)
-                                                 if t <= cluster.gpus_per_node]):
+                                                 if node % t == 0]):
         for k in _options(fixed, "pipeline_stages", _divisors(shape.num_layers)):
             if cluster.size % (t * k):
                 continue
@@ -124,7 +125,7 @@ def candidates(shape, cluster, fixed, batch_size):
 
 
 def _data_layouts(fixed, t, k, d, batch):
-    node_group = [g for g in _divisors(d) if g < d and g * t * k in (8, 16)]
+    node_group = [g for g in _divisors(d) if 1 < g < d and g * t * k in (8, 16)]
     for z in _options(fixed, "zero_stage", [0, 1, 2, 3] if d > 1 else [0]):
         shard = _options(fixed, "shard_degree", [0] + node_group if z else [0])
         for g in shard:
@@ -141,7 +142,8 @@ def _data_layouts(fixed, t, k, d, batch):
 
 
 def search(shape, cluster, precision, batch_size=0, token_budget=300e9, fixed=None):
-    """Estimates of every allowed layout, best first: those that fit, fastest first."""
+    """Estimates of every allowed layout, best first: those that fit, fastest first (to 3
+    digits), then fewer micro-batches (larger matmuls run closer to peak), then less memory."""
     fixed = fixed or {}
     check_layout(shape, fixed, cluster, batch_size)
     found = [evaluate(shape, layout, batch, precision, cluster, token_budget)
@@ -150,4 +152,5 @@ def search(shape, cluster, precision, batch_size=0, token_budget=300e9, fixed=No
         raise ValueError(f"no layout of {cluster.size} GPUs matches the given flags "
                          f"{fixed or ''} with --batch_size={batch_size}: every data-parallel "
                          f"degree must divide the batch into equal micro-batches")
-    return sorted(found, key=lambda e: (not e.fits, -e.samples_per_sec, e.memory_bytes))
+    return sorted(found, key=lambda e: (not e.fits, -float(f"{e.samples_per_sec:.3g}"),
+                                        e.layout.num_microbatches, e.memory_bytes))
