@@ -30,3 +30,22 @@ def predicted(case):
     mem = estimate.memory(shape, case.layout, case.micro_batch, "fp32", CPU, last=True)
     return {"model_state": mem["parameters"] + mem["optimizer"],
             "step_peak": mem["gradients"] + mem["activations"]}
+
+
+def rank_layout(fixed, world_size):
+    """The Layout of a rank from the layout flags of its config (search.layout_from_config)."""
+    t, k = fixed["tensor_parallel"], fixed["pipeline_stages"]
+    return estimate.Layout(world_size // (t * k), k, t, fixed["zero_stage"],
+                           fixed["shard_degree"], fixed["num_microbatches"],
+                           fixed["activation_checkpointing"], fixed["sequence_parallel"],
+                           fixed["schedule"])
+
+
+def predicted_rank_state(record):
+    """The plan's model-state bytes for a rank's record from horovod_memory_worker.py."""
+    cls, _ = models.load_configs("gpt")
+    cfg = cls(**record["model_config"])
+    shape = models.shape_of(cfg, "gpt", cfg.seq_length)
+    layout = rank_layout(record["layout"], record["world_size"])
+    mem = estimate.memory(shape, layout, 1, "fp32", CPU)
+    return mem["parameters"] + mem["optimizer"]

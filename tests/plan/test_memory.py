@@ -7,7 +7,15 @@ which is also every rank of plain Horovod data parallelism (each holds the whole
 Sharded (ZeRO), tensor-parallel and cross-rank pipeline rows are added as `Case`s with their
 layout once those backends exist on the branch that runs this test.
 """
+import json
+import os
+import signal
+import subprocess
+import sys
+
 import pytest
+
+from tfbig import config as config_lib
 
 from tfbig.models.albert import ALBERT_PRESETS, AlbertConfig
 from tfbig.models.gpt import GPT_PRESETS, GPTConfig
@@ -15,7 +23,11 @@ from tfbig.plan import models
 
 from tfbig.plan.measure import measure_step
 
-from .memory_probe import Case, predicted
+from .memory_probe import Case, predicted, predicted_rank_state
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
 
 MODEL_128 = dict(hidden_size=128, num_layers=2, num_heads=4, seq_length=128, vocab_size=2048)
 MODEL_256 = dict(hidden_size=256, num_layers=4, num_heads=4, seq_length=256, vocab_size=8000)
@@ -43,3 +55,43 @@ def test_planner_configs_are_the_trainers():
             mine, theirs = models.model_config(family, name), cls.from_preset(name)
             assert mine.num_params() == theirs.num_params()
             assert mine.flops_per_token(512) == theirs.flops_per_token(512)
+
+
+def horovod_cases(data_dir, root):
+    """Per-rank cases for one launch of 2 ranks; ZeRO / tensor-parallel rows are further
+    entries with cfg.parallel set (their layout is read back with layout_from_config)."""
+    cfg = config_lib.ExperimentConfig()
+    for key, value in dict(data_dir=data_dir, model_dir=str(root / "dp2"), preset="tiny",
+                           seq_length=16, num_layers=2, hidden_size=64, num_heads=4,
+                           batch_size=8, max_steps=1, warmup_steps=1, eval_steps=1,
+                           checkpoint_every=1000, sample_tokens=0, xla=False,
+                           strategy="horovod").items():
+        setattr(cfg.train, key, value)
+    return [{"name": "dp2", "config": config_lib.to_dict(cfg)}]
+
+
+@pytest.mark.multiproc
+def test_horovod_rank_model_state_within_10_percent(gpt_data, tmp_path):
+    cases = horovod_cases(gpt_data, tmp_path)
+    with open(tmp_path / "cases.json", "w") as f:
+        json.dump(cases, f)
+    command = [HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable,
+               os.path.join(HERE, "horovod_memory_worker.py"), str(tmp_path / "cases.json"),
+               str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    with open(tmp_path / "log.txt", "w") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                cwd=ROOT, start_new_session=True)
+        try:
+            proc.wait(timeout=480)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, (tmp_path / "log.txt").read_text()[-3000:]
+    for case in cases:
+        for rank in (0, 1):
+            with open(tmp_path / f"{case['name']}.rank{rank}.json") as f:
+                record = json.load(f)
+            assert record["world_size"] == 2
+            assert record["model_state"] == pytest.approx(predicted_rank_state(record),
+                                                          rel=0.10), (case["name"], rank)
