@@ -47,6 +47,17 @@ def test_predicted_memory_within_10_percent_of_measured(case):
     assert peak_held == pytest.approx(peak_plan, rel=0.10), (plan, held)
 
 
+def test_gpu_peaks_are_the_ones_mfu_is_reported_against():
+    from tfbig import perf
+    from tfbig.plan import hardware
+
+    for name, (peaks, *_) in hardware.GPUS.items():
+        reported = perf.GPU_PEAK_FLOPS[name.split("-")[0]]
+        for precision, key in hardware.PRECISION_KEYS.items():
+            if key in peaks:
+                assert peaks[key] * 1e12 == reported[key], (name, precision)
+
+
 def test_planner_configs_are_the_trainers():
     """The Keras-free configs give the same counts as the classes the trainer builds."""
     for family, presets, cls in (("gpt", GPT_PRESETS, GPTConfig),

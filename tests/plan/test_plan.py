@@ -72,6 +72,10 @@ def test_cli_answers_175b_in_under_2_seconds_without_tensorflow():
     (["--preset=1.3b", "--precision=mixed_bfloat16", "--gpu=V100-32GB"],
      "--precision=mixed_bfloat16 has no hardware support on V100-32GB (it has ['fp16', "
      "'fp32']); choose another --precision or --gpu"),
+    (["--preset=1.3b", "--nodes=2", "--tensor_parallel=2", "--pipeline_stages=2",
+      "--zero_stage=1", "--shard_degree=3"], "--shard_degree=3 does not divide the 4 "
+     "data-parallel replicas (16 GPUs / (--tensor_parallel=2 x --pipeline_stages=2)); choose "
+     "one of [1, 2, 4]"),
 ])
 def test_bad_input_is_a_named_error(argv, message, capsys):
     with pytest.raises(ValueError) as error:

@@ -22,10 +22,10 @@ Memory (the busiest pipeline stage, first or last):
 Step time (nothing assumed overlapped; tfbig runs collectives between XLA-compiled pieces):
     per micro-batch and stage ("tick"): matmul FLOPs (x 4/3 with recomputation) at
     MATMUL_FRACTION of peak + memory-bound element-wise passes over the activations (4 passes,
-    5 with recomputation) at BANDWIDTH_FRACTION of memory bandwidth + 4 tensor-parallel
-    all-reduces per layer (6 with recomputation) + the pipeline send/receive;
+        5 with recomputation; the logits twice) at BANDWIDTH_FRACTION of memory bandwidth + 4
+    tensor-parallel all-reduces per layer (6 with recomputation) + the pipeline send/receive;
     pipeline: (M + K - 1) ticks (the bubble); then the data-parallel gradient sync of float32
-    gradients over the slowest link of each group: one all-reduce (ZeRO 0) or the 2-hop sync
+    gradients, hierarchical (`Cluster.collective_time`): one all-reduce (ZeRO 0) or the 2-hop sync
     (reduce-scatter inside the partition group, all-reduce of the slice across the replica
     group, all-gather of the updated weights); ZeRO 2-3 reduce-scatter every micro-batch and
     ZeRO 3 gathers the weights before each forward, backward (and recompute); the optimizer
@@ -94,33 +94,37 @@ def head_bytes(shape, layout, precision):
     return (12 + (0 if precision == "fp32" else 2)) * shape.vocab_size / layout.tensor
 
 
+def activation_memory(shape, layout, micro_batch, precision, last=False):
+    """Bytes of activations a GPU holds at its peak, on the first stage or the last."""
+    tokens = micro_batch * shape.seq_length
+    layers = shape.num_layers // layout.pipeline
+    per_layer = layer_activation_bytes(shape, layout, precision)
+    k, m, gpipe = layout.pipeline, layout.num_microbatches, layout.schedule == "gpipe"
+    live = 1 if k == 1 else (m if gpipe else (1 if last else min(k, m)))
+    if layout.activation_checkpointing:  # layer inputs, and one layer being recomputed
+        kept = _act_bytes(precision) * shape.hidden_size / (
+            layout.tensor if layout.sequence_parallel else 1)
+        held = (live * layers * kept + per_layer) * tokens
+    else:
+        held = live * layers * per_layer * tokens
+    if last:
+        held += (m if gpipe and k > 1 else 1) * head_bytes(shape, layout, precision) * tokens
+    return held
+
+
 def memory(shape, layout, micro_batch, precision, device, last=False):
     """Bytes per GPU by kind, on the first stage (`last=False`) or the last."""
     params = stage_params(shape, layout, last)
     g, z = layout.partition, layout.zero_stage
-    tokens = micro_batch * shape.seq_length
-    layers = shape.num_layers // layout.pipeline
-    per_layer = layer_activation_bytes(shape, layout, precision)
-    k, m = layout.pipeline, layout.num_microbatches
-    live = 1 if k == 1 else (m if layout.schedule == "gpipe" else (1 if last else min(k, m)))
-    if layout.activation_checkpointing:
-        kept = _act_bytes(precision) * shape.hidden_size / (
-            layout.tensor if layout.sequence_parallel else 1)
-        activations = (live * layers * kept + per_layer) * tokens
-    else:
-        activations = live * layers * per_layer * tokens
-    if last:
-        activations += (m if layout.schedule == "gpipe" and k > 1 else 1) * (
-            head_bytes(shape, layout, precision) * tokens)
-    boundary = tokens * shape.hidden_size * _act_bytes(precision)
+    boundary = micro_batch * shape.seq_length * shape.hidden_size * _act_bytes(precision)
     comm = ((hardware.FUSION_BUFFER_BYTES if layout.data > 1 else 0)
-            + (2 * boundary if k > 1 else 0)
+            + (2 * boundary if layout.pipeline > 1 else 0)
             + (2 * 4 * shape.layer_params / layout.tensor if z == 3 else 0))
     return {"parameters": 4 * params / (g if z >= 3 else 1),
             "gradients": 4 * params / (g if z >= 2 else 1),
             "optimizer": 8 * params / (g if z >= 1 else 1),
-            "activations": activations, "communication": comm,
-            "reserve": device.reserve_bytes}
+            "activations": activation_memory(shape, layout, micro_batch, precision, last),
+            "communication": comm, "reserve": device.reserve_bytes}
 
 
 def step_time(shape, layout, micro_batch, precision, cluster):
@@ -138,9 +142,9 @@ def step_time(shape, layout, micro_batch, precision, cluster):
     tensor = layers * (6 if recompute else 4) * cluster.collective_time(boundary, t, 1, 2)
     # each stage sends its output forward and receives a gradient back; the slowest boundary
     # (across nodes once a model copy spans several) sets the pace
-    pipe = 0.0 if k == 1 else 2 * boundary / (
-        cluster.link_bandwidth(t * k if t * k > cluster.gpus_per_node else 1)
-        * hardware.BANDWIDTH_FRACTION)
+    across_nodes = t * k > cluster.gpus_per_node
+    link = cluster.link_bandwidth(cluster.gpus_per_node if across_nodes else 1)
+    pipe = 0.0 if k == 1 else 2 * boundary / (link * hardware.BANDWIDTH_FRACTION)
     ticks = m + k - 1
     data = data_sync_time(shape, layout, cluster)
     state = sum(v for key, v in memory(shape, layout, micro_batch, precision, device).items()

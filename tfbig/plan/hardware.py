@@ -40,7 +40,8 @@ GPUS = {
     "H100-80GB": ({"fp32": 67, "tf32": 495, "fp16": 989, "bf16": 989}, 80, 3350, 450),
     "H200-141GB": ({"fp32": 67, "tf32": 495, "fp16": 989, "bf16": 989}, 141, 4800, 450),
 }
-# tfbig --precision -> the peak it runs at (the same keys tfbig.perf reports MFU against).
+# tfbig --precision -> the peak it runs at: the keys tfbig.perf reports MFU against (fp32 is the
+# plain fp32 peak there, although TF may run fp32 matmuls as TF32 on A100/H100).
 PRECISION_KEYS = {"fp32": "fp32", "mixed_float16": "fp16", "mixed_bfloat16": "bf16"}
 
 

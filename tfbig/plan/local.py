@@ -1,7 +1,7 @@
 """`tfbig-train --plan_only`: the plan of a training config's own layout on this machine.
 
 The layout comes from the training flags (`search.layout_from_config`), the data-parallel degree
-from the launcher (horovodrun/mpirun), the device from what is here: a GPU of the table, else the
+from the launcher (horovodrun/mpirun, or TF_CONFIG's workers), the device from what is here: a GPU of the table, else the
 CPU with its matmul peak measured by tfbig.perf's probe, its RAM and its memory bandwidth (a
 copy probe). Nothing else of training (data, model) is built.
 
@@ -50,10 +50,19 @@ def local_device(precision, peak_tflops=0.0):
                            matmul_fraction=1.0, reserve_bytes=0.0)
 
 
-def training_plan(cfg, device=None, world_size=None):
-    """The plan text of an ExperimentConfig's model, batch and layout on this machine."""
+def _processes():
+    """Processes of this job: Horovod/MPI's world size, else TF_CONFIG's workers, else 1."""
+    import json
+    import os
+
     from tfbig.distribute.mesh import launcher_world_size
 
+    workers = json.loads(os.environ.get("TF_CONFIG") or "{}").get("cluster", {}).get("worker")
+    return launcher_world_size() if launcher_world_size() > 1 else len(workers or [None])
+
+
+def training_plan(cfg, device=None, world_size=None):
+    """The plan text of an ExperimentConfig's model, batch and layout on this machine."""
     t = cfg.train
     overrides = dict(num_layers=t.num_layers or None, hidden_size=t.hidden_size or None,
                      num_heads=t.num_heads or None, seq_length=t.seq_length or None,
@@ -63,7 +72,7 @@ def training_plan(cfg, device=None, world_size=None):
     model_cfg = models.model_config(t.model, t.preset, **overrides)
     shape = models.shape_of(model_cfg, t.model, t.seq_length or model_cfg.seq_length)
     fixed = search.layout_from_config(cfg)
-    devices = (world_size or launcher_world_size()) * (
+    devices = (world_size or _processes()) * (
         fixed["pipeline_stages"] if t.strategy == "pipeline" else 1)
     device = device or local_device(t.precision, cfg.profile.peak_tflops)
     cluster = hardware.Cluster(device, devices, 1, device.local_bandwidth)

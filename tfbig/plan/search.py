@@ -92,6 +92,12 @@ def check_layout(shape, fixed, cluster, batch_size):
     if t and k and cluster.size % (t * k):
         raise ValueError(f"--tensor_parallel={t} x --pipeline_stages={k} = {t * k} GPUs per "
                          f"model copy does not divide the cluster's {cluster.size} GPUs")
+    g = fixed.get("shard_degree")
+    if t and k and g and (cluster.size // (t * k)) % g:
+        d = cluster.size // (t * k)
+        raise ValueError(f"--shard_degree={g} does not divide the {d} data-parallel replicas "
+                         f"({cluster.size} GPUs / (--tensor_parallel={t} x "
+                         f"--pipeline_stages={k})); choose one of {_divisors(d)}")
     if t and k and batch_size and fixed.get("num_microbatches"):
         d, m = cluster.size // (t * k), fixed["num_microbatches"]
         if batch_size % (d * m):
