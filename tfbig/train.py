@@ -28,7 +28,9 @@ def main(argv):
     if flags.FLAGS.plan_only:  # before any data or model is built
         from tfbig.plan.local import training_plan
 
-        print(training_plan(config_lib.from_flags(flags.FLAGS)))
+        cfg = config_lib.from_flags(flags.FLAGS)
+        config_lib.check_applicable(cfg)
+        print(training_plan(cfg))
         return
     import tensorflow as tf
 

@@ -164,3 +164,17 @@ def test_tfbig_train_plan_only_exits_before_any_data(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "recommended: D1 P1 T1 M1" in out.stdout
     assert not os.path.exists(tmp_path / "run")
+
+
+def test_albert_shared_layers_are_held_by_every_stage():
+    shape = cli.shape_from_flags({**{k: v[1] for k, v in cli.FLAGS_SPEC.items()},
+                                  "model": "albert", "preset": "xxlarge"})
+    assert shape.params == 223_158_450 and shape.block_params == shape.layer_params
+    first, last = (estimate.stage_params(shape, estimate.Layout(pipeline=4), last=x)
+                   for x in (False, True))
+    assert first == shape.params  # the one shared block, the embeddings and heads
+    assert last == shape.block_params  # the last stage runs the same block again
+    gpt = cli.shape_from_flags({**{k: v[1] for k, v in cli.FLAGS_SPEC.items()},
+                                "preset": "1.3b"})
+    assert estimate.stage_params(gpt, estimate.Layout(pipeline=4), last=True) == (
+        gpt.block_params / 4)
