@@ -131,6 +131,12 @@ def test_memory_terms_follow_zero_stage_and_schedule():
     assert one_f["activations"] == pytest.approx(4 * layer_part)
 
 
+def test_v100_defaults_to_float16(capsys):
+    assert cli.main(["tfbig-plan", "--preset=1.3b", "--gpu=V100-32GB", "--top=1"]) == 0
+    out = capsys.readouterr().out
+    assert "mixed_float16" in out and "125 TFLOP/s peak" in out
+
+
 def test_json_holds_the_recommendation_and_the_table(capsys):
     assert cli.main(["tfbig-plan", "--preset=6.7b", "--nodes=4", "--top=3", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)

@@ -30,7 +30,8 @@ FLAGS_SPEC = {
     "seq_length": ("integer", 0, "Tokens per sequence (0: the preset's)."),
     "batch_size": ("integer", 0, "Global batch in sequences (0: about 2**20 tokens, rounded up "
                                  "to a multiple of the data-parallel degree)."),
-    "precision": ("string", "mixed_bfloat16", "fp32 | mixed_float16 | mixed_bfloat16."),
+    "precision": ("string", "mixed_bfloat16", "fp32 | mixed_float16 | mixed_bfloat16 "
+                                              "(default: bf16, fp16 on a GPU without bf16)."),
     "token_budget": ("float", 300e9, "Tokens to train on, for days and GPU-hours."),
     "gpu": ("string", "A100-40GB", f"GPU type: one of {list(hardware.GPUS)}."),
     "gpus_per_node": ("integer", 8, "GPUs per node (sharing NVLink)."),
@@ -109,6 +110,9 @@ def main(argv):
               file=sys.stderr)
         return 2
     values = {name: flag_values[name].value for name in FLAGS_SPEC}
+    peaks = hardware.GPUS.get(values["gpu"], ({"bf16": 0},))[0]
+    if not flag_values["precision"].present and "bf16" not in peaks:
+        values["precision"] = "mixed_float16"  # V100: no bfloat16 tensor cores
     fixed = {name: values[name] for name in search.LAYOUT_FLAGS if flag_values[name].present}
     try:
         text, _ = plan(values, fixed)
