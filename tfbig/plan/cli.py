@@ -100,6 +100,9 @@ def main(argv):
     """Parse `argv` (argv[0] is the program), print the plan; returns the exit status."""
     flag_values = flags.FlagValues()
     define_flags(flag_values)
+    if any(arg in ("-h", "--help", "--helpfull") for arg in argv[1:]):
+        print(__doc__ + "\n" + flag_values.get_help())
+        return 0
     try:
         rest = flag_values(argv)
     except flags.Error as error:
