@@ -8,11 +8,13 @@ Example:
 """
 import json
 import os
+import sys
 
 import numpy as np
 import tensorflow as tf
 from absl import app, flags
 
+from tfbig import integrity
 from tfbig.checkpoint import model_variables
 from tfbig.models.gpt import GPT, GPTConfig
 
@@ -95,7 +97,7 @@ def load_model(model_dir):
     if saved.get("model_format", "gpt") != "gpt":
         raise ValueError(f"--model_dir={model_dir} holds a {saved['model_format']} model; "
                          f"tfbig-generate needs a GPT")
-    latest = tf.train.latest_checkpoint(model_dir)
+    latest, _ = integrity.newest_intact(model_dir, warn=lambda m: print(m, file=sys.stderr))
     if latest is None:
         raise FileNotFoundError(f"--model_dir={model_dir} has no checkpoint")
     model = GPT(GPTConfig(**saved["model_config"]), name="gpt")

@@ -16,6 +16,7 @@ import tensorflow as tf
 from tensorflow.python.framework import config as op_config
 
 from tfbig import config as config_lib
+from tfbig import integrity
 from tfbig.checkpoint import model_variables, rng_variables
 from tfbig.distribute import get_strategy
 from tfbig.logs import RunLogger
@@ -156,7 +157,11 @@ class Trainer:
                             os.path.join(self.cfg.train.model_dir, "tokenizer.model"))
 
     def _restore(self):
-        latest = tf.train.latest_checkpoint(self.cfg.train.model_dir)
+        """Restore the newest intact checkpoint (tfbig.integrity); damaged ones are named."""
+        if not self.strategy.restores_checkpoint:  # it follows the chief's broadcast
+            return None
+        latest, _ = integrity.newest_intact(self.cfg.train.model_dir, self.logger.info,
+                                            keep_damaged=self.strategy.is_chief)
         if latest:
             self.checkpoint.restore(latest).assert_existing_objects_matched()
             self.logger.info(f"resumed from {latest} at step {int(self.step.numpy())}")
@@ -171,6 +176,8 @@ class Trainer:
             self._managers[directory] = tf.train.CheckpointManager(
                 self.checkpoint, directory, max_to_keep=self.cfg.train.keep_checkpoints)
         path = self._managers[directory].save(checkpoint_number=self.step)
+        integrity.record_checkpoint(path)  # sizes and CRC-32s, checked before a restore
+        integrity.prune_sums(directory)
         self.strategy.after_checkpoint(directory)
         return path
 

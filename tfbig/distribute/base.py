@@ -85,6 +85,12 @@ class Strategy:
         return True
 
     @property
+    def restores_checkpoint(self):
+        """Whether this process restores --model_dir's checkpoint itself (else it receives
+        the restored state through `broadcast_variables`)."""
+        return True
+
+    @property
     def learning_rate_scale(self):
         """Factor on the peak learning rate (Horovod's --scale_lr: the number of processes)."""
         return 1.0
