@@ -10,13 +10,16 @@ import json
 import os
 import sys
 
-import numpy as np
-import tensorflow as tf
-from absl import app, flags
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # console script: no C++ INFO lines
 
-from tfbig import integrity
-from tfbig.checkpoint import model_variables
-from tfbig.models.gpt import GPT, GPTConfig
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from absl import flags  # noqa: E402
+
+from tfbig import integrity  # noqa: E402
+from tfbig.checkpoint import model_variables  # noqa: E402
+from tfbig.errors import UsageError  # noqa: E402
+from tfbig.models.gpt import GPT, GPTConfig  # noqa: E402
 
 
 def _filter_logits(logits, top_k, top_p):
@@ -130,7 +133,8 @@ def sample_text(model, tokenizer, prompt, max_new_tokens, temperature=0.8, top_k
 
 
 def main(argv):
-    del argv
+    if len(argv) > 1:
+        raise UsageError(f"unexpected arguments {argv[1:]}; the prompt goes in --prompt")
     from tfbig.tokenizer import Tokenizer
 
     model, tokenizer_path = load_model(FLAGS.model_dir)
@@ -141,5 +145,7 @@ def main(argv):
 
 
 def run():
+    from tfbig import cli
+
     define_flags()
-    app.run(main)
+    cli.run_app("tfbig-generate", main, __doc__, [("generate", cli.own_flags())])

@@ -16,7 +16,7 @@ import tensorflow as tf
 from tensorflow.python.framework import config as op_config
 
 from tfbig import config as config_lib
-from tfbig import integrity
+from tfbig import integrity, preflight
 from tfbig.checkpoint import model_variables, rng_variables
 from tfbig.distribute import get_strategy
 from tfbig.logs import RunLogger
@@ -103,6 +103,9 @@ class Trainer:
         self.forward_backward = self.strategy.make_forward_backward(
             self._loss_fn, self.model.trainable_variables, self._scale_loss, t.xla)
         self.forward = self.strategy.make_forward(self._loss_fn, t.xla)
+        self.eval_batches = preflight.validation_batches(  # 0: no validation split
+            self.task, self.micro_batch, self.strategy.num_replicas, t.eval_steps,
+            self.logger.info)
 
     # ---- single-replica pieces -------------------------------------------------------------
     def _loss_fn(self, batch, training=False):
@@ -192,18 +195,11 @@ class Trainer:
 
         return iter(self.strategy.distribute_dataset(dataset_fn))
 
-    def _eval_batches(self):
-        """Validation batches each replica evaluates: equal on all, at most --eval_steps."""
-        records = self.task.manifest.split("validation").records
-        available = records // (self.micro_batch * self.strategy.num_replicas)
-        if available == 0:
-            raise ValueError(f"the validation split of {self.task.data_dir} has {records} "
-                             f"records, fewer than one batch of {self.micro_batch} per replica")
-        return min(available, self.cfg.train.eval_steps or available)
-
     def evaluate(self):
         """Mean validation metrics plus the task's summary (perplexity, bits per byte...)."""
-        num_batches = self._eval_batches()
+        num_batches = self.eval_batches
+        if not num_batches:
+            return {}
 
         iterator = iter(self.strategy.distribute_dataset(
             lambda ctx: self.task.dataset("validation", self.micro_batch, ctx, shuffle=False)))
@@ -288,6 +284,8 @@ class Trainer:
 
     def _report_eval(self, step):
         summary = self.evaluate()
+        if not summary:  # no validation split (said at start)
+            return summary
         self.logger.scalars("validation", step, summary)
         self.logger.info("eval @ step {}: ".format(step) + " | ".join(
             f"{k} {v:.4f}" for k, v in summary.items() if isinstance(v, float)
