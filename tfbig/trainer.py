@@ -187,13 +187,9 @@ class Trainer:
     # ---- data --------------------------------------------------------------------------------
     def _train_iterator(self):
         t = self.cfg.train
-        skip = int(self.batches_consumed.numpy())
-
-        def dataset_fn(ctx):
-            ds = self.task.dataset("train", self.micro_batch, ctx, seed=t.seed, skip_batches=skip)
-            return ds.batch(t.grad_accum_steps, drop_remainder=True)  # (accum, micro, ...)
-
-        return iter(self.strategy.distribute_dataset(dataset_fn))
+        return self.strategy.train_batches(  # (accum, micro, ...) batches
+            self.task, self.micro_batch, t.grad_accum_steps, t.seed,
+            int(self.batches_consumed.numpy()))
 
     def evaluate(self):
         """Mean validation metrics plus the task's summary (perplexity, bits per byte...)."""
@@ -239,10 +235,13 @@ class Trainer:
         summary["preempted"] True; the next start resumes there.
         """
         with self.strategy.watch_preemption(), self.profiler.session(int(self.step.numpy())):
-            return self._fit(steps)
+            return self.strategy.run_training(lambda: self._fit(steps))
 
     def _fit(self, steps):
         t = self.cfg.train
+        # The world may have changed since __init__ (elastic Horovod); the global batch did not.
+        self.micro_batch = micro_batch_size(t.batch_size, self.strategy.num_replicas,
+                                            t.grad_accum_steps)
         iterator = self._train_iterator()
         step = int(self.step.numpy())
         stop = t.max_steps if steps is None else min(t.max_steps, step + steps)
@@ -266,6 +265,7 @@ class Trainer:
                 self._check_finite(step)
                 with self.profiler.phase("checkpoint"):
                     self.save()
+            self.strategy.after_step(step)
             if self.strategy.should_stop():  # SIGTERM on any process: all save, then stop
                 return self._stop_preempted(step, last)
         self._check_finite(step)

@@ -191,5 +191,22 @@ class Strategy:
     def shutdown(self):
         """Release backend resources at the end of the run."""
 
+    def train_batches(self, task, micro_batch, grad_accum_steps, seed, skip_batches):
+        """Iterator of this process's (grad_accum_steps, micro_batch, ...) training batches,
+        after the first `skip_batches` micro-batches of its input (a resumed run)."""
+        def dataset_fn(ctx):
+            ds = task.dataset("train", micro_batch, ctx, seed=seed, skip_batches=skip_batches)
+            return ds.batch(grad_accum_steps, drop_remainder=True)
+
+        return iter(self.distribute_dataset(dataset_fn))
+
+    def run_training(self, loop):
+        """Run the training loop `loop()` and return its result (elastic Horovod re-runs it
+        from the last commit when ranks come and go)."""
+        return loop()
+
+    def after_step(self, step):
+        """Called by every process after each optimizer step (elastic Horovod commits here)."""
+
 
 SingleDevice = Strategy
