@@ -69,21 +69,18 @@ def wait_for(predicate, timeout, what, proc, log):
 
 
 def last_execution(out):
-    """Per step, the entries of its last execution (steps after a commit may run twice)."""
+    """Per step, each rank's entry of the step's newest execution (the steps after the last
+    commit run again, in the smaller world, after a rank dies)."""
     by_step = {}
     for entries in records(out).values():
         for e in entries:
             by_step.setdefault(e["step"], []).append(e)
     final = {}
     for step, entries in by_step.items():
-        last_time = max(e["time"] for e in entries)
-        world = max(e["world"] for e in entries if abs(e["time"] - last_time) < 30)
-        # the newest execution: one entry per rank of its world, the latest of each rank
-        latest = {}
-        for e in sorted(entries, key=lambda e: e["time"]):
-            latest[e["rank"], e["world"]] = e
-        final[step] = sorted((e for (r, w), e in latest.items() if w == world
-                              and e["time"] >= last_time - 30), key=lambda e: e["rank"])
+        world = max(entries, key=lambda e: e["time"])["world"]
+        latest = {e["rank"]: e for e in sorted(entries, key=lambda e: e["time"])
+                  if e["world"] == world}
+        final[step] = [latest[rank] for rank in range(world)]
     return final
 
 
@@ -116,7 +113,8 @@ def test_rank_killed_and_replaced_run_matches_the_uninterrupted_one(gpt_data, tm
         wait_for(lambda: any(e["world"] == 1 and e["step"] > killed_at + 2
                              for es in records(out).values() for e in es),
                  120, "training on with one rank", proc, log)
-        write_hosts(hosts, ["localhost", os.uname().nodename])  # a slot again, new host name
+        # A slot again, on a new host name (the dead rank's host is blacklisted by Horovod).
+        write_hosts(hosts, ["localhost", "127.0.0.1", os.uname().nodename])
         proc.wait(timeout=400)
     finally:
         if proc.poll() is None:
