@@ -121,12 +121,12 @@ def measure(args, directory):
 def _timeline(args, proc, out, hosts):
     wait_for(lambda: len({e["step"] for _, e in entries(out)}) >= args.warm_steps, proc,
              f"{args.warm_steps} steps")
-    first = [e["time"] for pid, e in entries(out)]
-    step_seconds = statistics.median(b - a for a, b in zip(first[-10:], first[-9:]))
     pids = {}
     for path in glob.glob(os.path.join(out, "pid*.json")):
         with open(path) as f:
             pids[json.load(f)["rank"]] = int(os.path.basename(path)[3:-5])
+    times = [e["time"] for pid, e in entries(out) if pid == pids[0]][-11:]
+    step_seconds = statistics.median(b - a for a, b in zip(times, times[1:]))
     os.kill(pids[1], signal.SIGKILL)
     killed = time.time()
     recovered = wait_for(lambda: next((e for _, e in entries(out) if e["time"] > killed
@@ -168,7 +168,8 @@ def main():
         "goal_seconds": GOAL_SECONDS,
         "within_goal": max(result["death_to_step_seconds"],
                            result["arrival_to_step_seconds"]) < GOAL_SECONDS,
-        **{k: v for k, v in vars(args).items() if k not in ("worker", "data_dir")},
+        **{k: v for k, v in vars(args).items()
+           if k not in ("worker", "data_dir", "steps", "repeats")},
         "load_average": [round(x, 2) for x in os.getloadavg()]}))
 
 
