@@ -1,6 +1,5 @@
 """Console scripts as a user meets them: grouped --help, one-line errors with exit code 2 and no
 traceback (nor TensorFlow's cuInit noise), while genuine bugs keep their traceback."""
-import glob
 import json
 import os
 import shutil
@@ -111,12 +110,18 @@ def test_user_errors_are_tfbigs_own_checks_and_bugs_keep_their_traceback():
 
 @pytest.fixture(scope="module")
 def no_validation_data(tmp_path_factory):
-    from conftest import _synthetic_corpus
+    import random
+
     from tfbig.prepare import prepare
 
     root = tmp_path_factory.mktemp("novalid")
-    corpus = _synthetic_corpus(str(root / "text"), num_docs=20)
-    return prepare([corpus], str(root / "shards"), seq_length=16, vocab_size=300,
+    rng = random.Random(0)
+    words = "love night light sweet death fair heaven star moon speak sword rose".split()
+    os.makedirs(root / "text")
+    for d in range(20):
+        with open(root / "text" / f"doc{d}.txt", "w") as f:
+            f.write("\n".join(" ".join(rng.choice(words) for _ in range(8)) for _ in range(12)))
+    return prepare([str(root / "text")], str(root / "shards"), seq_length=16, vocab_size=300,
                    shard_size_mb=0.01, validation_fraction=0.0).data_dir
 
 
