@@ -71,9 +71,12 @@ def fail(prog, message):
     sys.exit(USER_ERROR_EXIT_CODE)
 
 
-def guarded(prog, main):
-    """`main` with user mistakes turned into one line and exit code 2 (bugs re-raised)."""
+def guarded(prog, main, probe=False):
+    """`main` with user mistakes turned into one line and exit code 2 (bugs re-raised);
+    probe=True first imports TensorFlow through `quiet_cuda_probe`."""
     def wrapper(argv):
+        if probe:
+            quiet_cuda_probe()
         try:
             return main(argv)
         except Exception as error:  # noqa: BLE001 - classified, bugs re-raised as they were
@@ -152,8 +155,11 @@ def run_app(prog, main, summary, sections):
     if any(arg in _HELP for arg in sys.argv[1:]):
         print(format_help(prog, summary, sections))
         sys.exit(0)
-    quiet_cuda_probe()  # before absl's app.run, which already makes TensorFlow probe CUDA
-    app.run(guarded(prog, main), flags_parser=_parse_flags(prog))
+    if "tensorflow" in sys.modules:
+        quiet_cuda_probe()  # absl's app.run makes an imported TensorFlow probe CUDA
+        app.run(guarded(prog, main), flags_parser=_parse_flags(prog))
+    else:  # flags first: a flag error needs no TensorFlow (seconds saved)
+        app.run(guarded(prog, main, probe=True), flags_parser=_parse_flags(prog))
 
 
 def quiet_cuda_probe():

@@ -31,6 +31,7 @@ def resumed(gpt_data, tmp_path_factory):
     return results
 
 
+@pytest.mark.slow  # ~40 s; the single-device cases in tests/test_integrity.py run by default
 @pytest.mark.multiproc
 @pytest.mark.parametrize("kind", sorted(DAMAGE))
 def test_horovod_resume_skips_a_damaged_checkpoint_on_every_rank(resumed, kind):
