@@ -11,7 +11,7 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 
 from tfbig import config as config_lib  # noqa: E402
 from tfbig.errors import UsageError  # noqa: E402
