@@ -12,14 +12,17 @@ Every flag maps onto an argument of `tfbig.prepare.prepare`.
 """
 
 import glob
-import sys
+import os
 
-from absl import app, flags, logging
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # console script: no C++ INFO lines
 
-from tfbig import sources
-from tfbig.formats import FORMATS
-from tfbig.prepare import prepare
-from tfbig.tokenizer import Tokenizer
+from absl import flags, logging  # noqa: E402
+
+from tfbig import cli, sources  # noqa: E402
+from tfbig.errors import UsageError  # noqa: E402
+from tfbig.formats import FORMATS  # noqa: E402
+from tfbig.prepare import prepare  # noqa: E402
+from tfbig.tokenizer import Tokenizer  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_multi_string("input", None, "Input files, directories (searched recursively for .txt/.md/.jsonl) "
@@ -75,11 +78,8 @@ _ALBERT_OPTIONS = ("max_predictions_per_seq", "masked_lm_prob", "max_ngram", "wh
 def main(argv: list[str]) -> None:
     """Run `prepare` with the flags and print where the manifest went."""
     if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments {argv[1:]}; inputs go in --input")
-    try:
-        manifest = _index_from_flags() if FLAGS.index_shards else _prepare_from_flags()
-    except (ValueError, FileNotFoundError) as error:
-        sys.exit(f"tfbig-prep: error: {error}")
+        raise UsageError(f"unexpected arguments {argv[1:]}; inputs go in --input")
+    manifest = _index_from_flags() if FLAGS.index_shards else _prepare_from_flags()
     print(manifest.path)
 
 
@@ -125,7 +125,9 @@ def _prepare_from_flags():
 def run() -> None:
     """Console-script entry point (`tfbig-prep`)."""
     logging.set_verbosity(logging.INFO)
-    app.run(main)
+    albert = list(_ALBERT_OPTIONS) + ["index_shards", "index_validation_shards"]
+    cli.run_app("tfbig-prep", main, __doc__, [("prep", cli.own_flags(exclude=albert)),
+                                              ("albert (--format=albert)", albert)])
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ import sys
 import threading
 import time
 
+from tfbig.cli import ArgumentParser
+
 POLL_SECONDS = 0.2
 PREEMPTED = 143  # tfbig-train after SIGTERM: checkpoint saved (128 + SIGTERM)
 GRACE_SECONDS = 120  # how long preempted workers may take to finish their checkpoint
@@ -128,7 +130,7 @@ class Workers:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="tfbig-launch", description=__doc__.split("\n\n")[0],
         usage="tfbig-launch --workers=N -- COMMAND [ARGS...]")
     parser.add_argument("--workers", type=int, default=2,

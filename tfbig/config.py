@@ -111,6 +111,12 @@ class HorovodConfig:
     hvd_fp16_allreduce: bool = field(False, "Horovod: send gradients as float16 in the "
                                             "allreduce (half the bytes; averaged in float32 "
                                             "otherwise).")
+    elastic: bool = field(False, "Horovod: keep training when ranks die or join (launch with "
+                                 "horovodrun --min-np --max-np --host-discovery-script); the "
+                                 "global --batch_size stays, the per-rank batch adjusts.")
+    elastic_commit_every: int = field(10, "Horovod, with --elastic: steps between in-memory "
+                                          "commits a lost rank rolls back to (also before "
+                                          "every checkpoint).")
 
 
 @dataclasses.dataclass
@@ -183,7 +189,8 @@ SECTIONS = {f.name: f.type for f in dataclasses.fields(ExperimentConfig)}
 
 def _applicability():
     """flag -> (the TrainConfig field that decides, values under which the flag is read)."""
-    rules = {"scale_lr": ("strategy", ("horovod",)),
+    rules = {"scale_lr": ("strategy", ("horovod",)), "elastic": ("strategy", ("horovod",)),
+             "elastic_commit_every": ("strategy", ("horovod",)),
              "hvd_fp16_allreduce": ("strategy", ("horovod", "pipeline"))}
     for section, key, allowed in ((PipelineConfig, "strategy", ("pipeline",)),
                                   (MultiWorkerConfig, "strategy", ("multiworker", "mirrored")),

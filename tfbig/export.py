@@ -13,10 +13,14 @@ Example:
 import os
 import shutil
 
-import tensorflow as tf
-from absl import app, flags
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # console script: no C++ INFO lines
 
-from tfbig.generate import load_model
+import tensorflow as tf  # noqa: E402
+from absl import flags  # noqa: E402
+
+from tfbig import cli  # noqa: E402
+from tfbig.errors import UsageError  # noqa: E402
+from tfbig.generate import load_model  # noqa: E402
 
 
 class _Exported(tf.Module):
@@ -51,7 +55,8 @@ def export(model_dir, export_dir):
 
 
 def main(argv):
-    del argv
+    if len(argv) > 1:
+        raise UsageError(f"unexpected arguments {argv[1:]}; every option is a --flag")
     print(export(flags.FLAGS.model_dir, flags.FLAGS.export_dir))
 
 
@@ -59,4 +64,4 @@ def run():
     flags.DEFINE_string("model_dir", None, "Run directory written by tfbig-train.")
     flags.DEFINE_string("export_dir", None, "New directory for the SavedModel.")
     flags.mark_flags_as_required(["model_dir", "export_dir"])
-    app.run(main)
+    cli.run_app("tfbig-export", main, __doc__, [("export", cli.own_flags())])

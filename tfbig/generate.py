@@ -8,13 +8,18 @@ Example:
 """
 import json
 import os
+import sys
 
-import numpy as np
-import tensorflow as tf
-from absl import app, flags
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # console script: no C++ INFO lines
 
-from tfbig.checkpoint import model_variables
-from tfbig.models.gpt import GPT, GPTConfig
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from absl import flags  # noqa: E402
+
+from tfbig import integrity  # noqa: E402
+from tfbig.checkpoint import model_variables  # noqa: E402
+from tfbig.errors import UsageError  # noqa: E402
+from tfbig.models.gpt import GPT, GPTConfig  # noqa: E402
 
 
 def _filter_logits(logits, top_k, top_p):
@@ -95,7 +100,7 @@ def load_model(model_dir):
     if saved.get("model_format", "gpt") != "gpt":
         raise ValueError(f"--model_dir={model_dir} holds a {saved['model_format']} model; "
                          f"tfbig-generate needs a GPT")
-    latest = tf.train.latest_checkpoint(model_dir)
+    latest, _ = integrity.newest_intact(model_dir, warn=lambda m: print(m, file=sys.stderr))
     if latest is None:
         raise FileNotFoundError(f"--model_dir={model_dir} has no checkpoint")
     model = GPT(GPTConfig(**saved["model_config"]), name="gpt")
@@ -128,7 +133,8 @@ def sample_text(model, tokenizer, prompt, max_new_tokens, temperature=0.8, top_k
 
 
 def main(argv):
-    del argv
+    if len(argv) > 1:
+        raise UsageError(f"unexpected arguments {argv[1:]}; the prompt goes in --prompt")
     from tfbig.tokenizer import Tokenizer
 
     model, tokenizer_path = load_model(FLAGS.model_dir)
@@ -139,5 +145,7 @@ def main(argv):
 
 
 def run():
+    from tfbig import cli
+
     define_flags()
-    app.run(main)
+    cli.run_app("tfbig-generate", main, __doc__, [("generate", cli.own_flags())])

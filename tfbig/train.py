@@ -11,9 +11,10 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 
 from tfbig import config as config_lib  # noqa: E402
+from tfbig.errors import UsageError  # noqa: E402
 
 config_lib.define_flags()
 
@@ -22,7 +23,7 @@ PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM: schedulers (TFJob ExitCode policy) r
 
 def main(argv):
     if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments {argv[1:]}; every option is a --flag")
+        raise UsageError(f"unexpected arguments {argv[1:]}; every option is a --flag")
     if flags.FLAGS.model == "albert" and not flags.FLAGS["optimizer"].present:
         flags.FLAGS.optimizer = "lamb"  # ALBERT's recipe (Lan et al. 2019); GPT keeps adamw
     if flags.FLAGS.plan_only:  # before any data or model is built
@@ -34,11 +35,14 @@ def main(argv):
         return
     import tensorflow as tf
 
+    from tfbig import preflight
     from tfbig.trainer import Trainer
 
     cfg = config_lib.from_flags(flags.FLAGS)
     try:
         trainer = Trainer(cfg)
+        if trainer.strategy.is_chief and cfg.train.sample_tokens and trainer.task.format == "gpt":
+            preflight.check_tokenizer(trainer.task)  # needed for the sample at the end
         summary = trainer.fit()
     except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError) as error:
         message = _peer_failure(error, cfg.train.model_dir)
@@ -50,7 +54,8 @@ def main(argv):
         sys.exit(PREEMPTED_EXIT_CODE)
     if trainer.strategy.is_chief:
         print(f"checkpoint: {summary['checkpoint']}")
-        print("validation: " + ", ".join(f"{k} {v:.4f}" for k, v in summary["eval"].items()))
+        if summary["eval"]:
+            print("validation: " + ", ".join(f"{k} {v:.4f}" for k, v in summary["eval"].items()))
         if trainer.cfg.train.sample_tokens and trainer.task.format == "gpt":
             from tfbig.generate import sample_text
 
@@ -75,8 +80,18 @@ def _peer_failure(error, model_dir):
             f"Start the job again to resume from the last checkpoint in --model_dir={model_dir}.")
 
 
+def help_sections():
+    """--help groups: one per ExperimentConfig section (train, pipeline, horovod, ...)."""
+    import dataclasses
+
+    return [(name, [f.name for f in dataclasses.fields(section)])
+            for name, section in config_lib.SECTIONS.items()]
+
+
 def run():
-    app.run(main)
+    from tfbig import cli
+
+    cli.run_app("tfbig-train", main, __doc__, help_sections())
 
 
 if __name__ == "__main__":

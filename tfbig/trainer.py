@@ -16,6 +16,7 @@ import tensorflow as tf
 from tensorflow.python.framework import config as op_config
 
 from tfbig import config as config_lib
+from tfbig import integrity, preflight
 from tfbig.checkpoint import model_variables, rng_variables
 from tfbig.distribute import get_strategy
 from tfbig.logs import RunLogger
@@ -102,6 +103,9 @@ class Trainer:
         self.forward_backward = self.strategy.make_forward_backward(
             self._loss_fn, self.model.trainable_variables, self._scale_loss, t.xla)
         self.forward = self.strategy.make_forward(self._loss_fn, t.xla)
+        self.eval_batches = preflight.validation_batches(  # 0: no validation split
+            self.task, self.micro_batch, self.strategy.num_replicas, t.eval_steps,
+            self.logger.info)
 
     # ---- single-replica pieces -------------------------------------------------------------
     def _loss_fn(self, batch, training=False):
@@ -156,7 +160,11 @@ class Trainer:
                             os.path.join(self.cfg.train.model_dir, "tokenizer.model"))
 
     def _restore(self):
-        latest = tf.train.latest_checkpoint(self.cfg.train.model_dir)
+        """Restore the newest intact checkpoint (tfbig.integrity); damaged ones are named."""
+        if not self.strategy.restores_checkpoint:  # it follows the chief's broadcast
+            return None
+        latest, _ = integrity.newest_intact(self.cfg.train.model_dir, self.logger.info,
+                                            keep_damaged=self.strategy.is_chief)
         if latest:
             self.checkpoint.restore(latest).assert_existing_objects_matched()
             self.logger.info(f"resumed from {latest} at step {int(self.step.numpy())}")
@@ -171,32 +179,23 @@ class Trainer:
             self._managers[directory] = tf.train.CheckpointManager(
                 self.checkpoint, directory, max_to_keep=self.cfg.train.keep_checkpoints)
         path = self._managers[directory].save(checkpoint_number=self.step)
+        integrity.record_checkpoint(path)  # sizes and CRC-32s, checked before a restore
+        integrity.prune_sums(directory)
         self.strategy.after_checkpoint(directory)
         return path
 
     # ---- data --------------------------------------------------------------------------------
     def _train_iterator(self):
         t = self.cfg.train
-        skip = int(self.batches_consumed.numpy())
-
-        def dataset_fn(ctx):
-            ds = self.task.dataset("train", self.micro_batch, ctx, seed=t.seed, skip_batches=skip)
-            return ds.batch(t.grad_accum_steps, drop_remainder=True)  # (accum, micro, ...)
-
-        return iter(self.strategy.distribute_dataset(dataset_fn))
-
-    def _eval_batches(self):
-        """Validation batches each replica evaluates: equal on all, at most --eval_steps."""
-        records = self.task.manifest.split("validation").records
-        available = records // (self.micro_batch * self.strategy.num_replicas)
-        if available == 0:
-            raise ValueError(f"the validation split of {self.task.data_dir} has {records} "
-                             f"records, fewer than one batch of {self.micro_batch} per replica")
-        return min(available, self.cfg.train.eval_steps or available)
+        return self.strategy.train_batches(  # (accum, micro, ...) batches
+            self.task, self.micro_batch, t.grad_accum_steps, t.seed,
+            int(self.batches_consumed.numpy()))
 
     def evaluate(self):
         """Mean validation metrics plus the task's summary (perplexity, bits per byte...)."""
-        num_batches = self._eval_batches()
+        num_batches = self.eval_batches
+        if not num_batches:
+            return {}
 
         iterator = iter(self.strategy.distribute_dataset(
             lambda ctx: self.task.dataset("validation", self.micro_batch, ctx, shuffle=False)))
@@ -236,10 +235,13 @@ class Trainer:
         summary["preempted"] True; the next start resumes there.
         """
         with self.strategy.watch_preemption(), self.profiler.session(int(self.step.numpy())):
-            return self._fit(steps)
+            return self.strategy.run_training(lambda: self._fit(steps))
 
     def _fit(self, steps):
         t = self.cfg.train
+        # The world may have changed since __init__ (elastic Horovod); the global batch did not.
+        self.micro_batch = micro_batch_size(t.batch_size, self.strategy.num_replicas,
+                                            t.grad_accum_steps)
         iterator = self._train_iterator()
         step = int(self.step.numpy())
         stop = t.max_steps if steps is None else min(t.max_steps, step + steps)
@@ -263,6 +265,7 @@ class Trainer:
                 self._check_finite(step)
                 with self.profiler.phase("checkpoint"):
                     self.save()
+            self.strategy.after_step(step)
             if self.strategy.should_stop():  # SIGTERM on any process: all save, then stop
                 return self._stop_preempted(step, last)
         self._check_finite(step)
@@ -281,6 +284,8 @@ class Trainer:
 
     def _report_eval(self, step):
         summary = self.evaluate()
+        if not summary:  # no validation split (said at start)
+            return summary
         self.logger.scalars("validation", step, summary)
         self.logger.info("eval @ step {}: ".format(step) + " | ".join(
             f"{k} {v:.4f}" for k, v in summary.items() if isinstance(v, float)

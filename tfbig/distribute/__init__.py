@@ -5,7 +5,7 @@ import importlib
 BACKENDS = {
     "single": "tfbig.distribute.base:SingleDevice",
     "pipeline": "tfbig.pipeline.strategy:PipelineStrategy",
-    "horovod": "tfbig.distribute.horovod:HorovodStrategy",
+    "horovod": "tfbig.distribute.elastic:horovod_backend",  # HorovodStrategy, or elastic
     "multiworker": "tfbig.distribute.multiworker:MultiWorker",
     "mirrored": "tfbig.distribute.multiworker:Mirrored",
 }

@@ -85,6 +85,12 @@ class Strategy:
         return True
 
     @property
+    def restores_checkpoint(self):
+        """Whether this process restores --model_dir's checkpoint itself (else it receives
+        the restored state through `broadcast_variables`)."""
+        return True
+
+    @property
     def learning_rate_scale(self):
         """Factor on the peak learning rate (Horovod's --scale_lr: the number of processes)."""
         return 1.0
@@ -184,6 +190,23 @@ class Strategy:
 
     def shutdown(self):
         """Release backend resources at the end of the run."""
+
+    def train_batches(self, task, micro_batch, grad_accum_steps, seed, skip_batches):
+        """Iterator of this process's (grad_accum_steps, micro_batch, ...) training batches,
+        after the first `skip_batches` micro-batches of its input (a resumed run)."""
+        def dataset_fn(ctx):
+            ds = task.dataset("train", micro_batch, ctx, seed=seed, skip_batches=skip_batches)
+            return ds.batch(grad_accum_steps, drop_remainder=True)
+
+        return iter(self.distribute_dataset(dataset_fn))
+
+    def run_training(self, loop):
+        """Run the training loop `loop()` and return its result (elastic Horovod re-runs it
+        from the last commit when ranks come and go)."""
+        return loop()
+
+    def after_step(self, step):
+        """Called by every process after each optimizer step (elastic Horovod commits here)."""
 
 
 SingleDevice = Strategy

@@ -84,6 +84,10 @@ class HorovodStrategy(Strategy):
         return hvd.rank() == 0  # Horovod: only global rank 0 writes checkpoints and logs
 
     @property
+    def restores_checkpoint(self):
+        return self.is_chief  # Horovod: rank 0 restores, broadcast_variables gives it to all
+
+    @property
     def learning_rate_scale(self):
         # Horovod: with --scale_lr the peak learning rate grows with the number of processes.
         return float(self.num_replicas) if self.options.scale_lr else 1.0

@@ -8,10 +8,10 @@ advice. The profiler trace of --profile_steps is in TensorBoard's Profile tab
 Example:
     tfbig-profile report runs/gpt-small
 """
-import argparse
 import os
 import sys
 
+from tfbig.cli import ArgumentParser
 from tfbig.profiling.diagnose import diagnose, load_run, summarize
 from tfbig.profiling.timing import PHASES
 
@@ -159,7 +159,7 @@ def format_report(summary, findings, charts):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="tfbig-profile", description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="tfbig-profile", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     report = commands.add_parser("report", help="charts and a bottleneck diagnosis of a run")
     report.add_argument("run_dir", help="a tfbig-train --model_dir")
@@ -169,7 +169,7 @@ def main(argv=None):
     try:
         summary, findings, charts = render(args.run_dir, args.output_dir)
     except (FileNotFoundError, ValueError) as error:
-        print(f"tfbig-profile: {error}", file=sys.stderr)
+        print(f"tfbig-profile: error: {error}", file=sys.stderr)
         return 2
     print(format_report(summary, findings, charts))
     return 0

@@ -17,13 +17,13 @@ import dataclasses
 import json
 import os
 import shutil
-import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 
 from tfbig.config import field  # noqa: E402
+from tfbig.errors import UsageError  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -186,20 +186,20 @@ def predict_and_score(model, tokenizer, options):
 
 def main(argv):
     if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments {argv[1:]}; every option is a --flag")
+        raise UsageError(f"unexpected arguments {argv[1:]}; every option is a --flag")
     options = SquadOptions(**{f.name: flags.FLAGS[f.name].value
                               for f in dataclasses.fields(SquadOptions)})
-    try:
-        scores = fine_tune(options)
-    except (ValueError, FileNotFoundError) as error:
-        sys.exit(f"tfbig-squad: error: {error}")
+    scores = fine_tune(options)
     for key, value in scores.items():
         print(f"{key}: {value:.4f}" if isinstance(value, float) else f"{key}: {value}")
 
 
 def run():
+    from tfbig import cli
+
     define_flags()
-    app.run(main)
+    cli.run_app("tfbig-squad", main, __doc__, [
+        ("squad", [f.name for f in dataclasses.fields(SquadOptions)])])
 
 
 if __name__ == "__main__":

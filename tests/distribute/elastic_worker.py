@@ -1,0 +1,80 @@
+"""One rank of an elastic Horovod run for tests/distribute/test_elastic.py.
+
+    horovodrun --gloo -np 2 --min-np 1 --max-np 2 --host-discovery-script S \
+        python elastic_worker.py PLAN_JSON
+
+PLAN_JSON: {"config": tfbig.config.to_dict, "out": dir, "step_seconds": float}. Each process
+writes OUT/pid{PID}.rank (its first rank), and appends to OUT/pid{PID}.jsonl one line per
+optimizer step it runs: {"time", "step", "world", "rank", "rows"} where rows fingerprint the
+records of its slice of the batch; the chief adds {"loss"}. At the end the chief writes
+OUT/final.npz (weights) and OUT/final.json (step, resets). step_seconds slows each step so the
+test can kill and add ranks mid-run.
+"""
+import json
+import os
+import sys
+import time
+import zlib
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+
+from tfbig import config as config_lib  # noqa: E402
+from tfbig.distribute import get_strategy  # noqa: E402
+from tfbig.trainer import Trainer  # noqa: E402
+
+
+def fingerprint(row):
+    return zlib.crc32(np.ascontiguousarray(row, np.int64).tobytes())
+
+
+class Recorded(Trainer):
+    """The trainer, writing what each step consumed (test instrumentation only)."""
+
+    def __init__(self, cfg, strategy, out, step_seconds):
+        self.out, self.step_seconds = out, step_seconds
+        self.record = open(os.path.join(out, f"pid{os.getpid()}.jsonl"), "a")
+        super().__init__(cfg, strategy=strategy)
+
+    def _train_iterator(self):
+        iterator = super()._train_iterator()
+        step = int(self.step.numpy())
+        for batch in iterator:
+            step += 1
+            time.sleep(self.step_seconds)
+            rows = batch["input_ids"].numpy().reshape(-1, batch["input_ids"].shape[-1])
+            self._pending = {"step": step, "world": self.strategy.num_replicas,
+                             "rank": self.strategy.rank,
+                             "rows": [fingerprint(r) for r in rows]}
+            yield batch
+
+    def _log_train(self, step, out, perf):
+        values = super()._log_train(step, out, perf)
+        entry = {**self._pending, "time": time.time(), "loss": values["loss"]}
+        self.record.write(json.dumps(entry) + "\n")
+        self.record.flush()
+        return values
+
+
+def main(plan_path):
+    with open(plan_path) as f:
+        plan = json.load(f)
+    cfg = config_lib.from_dict(plan["config"])
+    strategy = get_strategy("horovod", cfg)
+    with open(os.path.join(plan["out"], f"pid{os.getpid()}.rank"), "w") as f:
+        f.write(str(strategy.rank))
+    trainer = Recorded(cfg, strategy, plan["out"], plan["step_seconds"])
+    summary = trainer.fit()
+    if strategy.is_chief:
+        np.savez(os.path.join(plan["out"], "final.npz"),
+                 *[v.numpy() for v in trainer.model.trainable_variables])
+        with open(os.path.join(plan["out"], "final.json"), "w") as f:
+            json.dump({"step": summary["step"], "resets": strategy.resets,
+                       "world": strategy.num_replicas}, f)
+    strategy.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

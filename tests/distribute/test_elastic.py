@@ -1,0 +1,195 @@
+"""Elastic Horovod (--elastic): a rank killed with SIGKILL mid-run, training goes on with one,
+a new rank joins when the discovery script reports a slot again; the run consumes exactly the
+records of an uninterrupted run and matches its losses (real horovodrun, localhost, Gloo)."""
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from elastic_worker import fingerprint  # noqa: E402
+from test_trainer import make_cfg, weights  # noqa: E402
+from tfbig import config as config_lib  # noqa: E402
+from tfbig.config import ExperimentConfig, check_applicable  # noqa: E402
+from tfbig.errors import UsageError  # noqa: E402
+from tfbig.logs import RunLogger  # noqa: E402
+from tfbig.trainer import Trainer  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+MAX_STEPS = 24
+TRAIN = dict(max_steps=MAX_STEPS, batch_size=8, grad_accum_steps=2, grad_clip_norm=0.5,
+             dropout=0.0, checkpoint_every=10, eval_steps=1)
+
+
+def elastic_cfg(data_dir, model_dir):
+    cfg = make_cfg(data_dir, model_dir, strategy="horovod", **TRAIN)
+    cfg.horovod.elastic = True
+    cfg.horovod.elastic_commit_every = 2
+    return cfg
+
+
+def write_hosts(path, hosts):
+    with open(path + ".tmp", "w") as f:
+        f.write("".join(f"{h}:1\n" for h in hosts))
+    os.replace(path + ".tmp", path)
+
+
+def records(out):
+    """{pid: [step entries]} written by every process of the run."""
+    found = {}
+    for path in glob.glob(os.path.join(out, "pid*.jsonl")):
+        with open(path) as f:
+            found[path] = [json.loads(line) for line in f if line.strip()]
+    return found
+
+
+def progress(out):
+    return max((e["step"] for entries in records(out).values() for e in entries), default=0)
+
+
+def wait_for(predicate, timeout, what, proc, log):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended (code {proc.returncode}) before {what}:\n"
+                                 + open(log).read()[-4000:])
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}:\n"
+                                 + open(log).read()[-4000:])
+        time.sleep(0.2)
+
+
+def last_execution(out):
+    """Per step, each rank's entry of the step's newest execution (the steps after the last
+    commit run again, in the smaller world, after a rank dies)."""
+    by_step = {}
+    for entries in records(out).values():
+        for e in entries:
+            by_step.setdefault(e["step"], []).append(e)
+    final = {}
+    for step, entries in by_step.items():
+        world = max(entries, key=lambda e: e["time"])["world"]
+        latest = {e["rank"]: e for e in sorted(entries, key=lambda e: e["time"])
+                  if e["world"] == world}
+        final[step] = [latest[rank] for rank in range(world)]
+    return final
+
+
+@pytest.mark.multiproc
+def test_rank_killed_and_replaced_run_matches_the_uninterrupted_one(gpt_data, tmp_path):
+    out = tmp_path / "out"
+    os.makedirs(out)
+    cfg = elastic_cfg(gpt_data, tmp_path / "run")
+    with open(tmp_path / "plan.json", "w") as f:
+        json.dump({"config": config_lib.to_dict(cfg), "out": str(out),
+                   "step_seconds": 0.3}, f)
+    hosts = str(tmp_path / "hosts.txt")
+    write_hosts(hosts, ["localhost", "127.0.0.1"])
+    discover = tmp_path / "discover.sh"
+    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    discover.chmod(0o755)
+    log = str(tmp_path / "log.txt")
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{HERE}", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    command = [HOROVODRUN, "--gloo", "-np", "2", "--min-np", "1", "--max-np", "2",
+               "--host-discovery-script", str(discover), sys.executable,
+               os.path.join(HERE, "elastic_worker.py"), str(tmp_path / "plan.json")]
+    proc = subprocess.Popen(command, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
+                            cwd=ROOT, start_new_session=True)
+    try:
+        wait_for(lambda: progress(out) >= 5, 300, "step 5", proc, log)
+        ranks = {int(open(p).read()): p for p in glob.glob(str(out / "pid*.rank"))}
+        victim = int(os.path.basename(ranks[1])[3:-5])
+        os.kill(victim, signal.SIGKILL)
+        killed_at = progress(out)
+        wait_for(lambda: any(e["world"] == 1 and e["step"] > killed_at + 2
+                             for es in records(out).values() for e in es),
+                 120, "training on with one rank", proc, log)
+        # A slot again, on a new host name (the dead rank's host is blacklisted by Horovod).
+        write_hosts(hosts, ["localhost", "127.0.0.1", os.uname().nodename])
+        proc.wait(timeout=400)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    output = open(log).read()
+    assert proc.returncode == 0, output[-5000:]
+    with open(out / "final.json") as f:
+        final = json.load(f)
+    assert final["step"] == MAX_STEPS
+    assert final["resets"][:2] == [[2, 1], [1, 2]] and final["world"] == 2, final
+    steps = last_execution(str(out))
+    assert sorted(steps) == list(range(1, MAX_STEPS + 1))
+    worlds = [len(steps[s]) for s in sorted(steps)]
+    assert 1 in worlds and worlds[0] == 2 and worlds[-1] == 2, worlds  # 2 -> 1 -> 2 ranks
+
+    # The uninterrupted reference: one process, same global batch, same global record order.
+    reference_cfg = make_cfg(gpt_data, tmp_path / "reference", **TRAIN)
+    consumed = []
+
+    class Reference(Trainer):
+        def _train_iterator(self):
+            for batch in super()._train_iterator():
+                ids = batch["input_ids"].numpy()
+                consumed.append(ids.reshape(-1, ids.shape[-1]))
+                yield batch
+
+    logger = Losses(reference_cfg.train.model_dir, True, MAX_STEPS)
+    reference = Reference(reference_cfg, logger=logger)
+    reference.fit()
+    for step in range(1, MAX_STEPS + 1):
+        # Micro-batch a of the step holds the ranks' slices in rank order.
+        ranks = steps[step]
+        world = len(ranks)
+        ours = [rows for e in ranks for rows in np.array_split(e["rows"], TRAIN["grad_accum_steps"])]
+        ours = [ours[r * TRAIN["grad_accum_steps"] + a] for a in range(TRAIN["grad_accum_steps"])
+                for r in range(world)]
+        assert [int(x) for part in ours for x in part] == \
+            [fingerprint(r) for r in consumed[step - 1]], f"step {step} (world {world})"
+        assert ranks[0]["loss"] == pytest.approx(logger.losses[step], rel=1e-5), step
+    with np.load(out / "final.npz") as final_weights:
+        for i, theirs in enumerate(weights(reference)):
+            np.testing.assert_allclose(final_weights[f"arr_{i}"], theirs, rtol=1e-5, atol=1e-6)
+
+
+class Losses(RunLogger):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.losses = {}
+
+    def scalars(self, split, step, values):
+        if split == "train":
+            self.losses[step] = values["loss"]
+        super().scalars(split, step, values)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("zero_stage", 1, "--elastic cannot be combined with --zero_stage=1: an elastic run is "
+                      "plain data parallel (its world size changes); drop one of the two"),
+    ("tensor_parallel", 2, "--elastic cannot be combined with --tensor_parallel=2: an elastic "
+                           "run is plain data parallel (its world size changes); drop one of "
+                           "the two")])
+def test_elastic_refuses_layouts_that_depend_on_the_world_size(field, value, message):
+    from tfbig.distribute.elastic import check_elastic
+
+    cfg = ExperimentConfig()
+    cfg.train.strategy, cfg.horovod.elastic = "horovod", True
+    setattr(cfg.parallel, field, value)
+    with pytest.raises(UsageError) as error:
+        check_elastic(cfg)
+    assert str(error.value) == message
+
+
+def test_elastic_is_refused_with_a_cross_rank_pipeline():
+    cfg = ExperimentConfig()
+    cfg.train.strategy, cfg.horovod.elastic = "pipeline", True
+    with pytest.raises(ValueError, match=r"^--elastic=True has no effect with "
+                                         r"--strategy=pipeline; it applies to --strategy=horovod$"):
+        check_applicable(cfg)

@@ -1,0 +1,153 @@
+"""Elastic Horovod (`--strategy=horovod --elastic`): ranks may die and join during a run.
+
+Launched with `horovodrun --gloo --min-np A --max-np B --host-discovery-script S` (the script
+prints the usable `host:slots` lines; see launch/horovod_elastic.sh). What happens:
+
+- State: the training loop's state (model and optimizer variables, dropout RNG states, step,
+  input position, skipped-step count) is committed to host memory every
+  `--elastic_commit_every` steps and before every checkpoint. Horovod's own state classes for
+  Keras call `.ref()` on Keras 3 variables, so `VariablesState` keeps copies of the underlying
+  `tf.Variable`s (as tfbig.distribute.horovod_keras does for broadcasts).
+- A rank dies: the others' next collective fails; they roll back to the last commit, Horovod
+  re-initialises with the smaller world, and training continues from that commit.
+- The discovery script reports new slots: at the next commit every rank stops, Horovod
+  re-initialises with the larger world, and the new ranks receive the state from rank 0.
+- The global batch stays `--batch_size`: the per-rank micro-batch is
+  batch_size / (world x grad_accum_steps), so every world size the run may have must divide
+  batch_size / grad_accum_steps (else the run stops with an error naming the sizes).
+- The input is one global order of records, the same for every world size: each global
+  micro-batch of batch_size / grad_accum_steps records is cut into `world` consecutive slices,
+  rank r taking slice r. A changed world resumes at the committed input position, so no
+  record is repeated or skipped. The price: every rank reads (and discards) the whole stream.
+- Plain data parallelism only: --zero_stage, --tensor_parallel, --sequence_parallel,
+  --shard_degree and --scale_lr are refused (a mesh or learning rate that changes with the
+  world would need re-partitioned state).
+"""
+import tensorflow as tf
+from horovod.common.elastic import State, run_fn
+from horovod.common.exceptions import HorovodInternalError
+
+from tfbig.distribute import horovod_keras
+from tfbig.distribute.horovod import HorovodStrategy
+from tfbig.distribute.horovod_keras import hvd
+from tfbig.distribute.mesh import HorovodMesh, Mesh
+from tfbig.errors import UsageError
+
+# Flags whose layouts depend on the world size; refused with --elastic.
+REFUSED = {"zero_stage": lambda p: p.zero_stage != 0,
+           "tensor_parallel": lambda p: p.tensor_parallel != 1,
+           "sequence_parallel": lambda p: p.sequence_parallel,
+           "shard_degree": lambda p: p.shard_degree != 0}
+
+
+def check_elastic(cfg):
+    """Refuse --elastic with a layout or option that depends on the world size."""
+    for name, refused in REFUSED.items():
+        if refused(cfg.parallel):
+            raise UsageError(f"--elastic cannot be combined with --{name}="
+                             f"{getattr(cfg.parallel, name)}: an elastic run is plain data "
+                             f"parallel (its world size changes); drop one of the two")
+    if cfg.horovod.scale_lr:
+        raise UsageError("--elastic cannot be combined with --scale_lr: the global batch stays "
+                         "--batch_size when ranks come and go, so the learning rate must not "
+                         "follow the number of processes")
+    if cfg.horovod.elastic_commit_every < 1:
+        raise UsageError(f"--elastic_commit_every={cfg.horovod.elastic_commit_every}: expected "
+                         f"a positive number of steps")
+
+
+class VariablesState(State):
+    """Horovod elastic state kept on plain `tf.Variable`s (Keras 3 safe).
+
+    save: copy every variable to host memory; restore: assign the copies back (roll back to
+    the last commit); sync: broadcast rank 0's values to every rank, then save.
+    """
+
+    def __init__(self, variables):
+        self.variables = horovod_keras.tf_variables(variables)
+        super().__init__(bcast_object=hvd.broadcast_object, get_rank=hvd.rank)
+        self.save()
+
+    def save(self):
+        self._saved = [v.numpy() for v in self.variables]
+
+    def restore(self):
+        for variable, value in zip(self.variables, self._saved):
+            variable.assign(value)
+
+    def sync(self):
+        # Horovod: the new world starts from rank 0's committed state.
+        horovod_keras.broadcast_variables(self.variables, root_rank=0,
+                                          process_set=hvd.global_process_set)
+        self.save()
+
+
+def _horovod_failure(error):
+    """True for a TensorFlow error raised by a Horovod collective whose peer is gone."""
+    text = str(getattr(error, "message", error))
+    return isinstance(error, tf.errors.OpError) and "Horovod" in text
+
+
+class ElasticHorovodStrategy(HorovodStrategy):
+    """Horovod data parallelism over a world that may shrink and grow (see module doc)."""
+
+    name = "horovod"
+
+    def __init__(self, cfg):
+        check_elastic(cfg)
+        horovod_keras.init()  # Horovod: the world size comes from the elastic rendezvous
+        super().__init__(cfg, mesh=HorovodMesh(Mesh.build(hvd.size())))
+        self.commit_every = cfg.horovod.elastic_commit_every
+        self.process_set = hvd.global_process_set  # also for one rank: the same ops in every trace
+        self.state = None
+        self.resets = []  # (world size before, after) of each reset, for logs and tests
+
+    def broadcast_variables(self, variables):
+        # Horovod elastic: no collective before the run starts (a joining rank would deadlock);
+        # the state is broadcast by its first sync, inside run_training.
+        self.state = VariablesState(variables)
+
+    def run_training(self, loop):
+        """Run `loop()` to completion across resets (rank lost: roll back; ranks added: sync)."""
+        def attempt(state):
+            try:
+                return loop()
+            except tf.errors.OpError as error:
+                if _horovod_failure(error):
+                    raise HorovodInternalError(error) from error
+                raise
+
+        return run_fn(attempt, self._reset)(self.state)
+
+    def _reset(self):
+        before = self.num_replicas
+        hvd.shutdown()
+        hvd.init()  # Horovod: the new world (smaller after a loss, larger after an addition)
+        self.mesh = HorovodMesh(Mesh.build(hvd.size()), pin_gpu=False)
+        self.resets.append((before, self.num_replicas))
+        if self.is_chief:
+            print(f"elastic: world {before} -> {self.num_replicas} ranks; resuming from the last "
+                  f"commit", flush=True)
+
+    def after_step(self, step):
+        if step % self.commit_every == 0:
+            self.state.commit()  # may raise HostsUpdatedInterrupt: ranks are joining
+
+    def checkpoint_dir(self, model_dir):
+        self.state.commit()  # every rank, always before a checkpoint
+        return super().checkpoint_dir(model_dir)
+
+    def train_batches(self, task, micro_batch, grad_accum_steps, seed, skip_batches):
+        """Slice `rank` of every global micro-batch of one world-independent record order."""
+        world, rank = self.num_replicas, self.rank
+        records = task.dataset("train", micro_batch, None, seed=seed,
+                               skip_batches=skip_batches * world)
+        return iter(records.shard(world, rank).batch(grad_accum_steps, drop_remainder=True))
+
+
+def horovod_backend(cfg=None):
+    """--strategy=horovod: elastic with --elastic, else the fixed-world HorovodStrategy."""
+    horovod = getattr(cfg, "horovod", None)
+    if horovod is not None and horovod.elastic:
+        return ElasticHorovodStrategy(cfg)
+    return HorovodStrategy(cfg)
