@@ -48,25 +48,71 @@ def no_decay_variables(variables):
     return [v for v in variables if len(v.shape) < 2 or "embedding" in v.path]
 
 
-def build_optimizer(train, variables):
+def build_optimizer(train, variables, no_decay=None, sum_over_shards=None):
     """The optimizer for TrainConfig `train`, wrapped in a LossScaleOptimizer for fp16.
 
-    Weight decay skips `no_decay_variables(variables)`; clipping is by global norm of the
-    unscaled, already averaged gradients (Keras clips inside `apply`, after unscaling).
+    Weight decay skips `no_decay` (default: `no_decay_variables(variables)`); clipping is by
+    global norm of the unscaled, already averaged gradients (Keras clips inside `apply`, after
+    unscaling). `sum_over_shards(x)`, for variables that are slices of larger ones (ZeRO),
+    sums a tensor over the ranks holding the other slices: global-norm clipping and LAMB's
+    per-layer trust ratio then see whole variables.
     """
     if train.optimizer not in OPTIMIZERS:
         raise ValueError(f"--optimizer={train.optimizer!r}: expected one of {OPTIMIZERS}")
     schedule = WarmupDecay(train.learning_rate, train.warmup_steps, train.max_steps,
                            train.lr_schedule, train.min_lr_ratio)
     cls = keras.optimizers.AdamW if train.optimizer == "adamw" else keras.optimizers.Lamb
+    if sum_over_shards is not None:
+        cls = sharded_class(cls, sum_over_shards)
     optimizer = cls(learning_rate=schedule, weight_decay=train.weight_decay,
                     beta_1=train.beta_1, beta_2=train.beta_2, epsilon=train.epsilon,
                     global_clipnorm=train.grad_clip_norm or None)
-    optimizer.exclude_from_weight_decay(var_list=no_decay_variables(variables))
+    optimizer.exclude_from_weight_decay(
+        var_list=no_decay_variables(variables) if no_decay is None else no_decay)
     if train.precision == "mixed_float16":
         optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
     optimizer.build(variables)
     return optimizer
+
+
+def sharded_class(cls, sum_over_shards):
+    """`cls` (AdamW or Lamb) for variables that are slices: norms are summed over slices."""
+
+    class Sharded(cls):
+        def _clip_gradients(self, grads):
+            if not (self.global_clipnorm and self.global_clipnorm > 0):
+                return super()._clip_gradients(grads)
+            squares = sum_over_shards(ops.sum(ops.stack([ops.sum(ops.square(g)) for g in grads])))
+            norm = ops.sqrt(squares)  # the same formula as keras' clip_by_global_norm
+            scale = self.global_clipnorm * ops.minimum(1.0 / norm, 1.0 / self.global_clipnorm)
+            return [g * (scale + (norm - norm)) for g in grads]
+
+        if issubclass(cls, keras.optimizers.Lamb):
+            def update_step(self, gradient, variable, learning_rate):
+                """Keras' LAMB step with the weight and update norms of the whole variable."""
+                lr = ops.cast(learning_rate, variable.dtype)
+                gradient = ops.cast(gradient, variable.dtype)
+                local_step = ops.cast(self.iterations + 1, variable.dtype)
+                beta_1_power = ops.power(ops.cast(self.beta_1, variable.dtype), local_step)
+                beta_2_power = ops.power(ops.cast(self.beta_2, variable.dtype), local_step)
+                m = self._momentums[self._get_variable_index(variable)]
+                v = self._velocities[self._get_variable_index(variable)]
+                self.assign_add(m, ops.multiply(ops.subtract(gradient, m), 1 - self.beta_1))
+                self.assign_add(v, ops.multiply(ops.subtract(ops.square(gradient), v),
+                                                1 - self.beta_2))
+                m_t_hat = ops.divide(m, (1.0 - beta_1_power))
+                v_sqrt = ops.add(ops.sqrt(ops.divide(v, (1.0 - beta_2_power))), self.epsilon)
+                update = ops.divide(m_t_hat, v_sqrt)
+                squares = sum_over_shards(ops.stack([ops.sum(ops.power(variable, 2)),
+                                                     ops.sum(ops.power(update, 2))]))
+                w_norm, g_norm = ops.sqrt(squares[0]), ops.sqrt(squares[1])
+                ratio = ops.where(ops.greater(w_norm, 0),
+                                  ops.where(ops.greater(g_norm, 0), (w_norm / g_norm), 1.0),
+                                  1.0)
+                self.assign_sub(variable, ratio * lr * update)
+
+    Sharded.__name__ = f"Sharded{cls.__name__}"
+    return Sharded
 
 
 def loss_scale(optimizer):

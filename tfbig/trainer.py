@@ -20,7 +20,7 @@ from tfbig import integrity, preflight
 from tfbig.checkpoint import model_variables, rng_variables
 from tfbig.distribute import get_strategy
 from tfbig.logs import RunLogger
-from tfbig.optim import build_optimizer, learning_rate, loss_scale
+from tfbig.optim import learning_rate, loss_scale
 from tfbig.profiling.profiler import RunProfiler
 from tfbig.tasks import get_task
 
@@ -83,8 +83,7 @@ class Trainer:
             precision=t.precision, num_devices=self.strategy.num_devices)
         with self.strategy.scope():
             self.model = self.strategy.build_model(self.task)
-            self.optimizer = self.strategy.prepare_optimizer(
-                build_optimizer(t, self.model.trainable_variables))
+            self.optimizer = self.strategy.build_optimizer(t, self.model.trainable_variables)
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
             self.batches_consumed = tf.Variable(0, dtype=tf.int64, trainable=False,
                                                 name="batches_consumed")
@@ -120,8 +119,8 @@ class Trainer:
         grads, communication_seconds = self.strategy.all_reduce_gradients_timed(grads)
         metrics = self.strategy.all_reduce_mean(metrics)
         scale = tf.cast(loss_scale(self.optimizer), tf.float32)  # read before apply changes it
-        grad_norm = tf.linalg.global_norm(grads) / scale
-        self.optimizer.apply(grads, self.model.trainable_variables)
+        grad_norm = self.strategy.global_norm(grads) / scale
+        self.strategy.apply_gradients(self.optimizer, grads, self.model.trainable_variables)
         return {**metrics, "grad_norm": grad_norm, "loss_scale": scale,
                 "communication_seconds": communication_seconds}
 
@@ -163,7 +162,8 @@ class Trainer:
         """Restore the newest intact checkpoint (tfbig.integrity); damaged ones are named."""
         if not self.strategy.restores_checkpoint:  # it follows the chief's broadcast
             return None
-        latest, _ = integrity.newest_intact(self.cfg.train.model_dir, self.logger.info,
+        latest, _ = integrity.newest_intact(self.strategy.restore_dir(self.cfg.train.model_dir),
+                                            self.logger.info,
                                             keep_damaged=self.strategy.is_chief)
         if latest:
             self.checkpoint.restore(latest).assert_existing_objects_matched()

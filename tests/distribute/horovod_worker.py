@@ -124,6 +124,8 @@ def save(run, rank, trainer, logger, summary, extra):
     arrays["eval_loss"] = summary["eval"].get("loss", np.nan)
     arrays["preempted"] = bool(summary.get("preempted"))
     arrays.update({k: np.asarray(v) for k, v in extra.items()})
+    if hasattr(trainer.strategy, "state_bytes"):  # ZeRO: the model state this rank holds
+        arrays.update({f"bytes_{k}": v for k, v in trainer.strategy.state_bytes().items()})
     os.makedirs(run["out"], exist_ok=True)
     np.savez(os.path.join(run["out"], f"{run['name']}.rank{rank}.npz"), **arrays)
 

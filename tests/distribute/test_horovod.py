@@ -42,9 +42,10 @@ ALBERT = dict(model="albert", seq_length=32, optimizer="lamb", learning_rate=1e-
 
 
 
-def horovodrun(args, log_path, timeout=TIMEOUT, env=None, wait=True):
-    """`horovodrun -np 2 -H localhost:2 --gloo python ARGS`, output to `log_path`."""
-    command = [HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, *args]
+def horovodrun(args, log_path, timeout=TIMEOUT, env=None, wait=True,
+               ranks=("-np", "2", "-H", "localhost:2")):
+    """`horovodrun -np 2 -H localhost:2 --gloo python ARGS` (or `ranks`), output to `log_path`."""
+    command = [HOROVODRUN, *ranks, "--gloo", sys.executable, *args]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{HERE}", "TF_CPP_MIN_LOG_LEVEL": "2",
            **(env or {})}
     log = open(log_path, "w")

@@ -158,8 +158,27 @@ class Strategy:
         """The optimizer adapted to this backend (default: unchanged), before training."""
         return optimizer
 
+    def build_optimizer(self, train, variables):
+        """The optimizer of TrainConfig `train` for the model's trainable `variables` (a
+        sharded backend builds it over the slices this process owns instead)."""
+        from tfbig.optim import build_optimizer
+
+        return self.prepare_optimizer(build_optimizer(train, variables))
+
+    def global_norm(self, grads):
+        """The global norm of what `all_reduce_gradients` returned (all of the model's)."""
+        return tf.linalg.global_norm(grads)
+
+    def apply_gradients(self, optimizer, grads, variables):
+        """One optimizer update of the model's `variables` with the averaged `grads`."""
+        optimizer.apply(grads, variables)
+
     def broadcast_variables(self, variables):
         """Make every replica's copy of `variables` equal to the chief's."""
+
+    def restore_dir(self, model_dir):
+        """Where this process finds the checkpoint it restores (when `restores_checkpoint`)."""
+        return model_dir
 
     def checkpoint_dir(self, model_dir):
         """Where this process writes checkpoints, or None if it writes none."""

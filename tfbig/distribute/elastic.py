@@ -146,8 +146,13 @@ class ElasticHorovodStrategy(HorovodStrategy):
 
 
 def horovod_backend(cfg=None):
-    """--strategy=horovod: elastic with --elastic, else the fixed-world HorovodStrategy."""
+    """--strategy=horovod: elastic with --elastic, ZeRO-sharded with --zero_stage, else the
+    fixed-world HorovodStrategy."""
     horovod = getattr(cfg, "horovod", None)
     if horovod is not None and horovod.elastic:
         return ElasticHorovodStrategy(cfg)
+    if getattr(getattr(cfg, "parallel", None), "zero_stage", 0):
+        from tfbig.distribute.zero import ZeroStrategy
+
+        return ZeroStrategy(cfg)
     return HorovodStrategy(cfg)

@@ -29,11 +29,15 @@ from tfbig.distribute.mesh import HorovodMesh, Mesh, launcher_world_size
 
 # --flag=value pairs of ParallelConfig this backend cannot run yet (refused before training).
 UNSUPPORTED = {"tensor_parallel": lambda v: v != 1, "sequence_parallel": bool,
-               "zero_stage": lambda v: v != 0}
+               "zero_stage": lambda v: v == 3}
+ZERO_STAGES = (0, 1, 2, 3)
 
 
 def build_mesh(parallel, world_size):
     """The rank grid for ParallelConfig `parallel` over `world_size` ranks (errors name flags)."""
+    if parallel.zero_stage not in ZERO_STAGES:
+        raise ValueError(f"--zero_stage={parallel.zero_stage}: expected 0 (no sharding), 1 "
+                         f"(optimizer slots), 2 (+ gradients) or 3 (+ parameters)")
     for name, unsupported in UNSUPPORTED.items():
         value = getattr(parallel, name)
         if unsupported(value):

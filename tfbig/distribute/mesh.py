@@ -170,6 +170,9 @@ class Mesh:
         return sorted(found, key=lambda g: (len(g), g))
 
 
+_KNOWN_SETS = {}  # ranks -> process set of this process's Horovod (declared or added)
+
+
 def hvd_global_set():
     from tfbig.distribute.horovod_keras import hvd
 
@@ -182,7 +185,7 @@ class HorovodMesh:
     Every process must build the same Mesh (it follows from the flags), so they all declare
     the same process sets: at hvd.init when the mesh initialises Horovod, or, when Horovod is
     already running with HOROVOD_DYNAMIC_PROCESS_SETS=1 (several layouts in one launch, as
-    the tests do), added then and removed by `close()`.
+    the tests do), added then and kept for the next mesh that needs them.
 
     `process_set(axis)` is this rank's group along `axis`: the global set for the whole world,
     None for a group of one rank (nothing to communicate; the horovod_keras helpers return
@@ -199,31 +202,26 @@ class HorovodMesh:
 
         self.mesh = mesh
         needed = mesh.process_set_ranks()
-        self._added = []
         if not hvd.is_initialized():  # static sets, declared at init (FACTS.md)
             sets = {ranks: hvd.ProcessSet(list(ranks)) for ranks in needed}
             horovod_keras.init(pin_gpu=pin_gpu, process_sets=list(sets.values()))
+            _KNOWN_SETS.clear()
+            _KNOWN_SETS.update(sets)
         elif needed and not os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS"):
             raise RuntimeError(
                 f"Horovod was initialised before the mesh ({mesh.data} x {mesh.pipeline} x "
                 f"{mesh.tensor}) could declare its process sets: build the strategy before "
                 f"anything calls hvd.init(), or launch with HOROVOD_DYNAMIC_PROCESS_SETS=1")
-        else:  # one process trying several layouts (tests): sets added now, removed by close()
-            sets = {ranks: hvd.add_process_set(list(ranks)) for ranks in needed}
-            self._added = list(sets.values())
+        else:  # one process trying several layouts (tests): sets added once, kept for reuse
+            for ranks in needed:
+                if ranks not in _KNOWN_SETS:
+                    _KNOWN_SETS[ranks] = hvd.add_process_set(list(ranks))
+            sets = {ranks: _KNOWN_SETS[ranks] for ranks in needed}
         if hvd.size() != mesh.size:
             raise ValueError(f"the mesh has {mesh.size} ranks but horovodrun started "
                              f"{hvd.size()} processes")
         self._sets = sets
         self.rank = hvd.rank()
-
-    def close(self):
-        """Remove the process sets this mesh added after init (dynamic sets only)."""
-        from tfbig.distribute.horovod_keras import hvd
-
-        for process_set in self._added:
-            hvd.remove_process_set(process_set)
-        self._added = []
 
     @classmethod
     def start(cls, tensor=1, pipeline=1, shard_degree=0, placement="cluster", pin_gpu=True):

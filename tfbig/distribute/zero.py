@@ -1,0 +1,229 @@
+"""ZeRO stages 1 and 2 with MiCS partition groups on Horovod (`--zero_stage=1|2 --shard_degree=N`).
+
+Layout: every trainable variable is flattened, zero-padded to a multiple of N and cut into N
+equal slices; the rank at position j of its partition group (tfbig.distribute.mesh) owns slice j
+of every variable: a float32 master copy of it and its optimizer slots (AdamW/LAMB: m and v).
+Per-variable slices (rather than one flat buffer) keep weight-decay exclusions and LAMB's
+per-layer trust ratio attached to the variable they belong to. One optimizer step:
+
+    forward/backward (XLA)          full-size local gradients  (stage 2: one micro-batch at a time)
+    reduce-scatter, partition group  this rank's slice, averaged over the N ranks of the group
+    all-reduce, replica group        ... and over the D/N groups (MiCS's 2-hop sync)
+    optimizer on the slices          clipping norm and LAMB norms summed over the N slices
+    all-gather, partition group      the updated full parameters on every rank
+
+Per-rank model state, with P parameters and S = sum over variables of ceil(n / N) elements
+(S = P / N up to padding): 4 P (full parameters, replicated: stages 1-2 do not shard them)
++ 4 S (master slice) + 8 S (m and v). Gradients: stage 1 holds the full 4 P summed over the
+micro-batches by the XLA forward/backward until the reduce-scatter; stage 2 reduce-scatters
+each micro-batch's gradients as soon as they exist and accumulates only its 4 S slice (one
+collective per micro-batch instead of one per step: that is its price). A non-finite value in
+any rank's gradients makes every rank's slice non-finite, so fp16 loss scaling skips the step
+everywhere and fp32/bf16 stop the run everywhere.
+
+Checkpoints: slice j's holder in the first replica group writes its own checkpoint in
+parallel (position 0 in --model_dir, the others in MODEL_DIR/zero/shard-j; parameters are
+replicated, so each file also holds them and tfbig-generate/tfbig-export read --model_dir as
+usual); every rank restores the slice of its position. MODEL_DIR/zero.json records the layout;
+resuming with another world size or shard degree is refused (re-sharding on load is not built).
+
+Example:
+    horovodrun -np 8 -H localhost:8 --gloo tfbig-train --strategy=horovod --zero_stage=2 \
+        --shard_degree=4
+"""
+import json
+import math
+import os
+
+import keras
+import tensorflow as tf
+
+from tfbig.distribute.base import accumulate_gradients
+from tfbig.distribute.horovod import HorovodStrategy
+from tfbig.distribute.horovod_keras import average_gradients, hvd
+from tfbig.optim import build_optimizer, no_decay_variables
+
+LAYOUT_FILE = "zero.json"
+
+
+class ZeroStrategy(HorovodStrategy):
+    """Horovod data parallelism with the model state sharded over partition groups."""
+
+    name = "horovod"
+
+    def __init__(self, cfg=None, mesh=None):
+        super().__init__(cfg, mesh)
+        if self.options.hvd_fp16_allreduce:
+            raise ValueError("--hvd_fp16_allreduce is not supported with --zero_stage: the "
+                             "sharded path reduce-scatters float32 gradients")
+        self.stage = self.parallel.zero_stage
+        self.partition_set = self.mesh.process_set("partition")
+        self.replica_set = self.mesh.process_set("replica")
+        self.num_shards = self.mesh.mesh.shard_degree
+        self.shard_index = self.partition_set.rank() if self.partition_set else 0
+        replicas = self.mesh.mesh.group("replica", self.mesh.rank)
+        self.replica_index = replicas.index(self.mesh.rank)
+
+    # ---- the layout ----------------------------------------------------------------------
+    def _slice_size(self, variable):
+        return math.ceil(variable.shape.num_elements() / self.num_shards)
+
+    def _padded(self, tensor, size):
+        flat = tf.reshape(tf.cast(tensor, tf.float32), [-1])
+        return tf.pad(flat, [[0, size * self.num_shards - flat.shape[0]]])
+
+    def _own_slice(self, variable):
+        size = self._slice_size(variable)
+        return self._padded(variable, size)[self.shard_index * size:(self.shard_index + 1) * size]
+
+    def state_bytes(self):
+        """{name: bytes} of the model state this rank holds (model, master slices, slots)."""
+        nbytes = lambda vs: sum(math.prod(v.shape) * tf.as_dtype(v.dtype).size  # noqa: E731
+                                for v in vs)
+        inner = getattr(self.optimizer, "inner_optimizer", self.optimizer)
+        slots = list(inner._momentums) + list(inner._velocities)  # Keras Adam/LAMB slots
+        return {"parameters": nbytes(self.model_variables), "master_slices": nbytes(self.shards),
+                "optimizer_slots": nbytes(slots)}
+
+    # ---- optimizer over the slices -------------------------------------------------------
+    def build_optimizer(self, train, variables):
+        self.model_variables = list(variables)
+        self.shards = [keras.Variable(self._own_slice(v), dtype="float32", trainable=True,
+                                      name=v.path.replace("/", "__") + "__zero_slice")
+                       for v in variables]
+        excluded = {id(v) for v in no_decay_variables(variables)}
+        self.optimizer = build_optimizer(
+            train, self.shards, sum_over_shards=self._sum_over_partition,
+            no_decay=[s for s, v in zip(self.shards, variables) if id(v) in excluded])
+        inner = getattr(self.optimizer, "inner_optimizer", self.optimizer)
+        self._slot_ids = {id(v) for v in list(inner._momentums) + list(inner._velocities)}
+        return self.optimizer
+
+    def _sum_over_partition(self, value):
+        if self.partition_set is None:
+            return value
+        return hvd.allreduce(value, op=hvd.Sum, process_set=self.partition_set)
+
+    # ---- gradients ----------------------------------------------------------------------
+    def make_forward_backward(self, loss_fn, variables, scale_loss, jit_compile):
+        if self.stage == 1:
+            return super().make_forward_backward(loss_fn, variables, scale_loss, jit_compile)
+        self._scale_loss = scale_loss
+        micro_step = tf.function(
+            lambda micro: accumulate_gradients(loss_fn, variables, micro, scale_loss),
+            jit_compile=jit_compile)
+
+        def forward_backward(batch):  # stage 2: accumulate into the slice, never in full
+            num_micro = tf.nest.flatten(batch)[0].shape[0]
+            loss_sum, slices, metric_sums = 0.0, None, None
+            for i in range(num_micro):  # unrolled: the reduce-scatter cannot sit in XLA
+                loss, grads, metrics = micro_step(tf.nest.map_structure(
+                    lambda t: t[i:i + 1], batch))
+                scattered = self._reduce_scatter(grads)
+                slices = scattered if slices is None else [a + g for a, g in
+                                                            zip(slices, scattered)]
+                loss_sum += loss
+                metric_sums = metrics if metric_sums is None else {
+                    k: metric_sums[k] + metrics[k] for k in metrics}
+            scale = 1.0 / num_micro
+            return (loss_sum * scale, [g * scale for g in slices],
+                    {k: v * scale for k, v in metric_sums.items()})
+
+        return tf.function(forward_backward)
+
+    def _reduce_scatter(self, grads):
+        """Full-size gradients -> this rank's slices, averaged over the partition group."""
+        padded = [self._padded(g, self._slice_size(v))
+                  for g, v in zip(grads, self.model_variables)]
+        if self.partition_set is None:
+            return padded
+        # Horovod: one grouped reduce-scatter inside the partition group (hop 1).
+        return hvd.grouped_reducescatter(padded, op=hvd.Average,
+                                         process_set=self.partition_set)
+
+    def all_reduce_gradients(self, grads):
+        """Slices of the gradients averaged over all data-parallel ranks (2-hop sync)."""
+        slices = self._reduce_scatter(grads) if self.stage == 1 else grads
+        # Horovod: the slices averaged across the replica groups (hop 2).
+        slices = average_gradients(slices, process_set=self.replica_set)
+        nonfinite = tf.cast(tf.logical_not(tf.reduce_all(
+            [tf.reduce_all(tf.math.is_finite(s)) for s in slices])), tf.float32)
+        flags = tf.stack([self._stop_requested.read_value(), nonfinite])
+        if self.process_set is not None:  # Horovod: agree on stop and skip over all ranks
+            flags = hvd.allreduce(flags, op=hvd.Sum, process_set=self.process_set)
+        self._stop_agreed.assign(flags[0])
+        poison = tf.where(flags[1] > 0, tf.constant(float("nan")), 0.0)
+        return [s + poison for s in slices]
+
+    def global_norm(self, grads):
+        squares = tf.add_n([tf.reduce_sum(tf.square(g)) for g in grads])
+        return tf.sqrt(self._sum_over_partition(squares))
+
+    def apply_gradients(self, optimizer, grads, variables):
+        optimizer.apply(grads, self.shards)
+        values = [tf.convert_to_tensor(s.value) for s in self.shards]
+        if self.partition_set is not None:  # Horovod: the updated slices, gathered
+            values = hvd.grouped_allgather(values, process_set=self.partition_set)
+        for variable, full in zip(variables, values):
+            n = variable.shape.num_elements()
+            variable.assign(tf.cast(tf.reshape(full[:n], variable.shape), variable.dtype))
+
+    # ---- state: broadcast, checkpoints ---------------------------------------------------
+    def broadcast_variables(self, variables):
+        """Rank 0's parameters and counters to all; optimizer slots stay per slice."""
+        inner = getattr(self.optimizer, "inner_optimizer", self.optimizer)
+        if self.process_set is not None:  # every slice must come from the same step
+            steps = hvd.allgather(tf.reshape(tf.cast(inner.iterations, tf.int64), [1]),
+                                  process_set=self.process_set).numpy()
+            if len(set(steps.tolist())) > 1:
+                raise ValueError(f"the ZeRO slices restored by the ranks are from different "
+                                 f"optimizer steps {steps.tolist()} (a save was cut short?); "
+                                 f"remove the newer checkpoints so every shard directory's "
+                                 f"newest one is of the same step")
+        super().broadcast_variables([v for v in variables if id(v) not in self._slot_ids])
+        for shard, variable in zip(self.shards, self.model_variables):
+            shard.assign(self._own_slice(variable))  # master slices of the final parameters
+
+    @property
+    def restores_checkpoint(self):
+        return True  # every rank restores the optimizer slices of its position
+
+    def _shard_dir(self, model_dir):
+        if self.shard_index == 0:
+            return model_dir
+        return os.path.join(model_dir, "zero", f"shard-{self.shard_index}")
+
+    def restore_dir(self, model_dir):
+        self._check_layout(model_dir)
+        return self._shard_dir(model_dir)
+
+    def checkpoint_dir(self, model_dir):
+        return self._shard_dir(model_dir) if self.replica_index == 0 else None
+
+    def _layout(self):
+        m = self.mesh.mesh
+        return {"zero_stage": self.stage, "shard_degree": m.shard_degree, "data": m.data,
+                "world_size": m.size}
+
+    def _check_layout(self, model_dir):
+        path = os.path.join(model_dir, LAYOUT_FILE)
+        saved = None
+        if os.path.exists(path):
+            with open(path) as f:
+                saved = json.load(f)
+        elif tf.train.latest_checkpoint(model_dir):
+            raise ValueError(f"--model_dir={model_dir} holds a checkpoint without ZeRO slices "
+                             f"({LAYOUT_FILE} is missing); resume it without --zero_stage or "
+                             f"start another --model_dir")
+        slot_layout = {k: v for k, v in self._layout().items() if k != "zero_stage"}
+        if saved and {k: saved[k] for k in slot_layout} != slot_layout:
+            raise ValueError(f"--model_dir={model_dir} was written with ZeRO slices {saved}; "
+                             f"this run has {self._layout()}. Resume with the same number of "
+                             f"processes and --shard_degree (re-sharding on load is not built)")
+
+    def after_checkpoint(self, directory):
+        if self.is_chief:
+            path = os.path.join(directory, LAYOUT_FILE)
+            with open(path + ".tmp", "w") as f:
+                json.dump(self._layout(), f)
+            os.replace(path + ".tmp", path)
