@@ -1,0 +1,117 @@
+"""Per-rank model state, peak RSS and step time of plain Horovod data parallelism vs ZeRO stages
+1-2 at shard degrees 2 and 4, on 4 ranks, for a GPT of over 100M parameters.
+
+    python benchmarks/sharded_memory.py            # 125m-wide GPT (14 layers), seq 64
+
+Each layout is its own `horovodrun -np 4 --gloo` launch (so each process's peak RSS is its
+own layout's). Every rank reports the bytes of the model state it holds: parameters, master
+slices and optimizer slots (the variables themselves), peak RSS (getrusage), and the mean step
+time over --steps steps after --warmup. One JSON line: per layout, rank 0's figures, the
+closed form 4P + 12S beside the measured bytes (S = sum of ceil(n / N) per variable), and
+step time relative to plain DP measured in the same run. One-thread processes, no XLA (the
+ZeRO collectives sit between TF ops; see tfbig/distribute/zero.py).
+"""
+import argparse
+import json
+import math
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+LAYOUTS = {"dp": (0, 0), "zero1_d2": (1, 2), "zero1_d4": (1, 4), "zero2_d2": (2, 2),
+           "zero2_d4": (2, 4)}
+ENV = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1", "OMP_NUM_THREADS": "1",
+       "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": ROOT}
+
+
+def worker(config_path, out_path, warmup, steps):
+    """One rank: build the trainer, time `steps` steps after `warmup`, write its figures."""
+    from tfbig import config as config_lib
+    from tfbig.trainer import Trainer
+
+    with open(config_path) as f:
+        trainer = Trainer(config_lib.from_dict(json.load(f)))
+    batches = trainer._train_iterator()
+    for _ in range(warmup):
+        trainer._train_step(next(batches))["loss"].numpy()
+    start = time.perf_counter()
+    for _ in range(steps):
+        trainer._train_step(next(batches))["loss"].numpy()
+    step_seconds = (time.perf_counter() - start) / steps
+    strategy = trainer.strategy
+    variables = trainer.model.trainable_variables
+    nbytes = lambda vs: sum(math.prod(v.shape) * 4 for v in vs)  # noqa: E731 - all float32
+    if hasattr(strategy, "state_bytes"):
+        state = strategy.state_bytes()
+        slices = sum(math.ceil(math.prod(v.shape) / strategy.num_shards) for v in variables)
+    else:
+        state = {"parameters": nbytes(variables), "optimizer_slots": 2 * nbytes(variables)}
+        slices = 0
+    params = sum(math.prod(v.shape) for v in variables)
+    figures = {"rank": strategy.mesh.rank, "params": params, "state_bytes": state,
+               "state_total": sum(state.values()), "closed_form": 4 * params + 12 * slices
+               if slices else 12 * params, "peak_rss_bytes": resource.getrusage(
+                   resource.RUSAGE_SELF).ru_maxrss * 1024, "step_seconds": step_seconds}
+    with open(f"{out_path}.rank{strategy.mesh.rank}", "w") as f:
+        json.dump(figures, f)
+    strategy.shutdown()
+
+
+def launch(args, name, stage, degree, root):
+    from tfbig import config as config_lib
+
+    cfg = config_lib.ExperimentConfig()
+    t = cfg.train
+    t.preset, t.num_layers, t.seq_length = args.preset, args.num_layers, args.seq_length
+    t.strategy, t.batch_size, t.xla, t.model_dir = "horovod", 4 * args.per_rank_batch, False, \
+        os.path.join(root, name)
+    t.max_steps, t.log_every, t.sample_tokens = 1000, 1000, 0
+    cfg.parallel.zero_stage, cfg.parallel.shard_degree = stage, degree
+    cfg.profile.monitor_interval_ms = 0
+    config_path = os.path.join(root, f"{name}.json")
+    with open(config_path, "w") as f:
+        json.dump(config_lib.to_dict(cfg), f)
+    out = os.path.join(root, f"{name}.out")
+    command = [os.path.join(os.path.dirname(sys.executable), "horovodrun"), "-np", "4", "-H",
+               "localhost:4", "--gloo", sys.executable, os.path.abspath(__file__), "--worker",
+               config_path, out, str(args.warmup), str(args.steps)]
+    subprocess.run(command, check=True, env={**os.environ, **ENV}, cwd=ROOT,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with open(f"{out}.rank0") as f:
+        return json.load(f)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="125m")
+    parser.add_argument("--num_layers", type=int, default=14, help="14: over 100M parameters "
+                        "with the embedded corpus' 8000-token vocabulary")
+    parser.add_argument("--seq_length", type=int, default=64)
+    parser.add_argument("--per_rank_batch", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        config_path, out, warmup, steps = args.worker
+        return worker(config_path, out, int(warmup), int(steps))
+    with tempfile.TemporaryDirectory() as root:
+        results = {name: launch(args, name, *layout, root) for name, layout in LAYOUTS.items()}
+    dp = results["dp"]["step_seconds"]
+    for figures in results.values():
+        figures["step_time_vs_dp"] = round(figures["step_seconds"] / dp, 3)
+        figures["state_vs_closed_form"] = round(figures["state_total"] /
+                                                figures["closed_form"], 4)
+    print(json.dumps({"benchmark": "sharded_memory", "ranks": 4, "preset": args.preset,
+                      "num_layers": args.num_layers, "seq_length": args.seq_length,
+                      "layouts": results, "load_average": [round(x, 2) for x in
+                                                           os.getloadavg()]}))
+
+
+if __name__ == "__main__":
+    main()
