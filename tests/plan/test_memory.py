@@ -4,8 +4,10 @@ What is compared, per case (tfbig/plan/measure.py): the model state a rank holds
 and optimizer slots: the bytes of its variables) and the peak of a training step (that state +
 the CPU allocator's peak above it during forward, backward and apply). Cases: a single device,
 which is also every rank of plain Horovod data parallelism (each holds the whole model state).
-Sharded (ZeRO), tensor-parallel and cross-rank pipeline rows are added as `Case`s with their
-layout once those backends exist on the branch that runs this test.
+Under Horovod (2 ranks): plain data parallelism and ZeRO stages 1 and 2 (each rank holds the
+whole parameters, half of the optimizer slots and a half-size float32 master copy).
+Tensor-parallel and cross-rank pipeline rows are added as cases with their layout once those
+backends exist.
 """
 import json
 import os
@@ -78,7 +80,12 @@ def horovod_cases(data_dir, root):
                            checkpoint_every=1000, sample_tokens=0, xla=False,
                            strategy="horovod").items():
         setattr(cfg.train, key, value)
-    return [{"name": "dp2", "config": config_lib.to_dict(cfg)}]
+    cases = [{"name": "dp2", "config": config_lib.to_dict(cfg)}]
+    for stage in (1, 2):  # ZeRO over both ranks: slots and master copies in halves
+        cfg.train.model_dir = str(root / f"zero{stage}")
+        cfg.parallel.zero_stage = stage
+        cases.append({"name": f"zero{stage}", "config": config_lib.to_dict(cfg)})
+    return cases
 
 
 @pytest.mark.multiproc

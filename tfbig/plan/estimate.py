@@ -113,7 +113,11 @@ def activation_memory(shape, layout, micro_batch, precision, last=False):
 
 
 def memory(shape, layout, micro_batch, precision, device, last=False):
-    """Bytes per GPU by kind, on the first stage (`last=False`) or the last."""
+    """Bytes per GPU by kind, on the first stage (`last=False`) or the last.
+
+    ZeRO over a partition group of g: stage 1 slices the optimizer state (moments and a
+    float32 master copy: 12 bytes per parameter / g), stage 2 also the gradients, stage 3 the
+    parameters too."""
     params = stage_params(shape, layout, last)
     g, z = layout.partition, layout.zero_stage
     boundary = micro_batch * shape.seq_length * shape.hidden_size * _act_bytes(precision)
@@ -122,7 +126,9 @@ def memory(shape, layout, micro_batch, precision, device, last=False):
             + (2 * 4 * shape.layer_params / layout.tensor if z == 3 else 0))
     return {"parameters": 4 * params / (g if z >= 3 else 1),
             "gradients": 4 * params / (g if z >= 2 else 1),
-            "optimizer": 8 * params / (g if z >= 1 else 1),
+            # moments; with ZeRO also the float32 master copy of the slice the optimizer
+            # updates (tfbig/distribute/zero.py), the full weights being kept beside it
+            "optimizer": (12 * params / g) if z >= 1 else 8 * params,
             "activations": activation_memory(shape, layout, micro_batch, precision, last),
             "communication": comm, "reserve": device.reserve_bytes}
 
