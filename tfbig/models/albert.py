@@ -23,7 +23,7 @@ import math
 import keras
 from keras import ops
 
-from tfbig.models.common import ArchitectureConfig
+from tfbig.models.configs import ALBERT_PRESETS, AlbertConfig  # noqa: F401 - re-exported
 
 
 def _truncated_normal(stddev):
@@ -256,81 +256,6 @@ class MaskedLMHead(keras.layers.Layer):
                 "embedding_size": self.embedding_size,
                 "layer_norm_epsilon": self.layer_norm_epsilon,
                 "initializer_range": self.initializer_range}
-
-
-@dataclasses.dataclass
-class AlbertConfig(ArchitectureConfig):
-    """Everything that fixes the ALBERT architecture (and so its checkpoint layout)."""
-
-    family = "ALBERT"  # in messages
-
-    vocab_size: int = 30000  # rows of the word table; must equal the data manifest's
-    embedding_size: int = 128  # E: width of the factorised word/position/segment embeddings
-    hidden_size: int = 768  # H: transformer width
-    num_layers: int = 12  # transformer layers run (they share num_groups parameter sets)
-    num_groups: int = 1  # distinct parameter sets; layer i uses i * num_groups // num_layers
-    num_heads: int = 12  # attention heads; hidden_size must be divisible by it
-    intermediate_size: int = 0  # feed-forward width; 0 means 4 * hidden_size
-    seq_length: int = 512  # rows of the position table: the longest sequence the model reads
-    type_vocab_size: int = 2  # segment ids (sentence A / B)
-    dropout: float = 0.0  # dropout on embeddings, attention and residual branches (0 in v2)
-    layer_norm_epsilon: float = 1e-12  # LayerNorm epsilon
-    initializer_range: float = 0.02  # std of the truncated-normal initialiser
-
-    def __post_init__(self):
-        if self.intermediate_size == 0:
-            self.intermediate_size = 4 * self.hidden_size
-        self._check_fields(("vocab_size", "embedding_size", "hidden_size", "num_layers",
-                            "num_groups", "num_heads", "seq_length", "type_vocab_size"))
-        if self.num_groups > self.num_layers:
-            raise ValueError(f"num_groups={self.num_groups} is above num_layers="
-                             f"{self.num_layers}; a group is a set of shared layer weights")
-
-    @classmethod
-    def presets(cls):
-        return ALBERT_PRESETS
-
-    def group_of_layer(self, layer):
-        """Index of the parameter group transformer layer `layer` runs."""
-        return layer * self.num_groups // self.num_layers
-
-    def num_params(self, head="pretraining"):
-        """Closed-form parameter count (equals the built model's exactly).
-
-        head: "pretraining" (backbone + MLM + SOP), "question_answering" (backbone + span
-        head) or None (backbone only).
-        """
-        v, e, h, i = self.vocab_size, self.embedding_size, self.hidden_size, self.intermediate_size
-        embedding = (v + self.seq_length + self.type_vocab_size) * e + 2 * e
-        block = (3 * h * h + 3 * h) + (h * h + h) + (h * i + i) + (i * h + h) + 2 * 2 * h
-        backbone = embedding + (e * h + h) + self.num_groups * block + (h * h + h)
-        heads = {None: 0, "pretraining": (h * e + e) + 2 * e + v + (2 * h + 2),
-                 "question_answering": 2 * h + 2}
-        if head not in heads:
-            raise ValueError(f"head={head!r}: expected one of {list(heads)}")
-        return backbone + heads[head]
-
-    def flops_per_token(self, seq_length=None):
-        """Training FLOPs per token: 6 x matmul params applied per token (layers re-run the
-        shared block) + attention scores. The MLM head runs on masked positions only, ignored."""
-        t = seq_length or self.seq_length
-        h, i, e = self.hidden_size, self.intermediate_size, self.embedding_size
-        per_layer = 4 * h * h + 2 * h * i
-        return 6 * (e * h + self.num_layers * per_layer) + 12 * self.num_layers * h * t
-
-
-# Presets are plain data. base..xxlarge follow Lan et al. (2019), table 1, and the released
-# albert_config.json files (vocab 30000, E = 128, one group). tiny/small are CPU-sized.
-ALBERT_PRESETS = {
-    "tiny": dict(embedding_size=16, hidden_size=32, num_layers=2, num_heads=2, seq_length=128,
-                 vocab_size=8000),
-    "small": dict(embedding_size=64, hidden_size=128, num_layers=4, num_heads=4,
-                  seq_length=128, vocab_size=8000),
-    "base": dict(hidden_size=768, num_layers=12, num_heads=12),
-    "large": dict(hidden_size=1024, num_layers=24, num_heads=16),
-    "xlarge": dict(hidden_size=2048, num_layers=24, num_heads=16),
-    "xxlarge": dict(hidden_size=4096, num_layers=12, num_heads=64),
-}
 
 
 def _inputs(inputs):

@@ -16,7 +16,7 @@ import math
 import keras
 from keras import ops
 
-from tfbig.models.common import ArchitectureConfig
+from tfbig.models.configs import GPT_PRESETS, GPTConfig  # noqa: F401 - re-exported
 
 
 def _normal(stddev):
@@ -190,67 +190,6 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
         return {**super().get_config(), "vocab_size": self.vocab_size,
                 "seq_length": self.seq_length, "hidden_size": self.hidden_size,
                 "dropout": self.dropout, "initializer_range": self.initializer_range}
-
-
-@dataclasses.dataclass
-class GPTConfig(ArchitectureConfig):
-    """Everything that fixes the GPT architecture (and so its checkpoint layout)."""
-
-    family = "GPT"  # in messages
-
-    vocab_size: int = 50257  # rows of the token embedding; must equal the data manifest's
-    seq_length: int = 1024  # rows of the position table: the longest sequence the model reads
-    num_layers: int = 12  # transformer blocks
-    hidden_size: int = 768  # model width C
-    num_heads: int = 12  # attention heads; hidden_size must be divisible by it
-    intermediate_size: int = 0  # MLP width; 0 means 4 * hidden_size
-    dropout: float = 0.0  # dropout on embeddings, attention probabilities and residual branches
-    layer_norm_epsilon: float = 1e-5  # LayerNorm epsilon
-    pre_layer_norm: bool = True  # GPT-2 pre-LN (True) or post-LN (False)
-    tie_embeddings: bool = True  # output projection reuses the token embedding
-    initializer_range: float = 0.02  # std of the normal initialiser
-
-    def __post_init__(self):
-        if self.intermediate_size == 0:
-            self.intermediate_size = 4 * self.hidden_size
-        self._check_fields(("vocab_size", "seq_length", "num_layers", "hidden_size", "num_heads"))
-
-    @classmethod
-    def presets(cls):
-        return GPT_PRESETS
-
-    def num_params(self):
-        """Closed-form parameter count (matches the built model exactly)."""
-        c, v, L = self.hidden_size, self.vocab_size, self.num_layers
-        block = 2 * 2 * c + (3 * c * c + 3 * c) + (c * c + c) \
-            + (c * self.intermediate_size + self.intermediate_size) + (self.intermediate_size * c + c)
-        final_norm = 2 * c if self.pre_layer_norm else 0
-        head = 0 if self.tie_embeddings else c * v
-        return v * c + self.seq_length * c + L * block + final_norm + head
-
-    def flops_per_token(self, seq_length=None):
-        """Training FLOPs per token: 6 * non-embedding matmul params + attention (PaLM appendix B)."""
-        t = seq_length or self.seq_length
-        # Position table and (untied) token lookup are not matmuls; a tied table is the head.
-        lookups = self.seq_length + (0 if self.tie_embeddings else self.vocab_size)
-        matmul_params = self.num_params() - lookups * self.hidden_size
-        return 6 * matmul_params + 12 * self.num_layers * self.hidden_size * t
-
-
-# Presets are plain data. GPT-3 sizes follow Brown et al. (2020), table 2.1, with
-# num_heads chosen so the head size is the paper's 128 where the table is inconsistent.
-GPT_PRESETS = {
-    "tiny": dict(num_layers=2, hidden_size=64, num_heads=4, seq_length=128, vocab_size=8000),
-    "small": dict(num_layers=4, hidden_size=256, num_heads=4, seq_length=256, vocab_size=8000),
-    "125m": dict(num_layers=12, hidden_size=768, num_heads=12, seq_length=2048),
-    "350m": dict(num_layers=24, hidden_size=1024, num_heads=16, seq_length=2048),
-    "760m": dict(num_layers=24, hidden_size=1536, num_heads=16, seq_length=2048),
-    "1.3b": dict(num_layers=24, hidden_size=2048, num_heads=16, seq_length=2048),
-    "2.7b": dict(num_layers=32, hidden_size=2560, num_heads=32, seq_length=2048),
-    "6.7b": dict(num_layers=32, hidden_size=4096, num_heads=32, seq_length=2048),
-    "13b": dict(num_layers=40, hidden_size=5120, num_heads=40, seq_length=2048),
-    "175b": dict(num_layers=96, hidden_size=12288, num_heads=96, seq_length=2048),
-}
 
 
 @keras.saving.register_keras_serializable(package="tfbig")

@@ -1,49 +1,25 @@
 """The model, as the planner sees it: tfbig's own architecture configs and presets, without Keras.
 
-`tfbig.models.gpt` and `.albert` import Keras (and so TensorFlow, seconds to start); the planner
-must answer in well under that. Their config dataclasses and preset tables are plain Python, so
-`load_configs` compiles just those definitions out of the two source files: the planner counts
-parameters and FLOPs with the very `num_params` / `flops_per_token` the trainer uses (a test checks
-the result against the Keras-importing classes), never with a copy of the formulas.
+The config dataclasses live in `tfbig.models.configs`, which imports no Keras or TensorFlow:
+the planner counts parameters and FLOPs with the very `num_params` / `flops_per_token` the
+trainer uses, never with a copy of the formulas, and starts in well under a second.
 
 Example:
     cfg = model_config("gpt", "175b", seq_length=2048)
     cfg.num_params()                                   # 174.6e9
 """
-import ast
 import dataclasses
-import functools
-import math
-import os
 
-from tfbig.models import common
+from tfbig.models.configs import ALBERT_PRESETS, GPT_PRESETS, AlbertConfig, GPTConfig
 
-_SOURCES = {"gpt": ("gpt.py", "GPTConfig", "GPT_PRESETS"),
-            "albert": ("albert.py", "AlbertConfig", "ALBERT_PRESETS")}
+FAMILIES = {"gpt": (GPTConfig, GPT_PRESETS), "albert": (AlbertConfig, ALBERT_PRESETS)}
 
 
-@functools.lru_cache(maxsize=None)
 def load_configs(family):
-    """(config class, preset table) of `family` (gpt | albert), read without importing Keras."""
-    if family not in _SOURCES:
-        raise ValueError(f"--model={family!r}: expected one of {sorted(_SOURCES)}")
-    filename, class_name, presets_name = _SOURCES[family]
-    path = os.path.join(os.path.dirname(common.__file__), filename)
-    with open(path) as f:
-        tree = ast.parse(f.read(), path)
-    wanted = [node for node in tree.body if _defines(node, (class_name, presets_name))]
-    namespace = {"dataclasses": dataclasses, "math": math,
-                 "ArchitectureConfig": common.ArchitectureConfig, "__name__": "tfbig.plan._models"}
-    exec(compile(ast.Module(body=wanted, type_ignores=[]), path, "exec"), namespace)  # noqa: S102
-    return namespace[class_name], namespace[presets_name]
-
-
-def _defines(node, names):
-    """Whether a top-level statement defines one of `names` (a class or a plain assignment)."""
-    if isinstance(node, ast.ClassDef):
-        return node.name in names
-    return (isinstance(node, ast.Assign) and len(node.targets) == 1
-            and isinstance(node.targets[0], ast.Name) and node.targets[0].id in names)
+    """(config class, preset table) of `family` (gpt | albert)."""
+    if family not in FAMILIES:
+        raise ValueError(f"--model={family!r}: expected one of {sorted(FAMILIES)}")
+    return FAMILIES[family]
 
 
 def model_config(family, preset, **overrides):
