@@ -20,21 +20,10 @@ import numpy as np  # noqa: E402
 
 from tfbig import config as config_lib  # noqa: E402
 from tfbig.distribute import get_strategy  # noqa: E402
-from tfbig.logs import RunLogger  # noqa: E402
 from tfbig.trainer import Trainer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from test_integrity import DAMAGE, data_file  # noqa: E402
-
-
-class Recorder(RunLogger):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.messages = []
-
-    def info(self, message):
-        self.messages.append(message)
-        super().info(message)
+from test_integrity import DAMAGE, Recorder, data_file  # noqa: E402
 
 
 def checksum(trainer):
