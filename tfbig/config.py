@@ -167,8 +167,12 @@ class PipelineConfig:
                                       "balance automatically.")
     pipeline_balance: str = field("flops", "Pipeline: balance automatic stage boundaries by "
                                            "flops | params.")
-    activation_checkpointing: bool = field(False, "Pipeline: keep only each stage's inputs "
+    activation_checkpointing: bool = field(False, "Every backend: keep only each transformer "
+                                                  "block's input (the pipeline: each stage's) "
                                                   "and recompute its forward in the backward.")
+    offload_activations: bool = field(False, "With --activation_checkpointing (not the "
+                                             "pipeline): keep the saved block inputs in host "
+                                             "memory between forward and backward.")
 
 
 @dataclasses.dataclass
@@ -197,6 +201,9 @@ def _applicability():
                                   (ParallelConfig, "strategy", ("horovod",)),
                                   (AlbertTrainConfig, "model", ("albert",))):
         rules.update({f.name: (key, allowed) for f in dataclasses.fields(section)})
+    # Read by every backend (tfbig.distribute.recompute), though they live in PipelineConfig.
+    rules.pop("activation_checkpointing")
+    rules["offload_activations"] = ("strategy", ("single", "horovod", "multiworker", "mirrored"))
     return rules
 
 
@@ -210,6 +217,9 @@ def check_applicable(cfg):
         if value != default and chosen not in allowed:
             raise ValueError(f"--{flag}={value} has no effect with --{key}={chosen}; it applies "
                              f"to --{key}={' or '.join(allowed)}")
+    if cfg.pipeline.offload_activations and not cfg.pipeline.activation_checkpointing:
+        raise ValueError("--offload_activations needs --activation_checkpointing: only the "
+                         "block inputs it keeps for the recompute are offloaded")
 
 
 def define_flags(flag_values=None):

@@ -17,6 +17,8 @@ import threading
 import tensorflow as tf
 from tensorflow.python.framework import config as op_config  # no public determinism query
 
+from tfbig.distribute import recompute
+
 
 def _unstack_micro(batch, index):
     return tf.nest.map_structure(lambda t: t[index], batch)
@@ -101,8 +103,15 @@ class Strategy:
 
     def build_model(self, task):
         """The task's model, built inside `scope()`; a backend that places parts of the model
-        itself (the pipeline, one stage per device) overrides this."""
-        return task.build_model()
+        itself (the pipeline, one stage per device) overrides this.
+        --activation_checkpointing recomputes each transformer block in the backward
+        (tfbig.distribute.recompute), --offload_activations keeps its input on the host."""
+        model = task.build_model()
+        memory = getattr(self.cfg, "pipeline", None)
+        if memory is not None and memory.activation_checkpointing:
+            recompute.check_offload(memory.offload_activations, self.cfg.train.xla)
+            recompute.checkpoint_blocks(model, offload=memory.offload_activations)
+        return model
 
     def input_context(self):
         return tf.distribute.InputContext(num_input_pipelines=self.num_replicas,

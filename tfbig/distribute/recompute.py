@@ -1,0 +1,132 @@
+"""Activation checkpointing (and offloading) per transformer block, applied from outside.
+
+`checkpoint_blocks(model)` replaces the `call` of each transformer block (GPT `model.blocks[i]`,
+ALBERT `model.backbone.groups[g]`) with one whose forward keeps only the block's input; the
+backward runs the block again under a tape and differentiates that. Activations kept for the
+backward drop from all of a block's intermediates to its input (B x T x H per block call).
+ALBERT's shared blocks are wrapped once and every call of one is recomputed on its own.
+
+Dropout: a Keras dropout draws its mask from a seed-generator state that advances on each call.
+The wrapper reads those states before the forward and sets them back for the recompute (then
+restores the states the rest of the step left), so the recompute draws the forward's masks.
+
+`offload=True` (--offload_activations) copies each saved block input to host memory in the
+forward and back to the compute device for the recompute. On a CPU-only machine this is a
+placement only. With GPUs, XLA compiles the whole step for one device and would ignore the host
+placement, so offloading with GPUs is refused unless the step runs without XLA (--noxla).
+
+The wrapper is a function of a `call`: it composes with other per-block transforms installed the
+same way (e.g. a ZeRO-3 gather of the block's parameters inside `call`, which is then repeated
+for the recompute), whichever wraps last runs outermost.
+
+Example:
+    model = task.build_model()
+    checkpoint_blocks(model, offload=False)   # every block call now recomputes in backward
+"""
+import contextlib
+
+import tensorflow as tf
+from tensorflow.python.eager import record  # stop_recording: no public equivalent
+
+HOST = "/device:CPU:0"
+OFFLOAD_NAME = "offloaded_block_input"
+
+
+def transformer_blocks(model):
+    """The model's transformer blocks: GPT `model.blocks`, ALBERT `model.backbone.groups`."""
+    if hasattr(model, "blocks"):
+        return list(model.blocks)
+    backbone = getattr(model, "backbone", None)
+    if backbone is not None and hasattr(backbone, "groups"):
+        return list(backbone.groups)
+    raise ValueError(f"--activation_checkpointing: {type(model).__name__} has neither `blocks` "
+                     f"(GPT) nor `backbone.groups` (ALBERT); no transformer blocks to wrap")
+
+
+def seed_states(layer):
+    """The dropout seed-generator state variables a layer (and its sublayers) advance."""
+    return [v for v in layer.non_trainable_variables if "seed_generator" in v.path]
+
+
+def check_offload(offload, jit_compile):
+    """Refuse offloading where it would not move anything (GPUs with an XLA-compiled step)."""
+    if offload and jit_compile and tf.config.list_physical_devices("GPU"):
+        raise ValueError("--offload_activations with --xla on GPUs: XLA compiles the step for "
+                         "one device and keeps the saved block inputs there; add --noxla")
+
+
+def _to_host(x, offload):
+    if not offload:
+        return x
+    with tf.device(HOST):
+        return tf.identity(x, name=OFFLOAD_NAME)
+
+
+def _from_host(saved, device, offload):
+    if not offload:
+        return saved
+    with tf.device(device) if device else contextlib.nullcontext():
+        return tf.identity(saved, name="reloaded_block_input")
+
+
+def _read(states):
+    return [tf.identity(v.value.read_value()) for v in states]
+
+
+def _assign(states, values):
+    for v, value in zip(states, values):
+        v.assign(value)
+
+
+def recompute(call, states, offload=False):
+    """`call(x, *args, **kwargs)` that keeps only `x` for the backward and recomputes there.
+
+    `states`: the seed-generator variables `call` advances (set back for the recompute).
+    Other arguments (masks, `training`) are constants to the gradient. Calls without
+    `training=True` (inference, generation with a cache) run `call` unchanged.
+    """
+    def wrapped(x, *args, **kwargs):
+        if not kwargs.get("training") or kwargs.get("cache") is not None:
+            return call(x, *args, **kwargs)
+        start = _read(states)
+        device = x.device
+
+        @tf.custom_gradient
+        def block(x):
+            saved = _to_host(x, offload)
+            with record.stop_recording():  # keep no intermediate for the outer tape
+                y = call(x, *args, **kwargs)
+
+            def grad(dy, variables=None):
+                variables = list(variables or [])
+                after = _read(states)  # what the rest of the step left: restored below
+                _assign(states, start)
+                with tf.GradientTape() as tape:
+                    x_again = _from_host(saved, device, offload)
+                    tape.watch([x_again] + variables)
+                    with tf.control_dependencies([dy]):  # recompute when the backward gets here
+                        y_again = call(x_again, *args, **kwargs)
+                _assign(states, after)
+                grads = tape.gradient(y_again, [x_again] + variables, output_gradients=dy,
+                                      unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                return grads[0], grads[1:]
+
+            return y, grad
+
+        return block(x)
+
+    return wrapped
+
+
+def checkpoint_blocks(model, offload=False):
+    """Install `recompute` on every transformer block of `model`; returns the blocks.
+
+    Idempotent per block (a block already wrapped is left as is).
+    """
+    blocks = transformer_blocks(model)
+    for block in blocks:
+        if getattr(block, "_tfbig_recompute", False):
+            continue
+        block.call = recompute(block.call, seed_states(block), offload)
+        block._tfbig_recompute = True
+    return blocks
