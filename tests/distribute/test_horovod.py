@@ -87,6 +87,12 @@ def horovod_cfg(gpt_data, model_dir, scale_lr=False, hvd_fp16_allreduce=False, *
     return cfg
 
 
+def recompute_cfg(cfg):
+    """`cfg` with every transformer block recomputed in the backward (the reference is not)."""
+    cfg.pipeline.activation_checkpointing = True
+    return cfg
+
+
 class Runs:
     """The results of the shared launch: `runs[name]` is (rank 0, rank 1) result dicts."""
 
@@ -116,6 +122,8 @@ def runs(gpt_data, albert_data, tmp_path_factory):
         run_entry("preempted", horovod_cfg(gpt_data, root / "preempted", max_steps=6), out,
                   sigterm={"rank": 1, "step": 2}),
         run_entry("albert", horovod_cfg(albert_data, root / "albert", **ALBERT), out),
+        run_entry("recompute", recompute_cfg(horovod_cfg(gpt_data, root / "recompute",
+                                                         grad_accum_steps=2)), out),
     ]
     os.makedirs(out)
     with open(root / "plan.json", "w") as f:
@@ -149,7 +157,7 @@ def timeline_counts(path):
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", ["plain", "accum", "resumed", "fp16_allreduce", "fp16_skip",
-                                  "preempted", "albert"])
+                                  "preempted", "albert", "recompute"])
 def test_ranks_end_with_bit_identical_weights_and_optimizer_state(runs, name):
     first, second = runs[name]
     assert first["num_replicas"] == 2 and first["step"] == second["step"] > 0
@@ -163,6 +171,8 @@ def test_ranks_end_with_bit_identical_weights_and_optimizer_state(runs, name):
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name,data,train", [("plain", "gpt_data", {}),
                                              ("accum", "gpt_data", {"grad_accum_steps": 2}),
+                                             # checkpointed ranks vs a plain single device
+                                             ("recompute", "gpt_data", {"grad_accum_steps": 2}),
                                              ("albert", "albert_data", ALBERT)])
 def test_two_ranks_equal_one_process_on_the_same_data(runs, request, tmp_path, name, data, train):
     first, _ = runs[name]

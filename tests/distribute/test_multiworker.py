@@ -148,6 +148,8 @@ def test_two_workers_equal_one_process_on_the_same_data(model, gpt_data, albert_
     data, train = (gpt_data, EQUIVALENCE) if model == "gpt" else (albert_data,
                                                                   {**EQUIVALENCE, **ALBERT})
     cfg = make_cfg(data, tmp_path / "run", strategy="multiworker", **train)
+    # ALBERT's workers recompute every call of its shared block; the reference does not
+    cfg.pipeline.activation_checkpointing = model == "albert"
     code, output = launch(cfg, tmp_path)
     assert code == 0, output
     (first, w0), (second, w1) = worker_result(tmp_path, 0), worker_result(tmp_path, 1)

@@ -1,16 +1,21 @@
 """Activation checkpointing / offloading (tfbig.distribute.recompute) against the plain model:
 same loss and per-variable gradients (fp32, rtol 1e-5) with dropout active, inside the
 XLA-compiled forward/backward; offloaded block inputs are placed on the host."""
+import os
+import sys
+
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfbig import config as config_lib
-from tfbig.distribute import recompute
-from tfbig.distribute.base import SingleDevice, accumulate_gradients
-from tfbig.tasks import get_task
-from tests.test_trainer import make_cfg
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from test_trainer import make_cfg  # noqa: E402
+
+from tfbig import config as config_lib  # noqa: E402
+from tfbig.distribute import recompute  # noqa: E402
+from tfbig.distribute.base import SingleDevice, accumulate_gradients  # noqa: E402
+from tfbig.tasks import get_task  # noqa: E402
 
 
 def build(cfg):

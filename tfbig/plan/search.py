@@ -53,7 +53,7 @@ def layout_from_config(cfg):
             "num_microbatches": (cfg.pipeline.num_microbatches if pipelined
                                  else cfg.train.grad_accum_steps),
             "schedule": cfg.pipeline.schedule if pipelined else "1f1b",
-            "activation_checkpointing": pipelined and cfg.pipeline.activation_checkpointing}
+            "activation_checkpointing": cfg.pipeline.activation_checkpointing}
 
 
 def evaluate(shape, layout, batch_size, precision, cluster, token_budget):
