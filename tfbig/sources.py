@@ -20,6 +20,7 @@ import glob
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import re
 from collections import Counter
@@ -73,10 +74,20 @@ class Piece:
 
 def plan_splits(spec: SourceSpec, piece_bytes: int, validation_fraction: float,
                 validation_plays: tuple[str, ...] | None = None) -> tuple[list[Piece], list[Piece]]:
-    """(train, validation) pieces: a TFDS validation split if named, else `split_pieces`."""
+    """(train, validation) pieces: a TFDS validation split if named, else `split_pieces`.
+
+    Line-based input (--doc_per_line text, JSONL) too small to hold out `validation_fraction`
+    at `piece_bytes` per piece (e.g. one file of articles, one per line, under the piece
+    size) is cut into 1 / fraction byte ranges instead: a range owns the lines that start in
+    it, so documents stay whole and the split stays deterministic.
+    """
     if spec.tfds_name and spec.tfds_validation_split:
         return plan_pieces(spec, piece_bytes), _tfds_pieces(spec, piece_bytes, spec.tfds_validation_split)
-    return split_pieces(plan_pieces(spec, piece_bytes), validation_fraction, validation_plays)
+    pieces = plan_pieces(spec, piece_bytes)
+    wanted = math.ceil(1 / validation_fraction) if validation_fraction > 0 else 0
+    if len(pieces) < 2 <= wanted and all(p.kind in ("lines", "jsonl") for p in pieces):
+        pieces = plan_pieces(spec, max(1, math.ceil(sum(p.size for p in pieces) / wanted)))
+    return split_pieces(pieces, validation_fraction, validation_plays)
 
 
 def plan_pieces(spec: SourceSpec, piece_bytes: int) -> list[Piece]:

@@ -85,6 +85,22 @@ def test_embedded_plays_split_by_named_plays():
         sources.split_pieces(pieces, 0.0, ("hamlett",))
 
 
+@pytest.mark.parametrize("kind", ["lines", "jsonl"])
+def test_one_small_file_of_documents_splits_by_documents(tmp_path, kind):
+    """The ALBERT post's corpus: one file, one article per line, far under a piece (1 MiB)."""
+    articles = [f"article {i} " + "word " * (i % 7 + 3) for i in range(300)]
+    path = tmp_path / ("corpus.txt" if kind == "lines" else "corpus.jsonl")
+    path.write_text("\n".join(articles if kind == "lines" else
+                              [json.dumps({"text": a}) for a in articles]) + "\n")
+    spec = sources.SourceSpec(inputs=(str(path),), doc_per_line=kind == "lines")
+    splits = [sources.plan_splits(spec, 1 << 20, 0.01) for _ in range(2)]
+    assert splits[0] == splits[1]  # deterministic
+    train, validation = ([d for p in part for d in sources.read_documents(p, spec, Counter())]
+                         for part in splits[0])
+    assert sorted(train + validation) == sorted(articles)  # every article once, whole
+    assert 1 <= len(validation) <= 6  # about 1% of 300 articles
+
+
 def test_validation_fraction_is_spread_and_checked():
     pieces = [sources.Piece("text", f"f{i}", size=1) for i in range(100)]
     train, validation = sources.split_pieces(pieces, 0.05, None)
