@@ -18,6 +18,7 @@ from absl import flags  # noqa: E402
 
 from tfbig import integrity  # noqa: E402
 from tfbig.checkpoint import model_variables  # noqa: E402
+from tfbig.distribute import tensor_layout  # noqa: E402
 from tfbig.errors import UsageError  # noqa: E402
 from tfbig.models.gpt import GPT, GPTConfig  # noqa: E402
 
@@ -100,11 +101,18 @@ def load_model(model_dir):
     if saved.get("model_format", "gpt") != "gpt":
         raise ValueError(f"--model_dir={model_dir} holds a {saved['model_format']} model; "
                          f"tfbig-generate needs a GPT")
-    latest, _ = integrity.newest_intact(model_dir, warn=lambda m: print(m, file=sys.stderr))
+    warn = lambda m: print(m, file=sys.stderr)  # noqa: E731
+    latest, _ = integrity.newest_intact(model_dir, warn=warn)
     if latest is None:
         raise FileNotFoundError(f"--model_dir={model_dir} has no checkpoint")
     model = GPT(GPTConfig(**saved["model_config"]), name="gpt")
     model.build((None, None))
+    if tensor_layout.read_layout(model_dir) is not None:  # pieces saved by each tensor rank
+        weights = tensor_layout.assembled_weights(model_dir, model, warn)
+        for v in model.variables:
+            if v.path in weights:
+                v.assign(weights[v.path])
+        return model, os.path.join(model_dir, "tokenizer.model")
     status = tf.train.Checkpoint(model=model_variables(model)).restore(latest)
     status.assert_existing_objects_matched().expect_partial()  # every weight, not the optimizer
     return model, os.path.join(model_dir, "tokenizer.model")

@@ -48,14 +48,16 @@ def no_decay_variables(variables):
     return [v for v in variables if len(v.shape) < 2 or "embedding" in v.path]
 
 
-def build_optimizer(train, variables, no_decay=None, sum_over_shards=None):
+def build_optimizer(train, variables, no_decay=None, sum_over_shards=None, replicated=None):
     """The optimizer for TrainConfig `train`, wrapped in a LossScaleOptimizer for fp16.
 
     Weight decay skips `no_decay` (default: `no_decay_variables(variables)`); clipping is by
     global norm of the unscaled, already averaged gradients (Keras clips inside `apply`, after
     unscaling). `sum_over_shards(x)`, for variables that are slices of larger ones (ZeRO),
     sums a tensor over the ranks holding the other slices: global-norm clipping and LAMB's
-    per-layer trust ratio then see whole variables.
+    per-layer trust ratio then see whole variables. `replicated` (booleans in the order of
+    `variables`; tensor parallelism) marks variables every rank holds whole: their squares
+    are counted once, outside `sum_over_shards`.
     """
     if train.optimizer not in OPTIMIZERS:
         raise ValueError(f"--optimizer={train.optimizer!r}: expected one of {OPTIMIZERS}")
@@ -63,7 +65,7 @@ def build_optimizer(train, variables, no_decay=None, sum_over_shards=None):
                            train.lr_schedule, train.min_lr_ratio)
     cls = keras.optimizers.AdamW if train.optimizer == "adamw" else keras.optimizers.Lamb
     if sum_over_shards is not None:
-        cls = sharded_class(cls, sum_over_shards)
+        cls = sharded_class(cls, sum_over_shards, replicated)
     optimizer = cls(learning_rate=schedule, weight_decay=train.weight_decay,
                     beta_1=train.beta_1, beta_2=train.beta_2, epsilon=train.epsilon,
                     global_clipnorm=train.grad_clip_norm or None)
@@ -75,14 +77,22 @@ def build_optimizer(train, variables, no_decay=None, sum_over_shards=None):
     return optimizer
 
 
-def sharded_class(cls, sum_over_shards):
-    """`cls` (AdamW or Lamb) for variables that are slices: norms are summed over slices."""
+def sharded_class(cls, sum_over_shards, replicated=None):
+    """`cls` (AdamW or Lamb) for variables that are slices: norms are summed over slices
+    (except those of the variables `replicated` marks, in the order of the optimizer's)."""
+
+    def whole(index):
+        return replicated is not None and replicated[index]
 
     class Sharded(cls):
         def _clip_gradients(self, grads):
             if not (self.global_clipnorm and self.global_clipnorm > 0):
                 return super()._clip_gradients(grads)
-            squares = sum_over_shards(ops.sum(ops.stack([ops.sum(ops.square(g)) for g in grads])))
+            sliced = [ops.sum(ops.square(g)) for i, g in enumerate(grads) if not whole(i)]
+            squares = sum_over_shards(ops.sum(ops.stack(sliced)))
+            kept = [ops.sum(ops.square(g)) for i, g in enumerate(grads) if whole(i)]
+            if kept:
+                squares = squares + ops.sum(ops.stack(kept))
             norm = ops.sqrt(squares)  # the same formula as keras' clip_by_global_norm
             scale = self.global_clipnorm * ops.minimum(1.0 / norm, 1.0 / self.global_clipnorm)
             return [g * (scale + (norm - norm)) for g in grads]
@@ -103,8 +113,10 @@ def sharded_class(cls, sum_over_shards):
                 m_t_hat = ops.divide(m, (1.0 - beta_1_power))
                 v_sqrt = ops.add(ops.sqrt(ops.divide(v, (1.0 - beta_2_power))), self.epsilon)
                 update = ops.divide(m_t_hat, v_sqrt)
-                squares = sum_over_shards(ops.stack([ops.sum(ops.power(variable, 2)),
-                                                     ops.sum(ops.power(update, 2))]))
+                squares = ops.stack([ops.sum(ops.power(variable, 2)),
+                                     ops.sum(ops.power(update, 2))])
+                if not whole(self._get_variable_index(variable)):
+                    squares = sum_over_shards(squares)
                 w_norm, g_norm = ops.sqrt(squares[0]), ops.sqrt(squares[1])
                 ratio = ops.where(ops.greater(w_norm, 0),
                                   ops.where(ops.greater(g_norm, 0), (w_norm / g_norm), 1.0),

@@ -12,6 +12,9 @@ optional keys:
     seed_by_rank        seed + rank: different initial weights before the broadcast
     sigterm             {"rank", "step"}: that rank sends itself SIGTERM after logging that step
     timeline            Horovod timeline file of the final fit
+    first_gradients     save the averaged gradients of the first batch (gradients0..)
+    widest_activation   save the largest last dimension of any rank-3 float tensor in the
+                        traced forward/backward graph (nested graphs included)
 Each rank writes OUT/NAME.rank{R}.npz (trainable weights w0.., optimizer variables o0..,
 per-step train losses and grad norms, the learning rates of steps 0..3, final counters) and
 OUT/NAME.rank{R}.pid. A run {"post_style": [DATA_DIR, MODEL_DIR, OUT_DIR]} runs
@@ -72,7 +75,7 @@ def make_trainer(run, cfg, strategy, logger):
 def train(run):
     cfg = config_lib.from_dict(run["config"])
     strategy = get_strategy("horovod", cfg)
-    rank = strategy.rank
+    rank = hvd.rank()  # global: tensor-parallel peers share a data-parallel rank
     if run.get("per_rank_model_dir"):
         cfg.train.model_dir = os.path.join(cfg.train.model_dir, f"rank{rank}")
     if run.get("seed_by_rank"):  # different initial weights: only the broadcast equalises them
@@ -85,13 +88,17 @@ def train(run):
     with open(os.path.join(run["out"], f"{run['name']}.rank{rank}.pid"), "w") as f:
         f.write(str(os.getpid()))  # for tests that signal one rank
     trainer = make_trainer(run, cfg, strategy, logger)
-    extra = {"initial": [v.numpy() for v in trainer.model.trainable_variables]}
+    extra = {"initial": full_values(trainer)}
+    if run.get("first_gradients"):
+        extra["gradients"] = first_gradients(trainer)
+    if run.get("widest_activation"):
+        extra["widest_activation"] = widest_activation(trainer)
     if run.get("poison_rank") is not None:
         if rank == run["poison_rank"]:
             trainer.task.poison.assign(float("inf"))
         trainer.fit(steps=1)
         trainer.task.poison.assign(1.0)
-        extra["after_poison"] = [v.numpy() for v in trainer.model.trainable_variables]
+        extra["after_poison"] = full_values(trainer)
         extra["scale_after_poison"] = float(loss_scale(trainer.optimizer))
     if run.get("interrupt_at"):
         trainer.fit(steps=run["interrupt_at"])
@@ -105,11 +112,42 @@ def train(run):
     save(run, rank, trainer, logger, summary, extra)
 
 
+def full_values(trainer, values=None):
+    """The model's trainable weights (or `values` for them) as single-device arrays: a
+    tensor-parallel rank assembles its group's slices."""
+    variables = trainer.model.trainable_variables
+    gather = getattr(trainer.strategy, "gather_full", None)
+    if gather is not None:
+        return gather(variables, values)
+    return [np.asarray(v) for v in (values if values is not None else variables)]
+
+
+def first_gradients(trainer):
+    """The averaged gradients of the first training batch (no update)."""
+    batch = next(trainer._train_iterator())
+    _, grads, _ = trainer.forward_backward(batch)
+    return full_values(trainer, trainer.strategy.all_reduce_gradients(grads))
+
+
+def widest_activation(trainer):
+    """The largest last dimension of a rank-3 floating tensor the forward/backward traces."""
+    batch = next(trainer._train_iterator())
+    graphs, widest = [trainer.forward_backward.get_concrete_function(batch).graph], 0
+    while graphs:
+        graph = graphs.pop()
+        for op in graph.get_operations():
+            for t in op.outputs:
+                if t.shape.rank == 3 and t.dtype.is_floating and t.shape[-1] is not None:
+                    widest = max(widest, t.shape[-1])
+        graphs.extend(f.graph for f in graph._functions.values() if hasattr(f, "graph"))
+    return widest
+
+
 def save(run, rank, trainer, logger, summary, extra):
-    arrays = {f"w{i}": v.numpy() for i, v in enumerate(trainer.model.trainable_variables)}
+    arrays = {f"w{i}": w for i, w in enumerate(full_values(trainer))}
     arrays.update({f"o{i}": np.asarray(v.numpy())
                    for i, v in enumerate(trainer.optimizer.variables)})
-    for key in ("initial", "after_poison"):
+    for key in ("initial", "after_poison", "gradients"):
         arrays.update({f"{key}{i}": w for i, w in enumerate(extra.pop(key, []))})
     steps = sorted(logger.losses)
     arrays["loss_steps"] = np.array(steps)
@@ -124,7 +162,7 @@ def save(run, rank, trainer, logger, summary, extra):
     arrays["eval_loss"] = summary["eval"].get("loss", np.nan)
     arrays["preempted"] = bool(summary.get("preempted"))
     arrays.update({k: np.asarray(v) for k, v in extra.items()})
-    if hasattr(trainer.strategy, "state_bytes"):  # ZeRO: the model state this rank holds
+    if hasattr(trainer.strategy, "state_bytes"):  # ZeRO, TP: the model state this rank holds
         arrays.update({f"bytes_{k}": v for k, v in trainer.strategy.state_bytes().items()})
     os.makedirs(run["out"], exist_ok=True)
     np.savez(os.path.join(run["out"], f"{run['name']}.rank{rank}.npz"), **arrays)
@@ -140,6 +178,9 @@ def main(plan_path):
             horovod_post_style.main(*run["post_style"])
         else:
             train(run)
+    # Horovod: wait for every rank; one that exits first shuts Horovod down under the others
+    # while they still communicate in their own process sets.
+    hvd.join()
     return 0
 
 

@@ -146,12 +146,18 @@ class ElasticHorovodStrategy(HorovodStrategy):
 
 
 def horovod_backend(cfg=None):
-    """--strategy=horovod: elastic with --elastic, ZeRO-sharded with --zero_stage, else the
-    fixed-world HorovodStrategy."""
+    """--strategy=horovod: elastic with --elastic, tensor-parallel with --tensor_parallel,
+    ZeRO-sharded with --zero_stage, else the fixed-world HorovodStrategy."""
     horovod = getattr(cfg, "horovod", None)
+    parallel = getattr(cfg, "parallel", None)
+    tensor = getattr(parallel, "tensor_parallel", 1)
     if horovod is not None and horovod.elastic:
-        return ElasticHorovodStrategy(cfg)
-    if getattr(getattr(cfg, "parallel", None), "zero_stage", 0):
+        return ElasticHorovodStrategy(cfg)  # refuses --tensor_parallel (check_elastic)
+    if tensor > 1:
+        from tfbig.distribute.tensor_parallel import TensorParallelStrategy
+
+        return TensorParallelStrategy(cfg)
+    if getattr(parallel, "zero_stage", 0):
         from tfbig.distribute.zero import ZeroStrategy
 
         return ZeroStrategy(cfg)

@@ -28,8 +28,7 @@ from tfbig.distribute.base import Strategy
 from tfbig.distribute.mesh import HorovodMesh, Mesh, launcher_world_size
 
 # --flag=value pairs of ParallelConfig this backend cannot run yet (refused before training).
-UNSUPPORTED = {"tensor_parallel": lambda v: v != 1, "sequence_parallel": bool,
-               "zero_stage": lambda v: v == 3}
+UNSUPPORTED = {"sequence_parallel": bool, "zero_stage": lambda v: v == 3}
 ZERO_STAGES = (0, 1, 2, 3)
 
 
@@ -42,6 +41,10 @@ def build_mesh(parallel, world_size):
         value = getattr(parallel, name)
         if unsupported(value):
             raise ValueError(f"--{name}={value} is not supported by --strategy=horovod yet")
+    if parallel.tensor_parallel > 1 and parallel.zero_stage:
+        raise ValueError(f"--tensor_parallel={parallel.tensor_parallel} with --zero_stage="
+                         f"{parallel.zero_stage} is not supported by --strategy=horovod yet; "
+                         f"use one of them")
     if parallel.shard_degree and not parallel.zero_stage:
         raise ValueError(f"--shard_degree={parallel.shard_degree} needs --zero_stage=1, 2 or 3 "
                          f"(it sizes the groups the model state is sharded over)")

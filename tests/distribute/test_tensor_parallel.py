@@ -1,0 +1,195 @@
+"""Tensor parallelism (`--tensor_parallel`) through one real `horovodrun -np 4 --gloo` launch,
+against the single-device run on the same global batch.
+
+Scenarios (tests/distribute/horovod_worker.py plans; HOROVOD_DYNAMIC_PROCESS_SETS=1 lets one
+launch build several rank grids): TP2 x DP2 with accumulation and clipping active, TP4 with LAMB
+(its per-variable trust ratio over split variables), TP2 x DP2 under fp16 loss scaling, and a
+TP2 x DP2 run stopped after 2 steps and resumed from the per-rank checkpoints. Each rank
+assembles the full weights and first-step gradients from its group's slices
+(TensorParallelStrategy.gather_full) for the comparison.
+"""
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_horovod import WORKER, horovodrun, listed, load, read, run_entry  # noqa: E402
+from test_trainer import ReplicasTask, make_cfg, weights  # noqa: E402
+
+from horovod_worker import RecordingLogger  # noqa: E402
+from tfbig.config import ParallelConfig  # noqa: E402
+from tfbig.distribute.horovod import build_mesh  # noqa: E402
+from tfbig.distribute.tensor_layout import consolidate, join_slices, take_slice  # noqa: E402
+from tfbig.generate import load_model  # noqa: E402
+from tfbig.optim import loss_scale  # noqa: E402
+from tfbig.tasks import get_task  # noqa: E402
+from tfbig.trainer import Trainer  # noqa: E402
+
+RANKS = 4
+# Clipping at 0.5 is active at every step; 2 micro-batches per data-parallel rank.
+TRAIN = dict(max_steps=4, batch_size=8, grad_clip_norm=0.5, dropout=0.0, grad_accum_steps=2)
+LAMB = dict(optimizer="lamb", learning_rate=1e-2, weight_decay=0.01, epsilon=1e-6)
+SCENARIOS = {  # name: (tensor_parallel, train options, worker options)
+    "tp2_dp2": (2, {}, {"first_gradients": True}),
+    "tp4_lamb": (4, {**LAMB, "grad_accum_steps": 1},
+                 {"first_gradients": True, "widest_activation": True}),
+    "tp2_dp2_fp16": (2, {"precision": "mixed_float16"}, {}),
+    "tp2_dp2_resumed": (2, {}, {"interrupt_at": 2}),
+}
+
+
+def tp_cfg(data_dir, model_dir, tensor, **train):
+    cfg = make_cfg(data_dir, model_dir, strategy="horovod", **{**TRAIN, **train})
+    cfg.parallel.tensor_parallel = tensor
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def runs(gpt_data, tmp_path_factory):
+    root = tmp_path_factory.mktemp("tensor_parallel")
+    out = root / "out"
+    plan = [run_entry(name, tp_cfg(gpt_data, root / name, tensor, **train), out, **opts)
+            for name, (tensor, train, opts) in SCENARIOS.items()]
+    os.makedirs(out)
+    with open(root / "plan.json", "w") as f:
+        json.dump(plan, f)
+    command = ["-np", str(RANKS), "-H", f"localhost:{RANKS}"]
+    code = horovodrun([WORKER, str(root / "plan.json")], root / "log.txt",
+                      env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"}, ranks=command)
+    assert code == 0, read(root / "log.txt")[-6000:]
+    return root, out
+
+
+def reference(data_dir, model_dir, replicas, **train):
+    """The single-device run on the examples the data-parallel ranks read together, and the
+    averaged gradients of its first batch."""
+    cfg = make_cfg(data_dir, model_dir, **{**TRAIN, **train})
+    logger = RecordingLogger(cfg.train.model_dir, True, cfg.train.max_steps)
+    trainer = Trainer(cfg, task=ReplicasTask(cfg.train, replicas, get_task(cfg.train, cfg)),
+                      logger=logger)
+    _, grads, _ = trainer.forward_backward(next(trainer._train_iterator()))
+    grads = [g.numpy() for g in grads]
+    trainer.fit()
+    return trainer, np.array([logger.losses[s][0] for s in sorted(logger.losses)]), grads
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_tensor_parallel_ranks_equal_one_process_on_the_same_data(gpt_data, runs, tmp_path,
+                                                                  name):
+    _, out = runs
+    tensor, train, opts = SCENARIOS[name]
+    ranks = [load(out, name, r) for r in range(RANKS)]
+    single, losses, grads = reference(gpt_data, tmp_path, RANKS // tensor, **train)
+    first = ranks[0]
+    assert np.all(first["grad_norms"] > TRAIN["grad_clip_norm"])  # clipping is active
+    assert first["step"] == TRAIN["max_steps"]
+    if train.get("precision") == "mixed_float16":
+        # float16 matmuls: T partial products rounded to float16, then summed, differ from one
+        # float16 product in the last bits, and Adam turns a gradient near zero into a step of
+        # either sign: all weights within one step (peak lr 3e-3), nearly all within 1e-4.
+        assert int(first["nonfinite_steps"]) == int(single.nonfinite_steps.numpy()) == 0
+        assert float(first["loss_scale"]) == float(loss_scale(single.optimizer))
+        np.testing.assert_allclose(first["losses"], losses, rtol=2e-3)
+        ours = np.concatenate([w.ravel() for w in listed(first, "w")])
+        theirs = np.concatenate([w.ravel() for w in weights(single)])
+        assert np.max(np.abs(ours - theirs)) < 3e-3
+        assert np.mean(np.abs(ours - theirs) < 1e-4) > 0.995
+        return
+    np.testing.assert_allclose(first["losses"], losses, rtol=1e-5)
+    for ours, theirs in zip(listed(first, "w"), weights(single)):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+    if opts.get("first_gradients"):
+        assert len(listed(first, "gradients")) == len(grads)
+        for ours, theirs in zip(listed(first, "gradients"), grads):
+            np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-7)
+    for other in ranks[1:]:  # every rank's group assembles the same model
+        for a, b in zip(listed(first, "w"), listed(other, "w")):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    if name == "tp2_dp2_resumed":
+        assert int(first["restored_step"]) == 2
+
+
+@pytest.mark.multiproc
+def test_each_rank_holds_its_slice_of_the_split_layers(gpt_data, runs, tmp_path):
+    root, out = runs
+    splits = json.loads((root / "tp2_dp2_resumed" / "tensor.json").read_text())["splits"]
+    cfg = tp_cfg(gpt_data, tmp_path, 1)
+    model = get_task(cfg.train, cfg).build_model()
+    whole = sum(4 * v.numpy().size for v in model.trainable_variables if v.path not in splits)
+    # the plan leaves whole: LayerNorms, the position table, row-parallel biases
+    assert all(len(v.shape) == 1 or "position" in v.path
+               for v in model.trainable_variables if v.path not in splits)
+    full = sum(4 * v.numpy().size for v in model.trainable_variables)
+    for name, tensor in (("tp2_dp2", 2), ("tp4_lamb", 4)):
+        for rank in range(RANKS):
+            result = load(out, name, rank)
+            split = int(result["bytes_split_parameters"])
+            assert int(result["bytes_replicated_parameters"]) == whole
+            assert split * tensor == full - whole  # exactly 1/T of every split variable
+
+
+@pytest.mark.multiproc
+def test_every_rank_of_the_first_replica_writes_its_checkpoint(runs):
+    root, _ = runs
+    model_dir = root / "tp2_dp2_resumed"
+    layout = json.loads((model_dir / "tensor.json").read_text())
+    assert layout["tensor_parallel"] == 2
+    assert layout["splits"]["gpt/block_0/attn/qkv/kernel"] == [-1, 3]
+    assert layout["splits"]["gpt/embedding/token/embeddings"] == [0, 1]
+    assert (model_dir / "tensor" / "rank-1" / "checkpoint").exists()
+
+
+@pytest.mark.multiproc
+def test_no_rank_forms_full_vocabulary_logits(runs):
+    _, out = runs
+    for rank in range(RANKS):  # vocab 320 over 4 ranks: the widest activation is 80 wide
+        assert int(load(out, "tp4_lamb", rank)["widest_activation"]) == 320 // 4
+
+
+@pytest.mark.multiproc
+def test_consolidated_checkpoint_resumes_on_one_device_and_generate_reads_the_pieces(
+        gpt_data, runs, tmp_path):
+    root, out = runs
+    model_dir = root / "tp2_dp2_resumed"
+    saved = load(out, "tp2_dp2_resumed", 0)
+    before = sorted(os.listdir(model_dir))
+    path = consolidate(str(model_dir), str(tmp_path / "one"))
+    assert os.path.basename(path) == "ckpt-4" and sorted(os.listdir(model_dir)) == before
+    cfg = tp_cfg(gpt_data, tmp_path / "one", 1, max_steps=6)
+    cfg.train.strategy = "single"
+    resumed = Trainer(cfg)
+    assert int(resumed.step.numpy()) == 4
+    for ours, theirs in zip(weights(resumed), listed(saved, "w")):
+        np.testing.assert_array_equal(ours, theirs)
+    # the optimizer state too: the single-device run's Adam moments after the same 4 steps
+    single, _, _ = reference(gpt_data, tmp_path / "ref", RANKS // 2)
+    for ours, theirs in zip(resumed.optimizer.variables, single.optimizer.variables):
+        np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), rtol=1e-5, atol=1e-8)
+    model, _ = load_model(str(model_dir))
+    for ours, theirs in zip(model.trainable_variables, listed(saved, "w")):
+        np.testing.assert_array_equal(ours.numpy(), theirs)
+    resumed.fit()  # and trains on
+    assert int(resumed.step.numpy()) == 6
+
+
+def test_slices_of_q_k_v_blocks_join_back_to_the_full_array():
+    full = np.arange(4 * 12).reshape(4, 12)  # 3 sections (q, k, v) of 4 columns
+    pieces = [take_slice(full, -1, 3, t, 2) for t in range(2)]
+    np.testing.assert_array_equal(pieces[0][:, :2], full[:, 0:2])  # q's first heads
+    np.testing.assert_array_equal(pieces[0][:, 2:4], full[:, 4:6])  # k's first heads
+    np.testing.assert_array_equal(join_slices(pieces, -1, 3), full)
+
+
+@pytest.mark.parametrize("options, world, message", [
+    (dict(tensor_parallel=3), 4, "--tensor_parallel=3 = 3 does not divide 4"),
+    (dict(tensor_parallel=2, zero_stage=1), 4, "--tensor_parallel=2 with --zero_stage=1"),
+    (dict(tensor_parallel=2, sequence_parallel=True), 4, "--sequence_parallel=True is not"),
+])
+def test_bad_tensor_parallel_flags_are_refused_before_training(options, world, message):
+    with pytest.raises(ValueError, match=message):
+        build_mesh(ParallelConfig(**options), world)

@@ -1,0 +1,337 @@
+"""Tensor-parallel layouts as data, without Horovod: which layers are split how, each rank's
+slice of a variable, and reading a tensor-parallel run on one process.
+
+A *plan* maps attribute paths below the model ("*" matches every element of a list) to a
+`Split`. `split_model` builds the single-device model (every rank starts from the single-device
+initialisation), an unbuilt twin whose planned layers are shrunk to 1/T, and copies rank t's
+slice into it; the Horovod backend (tfbig.distribute.tensor_parallel) also wraps the split
+layers' calls with the collectives. `assembled_weights` (tfbig-generate, tfbig-export) and
+`consolidate` (a single-device checkpoint that resumes under any layout) read the pieces each
+rank saved.
+
+    python -m tfbig.distribute.tensor_layout MODEL_DIR OUT_DIR   # consolidate
+"""
+import dataclasses
+import json
+import os
+
+import numpy as np
+import tensorflow as tf
+
+from tfbig.distribute.base import Strategy
+
+LAYOUT_FILE = "tensor.json"
+
+
+# ---- the plan: which part of a model is split how (data) -------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """How one layer is split. kind: heads | width (an attention's heads / an MLP's
+    intermediate width shrink to 1/T), column (a Dense's output columns; `sections` equal
+    blocks such as q, k, v each split), row (a Dense's input rows), vocab (an Embedding's rows),
+    vocab_column (the untied output head's columns), vocab_input (the activation entering the
+    vocabulary projection: copied into the region after this layer), own_mask (a dropout
+    inside a split region: its seed-generator state is offset by the tensor rank)."""
+
+    kind: str
+    sections: int = 1
+
+
+# Attribute paths below the model ("*" matches every element of a list).
+GPT_PLAN = (
+    ("blocks.*.attn", Split("heads")),
+    ("blocks.*.attn.qkv", Split("column", sections=3)),
+    ("blocks.*.attn.proj", Split("row")),
+    ("blocks.*.attn.attn_dropout", Split("own_mask")),
+    ("blocks.*.mlp", Split("width")),
+    ("blocks.*.mlp.fc", Split("column")),
+    ("blocks.*.mlp.proj", Split("row")),
+    ("embedding.token", Split("vocab")),
+    ("head", Split("vocab_column")),
+    ("final_norm", Split("vocab_input")),
+)
+PLANS = {"GPT": GPT_PLAN}
+
+
+def plan_for(model):
+    plan = PLANS.get(type(model).__name__)
+    if plan is None:
+        raise ValueError(f"--tensor_parallel: no tensor-parallel plan for "
+                         f"{type(model).__name__} yet (GPT has one); run it with "
+                         f"--tensor_parallel=1")
+    return plan
+
+
+def _resolve(model, pattern):
+    """The layers at attribute path `pattern` (None attributes are skipped)."""
+    found = [model]
+    for part in pattern.split("."):
+        nxt = []
+        for obj in found:
+            if part == "*":
+                nxt.extend(obj)
+            else:
+                value = getattr(obj, part, None)
+                if value is not None:
+                    nxt.append(value)
+        found = nxt
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorGroup:
+    """This rank's place in its tensor-parallel group."""
+
+    process_set: object
+    rank: int
+    size: int
+
+
+def _divide(value, size, what):
+    if value % size:
+        raise ValueError(f"--tensor_parallel={size} does not divide {what}={value}; choose a "
+                         f"tensor-parallel degree among its divisors")
+    return value // size
+
+
+# ---- how each kind shrinks a layer, wraps its call, and slices its variables ----------------
+def _shrink(layer, split, size):
+    kind = split.kind
+    if kind == "heads":
+        layer.num_heads = _divide(layer.num_heads, size, "num_heads")
+        layer.hidden_size = layer.num_heads * layer.head_size  # this rank's attention width
+    elif kind == "width":
+        layer.intermediate_size = _divide(layer.intermediate_size, size, "intermediate_size")
+    elif kind in ("column", "vocab_column"):
+        what = "vocab_size" if kind == "vocab_column" else f"{layer.name} units"
+        _divide(layer.units // split.sections, size, what)
+        layer.units //= size
+    elif kind == "vocab":
+        layer.input_dim = _divide(layer.input_dim, size, "vocab_size (pad the vocabulary "
+                                  "with tfbig-prep --vocab_size)")
+
+
+def _variable_splits(layer, split):
+    """[(variable, (axis, sections))] of the variables a split layer holds in pieces."""
+    if split.kind in ("column", "vocab_column"):
+        pieces = [(layer.kernel, (-1, split.sections))]
+        if getattr(layer, "bias", None) is not None:
+            pieces.append((layer.bias, (-1, split.sections)))
+        return pieces
+    if split.kind == "row":
+        return [(layer.kernel, (0, 1))]  # the bias is replicated
+    if split.kind == "vocab":
+        return [(layer.embeddings, (0, 1))]
+    return []
+
+
+def take_slice(full, axis, sections, rank, size):
+    """Rank `rank`'s piece of the full array: along `axis`, each of `sections` equal blocks
+    cut into `size` parts, part `rank` of each."""
+    blocks = np.split(np.asarray(full), sections, axis=axis)
+    return np.concatenate([np.split(b, size, axis=axis)[rank] for b in blocks], axis=axis)
+
+
+def join_slices(pieces, axis, sections):
+    """The inverse of take_slice over all ranks' pieces (in rank order)."""
+    per_rank = [np.split(np.asarray(p), sections, axis=axis) for p in pieces]
+    return np.concatenate([np.concatenate([p[s] for p in per_rank], axis=axis)
+                           for s in range(sections)], axis=axis)
+
+
+def split_model(task, group, wrap=None):
+    """(local model, {variable path: (axis, sections)}) for rank `group.rank`: the
+    single-device model's initialisation, with every planned layer holding its slice.
+    `wrap(layer, split, group)` inserts the collectives into each split layer's call."""
+    full = task.build_model()
+    plan = plan_for(full)
+    local = type(full).from_config(full.get_config())
+    layers = [(layer, split) for pattern, split in plan for layer in _resolve(local, pattern)]
+    for layer, split in layers:
+        _shrink(layer, split, group.size)
+    local.build((None, task.seq_length))
+    splits = {}
+    for layer, split in layers:
+        if wrap is not None:
+            wrap(layer, split, group)
+        splits.update({v.path: piece for v, piece in _variable_splits(layer, split)})
+    if not any(split.kind == "vocab_input" for _, split in layers):
+        raise ValueError("--tensor_parallel: this model has no final LayerNorm before its "
+                         "vocabulary projection (post-LN GPT); tensor parallelism needs the "
+                         "pre-LN layout (the default)")
+    own_masks = {v.path for layer, split in layers if split.kind == "own_mask"
+                 for v in layer.non_trainable_variables if "seed_generator" in v.path}
+    full_values = {v.path: v for v in full.variables}
+    for v in local.variables:
+        value = full_values[v.path].numpy()
+        if v.path in splits:
+            value = take_slice(value, *splits[v.path], group.rank, group.size)
+        elif v.path in own_masks:
+            value = value + np.asarray(group.rank, value.dtype)  # this rank's heads' masks
+        v.assign(value)
+    return local, splits
+
+
+# ---- reading a tensor-parallel run on one process ----------------------------------------
+def read_layout(model_dir):
+    """MODEL_DIR/tensor.json ({"tensor_parallel": T, "splits": {path: [axis, sections]}}) or
+    None when the run was not tensor-parallel."""
+    path = os.path.join(model_dir, LAYOUT_FILE)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        layout = json.load(f)
+    layout["splits"] = {p: tuple(v) for p, v in layout["splits"].items()}
+    return layout
+
+
+def rank_checkpoints(model_dir, layout, warn=print):
+    """The newest intact checkpoint of tensor rank 0 and the same-numbered one of every other
+    rank (each rank saves its own; a missing or damaged piece is named)."""
+    from tfbig import integrity
+
+    latest, _ = integrity.newest_intact(model_dir, warn, keep_damaged=True)
+    if latest is None:
+        raise FileNotFoundError(f"--model_dir={model_dir} has no checkpoint")
+    paths = [latest]
+    for rank in range(1, layout["tensor_parallel"]):
+        path = os.path.join(model_dir, "tensor", f"rank-{rank}", os.path.basename(latest))
+        if not os.path.exists(path + ".index"):
+            raise FileNotFoundError(f"{path}: tensor rank {rank}'s piece of {latest} is missing; "
+                                    f"every rank of the first replica saves its own")
+        paths.append(path)
+    return paths
+
+
+def _model_key(path_below_model):
+    return "model/" + path_below_model.replace("/", ".S") + "/.ATTRIBUTES/VARIABLE_VALUE"
+
+
+def assembled_weights(model_dir, model, warn=print):
+    """{variable path: full array} of `model`'s weights (built at single-device size) from a
+    tensor-parallel run's newest checkpoint, each split variable joined from the ranks."""
+    layout = read_layout(model_dir)
+    readers = [tf.train.load_checkpoint(p) for p in rank_checkpoints(model_dir, layout, warn)]
+    prefix = model.name + "/"
+    out = {}
+    for v in model.variables:
+        if "seed_generator" in v.path:
+            continue
+        key = _model_key(v.path[len(prefix):] if v.path.startswith(prefix) else v.path)
+        piece = layout["splits"].get(v.path)
+        if piece is None:
+            out[v.path] = readers[0].get_tensor(key)
+        else:
+            out[v.path] = join_slices([r.get_tensor(key) for r in readers], *piece)
+    return out
+
+
+class OfflineSlice(Strategy):
+    """One tensor rank's piece of a run, built and restored in a plain process (no Horovod):
+    what `consolidate` reads the optimizer state through."""
+
+    def __init__(self, cfg, rank, size, restore_path):
+        super().__init__(cfg)
+        self.group = TensorGroup(None, rank, size)
+        self.restore_path = restore_path
+        self.splits = {}
+
+    @property
+    def is_chief(self):
+        return False
+
+    def build_model(self, task):
+        model, self.splits = split_model(task, self.group)
+        return model
+
+    def restore_dir(self, model_dir):
+        return os.path.dirname(self.restore_path)
+
+    def checkpoint_dir(self, model_dir):
+        return None
+
+
+def consolidate(model_dir, out_dir, warn=print):
+    """Write the newest checkpoint of tensor-parallel run `model_dir` as a single-device
+    checkpoint in `out_dir` (weights, optimizer slots, step, input position): it resumes under
+    any layout. `model_dir` is only read. Returns the checkpoint path written."""
+    from tfbig import config as config_lib
+    from tfbig.trainer import Trainer
+
+    layout = read_layout(model_dir)
+    if layout is None:
+        raise ValueError(f"{model_dir} has no {LAYOUT_FILE}: it is not a tensor-parallel run")
+    if os.path.abspath(out_dir) == os.path.abspath(model_dir):
+        raise ValueError("the output directory must differ from the run's (it is only read)")
+    if tf.train.latest_checkpoint(out_dir):
+        raise ValueError(f"{out_dir} already holds a checkpoint; choose an empty directory")
+    paths = rank_checkpoints(model_dir, layout, warn)
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = config_lib.from_dict(json.load(f))
+    cfg.train.strategy = "single"
+    cfg.parallel = type(cfg.parallel)()
+    size = layout["tensor_parallel"]
+    pieces = []
+    for rank, path in enumerate(paths):
+        cfg.train.model_dir = model_dir
+        trainer = Trainer(cfg, strategy=OfflineSlice(cfg, rank, size, path))
+        if trainer.restored_from is None or os.path.basename(trainer.restored_from) != \
+                os.path.basename(path):
+            raise ValueError(f"could not restore {path} (found {trainer.restored_from})")
+        pieces.append(_state_arrays(trainer, layout["splits"]))
+    cfg.train.model_dir = out_dir
+    os.makedirs(out_dir, exist_ok=True)
+    full = Trainer(cfg)
+    for name, variable in _state_variables(full).items():
+        piece = pieces[0][name][1]
+        values = [p[name][0] for p in pieces]
+        variable.assign(values[0] if piece is None else join_slices(values, *piece))
+    return full.save()
+
+
+def _state_variables(trainer):
+    """{name: variable} of everything a checkpoint holds, named the same in every layout:
+    model weights by path, optimizer variables by position, the counters by name."""
+    named = {v.path: v for v in trainer.model.variables}
+    named.update({f"optimizer/{i}": v for i, v in enumerate(trainer.optimizer.variables)})
+    named.update({"step": trainer.step, "batches_consumed": trainer.batches_consumed,
+                  "nonfinite_steps": trainer.nonfinite_steps})
+    return named
+
+
+def _state_arrays(trainer, splits):
+    """{name: (value, split of the model variable it belongs to or None)} of one rank."""
+    inner = getattr(trainer.optimizer, "inner_optimizer", trainer.optimizer)
+    owner = {}  # optimizer slot -> the trainable variable it belongs to
+    for i, v in enumerate(inner._trainable_variables):
+        for slots in (getattr(inner, "_momentums", []), getattr(inner, "_velocities", [])):
+            if i < len(slots):
+                owner[id(slots[i])] = v.path
+    out = {}
+    for name, v in _state_variables(trainer).items():
+        path = name if not name.startswith("optimizer/") else owner.get(id(v))
+        out[name] = (np.asarray(v.numpy()), splits.get(path) if path else None)
+    return out
+
+
+def main(argv=None):
+    """python -m tfbig.distribute.tensor_layout MODEL_DIR OUT_DIR"""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        print("usage: python -m tfbig.distribute.tensor_layout MODEL_DIR OUT_DIR\n"
+              "Assemble a --tensor_parallel run's newest checkpoint into a single-device one.",
+              file=sys.stderr)
+        return 2
+    try:
+        path = consolidate(*args)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"tfbig: error: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {path}: resumes with any --tensor_parallel, read by tfbig-generate/export")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

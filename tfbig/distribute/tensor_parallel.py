@@ -1,0 +1,250 @@
+"""Megatron-style tensor parallelism on Horovod (`--tensor_parallel=T`), applied from outside.
+
+The model file knows nothing of it. A *plan* (data, tfbig.distribute.tensor_layout: attribute
+path -> how that part is split) says which Dense layers are column- or row-parallel, which
+attention/MLP widths shrink, which embedding is split over the vocabulary. `split_model` builds
+each rank's slice of the single-device model; this module wraps the split layers' `call`s with
+the collectives. What runs on rank t of a tensor group of T:
+
+    attention   heads t*nh/T .. (t+1)*nh/T: QKV column-parallel (q, k and v blocks each split),
+                output projection row-parallel
+    MLP         first Dense column-parallel (intermediate/T columns), second row-parallel
+    embedding   vocabulary rows t*V/T ..: ids outside the slice look up zeros, then a sum
+    logits      the tied table (or untied head) gives this slice's V/T logits; the loss is
+                the vocabulary-parallel cross-entropy: no rank forms (batch, seq, V) logits
+
+The collectives are the conjugate pair: `copy_to_region` (identity forward, all-reduce of the
+gradient backward) before every column-parallel layer and before the vocabulary projection,
+`reduce_from_region` (all-reduce forward, identity backward) after every row-parallel layer and
+the vocabulary embedding. So each transformer sub-layer costs one all-reduce forward and one
+backward, over the Horovod process set of the tensor group. LayerNorms, position embeddings and
+the biases of row-parallel layers are replicated: their inputs and output gradients are the
+same on all T ranks, so are their gradients (no extra collective). Gradient clipping and the
+logged gradient norm sum split variables' squares over the group and count replicated ones once.
+
+Dropout: a region whose activations are replicated (embeddings, after each row-parallel layer)
+draws the same mask on all T ranks (every rank starts from the same seed-generator states,
+copied from the single-device model); a split region (attention probabilities of this rank's
+heads) draws its own (its generator state is offset by the tensor rank).
+
+Horovod's collectives have no XLA kernels, so the forward/backward of a tensor-parallel step
+runs as a TensorFlow graph, not XLA-compiled (--xla is ignored with a notice).
+
+Checkpoints: each rank of the first data-parallel replica writes what it holds (tensor rank 0
+in --model_dir, rank t in MODEL_DIR/tensor/rank-t) and MODEL_DIR/tensor.json records the
+layout. `tensor_layout.consolidate(model_dir, out_dir)` assembles the full variables (weights
+and optimizer slots) into a single-device checkpoint that resumes under any layout;
+tfbig-generate and tfbig-export read the pieces directly.
+
+Example:
+    horovodrun -np 4 -H localhost:4 --gloo tfbig-train --strategy=horovod --tensor_parallel=2
+"""
+import json
+import os
+
+import tensorflow as tf
+from keras import ops
+
+from tfbig.distribute.horovod import HorovodStrategy
+from tfbig.distribute.horovod_keras import hvd
+from tfbig.distribute.tensor_layout import (LAYOUT_FILE, TensorGroup, join_slices,
+                                            split_model)
+
+
+# ---- the conjugate collectives (Megatron's mappings) -----------------------------------------
+def _all_reduce_sum(x, process_set):
+    # Horovod's Gloo path has no bfloat16 sum: carry it in float32 (float16 and float32 as is).
+    if x.dtype == tf.bfloat16:
+        return tf.cast(hvd.allreduce(tf.cast(x, tf.float32), op=hvd.Sum,
+                                     process_set=process_set), tf.bfloat16)
+    return hvd.allreduce(x, op=hvd.Sum, process_set=process_set)
+
+
+def copy_to_region(x, process_set):
+    """Identity forward; the gradient is summed over the tensor group backward."""
+    @tf.custom_gradient
+    def copy(x):
+        return tf.identity(x), lambda dy: _all_reduce_sum(dy, process_set)
+
+    return copy(x)
+
+
+def reduce_from_region(x, process_set):
+    """Sum over the tensor group forward; the gradient passes unchanged backward."""
+    @tf.custom_gradient
+    def reduce(x):
+        return _all_reduce_sum(x, process_set), lambda dy: tf.identity(dy)
+
+    return reduce(x)
+
+
+def vocab_parallel_cross_entropy(labels, logits, group):
+    """Per-token cross-entropy of labels (...) against this rank's vocabulary slice of the
+    logits (..., V/T): the max, the sum of exponentials and the target's logit are each
+    combined over the group, so the full (..., V) logits never exist on any rank."""
+    ps, rank = group.process_set, group.rank
+    logits = tf.cast(logits, tf.float32)
+    width = logits.shape[-1]
+    local_max = tf.stop_gradient(tf.reduce_max(logits, axis=-1))
+    # The max only keeps exp() in range; any value equal on all ranks works. No gradient.
+    peak = tf.reduce_max(hvd.allgather(local_max[None], process_set=ps), axis=0)
+    shifted = logits - peak[..., None]
+    sum_exp = reduce_from_region(tf.reduce_sum(tf.exp(shifted), axis=-1), ps)
+    local = tf.cast(labels, tf.int32) - rank * width
+    inside = (local >= 0) & (local < width)
+    index = tf.where(inside, local, 0)[..., None]
+    picked = tf.gather(shifted, index, batch_dims=len(labels.shape))[..., 0]
+    target = reduce_from_region(tf.where(inside, picked, 0.0), ps)
+    return tf.math.log(sum_exp) - target
+
+
+def _wrap(layer, split, group):
+    kind, ps = split.kind, group.process_set
+    call = layer.call
+    if kind == "column":
+        layer.call = lambda x, *args, **kwargs: call(copy_to_region(x, ps), *args, **kwargs)
+    elif kind == "row":
+        def row_call(x, *args, **kwargs):
+            y = reduce_from_region(ops.matmul(x, layer.kernel), ps)
+            return y + layer.bias if layer.use_bias else y
+
+        layer.call = row_call
+    elif kind == "vocab":
+        def vocab_call(ids, *args, **kwargs):
+            local = ops.cast(ids, "int32") - group.rank * layer.input_dim
+            inside = (local >= 0) & (local < layer.input_dim)
+            rows = call(ops.where(inside, local, 0), *args, **kwargs)
+            return reduce_from_region(rows * ops.cast(inside[..., None], rows.dtype), ps)
+
+        layer.call = vocab_call
+    elif kind == "vocab_input":
+        layer.call = lambda *args, **kwargs: copy_to_region(call(*args, **kwargs), ps)
+
+
+
+# ---- the strategy ----------------------------------------------------------------------------
+class TensorParallelStrategy(HorovodStrategy):
+    """Horovod data parallelism over the data axis, each replica split over a tensor group."""
+
+    name = "horovod"
+
+    def __init__(self, cfg=None, mesh=None):
+        super().__init__(cfg, mesh)
+        self.group = TensorGroup(self.mesh.process_set("tensor"), self.mesh.coords["tensor"],
+                                 self.mesh.mesh.tensor)
+        self.splits = {}
+        self._split_ids = set()
+
+    @property
+    def num_devices(self):
+        return self.mesh.mesh.size  # MFU: every rank's device works on the one model
+
+    def build_model(self, task):
+        if getattr(self.cfg.pipeline, "activation_checkpointing", False):
+            raise ValueError("--activation_checkpointing with --tensor_parallel is not built "
+                             "yet (the recompute would repeat the tensor group's collectives)")
+        model, self.splits = split_model(task, self.group, wrap=_wrap)
+        self._model = model
+        self._split_ids = {id(v) for v in model.variables if v.path in self.splits}
+        task.cross_entropy = lambda labels, logits: vocab_parallel_cross_entropy(
+            labels, logits, self.group)
+        return model
+
+    def make_forward_backward(self, loss_fn, variables, scale_loss, jit_compile):
+        # Horovod ops have no XLA kernels: the collectives sit inside the forward/backward.
+        return super().make_forward_backward(loss_fn, variables, scale_loss, False)
+
+    def make_forward(self, loss_fn, jit_compile):
+        return super().make_forward(loss_fn, False)
+
+    def _sum_split_squares(self, squares):
+        return _all_reduce_sum(squares, self.group.process_set)
+
+    def build_optimizer(self, train, variables):
+        from tfbig.optim import build_optimizer
+
+        replicated = [id(v) not in self._split_ids for v in variables]
+        return self.prepare_optimizer(build_optimizer(
+            train, variables, sum_over_shards=self._sum_split_squares, replicated=replicated))
+
+    def global_norm(self, grads):
+        """The norm of the whole model's gradient: split pieces summed over the group."""
+        variables = self._trainable
+        split = [tf.reduce_sum(tf.square(g)) for g, v in zip(grads, variables)
+                 if id(v) in self._split_ids]
+        replicated = [tf.reduce_sum(tf.square(g)) for g, v in zip(grads, variables)
+                      if id(v) not in self._split_ids]
+        squares = self._sum_split_squares(tf.add_n(split))
+        return tf.sqrt(squares + tf.add_n(replicated) if replicated else squares)
+
+    def state_bytes(self):
+        """Bytes of parameters this rank holds, split and replicated."""
+        split = sum(v.numpy().nbytes for v in self._trainable if id(v) in self._split_ids)
+        total = sum(v.numpy().nbytes for v in self._trainable)
+        return {"parameters": total, "split_parameters": split,
+                "replicated_parameters": total - split}
+
+    @property
+    def _trainable(self):
+        return self._model.trainable_variables
+
+    def gather_full(self, variables, values=None):
+        """[full numpy array] of each model variable (or of `values`, e.g. its gradients),
+        assembled from the tensor group's pieces; a collective: every rank of it calls this."""
+        out = []
+        for i, v in enumerate(variables):
+            value = tf.convert_to_tensor(v if values is None else values[i])
+            piece = self.splits.get(v.path)
+            if piece is None or self.group.size == 1:
+                out.append(value.numpy())
+                continue
+            parts = hvd.allgather(value[None],
+                                  process_set=self.group.process_set).numpy()
+            out.append(join_slices(list(parts), *piece))
+        return out
+
+    # ---- checkpoints: each rank of the first replica writes its slices ---------------------
+    @property
+    def restores_checkpoint(self):
+        return self.rank == 0  # the first replica's ranks; the broadcast gives it to the rest
+
+    def _rank_dir(self, model_dir):
+        if self.group.rank == 0:
+            return model_dir
+        return os.path.join(model_dir, "tensor", f"rank-{self.group.rank}")
+
+    def restore_dir(self, model_dir):
+        self._check_layout(model_dir)
+        return self._rank_dir(model_dir)
+
+    def checkpoint_dir(self, model_dir):
+        return self._rank_dir(model_dir) if self.rank == 0 else None
+
+    def _layout(self):
+        return {"tensor_parallel": self.group.size, "splits": {
+            path: list(piece) for path, piece in sorted(self.splits.items())}}
+
+    def _check_layout(self, model_dir):
+        path = os.path.join(model_dir, LAYOUT_FILE)
+        if os.path.exists(path):
+            with open(path) as f:
+                saved = json.load(f)
+            if saved["tensor_parallel"] != self.group.size:
+                raise ValueError(
+                    f"--model_dir={model_dir} was written with --tensor_parallel="
+                    f"{saved['tensor_parallel']}; this run has {self.group.size}. Resume with "
+                    f"the same degree, or assemble a single-device checkpoint first: "
+                    f"python -m tfbig.distribute.tensor_layout {model_dir} OUT_DIR")
+        elif tf.train.latest_checkpoint(model_dir):
+            raise ValueError(f"--model_dir={model_dir} holds a checkpoint without tensor slices "
+                             f"({LAYOUT_FILE} is missing); resume it without --tensor_parallel "
+                             f"or start another --model_dir")
+
+    def after_checkpoint(self, directory):
+        if self.is_chief:
+            path = os.path.join(directory, LAYOUT_FILE)
+            with open(path + ".tmp", "w") as f:
+                json.dump(self._layout(), f, indent=1)
+            os.replace(path + ".tmp", path)
+
+
