@@ -160,6 +160,7 @@ def save(run, rank, trainer, logger, summary, extra):
     arrays["loss_scale"] = float(loss_scale(trainer.optimizer))
     arrays["num_replicas"] = trainer.strategy.num_replicas
     arrays["eval_loss"] = summary["eval"].get("loss", np.nan)
+    arrays["eval_mlm_accuracy"] = summary["eval"].get("mlm_accuracy", np.nan)  # ALBERT
     arrays["preempted"] = bool(summary.get("preempted"))
     arrays.update({k: np.asarray(v) for k, v in extra.items()})
     if hasattr(trainer.strategy, "state_bytes"):  # ZeRO, TP: the model state this rank holds

@@ -2,9 +2,10 @@
 against the single-device run on the same global batch.
 
 Scenarios (tests/distribute/horovod_worker.py plans; HOROVOD_DYNAMIC_PROCESS_SETS=1 lets one
-launch build several rank grids): TP2 x DP2 with accumulation and clipping active, TP4 with LAMB
-(its per-variable trust ratio over split variables), TP2 x DP2 under fp16 loss scaling, and a
-TP2 x DP2 run stopped after 2 steps and resumed from the per-rank checkpoints. Each rank
+launch build several rank grids): TP2 x DP2 with accumulation and clipping active, ALBERT
+(factorised embedding, shared blocks, MLM head with its vocabulary bias, LAMB) at TP2 x DP2, TP4
+with LAMB (its per-variable trust ratio over split variables), TP2 x DP2 under fp16 loss scaling,
+and a TP2 x DP2 run stopped after 2 steps and resumed from the per-rank checkpoints. Each rank
 assembles the full weights and first-step gradients from its group's slices
 (TensorParallelStrategy.gather_full) for the comparison.
 """
@@ -17,7 +18,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_horovod import WORKER, horovodrun, listed, load, read, run_entry  # noqa: E402
+from test_horovod import (ALBERT, WORKER, horovodrun, listed, load, read,  # noqa: E402
+                          run_entry)
 from test_trainer import ReplicasTask, make_cfg, weights  # noqa: E402
 
 from horovod_worker import RecordingLogger  # noqa: E402
@@ -35,6 +37,7 @@ TRAIN = dict(max_steps=4, batch_size=8, grad_clip_norm=0.5, dropout=0.0, grad_ac
 LAMB = dict(optimizer="lamb", learning_rate=1e-2, weight_decay=0.01, epsilon=1e-6)
 SCENARIOS = {  # name: (tensor_parallel, train options, worker options)
     "tp2_dp2": (2, {}, {"first_gradients": True}),
+    "tp2_dp2_albert": (2, ALBERT, {"first_gradients": True}),
     "tp4_lamb": (4, {**LAMB, "grad_accum_steps": 1},
                  {"first_gradients": True, "widest_activation": True}),
     "tp2_dp2_fp16": (2, {"precision": "mixed_float16"}, {}),
@@ -48,11 +51,16 @@ def tp_cfg(data_dir, model_dir, tensor, **train):
     return cfg
 
 
+def data_of(train, gpt_data, albert_data):
+    return albert_data if train.get("model") == "albert" else gpt_data
+
+
 @pytest.fixture(scope="module")
-def runs(gpt_data, tmp_path_factory):
+def runs(gpt_data, albert_data, tmp_path_factory):
     root = tmp_path_factory.mktemp("tensor_parallel")
     out = root / "out"
-    plan = [run_entry(name, tp_cfg(gpt_data, root / name, tensor, **train), out, **opts)
+    plan = [run_entry(name, tp_cfg(data_of(train, gpt_data, albert_data), root / name, tensor,
+                                   **train), out, **opts)
             for name, (tensor, train, opts) in SCENARIOS.items()]
     os.makedirs(out)
     with open(root / "plan.json", "w") as f:
@@ -73,18 +81,19 @@ def reference(data_dir, model_dir, replicas, **train):
                       logger=logger)
     _, grads, _ = trainer.forward_backward(next(trainer._train_iterator()))
     grads = [g.numpy() for g in grads]
-    trainer.fit()
+    trainer.summary = trainer.fit()
     return trainer, np.array([logger.losses[s][0] for s in sorted(logger.losses)]), grads
 
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", list(SCENARIOS))
-def test_tensor_parallel_ranks_equal_one_process_on_the_same_data(gpt_data, runs, tmp_path,
-                                                                  name):
+def test_tensor_parallel_ranks_equal_one_process_on_the_same_data(gpt_data, albert_data, runs,
+                                                                  tmp_path, name):
     _, out = runs
     tensor, train, opts = SCENARIOS[name]
     ranks = [load(out, name, r) for r in range(RANKS)]
-    single, losses, grads = reference(gpt_data, tmp_path, RANKS // tensor, **train)
+    single, losses, grads = reference(data_of(train, gpt_data, albert_data), tmp_path,
+                                      RANKS // tensor, **train)
     first = ranks[0]
     assert np.all(first["grad_norms"] > TRAIN["grad_clip_norm"])  # clipping is active
     assert first["step"] == TRAIN["max_steps"]
@@ -112,6 +121,10 @@ def test_tensor_parallel_ranks_equal_one_process_on_the_same_data(gpt_data, runs
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     if name == "tp2_dp2_resumed":
         assert int(first["restored_step"]) == 2
+    if train.get("model") == "albert":  # the vocabulary-parallel argmax: same predictions
+        accuracy = single.summary["eval"]["mlm_accuracy"]  # 1/16 here: some hits to match
+        assert accuracy > 0
+        assert float(first["eval_mlm_accuracy"]) == pytest.approx(accuracy, rel=1e-5)
 
 
 @pytest.mark.multiproc

@@ -30,7 +30,8 @@ class Split:
     intermediate width shrink to 1/T), column (a Dense's output columns; `sections` equal
     blocks such as q, k, v each split), row (a Dense's input rows), vocab (an Embedding's rows),
     vocab_column (the untied output head's columns), vocab_input (the activation entering the
-    vocabulary projection: copied into the region after this layer), own_mask (a dropout
+    vocabulary projection: copied into the region after this layer), vocab_bias (a head's
+    per-token bias: its `vocab_size` entries split like the vocabulary), own_mask (a dropout
     inside a split region: its seed-generator state is offset by the tensor rank)."""
 
     kind: str
@@ -50,14 +51,27 @@ GPT_PLAN = (
     ("head", Split("vocab_column")),
     ("final_norm", Split("vocab_input")),
 )
-PLANS = {"GPT": GPT_PLAN}
+ALBERT_PLAN = (  # the shared blocks are split once; every call of one uses the same slices
+    ("backbone.groups.*.attn", Split("heads")),
+    ("backbone.groups.*.attn.qkv", Split("column", sections=3)),
+    ("backbone.groups.*.attn.proj", Split("row")),
+    ("backbone.groups.*.attn.attn_dropout", Split("own_mask")),
+    ("backbone.groups.*.ffn", Split("width")),
+    ("backbone.groups.*.ffn.fc", Split("column")),
+    ("backbone.groups.*.ffn.proj", Split("row")),
+    ("backbone.embedding.word", Split("vocab")),
+    ("mlm_head", Split("vocab_bias")),
+    ("mlm_head.norm", Split("vocab_input")),
+)
+PLANS = {"GPT": GPT_PLAN, "AlbertForPretraining": ALBERT_PLAN}
 
 
 def plan_for(model):
     plan = PLANS.get(type(model).__name__)
     if plan is None:
         raise ValueError(f"--tensor_parallel: no tensor-parallel plan for "
-                         f"{type(model).__name__} yet (GPT has one); run it with "
+                         f"{type(model).__name__} yet (GPT and ALBERT pretraining have one); "
+                         f"run it with "
                          f"--tensor_parallel=1")
     return plan
 
@@ -106,6 +120,8 @@ def _shrink(layer, split, size):
         what = "vocab_size" if kind == "vocab_column" else f"{layer.name} units"
         _divide(layer.units // split.sections, size, what)
         layer.units //= size
+    elif kind == "vocab_bias":
+        layer.vocab_size = _divide(layer.vocab_size, size, "vocab_size")
     elif kind == "vocab":
         layer.input_dim = _divide(layer.input_dim, size, "vocab_size (pad the vocabulary "
                                   "with tfbig-prep --vocab_size)")
@@ -122,6 +138,8 @@ def _variable_splits(layer, split):
         return [(layer.kernel, (0, 1))]  # the bias is replicated
     if split.kind == "vocab":
         return [(layer.embeddings, (0, 1))]
+    if split.kind == "vocab_bias":
+        return [(layer.bias, (0, 1))]
     return []
 
 
@@ -156,7 +174,7 @@ def split_model(task, group, wrap=None):
             wrap(layer, split, group)
         splits.update({v.path: piece for v, piece in _variable_splits(layer, split)})
     if not any(split.kind == "vocab_input" for _, split in layers):
-        raise ValueError("--tensor_parallel: this model has no final LayerNorm before its "
+        raise ValueError("--tensor_parallel: this model has no LayerNorm before its "
                          "vocabulary projection (post-LN GPT); tensor parallelism needs the "
                          "pre-LN layout (the default)")
     own_masks = {v.path for layer, split in layers if split.kind == "own_mask"

@@ -122,6 +122,18 @@ def _wrap(layer, split, group):
 
 
 
+def vocab_parallel_argmax(logits, group, output_type=tf.int64):
+    """tf.argmax over the vocabulary from this rank's slice (ties: the lowest index)."""
+    ps, width = group.process_set, logits.shape[-1]
+    local_max = tf.reduce_max(logits, axis=-1)
+    local_arg = tf.argmax(logits, axis=-1, output_type=output_type) + \
+        tf.cast(group.rank * width, output_type)
+    maxes = hvd.allgather(local_max[None], process_set=ps)  # (T, ...)
+    args = hvd.allgather(local_arg[None], process_set=ps)
+    winner = tf.argmax(maxes, axis=0, output_type=tf.int32)  # the first rank holding the max
+    return tf.experimental.numpy.take_along_axis(args, winner[None], axis=0)[0]
+
+
 # ---- the strategy ----------------------------------------------------------------------------
 class TensorParallelStrategy(HorovodStrategy):
     """Horovod data parallelism over the data axis, each replica split over a tensor group."""
@@ -146,8 +158,10 @@ class TensorParallelStrategy(HorovodStrategy):
         model, self.splits = split_model(task, self.group, wrap=_wrap)
         self._model = model
         self._split_ids = {id(v) for v in model.variables if v.path in self.splits}
-        task.cross_entropy = lambda labels, logits: vocab_parallel_cross_entropy(
+        task.vocab_cross_entropy = lambda labels, logits: vocab_parallel_cross_entropy(
             labels, logits, self.group)
+        task.vocab_argmax = lambda logits, output_type: vocab_parallel_argmax(
+            logits, self.group, output_type)
         return model
 
     def make_forward_backward(self, loss_fn, variables, scale_loss, jit_compile):

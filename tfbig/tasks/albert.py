@@ -27,6 +27,10 @@ class AlbertTask:
     """ALBERT pretraining (MLM + SOP) on fixed-length "albert" records of seq_length tokens."""
 
     format = "albert"
+    # Over the vocabulary: a backend that splits it over ranks (tensor parallelism) sets its own.
+    vocab_cross_entropy = staticmethod(tf.nn.sparse_softmax_cross_entropy_with_logits)
+    vocab_argmax = staticmethod(lambda logits, output_type: tf.argmax(
+        logits, -1, output_type=output_type))
 
     def __init__(self, train, albert=None):
         self.train = train
@@ -99,10 +103,10 @@ class AlbertTask:
         """MLM + SOP loss in float32, and the metrics to average."""
         ids, weights = batch["masked_lm_ids"], tf.cast(batch["masked_lm_weights"], tf.float32)
         logits = tf.cast(outputs["mlm_logits"], tf.float32)  # (B, P, V)
-        losses = tf.nn.sparse_softmax_cross_entropy_with_logits(ids, logits)  # (B, P)
+        losses = self.vocab_cross_entropy(ids, logits)  # (B, P)
         count = tf.reduce_sum(weights) + 1e-5
         mlm_loss = tf.reduce_sum(losses * weights) / count
-        hits = tf.cast(tf.equal(tf.argmax(logits, -1, output_type=ids.dtype), ids), tf.float32)
+        hits = tf.cast(tf.equal(self.vocab_argmax(logits, ids.dtype), ids), tf.float32)
         labels = batch["next_sentence_labels"][:, 0]
         sop_logits = tf.cast(outputs["sop_logits"], tf.float32)
         sop_loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels,

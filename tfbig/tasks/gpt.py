@@ -17,11 +17,11 @@ DEFAULT_VOCAB_SIZE = 8000  # tokenizer trained on the embedded corpus when no --
 class GPTTask:
     """Next-token prediction on packed `input_ids` sequences of seq_length + 1 tokens.
 
-    `cross_entropy(labels, logits)` gives per-token losses; a backend that splits the
+    `vocab_cross_entropy(labels, logits)` gives per-token losses; a backend that splits the
     vocabulary over ranks (tensor parallelism) sets its own on the instance."""
 
     format = "gpt"
-    cross_entropy = staticmethod(tf.nn.sparse_softmax_cross_entropy_with_logits)
+    vocab_cross_entropy = staticmethod(tf.nn.sparse_softmax_cross_entropy_with_logits)
 
     def __init__(self, train):
         self.train = train
@@ -76,7 +76,7 @@ class GPTTask:
     def loss_from_outputs(self, logits, batch):
         """Mean next-token cross-entropy in float32, and the metrics to average."""
         targets = batch["input_ids"][:, 1:]
-        losses = self.cross_entropy(targets, tf.cast(logits, tf.float32))
+        losses = self.vocab_cross_entropy(targets, tf.cast(logits, tf.float32))
         loss = tf.reduce_mean(losses)
         return loss, {"loss": loss}
 
