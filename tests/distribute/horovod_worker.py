@@ -143,6 +143,18 @@ def widest_activation(trainer):
     return widest
 
 
+def own_mask_states(trainer):
+    """ids of the dropout generator states the tensor-parallel plan gives a mask per rank."""
+    if not hasattr(trainer.strategy, "splits"):
+        return set()
+    from tfbig.distribute import tensor_layout
+
+    return {id(v) for pattern, split in tensor_layout.plan_for(trainer.model)
+            if split.kind == "own_mask"
+            for layer in tensor_layout._resolve(trainer.model, pattern)
+            for v in layer.non_trainable_variables if "seed_generator" in v.path}
+
+
 def save(run, rank, trainer, logger, summary, extra):
     arrays = {f"w{i}": w for i, w in enumerate(full_values(trainer))}
     arrays.update({f"o{i}": np.asarray(v.numpy())
@@ -159,6 +171,9 @@ def save(run, rank, trainer, logger, summary, extra):
     arrays["nonfinite_steps"] = int(trainer.nonfinite_steps.numpy())
     arrays["loss_scale"] = float(loss_scale(trainer.optimizer))
     arrays["num_replicas"] = trainer.strategy.num_replicas
+    seeds = [v for v in trainer.model.variables if "seed_generator" in v.path]
+    arrays["seed_own"] = np.array([id(v) in own_mask_states(trainer) for v in seeds], bool)
+    arrays.update({f"seed{i}": np.asarray(v.numpy()) for i, v in enumerate(seeds)})
     arrays["eval_loss"] = summary["eval"].get("loss", np.nan)
     arrays["eval_mlm_accuracy"] = summary["eval"].get("mlm_accuracy", np.nan)  # ALBERT
     arrays["preempted"] = bool(summary.get("preempted"))

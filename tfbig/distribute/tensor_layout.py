@@ -177,14 +177,23 @@ def split_model(task, group, wrap=None):
         raise ValueError("--tensor_parallel: this model has no LayerNorm before its "
                          "vocabulary projection (post-LN GPT); tensor parallelism needs the "
                          "pre-LN layout (the default)")
-    own_masks = {v.path for layer, split in layers if split.kind == "own_mask"
+    own_masks = {id(v) for layer, split in layers if split.kind == "own_mask"
                  for v in layer.non_trainable_variables if "seed_generator" in v.path}
-    full_values = {v.path: v for v in full.variables}
+    # Weights by path; dropout generator states by position (their names count generators
+    # created in the process, so the twin's differ from the full model's).
+    full_seeds = [v for v in full.variables if "seed_generator" in v.path]
+    local_seeds = [v for v in local.variables if "seed_generator" in v.path]
+    full_values = {v.path: v for v in full.variables if "seed_generator" not in v.path}
     for v in local.variables:
+        if "seed_generator" in v.path:
+            continue
         value = full_values[v.path].numpy()
         if v.path in splits:
             value = take_slice(value, *splits[v.path], group.rank, group.size)
-        elif v.path in own_masks:
+        v.assign(value)
+    for source, v in zip(full_seeds, local_seeds, strict=True):
+        value = source.numpy()
+        if id(v) in own_masks:
             value = value + np.asarray(group.rank, value.dtype)  # this rank's heads' masks
         v.assign(value)
     return local, splits
@@ -310,7 +319,9 @@ def consolidate(model_dir, out_dir, warn=print):
 def _state_variables(trainer):
     """{name: variable} of everything a checkpoint holds, named the same in every layout:
     model weights by path, optimizer variables by position, the counters by name."""
-    named = {v.path: v for v in trainer.model.variables}
+    seeds = [v for v in trainer.model.variables if "seed_generator" in v.path]
+    named = {v.path: v for v in trainer.model.variables if "seed_generator" not in v.path}
+    named.update({f"rng/{i}": v for i, v in enumerate(seeds)})
     named.update({f"optimizer/{i}": v for i, v in enumerate(trainer.optimizer.variables)})
     named.update({"step": trainer.step, "batches_consumed": trainer.batches_consumed,
                   "nonfinite_steps": trainer.nonfinite_steps})
