@@ -227,3 +227,59 @@ def test_slices_of_q_k_v_blocks_join_back_to_the_full_array():
 def test_bad_tensor_parallel_flags_are_refused_before_training(options, world, message):
     with pytest.raises(ValueError, match=message):
         build_mesh(ParallelConfig(**options), world)
+
+
+class _Task:
+    """A model to split, without data."""
+
+    seq_length = 16
+
+    def __init__(self, **config):
+        from tfbig.models.gpt import GPTConfig
+
+        self.config = GPTConfig.from_preset("tiny", **config)
+
+    def build_model(self):
+        from tfbig.models.gpt import GPT
+
+        model = GPT(self.config, name="gpt")
+        model.build((None, self.seq_length))
+        return model
+
+
+@pytest.mark.parametrize("config, size, message", [
+    (dict(vocab_size=320, hidden_size=32, num_heads=4), 3,
+     "--tensor_parallel=3 does not divide num_heads=4"),
+    (dict(vocab_size=321, hidden_size=32, num_heads=4), 2,
+     r"--tensor_parallel=2 does not divide vocab_size \(pad the vocabulary"),
+    (dict(vocab_size=320, hidden_size=32, num_heads=4, pre_layer_norm=False), 2,
+     "no LayerNorm before its vocabulary projection"),
+])
+def test_models_that_do_not_split_are_refused_with_the_reason(config, size, message):
+    from tfbig.distribute.tensor_layout import TensorGroup, split_model
+
+    with pytest.raises(ValueError, match=message):
+        split_model(_Task(**config), TensorGroup(None, 0, size))
+
+
+def test_a_split_rank_holds_its_slice_of_the_single_device_initialisation():
+    from tfbig.distribute.tensor_layout import TensorGroup, split_model
+
+    import keras
+
+    task = _Task(vocab_size=320, hidden_size=32, num_heads=4, num_layers=2)
+    keras.utils.set_random_seed(0)
+    reference = {v.path: v.numpy() for v in task.build_model().variables}
+    keras.utils.set_random_seed(0)
+    local, splits = split_model(task, TensorGroup(None, 1, 2))
+    shapes = {v.path: tuple(v.shape) for v in local.variables}
+    assert shapes["gpt/block_0/attn/qkv/kernel"] == (32, 48)  # 3 x (2 heads of 8)
+    assert shapes["gpt/block_0/attn/proj/kernel"] == (16, 32)
+    assert shapes["gpt/embedding/token/embeddings"] == (160, 32)
+    for v in local.variables:
+        if "seed_generator" in v.path:
+            continue
+        expected = reference[v.path]
+        if v.path in splits:
+            expected = take_slice(expected, *splits[v.path], 1, 2)
+        np.testing.assert_array_equal(v.numpy(), expected)
