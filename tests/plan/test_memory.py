@@ -84,6 +84,11 @@ def horovod_cases(data_dir, root):
         cfg.train.model_dir = str(root / f"zero{stage}")
         cfg.parallel.zero_stage = stage
         cases.append({"name": f"zero{stage}", "config": config_lib.to_dict(cfg)})
+    # Tensor-parallel over both ranks: each holds half of every split layer (and the
+    # replicated LayerNorms and position table whole, which the plan's P / T leaves out).
+    cfg.train.model_dir, cfg.parallel.zero_stage = str(root / "tp2"), 0
+    cfg.parallel.tensor_parallel = 2
+    cases.append({"name": "tp2", "config": config_lib.to_dict(cfg)})
     return cases
 
 
