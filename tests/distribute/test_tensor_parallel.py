@@ -211,6 +211,16 @@ def test_dropout_masks_are_shared_in_replicated_regions_and_own_in_split_heads(r
             np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.multiproc
+def test_the_run_prints_its_rank_grid_and_what_each_tensor_rank_holds(runs):
+    root, _ = runs
+    log = read(root / "log.txt")
+    assert "mesh: 4 ranks = data 2 x pipeline 1 x tensor 2" in log
+    assert "tensor groups: [(0, 1), (2, 3)]" in log and "data groups: [(0, 2), (1, 3)]" in log
+    assert "tensor parallel: each rank holds 1/2 of" in log
+    assert "attention heads t*2..(t+1)*2-1, vocabulary rows t*160..(t+1)*160-1" in log
+
+
 def test_slices_of_q_k_v_blocks_join_back_to_the_full_array():
     full = np.arange(4 * 12).reshape(4, 12)  # 3 sections (q, k, v) of 4 columns
     pieces = [take_slice(full, -1, 3, t, 2) for t in range(2)]

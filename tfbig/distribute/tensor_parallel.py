@@ -157,12 +157,27 @@ class TensorParallelStrategy(HorovodStrategy):
                              "yet (the recompute would repeat the tensor group's collectives)")
         model, self.splits = split_model(task, self.group, wrap=_wrap)
         self._model = model
+        if self.is_chief:
+            print(self.describe(task.model_config), flush=True)
         self._split_ids = {id(v) for v in model.variables if v.path in self.splits}
         task.vocab_cross_entropy = lambda labels, logits: vocab_parallel_cross_entropy(
             labels, logits, self.group)
         task.vocab_argmax = lambda logits, output_type: vocab_parallel_argmax(
             logits, self.group, output_type)
         return model
+
+    def describe(self, model_config):
+        """The rank grid and what each tensor rank holds (printed at the start of a run)."""
+        size = self.group.size
+        split = [v for v in self._model.trainable_variables if v.path in self.splits]
+        held = sum(v.numpy().size for v in self._model.trainable_variables)
+        heads = model_config.num_heads // size
+        rows = model_config.vocab_size // size
+        return (f"{self.mesh.mesh.describe()}\n"
+                f"tensor parallel: each rank holds 1/{size} of {len(split)} variables "
+                f"({held:,} parameters on this rank); tensor rank t: attention heads "
+                f"t*{heads}..(t+1)*{heads}-1, vocabulary rows t*{rows}..(t+1)*{rows}-1; "
+                f"LayerNorms, position table and row-parallel biases replicated")
 
     def make_forward_backward(self, loss_fn, variables, scale_loss, jit_compile):
         # Horovod ops have no XLA kernels: the collectives sit inside the forward/backward.
