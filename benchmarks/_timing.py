@@ -1,5 +1,6 @@
-"""What the single-process throughput benchmarks share (train_throughput.py, vs_keras_hub.py):
-step-end clocks, rates between them, and the peak the MFU figures divide by."""
+"""What the throughput benchmarks share (train_throughput.py, vs_keras_hub.py, the per-rank
+workers of sharded_memory.py and tensor_parallel.py): step-end clocks, rates between them, the
+mean step time, and the peak the MFU figures divide by."""
 import time
 
 
@@ -28,6 +29,18 @@ def clock_steps(trainer):
 
     trainer._train_step = clocked_step
     return marks
+
+
+def time_steps(trainer, warmup, steps):
+    """Mean wall seconds of the trainer's step over `steps` steps after `warmup` (its input
+    included, each step's loss read back so the step has finished)."""
+    batches = trainer._train_iterator()
+    for _ in range(warmup):
+        trainer._train_step(next(batches))["loss"].numpy()
+    start = time.perf_counter()
+    for _ in range(steps):
+        trainer._train_step(next(batches))["loss"].numpy()
+    return (time.perf_counter() - start) / steps
 
 
 def peak_flops(precision):

@@ -19,7 +19,6 @@ import resource
 import subprocess
 import sys
 import tempfile
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -32,17 +31,12 @@ ENV = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1", "OMP_NUM_TH
 def worker(config_path, out_path, warmup, steps):
     """One rank: build the trainer, time `steps` steps after `warmup`, write its figures."""
     from tfbig import config as config_lib
+    from _timing import time_steps
     from tfbig.trainer import Trainer
 
     with open(config_path) as f:
         trainer = Trainer(config_lib.from_dict(json.load(f)))
-    batches = trainer._train_iterator()
-    for _ in range(warmup):
-        trainer._train_step(next(batches))["loss"].numpy()
-    start = time.perf_counter()
-    for _ in range(steps):
-        trainer._train_step(next(batches))["loss"].numpy()
-    step_seconds = (time.perf_counter() - start) / steps
+    step_seconds = time_steps(trainer, warmup, steps)
     strategy = trainer.strategy
     variables = trainer.model.trainable_variables
     nbytes = lambda vs: sum(math.prod(v.shape) * 4 for v in vs)  # noqa: E731 - all float32

@@ -19,7 +19,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -47,6 +46,7 @@ def worker(config_path, out_path, warmup, steps, dry):
 
     from tfbig import config as config_lib
     from tfbig.distribute import tensor_parallel
+    from _timing import time_steps
     from tfbig.trainer import Trainer
 
     if dry:  # the same compute without the tensor group's communication
@@ -54,13 +54,7 @@ def worker(config_path, out_path, warmup, steps, dry):
         tensor_parallel.hvd = _NoCollectives(tensor_parallel.hvd)
     with open(config_path) as f:
         trainer = Trainer(config_lib.from_dict(json.load(f)))
-    batches = trainer._train_iterator()
-    for _ in range(warmup):
-        trainer._train_step(next(batches))["loss"].numpy()
-    start = time.perf_counter()
-    for _ in range(steps):
-        trainer._train_step(next(batches))["loss"].numpy()
-    step_seconds = (time.perf_counter() - start) / steps
+    step_seconds = time_steps(trainer, warmup, steps)
     strategy = trainer.strategy
     variables = trainer.model.trainable_variables
     if hasattr(strategy, "state_bytes"):

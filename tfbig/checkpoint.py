@@ -6,6 +6,8 @@ variables explicitly, keyed by their Keras path without the model's own name
 ("block_0/attn/qkv/kernel"). Dropout seed-generator states, whose names carry a process-wide
 counter, are saved in layer order.
 """
+import json
+import os
 
 
 def model_variables(model):
@@ -18,3 +20,21 @@ def model_variables(model):
 def rng_variables(model):
     """The model's random-generator states (dropout), in layer order."""
     return [v.value for v in model.variables if "seed_generator" in v.path]
+
+
+def piece_dir(model_dir, kind, index):
+    """Where a rank that saves piece `index` of a sharded model writes: piece 0 in `model_dir`
+    (so the usual tools find the step and counters there), piece j in MODEL_DIR/KIND/NAME-j."""
+    if index == 0:
+        return model_dir
+    name = {"zero": "shard", "tensor": "rank"}[kind]
+    return os.path.join(model_dir, kind, f"{name}-{index}")
+
+
+def write_layout(directory, filename, layout):
+    """Write the JSON `layout` of a sharded checkpoint beside it, atomically."""
+    path = os.path.join(directory, filename)
+    with open(path + ".tmp", "w") as f:
+        json.dump(layout, f, indent=1)
+    os.replace(path + ".tmp", path)
+

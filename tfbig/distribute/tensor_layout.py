@@ -18,6 +18,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
+from tfbig.checkpoint import piece_dir
 from tfbig.distribute.base import Strategy
 
 LAYOUT_FILE = "tensor.json"
@@ -222,7 +223,7 @@ def rank_checkpoints(model_dir, layout, warn=print):
         raise FileNotFoundError(f"--model_dir={model_dir} has no checkpoint")
     paths = [latest]
     for rank in range(1, layout["tensor_parallel"]):
-        path = os.path.join(model_dir, "tensor", f"rank-{rank}", os.path.basename(latest))
+        path = os.path.join(piece_dir(model_dir, "tensor", rank), os.path.basename(latest))
         if not os.path.exists(path + ".index"):
             raise FileNotFoundError(f"{path}: tensor rank {rank}'s piece of {latest} is missing; "
                                     f"every rank of the first replica saves its own")

@@ -45,6 +45,7 @@ import os
 import tensorflow as tf
 from keras import ops
 
+from tfbig.checkpoint import piece_dir, write_layout
 from tfbig.distribute.horovod import HorovodStrategy
 from tfbig.distribute.horovod_keras import hvd
 from tfbig.distribute.tensor_layout import (LAYOUT_FILE, TensorGroup, join_slices,
@@ -238,9 +239,7 @@ class TensorParallelStrategy(HorovodStrategy):
         return self.rank == 0  # the first replica's ranks; the broadcast gives it to the rest
 
     def _rank_dir(self, model_dir):
-        if self.group.rank == 0:
-            return model_dir
-        return os.path.join(model_dir, "tensor", f"rank-{self.group.rank}")
+        return piece_dir(model_dir, "tensor", self.group.rank)
 
     def restore_dir(self, model_dir):
         self._check_layout(model_dir)
@@ -271,9 +270,4 @@ class TensorParallelStrategy(HorovodStrategy):
 
     def after_checkpoint(self, directory):
         if self.is_chief:
-            path = os.path.join(directory, LAYOUT_FILE)
-            with open(path + ".tmp", "w") as f:
-                json.dump(self._layout(), f, indent=1)
-            os.replace(path + ".tmp", path)
-
-
+            write_layout(directory, LAYOUT_FILE, self._layout())

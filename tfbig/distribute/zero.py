@@ -38,6 +38,7 @@ import os
 import keras
 import tensorflow as tf
 
+from tfbig.checkpoint import piece_dir, write_layout
 from tfbig.distribute.base import accumulate_gradients
 from tfbig.distribute.horovod import HorovodStrategy
 from tfbig.distribute.horovod_keras import average_gradients, hvd
@@ -189,9 +190,7 @@ class ZeroStrategy(HorovodStrategy):
         return True  # every rank restores the optimizer slices of its position
 
     def _shard_dir(self, model_dir):
-        if self.shard_index == 0:
-            return model_dir
-        return os.path.join(model_dir, "zero", f"shard-{self.shard_index}")
+        return piece_dir(model_dir, "zero", self.shard_index)
 
     def restore_dir(self, model_dir):
         self._check_layout(model_dir)
@@ -223,7 +222,4 @@ class ZeroStrategy(HorovodStrategy):
 
     def after_checkpoint(self, directory):
         if self.is_chief:
-            path = os.path.join(directory, LAYOUT_FILE)
-            with open(path + ".tmp", "w") as f:
-                json.dump(self._layout(), f)
-            os.replace(path + ".tmp", path)
+            write_layout(directory, LAYOUT_FILE, self._layout())
