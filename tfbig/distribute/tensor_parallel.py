@@ -40,8 +40,10 @@ Example:
     horovodrun -np 4 -H localhost:4 --gloo tfbig-train --strategy=horovod --tensor_parallel=2
 """
 import json
+import math
 import os
 
+import numpy as np
 import tensorflow as tf
 from keras import ops
 
@@ -145,8 +147,7 @@ class TensorParallelStrategy(HorovodStrategy):
         super().__init__(cfg, mesh)
         self.group = TensorGroup(self.mesh.process_set("tensor"), self.mesh.coords["tensor"],
                                  self.mesh.mesh.tensor)
-        self.splits = {}
-        self._split_ids = set()
+        self.splits = {}  # variable path -> (axis, sections) of the variables held in pieces
 
     @property
     def num_devices(self):
@@ -160,7 +161,6 @@ class TensorParallelStrategy(HorovodStrategy):
         self._model = model
         if self.is_chief:
             print(self.describe(task.model_config), flush=True)
-        self._split_ids = {id(v) for v in model.variables if v.path in self.splits}
         task.vocab_cross_entropy = lambda labels, logits: vocab_parallel_cross_entropy(
             labels, logits, self.group)
         task.vocab_argmax = lambda logits, output_type: vocab_parallel_argmax(
@@ -170,8 +170,8 @@ class TensorParallelStrategy(HorovodStrategy):
     def describe(self, model_config):
         """The rank grid and what each tensor rank holds (printed at the start of a run)."""
         size = self.group.size
-        split = [v for v in self._model.trainable_variables if v.path in self.splits]
-        held = sum(v.numpy().size for v in self._model.trainable_variables)
+        split = [v for v in self._trainable if v.path in self.splits]
+        held = sum(math.prod(v.shape) for v in self._trainable)
         heads = model_config.num_heads // size
         rows = model_config.vocab_size // size
         return (f"{self.mesh.mesh.describe()}\n"
@@ -193,7 +193,7 @@ class TensorParallelStrategy(HorovodStrategy):
     def build_optimizer(self, train, variables):
         from tfbig.optim import build_optimizer
 
-        replicated = [id(v) not in self._split_ids for v in variables]
+        replicated = [v.path not in self.splits for v in variables]
         return self.prepare_optimizer(build_optimizer(
             train, variables, sum_over_shards=self._sum_split_squares, replicated=replicated))
 
@@ -201,16 +201,17 @@ class TensorParallelStrategy(HorovodStrategy):
         """The norm of the whole model's gradient: split pieces summed over the group."""
         variables = self._trainable
         split = [tf.reduce_sum(tf.square(g)) for g, v in zip(grads, variables)
-                 if id(v) in self._split_ids]
+                 if v.path in self.splits]
         replicated = [tf.reduce_sum(tf.square(g)) for g, v in zip(grads, variables)
-                      if id(v) not in self._split_ids]
+                      if v.path not in self.splits]
         squares = self._sum_split_squares(tf.add_n(split))
         return tf.sqrt(squares + tf.add_n(replicated) if replicated else squares)
 
     def state_bytes(self):
         """Bytes of parameters this rank holds, split and replicated."""
-        split = sum(v.numpy().nbytes for v in self._trainable if id(v) in self._split_ids)
-        total = sum(v.numpy().nbytes for v in self._trainable)
+        nbytes = lambda v: math.prod(v.shape) * np.dtype(v.dtype).itemsize  # noqa: E731
+        split = sum(nbytes(v) for v in self._trainable if v.path in self.splits)
+        total = sum(nbytes(v) for v in self._trainable)
         return {"parameters": total, "split_parameters": split,
                 "replicated_parameters": total - split}
 
