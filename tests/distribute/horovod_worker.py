@@ -15,6 +15,10 @@ optional keys:
     first_gradients     save the averaged gradients of the first batch (gradients0..)
     widest_activation   save the largest last dimension of any rank-3 float tensor in the
                         traced forward/backward graph (nested graphs included)
+    norm_rows           save the most sequence positions a LayerNorm of the traced forward
+                        pass normalises
+    mlm_argmax          save the task's argmax of the masked-LM logits on one batch and that
+                        of the assembled single-device model (argmax_ours, argmax_full)
 Each rank writes OUT/NAME.rank{R}.npz (trainable weights w0.., optimizer variables o0..,
 per-step train losses and grad norms, the learning rates of steps 0..3, final counters) and
 OUT/NAME.rank{R}.pid. A run {"post_style": [DATA_DIR, MODEL_DIR, OUT_DIR]} runs
@@ -93,6 +97,10 @@ def train(run):
         extra["gradients"] = first_gradients(trainer)
     if run.get("widest_activation"):
         extra["widest_activation"] = widest_activation(trainer)
+    if run.get("norm_rows"):
+        extra["norm_rows"] = norm_rows(trainer)
+    if run.get("mlm_argmax"):
+        extra["argmax_ours"], extra["argmax_full"] = mlm_argmax(trainer)
     if run.get("poison_rank") is not None:
         if rank == run["poison_rank"]:
             trainer.task.poison.assign(float("inf"))
@@ -143,16 +151,34 @@ def widest_activation(trainer):
     return widest
 
 
+def norm_rows(trainer):
+    """The most sequence positions any LayerNorm of the traced forward pass normalises."""
+    batch = next(trainer._train_iterator())
+    graph = trainer.forward_backward.get_concrete_function(batch).graph
+    rows = [t.shape[1] for op in graph.get_operations() if "gradient" not in op.name
+            and any(f"/{n}" in op.name for n in ("ln_1", "ln_2", "final_norm"))
+            for t in op.outputs if t.shape.rank == 3 and t.shape[1] is not None]
+    return max(rows)
+
+
+def mlm_argmax(trainer):
+    """The task's (vocabulary-parallel) argmax of the masked-LM logits on one batch, and
+    tf.argmax of the assembled single-device model's logits on it."""
+    batch = {k: v[0] for k, v in next(trainer._train_iterator()).items()}  # one micro-batch
+    ours = trainer.task.vocab_argmax(trainer.model(batch)["mlm_logits"], tf.int64)
+    full = trainer.task.build_model()
+    for v, value in zip(full.trainable_variables, full_values(trainer), strict=True):
+        v.assign(value)
+    return ours.numpy(), tf.argmax(full(batch)["mlm_logits"], -1).numpy()
+
+
 def own_mask_states(trainer):
     """ids of the dropout generator states the tensor-parallel plan gives a mask per rank."""
     if not hasattr(trainer.strategy, "splits"):
         return set()
     from tfbig.distribute import tensor_layout
 
-    return {id(v) for pattern, split in tensor_layout.plan_for(trainer.model)
-            if split.kind == "own_mask"
-            for layer in tensor_layout._resolve(trainer.model, pattern)
-            for v in layer.non_trainable_variables if "seed_generator" in v.path}
+    return tensor_layout.own_mask_states(trainer.model, trainer.strategy.group)
 
 
 def save(run, rank, trainer, logger, summary, extra):

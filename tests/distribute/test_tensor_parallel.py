@@ -2,10 +2,12 @@
 against the single-device run on the same global batch.
 
 Scenarios (tests/distribute/horovod_worker.py plans; HOROVOD_DYNAMIC_PROCESS_SETS=1 lets one
-launch build several rank grids): TP2 x DP2 with accumulation and clipping active, ALBERT
+launch build several rank grids): TP2 x DP2 with accumulation and clipping active, the same
+with --sequence_parallel, ALBERT
 (factorised embedding, shared blocks, MLM head with its vocabulary bias, LAMB) at TP2 x DP2, TP4
 with LAMB (its per-variable trust ratio over split variables), TP2 x DP2 under fp16 loss scaling,
-and a TP2 x DP2 run stopped after 2 steps and resumed from the per-rank checkpoints. Each rank
+a TP2 x DP2 run stopped after 2 steps and resumed from the per-rank checkpoints, and a TP2 x DP2
+run started on the single-device run's checkpoint after 2 steps. Each rank
 assembles the full weights and first-step gradients from its group's slices
 (TensorParallelStrategy.gather_full) for the comparison.
 """
@@ -36,20 +38,26 @@ RANKS = 4
 TRAIN = dict(max_steps=4, batch_size=8, grad_clip_norm=0.5, dropout=0.0, grad_accum_steps=2)
 LAMB = dict(optimizer="lamb", learning_rate=1e-2, weight_decay=0.01, epsilon=1e-6)
 SCENARIOS = {  # name: (tensor_parallel, train options, worker options)
-    "tp2_dp2": (2, {}, {"first_gradients": True}),
-    "tp2_dp2_albert": (2, ALBERT, {"first_gradients": True}),
+    "tp2_dp2": (2, {}, {"first_gradients": True, "norm_rows": True}),
+    "tp2_dp2_sequence": (2, {"sequence_parallel": True},
+                         {"first_gradients": True, "norm_rows": True}),
+    "tp2_dp2_albert": (2, ALBERT, {"first_gradients": True, "mlm_argmax": True}),
     "tp4_lamb": (4, {**LAMB, "grad_accum_steps": 1},
                  {"first_gradients": True, "widest_activation": True}),
     "tp2_dp2_fp16": (2, {"precision": "mixed_float16"}, {}),
     "tp2_dp2_resumed": (2, {}, {"interrupt_at": 2}),
+    # starts on the single-device run's checkpoint after 2 steps (made by the fixture)
+    "tp2_dp2_from_one": (2, {}, {}),
     "tp2_dropout": (2, {"dropout": 0.1, "max_steps": 1}, {}),
 }
 EQUAL_TO_ONE_DEVICE = [name for name in SCENARIOS if name != "tp2_dropout"]
+FROM_ONE_AT = 2
 
 
-def tp_cfg(data_dir, model_dir, tensor, **train):
+def tp_cfg(data_dir, model_dir, tensor, sequence_parallel=False, **train):
     cfg = make_cfg(data_dir, model_dir, strategy="horovod", **{**TRAIN, **train})
     cfg.parallel.tensor_parallel = tensor
+    cfg.parallel.sequence_parallel = sequence_parallel
     return cfg
 
 
@@ -64,6 +72,7 @@ def runs(gpt_data, albert_data, tmp_path_factory):
     plan = [run_entry(name, tp_cfg(data_of(train, gpt_data, albert_data), root / name, tensor,
                                    **train), out, **opts)
             for name, (tensor, train, opts) in SCENARIOS.items()]
+    reference(gpt_data, root / "tp2_dp2_from_one", RANKS // 2, max_steps=FROM_ONE_AT)
     os.makedirs(out)
     with open(root / "plan.json", "w") as f:
         json.dump(plan, f)
@@ -77,6 +86,7 @@ def runs(gpt_data, albert_data, tmp_path_factory):
 def reference(data_dir, model_dir, replicas, **train):
     """The single-device run on the examples the data-parallel ranks read together, and the
     averaged gradients of its first batch."""
+    train = {k: v for k, v in train.items() if k != "sequence_parallel"}  # same math
     cfg = make_cfg(data_dir, model_dir, **{**TRAIN, **train})
     logger = RecordingLogger(cfg.train.model_dir, True, cfg.train.max_steps)
     trainer = Trainer(cfg, task=ReplicasTask(cfg.train, replicas, get_task(cfg.train, cfg)),
@@ -111,6 +121,9 @@ def test_tensor_parallel_ranks_equal_one_process_on_the_same_data(gpt_data, albe
         assert np.max(np.abs(ours - theirs)) < 3e-3
         assert np.mean(np.abs(ours - theirs) < 1e-4) > 0.995
         return
+    if name == "tp2_dp2_from_one":  # this run logged the steps after the restore
+        assert list(first["loss_steps"]) == list(range(FROM_ONE_AT + 1, TRAIN["max_steps"] + 1))
+        losses = losses[FROM_ONE_AT:]
     np.testing.assert_allclose(first["losses"], losses, rtol=1e-5)
     for ours, theirs in zip(listed(first, "w"), weights(single)):
         np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
@@ -124,8 +137,10 @@ def test_tensor_parallel_ranks_equal_one_process_on_the_same_data(gpt_data, albe
     if name == "tp2_dp2_resumed":
         assert int(first["restored_step"]) == 2
     if train.get("model") == "albert":  # the vocabulary-parallel argmax: same predictions
-        accuracy = single.summary["eval"]["mlm_accuracy"]  # 1/16 here: some hits to match
-        assert accuracy > 0
+        for rank in ranks:
+            assert len(np.unique(rank["argmax_full"])) > 1  # not one id everywhere
+            np.testing.assert_array_equal(rank["argmax_ours"], rank["argmax_full"])
+        accuracy = single.summary["eval"]["mlm_accuracy"]
         assert float(first["eval_mlm_accuracy"]) == pytest.approx(accuracy, rel=1e-5)
 
 
@@ -164,6 +179,14 @@ def test_no_rank_forms_full_vocabulary_logits(runs):
     _, out = runs
     for rank in range(RANKS):  # vocab 320 over 4 ranks: the widest activation is 80 wide
         assert int(load(out, "tp4_lamb", rank)["widest_activation"]) == 320 // 4
+
+
+@pytest.mark.multiproc
+def test_sequence_parallel_layer_norms_see_a_chunk_of_the_sequence(runs):
+    _, out = runs
+    for rank in range(RANKS):
+        whole = int(load(out, "tp2_dp2", rank)["norm_rows"])
+        assert int(load(out, "tp2_dp2_sequence", rank)["norm_rows"]) == whole // 2
 
 
 @pytest.mark.multiproc
@@ -221,6 +244,44 @@ def test_the_run_prints_its_rank_grid_and_what_each_tensor_rank_holds(runs):
     assert "attention heads t*2..(t+1)*2-1, vocabulary rows t*160..(t+1)*160-1" in log
 
 
+def test_a_single_device_checkpoint_restores_into_each_ranks_slices(gpt_data, tmp_path):
+    """What a tensor-parallel run started on a single-device checkpoint holds: every weight and
+    optimizer slot is its slice of the single-device state; dropout states as split_model."""
+    import tensorflow as tf
+
+    from tfbig.distribute.tensor_layout import (OfflineSlice, _state_arrays,
+                                                restore_from_single_device)
+
+    class SliceOnLoad(OfflineSlice):
+        def restore(self, trainer, path):
+            restore_from_single_device(trainer, path, self.group, self.splits)
+
+    cfg = tp_cfg(gpt_data, tmp_path, 1, max_steps=2, dropout=0.1)
+    cfg.train.strategy = "single"
+    single = Trainer(cfg)
+    single.fit()
+    path = tf.train.latest_checkpoint(str(tmp_path))
+    full = _state_arrays(single, {})
+    pieces = []
+    for rank in range(2):
+        trainer = Trainer(cfg, strategy=SliceOnLoad(cfg, rank, 2, path))
+        assert trainer.restored_from == path and int(trainer.step.numpy()) == 2
+        pieces.append(_state_arrays(trainer, trainer.strategy.splits))
+    assert set(pieces[0]) == set(full)
+    assert sum(piece is not None for _, piece in pieces[0].values()) > 20  # weights and slots
+    for name, (value, _) in full.items():
+        piece = pieces[0][name][1]
+        values = [p[name][0] for p in pieces]
+        if piece is not None:
+            np.testing.assert_array_equal(join_slices(values, *piece), value)
+        elif not name.startswith("rng/"):
+            np.testing.assert_array_equal(values[0], value)
+            np.testing.assert_array_equal(values[1], value)
+        else:  # rank 0's generator states are the single device's; rank 1's own masks + 1
+            np.testing.assert_array_equal(values[0], value)
+            assert np.array_equal(values[1], value) or np.array_equal(values[1], value + 1)
+
+
 def test_slices_of_q_k_v_blocks_join_back_to_the_full_array():
     full = np.arange(4 * 12).reshape(4, 12)  # 3 sections (q, k, v) of 4 columns
     pieces = [take_slice(full, -1, 3, t, 2) for t in range(2)]
@@ -232,7 +293,8 @@ def test_slices_of_q_k_v_blocks_join_back_to_the_full_array():
 @pytest.mark.parametrize("options, world, message", [
     (dict(tensor_parallel=3), 4, "--tensor_parallel=3 = 3 does not divide 4"),
     (dict(tensor_parallel=2, zero_stage=1), 4, "--tensor_parallel=2 with --zero_stage=1"),
-    (dict(tensor_parallel=2, sequence_parallel=True), 4, "--sequence_parallel=True is not"),
+    (dict(tensor_parallel=1, sequence_parallel=True), 4,
+     "--sequence_parallel needs --tensor_parallel >= 2"),
 ])
 def test_bad_tensor_parallel_flags_are_refused_before_training(options, world, message):
     with pytest.raises(ValueError, match=message):
@@ -264,12 +326,53 @@ class _Task:
      r"--tensor_parallel=2 does not divide vocab_size \(pad the vocabulary"),
     (dict(vocab_size=320, hidden_size=32, num_heads=4, pre_layer_norm=False), 2,
      "no LayerNorm before its vocabulary projection"),
+    (dict(vocab_size=321, hidden_size=24, num_heads=3, intermediate_size=48, sequence=True), 3,
+     "the sequence length 16 must be a multiple of 3"),
 ])
 def test_models_that_do_not_split_are_refused_with_the_reason(config, size, message):
     from tfbig.distribute.tensor_layout import TensorGroup, split_model
 
+    sequence = config.pop("sequence", False)
     with pytest.raises(ValueError, match=message):
-        split_model(_Task(**config), TensorGroup(None, 0, size))
+        split_model(_Task(**config), TensorGroup(None, 0, size, sequence))
+
+
+def test_sequence_parallel_is_refused_for_albert_with_the_reason():
+    from tfbig.distribute.tensor_layout import TensorGroup, split_model
+    from tfbig.models.albert import AlbertConfig, AlbertForPretraining
+
+    class AlbertTask:
+        seq_length = 16
+
+        def build_model(self):
+            model = AlbertForPretraining(AlbertConfig.from_preset("tiny", vocab_size=320))
+            model.build()
+            return model
+
+    with pytest.raises(ValueError, match="no sequence-parallel plan for AlbertForPretraining"):
+        split_model(AlbertTask(), TensorGroup(None, 0, 2, True))
+
+
+@pytest.mark.parametrize("sequence", [False, True])
+def test_sequence_parallel_dropouts_draw_their_own_masks(sequence):
+    """Without sequence parallelism only the attention-probability dropouts (split heads) are
+    offset by the tensor rank; with it also those of the sequence-split region (embedding,
+    residuals), whose ranks hold different positions."""
+    from tfbig.distribute.tensor_layout import TensorGroup, split_model
+
+    import keras
+
+    task = _Task(vocab_size=320, hidden_size=32, num_heads=4, num_layers=2, dropout=0.1)
+    keras.utils.set_random_seed(0)
+    full = [v.numpy() for v in task.build_model().variables if "seed_generator" in v.path]
+    keras.utils.set_random_seed(0)
+    local, _ = split_model(task, TensorGroup(None, 1, 2, sequence))
+    seeds = [v for v in local.variables if "seed_generator" in v.path]
+    attention = {id(b.attn.attn_dropout.seed_generator.state) for b in local.blocks}
+    assert len(seeds) == len(full) == 1 + 2 * 3
+    for v, value in zip(seeds, full):
+        offset = 1 if sequence or id(v) in attention else 0
+        np.testing.assert_array_equal(v.numpy() - value, np.full_like(value, offset))
 
 
 def test_a_split_rank_holds_its_slice_of_the_single_device_initialisation():

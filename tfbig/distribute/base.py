@@ -189,6 +189,10 @@ class Strategy:
         """Where this process finds the checkpoint it restores (when `restores_checkpoint`)."""
         return model_dir
 
+    def restore(self, trainer, path):
+        """Restore checkpoint `path` into the trainer's state (a split backend may slice)."""
+        trainer.checkpoint.restore(path).assert_existing_objects_matched()
+
     def checkpoint_dir(self, model_dir):
         """Where this process writes checkpoints, or None if it writes none."""
         return model_dir if self.is_chief else None

@@ -28,7 +28,7 @@ from tfbig.distribute.base import Strategy
 from tfbig.distribute.mesh import HorovodMesh, Mesh, launcher_world_size
 
 # --flag=value pairs of ParallelConfig this backend cannot run yet (refused before training).
-UNSUPPORTED = {"sequence_parallel": bool, "zero_stage": lambda v: v == 3}
+UNSUPPORTED = {"zero_stage": lambda v: v == 3}
 ZERO_STAGES = (0, 1, 2, 3)
 
 
@@ -41,6 +41,10 @@ def build_mesh(parallel, world_size):
         value = getattr(parallel, name)
         if unsupported(value):
             raise ValueError(f"--{name}={value} is not supported by --strategy=horovod yet")
+    if parallel.sequence_parallel and parallel.tensor_parallel < 2:
+        raise ValueError(f"--sequence_parallel needs --tensor_parallel >= 2 (it splits the "
+                         f"tensor group's replicated regions along the sequence); got "
+                         f"--tensor_parallel={parallel.tensor_parallel}")
     if parallel.tensor_parallel > 1 and parallel.zero_stage:
         raise ValueError(f"--tensor_parallel={parallel.tensor_parallel} with --zero_stage="
                          f"{parallel.zero_stage} is not supported by --strategy=horovod yet; "

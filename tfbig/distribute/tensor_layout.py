@@ -33,7 +33,11 @@ class Split:
     vocab_column (the untied output head's columns), vocab_input (the activation entering the
     vocabulary projection: copied into the region after this layer), vocab_bias (a head's
     per-token bias: its `vocab_size` entries split like the vocabulary), own_mask (a dropout
-    inside a split region: its seed-generator state is offset by the tensor rank)."""
+    inside a split region: its seed-generator state is offset by the tensor rank). With
+    --sequence_parallel two more act: positions (the position table's output: each rank keeps
+    the rows of its sequence chunk) and sequence_mask (a dropout of the LayerNorm/dropout
+    region: each rank holds other positions, so it draws its own mask like own_mask; without
+    sequence parallelism the region is replicated and the mask shared)."""
 
     kind: str
     sections: int = 1
@@ -51,6 +55,10 @@ GPT_PLAN = (
     ("embedding.token", Split("vocab")),
     ("head", Split("vocab_column")),
     ("final_norm", Split("vocab_input")),
+    ("embedding.position", Split("positions")),
+    ("embedding.drop", Split("sequence_mask")),
+    ("blocks.*.attn.resid_dropout", Split("sequence_mask")),
+    ("blocks.*.mlp.drop", Split("sequence_mask")),
 )
 ALBERT_PLAN = (  # the shared blocks are split once; every call of one uses the same slices
     ("backbone.groups.*.attn", Split("heads")),
@@ -100,6 +108,7 @@ class TensorGroup:
     process_set: object
     rank: int
     size: int
+    sequence_parallel: bool = False  # LayerNorm/dropout regions split along the sequence
 
 
 def _divide(value, size, what):
@@ -178,8 +187,9 @@ def split_model(task, group, wrap=None):
         raise ValueError("--tensor_parallel: this model has no LayerNorm before its "
                          "vocabulary projection (post-LN GPT); tensor parallelism needs the "
                          "pre-LN layout (the default)")
-    own_masks = {id(v) for layer, split in layers if split.kind == "own_mask"
-                 for v in layer.non_trainable_variables if "seed_generator" in v.path}
+    if group.sequence_parallel:
+        _check_sequence_parallel(local, layers, task.seq_length, group.size)
+    own_masks = own_mask_states(local, group)
     # Weights by path; dropout generator states by position (their names count generators
     # created in the process, so the twin's differ from the full model's).
     full_seeds = [v for v in full.variables if "seed_generator" in v.path]
@@ -198,6 +208,60 @@ def split_model(task, group, wrap=None):
             value = value + np.asarray(group.rank, value.dtype)  # this rank's heads' masks
         v.assign(value)
     return local, splits
+
+
+def own_mask_states(model, group):
+    """ids of the dropout generator states of `model` (a rank's split model) that draw a mask
+    of their own on each tensor rank (their state is the single-device one + the rank)."""
+    own = ("own_mask", "sequence_mask") if group.sequence_parallel else ("own_mask",)
+    return {id(v) for pattern, split in plan_for(model) if split.kind in own
+            for layer in _resolve(model, pattern)
+            for v in layer.non_trainable_variables if "seed_generator" in v.path}
+
+
+def restore_from_single_device(trainer, path, group, splits):
+    """Restore single-device checkpoint `path` into tensor rank `group.rank`'s slices.
+
+    The full model and its optimizer are built on this process for the duration of the restore
+    (P parameters and their slots, as one device of the single-device run held them), restored,
+    and every variable's slice assigned; dropout states as `split_model` offsets them. So a run
+    consolidated from any layout (`consolidate`) resumes under any --tensor_parallel."""
+    from types import SimpleNamespace
+
+    from tfbig.checkpoint import model_variables, rng_variables
+
+    full = trainer.task.build_model()
+    optimizer = Strategy(trainer.cfg).build_optimizer(trainer.cfg.train, full.trainable_variables)
+    counters = {name: tf.Variable(0, dtype=tf.int64, trainable=False, name=name)
+                for name in ("step", "batches_consumed", "nonfinite_steps")}
+    tf.train.Checkpoint(model=model_variables(full), rng_state=rng_variables(full),
+                        optimizer=optimizer, **counters).restore(
+        path).assert_existing_objects_matched()
+    source = _state_arrays(SimpleNamespace(model=full, optimizer=optimizer, **counters), splits)
+    own = own_mask_states(trainer.model, group)
+    own_rng = {f"rng/{i}" for i, v in enumerate(
+        v for v in trainer.model.variables if "seed_generator" in v.path) if id(v) in own}
+    for name, variable in _state_variables(trainer).items():
+        if name not in source:
+            raise ValueError(f"{path}: no {name} to restore (a checkpoint of another model?)")
+        value, piece = source[name]
+        if piece is not None:
+            value = take_slice(value, *piece, group.rank, group.size)
+        elif name in own_rng:
+            value = value + np.asarray(group.rank, value.dtype)
+        variable.assign(value)
+
+
+def _check_sequence_parallel(model, layers, seq_length, size):
+    if not any(split.kind == "positions" for _, split in layers):
+        raise ValueError(f"--sequence_parallel: no sequence-parallel plan for "
+                         f"{type(model).__name__} (its heads read the [CLS] token and masked "
+                         f"positions across the whole sequence); GPT has one. Run it without "
+                         f"--sequence_parallel")
+    if seq_length % size:
+        raise ValueError(f"--sequence_parallel with --tensor_parallel={size}: the sequence "
+                         f"length {seq_length} must be a multiple of {size} (each rank holds "
+                         f"an equal chunk of positions)")
 
 
 # ---- reading a tensor-parallel run on one process ----------------------------------------

@@ -33,8 +33,10 @@ runs as a TensorFlow graph, not XLA-compiled (--xla is ignored with a notice).
 Checkpoints: each rank of the first data-parallel replica writes what it holds (tensor rank 0
 in --model_dir, rank t in MODEL_DIR/tensor/rank-t) and MODEL_DIR/tensor.json records the
 layout. `tensor_layout.consolidate(model_dir, out_dir)` assembles the full variables (weights
-and optimizer slots) into a single-device checkpoint that resumes under any layout;
-tfbig-generate and tfbig-export read the pieces directly.
+and optimizer slots) into a single-device checkpoint; a tensor-parallel run started on a
+single-device checkpoint slices it on load (`restore_from_single_device`), so a run moves from
+one degree to another through one consolidation. tfbig-generate and tfbig-export read the
+pieces directly.
 
 Example:
     horovodrun -np 4 -H localhost:4 --gloo tfbig-train --strategy=horovod --tensor_parallel=2
@@ -51,7 +53,7 @@ from tfbig.checkpoint import piece_dir, write_layout
 from tfbig.distribute.horovod import HorovodStrategy
 from tfbig.distribute.horovod_keras import hvd
 from tfbig.distribute.tensor_layout import (LAYOUT_FILE, TensorGroup, join_slices,
-                                            split_model)
+                                            restore_from_single_device, split_model)
 
 
 # ---- the conjugate collectives (Megatron's mappings) -----------------------------------------
@@ -81,6 +83,54 @@ def reduce_from_region(x, process_set):
     return reduce(x)
 
 
+# ---- sequence parallelism: the same regions, split along the sequence (axis 1) ---------------
+def _on_sequence_axis(collective, x):
+    """Apply a Horovod collective that works along axis 0 to axis 1 of (B, T, ...)."""
+    perm = [1, 0] + list(range(2, len(x.shape)))
+    wide = x.dtype == tf.bfloat16  # Gloo: no bfloat16 sums, carried in float32
+    y = collective(tf.transpose(tf.cast(x, tf.float32) if wide else x, perm))
+    y = tf.transpose(y, perm)
+    return tf.cast(y, tf.bfloat16) if wide else y
+
+
+def gather_sequence(x, process_set):
+    """(B, T/t, C) chunks -> (B, T, C) forward; backward the gradient is summed over the group
+    and each rank keeps its chunk's rows (a reduce-scatter). Replaces copy_to_region."""
+    @tf.custom_gradient
+    def gather(x):
+        def grad(dy):
+            return _on_sequence_axis(lambda t: hvd.reducescatter(
+                t, op=hvd.Sum, process_set=process_set), dy)
+
+        return _on_sequence_axis(lambda t: hvd.allgather(t, process_set=process_set), x), grad
+
+    return gather(x)
+
+
+def scatter_sequence(x, process_set):
+    """(B, T, C) partial sums -> this rank's (B, T/t, C) chunk of their sum (a reduce-scatter)
+    forward; backward the chunks' gradients are gathered. Replaces reduce_from_region."""
+    @tf.custom_gradient
+    def scatter(x):
+        def grad(dy):
+            return _on_sequence_axis(lambda t: hvd.allgather(t, process_set=process_set), dy)
+
+        return _on_sequence_axis(lambda t: hvd.reducescatter(
+            t, op=hvd.Sum, process_set=process_set), x), grad
+
+    return scatter(x)
+
+
+def sequence_chunk(x, group, axis=0):
+    """This rank's equal chunk of `x` along `axis` (no communication)."""
+    length = x.shape[axis]
+    if length % group.size:
+        raise ValueError(f"--sequence_parallel: sequence length {length} is not a multiple of "
+                         f"--tensor_parallel={group.size}")
+    size = length // group.size
+    return tf.gather(x, tf.range(group.rank * size, (group.rank + 1) * size), axis=axis)
+
+
 def vocab_parallel_cross_entropy(labels, logits, group):
     """Per-token cross-entropy of labels (...) against this rank's vocabulary slice of the
     logits (..., V/T): the max, the sum of exponentials and the target's logit are each
@@ -104,11 +154,15 @@ def vocab_parallel_cross_entropy(labels, logits, group):
 def _wrap(layer, split, group):
     kind, ps = split.kind, group.process_set
     call = layer.call
+    if group.sequence_parallel:  # into the split region: all-gather; out of it: reduce-scatter
+        enter, leave = gather_sequence, scatter_sequence
+    else:  # into it: identity (all-reduce backward); out of it: all-reduce
+        enter, leave = copy_to_region, reduce_from_region
     if kind == "column":
-        layer.call = lambda x, *args, **kwargs: call(copy_to_region(x, ps), *args, **kwargs)
+        layer.call = lambda x, *args, **kwargs: call(enter(x, ps), *args, **kwargs)
     elif kind == "row":
         def row_call(x, *args, **kwargs):
-            y = reduce_from_region(ops.matmul(x, layer.kernel), ps)
+            y = leave(ops.matmul(x, layer.kernel), ps)
             return y + layer.bias if layer.use_bias else y
 
         layer.call = row_call
@@ -117,11 +171,13 @@ def _wrap(layer, split, group):
             local = ops.cast(ids, "int32") - group.rank * layer.input_dim
             inside = (local >= 0) & (local < layer.input_dim)
             rows = call(ops.where(inside, local, 0), *args, **kwargs)
-            return reduce_from_region(rows * ops.cast(inside[..., None], rows.dtype), ps)
+            return leave(rows * ops.cast(inside[..., None], rows.dtype), ps)
 
         layer.call = vocab_call
     elif kind == "vocab_input":
-        layer.call = lambda *args, **kwargs: copy_to_region(call(*args, **kwargs), ps)
+        layer.call = lambda *args, **kwargs: enter(call(*args, **kwargs), ps)
+    elif kind == "positions" and group.sequence_parallel:
+        layer.call = lambda *args, **kwargs: sequence_chunk(call(*args, **kwargs), group)
 
 
 
@@ -146,7 +202,7 @@ class TensorParallelStrategy(HorovodStrategy):
     def __init__(self, cfg=None, mesh=None):
         super().__init__(cfg, mesh)
         self.group = TensorGroup(self.mesh.process_set("tensor"), self.mesh.coords["tensor"],
-                                 self.mesh.mesh.tensor)
+                                 self.mesh.mesh.tensor, self.parallel.sequence_parallel)
         self.splits = {}  # variable path -> (axis, sections) of the variables held in pieces
 
     @property
@@ -178,7 +234,23 @@ class TensorParallelStrategy(HorovodStrategy):
                 f"tensor parallel: each rank holds 1/{size} of {len(split)} variables "
                 f"({held:,} parameters on this rank); tensor rank t: attention heads "
                 f"t*{heads}..(t+1)*{heads}-1, vocabulary rows t*{rows}..(t+1)*{rows}-1; "
-                f"LayerNorms, position table and row-parallel biases replicated")
+                f"LayerNorms, position table and row-parallel biases replicated"
+                + (f"; sequence parallel: their activations split along the sequence, "
+                   f"positions t*T/{size}.. on tensor rank t" if self.group.sequence_parallel
+                   else ""))
+
+    def all_reduce_gradients(self, grads):
+        """Sequence parallelism: each rank's replicated weights (LayerNorms, position rows,
+        row-parallel biases) saw only its chunk of the positions, so their gradients are summed
+        over the tensor group first (one grouped all-reduce); then averaged over data."""
+        if self.group.sequence_parallel:
+            replicated = [i for i, v in enumerate(self._trainable) if v.path not in self.splits]
+            summed = hvd.grouped_allreduce([tf.convert_to_tensor(grads[i]) for i in replicated],
+                                           op=hvd.Sum, process_set=self.group.process_set)
+            grads = list(grads)
+            for i, g in zip(replicated, summed):
+                grads[i] = g
+        return super().all_reduce_gradients(grads)
 
     def make_forward_backward(self, loss_fn, variables, scale_loss, jit_compile):
         # Horovod ops have no XLA kernels: the collectives sit inside the forward/backward.
@@ -243,8 +315,15 @@ class TensorParallelStrategy(HorovodStrategy):
         return piece_dir(model_dir, "tensor", self.group.rank)
 
     def restore_dir(self, model_dir):
-        self._check_layout(model_dir)
+        if self._check_layout(model_dir) is None:
+            return model_dir  # a single-device checkpoint: every rank slices it
         return self._rank_dir(model_dir)
+
+    def restore(self, trainer, path):
+        if self._check_layout(trainer.cfg.train.model_dir) is None:
+            restore_from_single_device(trainer, path, self.group, self.splits)
+        else:
+            super().restore(trainer, path)
 
     def checkpoint_dir(self, model_dir):
         return self._rank_dir(model_dir) if self.rank == 0 else None
@@ -254,20 +333,22 @@ class TensorParallelStrategy(HorovodStrategy):
             path: list(piece) for path, piece in sorted(self.splits.items())}}
 
     def _check_layout(self, model_dir):
+        """The saved layout of --model_dir, or None (no checkpoint, or a single-device one)."""
         path = os.path.join(model_dir, LAYOUT_FILE)
-        if os.path.exists(path):
-            with open(path) as f:
-                saved = json.load(f)
-            if saved["tensor_parallel"] != self.group.size:
-                raise ValueError(
-                    f"--model_dir={model_dir} was written with --tensor_parallel="
-                    f"{saved['tensor_parallel']}; this run has {self.group.size}. Resume with "
-                    f"the same degree, or assemble a single-device checkpoint first: "
-                    f"python -m tfbig.distribute.tensor_layout {model_dir} OUT_DIR")
-        elif tf.train.latest_checkpoint(model_dir):
-            raise ValueError(f"--model_dir={model_dir} holds a checkpoint without tensor slices "
-                             f"({LAYOUT_FILE} is missing); resume it without --tensor_parallel "
-                             f"or start another --model_dir")
+        if os.path.exists(os.path.join(model_dir, "zero.json")):
+            raise ValueError(f"--model_dir={model_dir} holds a --zero_stage checkpoint; resume "
+                             f"it with the same --zero_stage, not --tensor_parallel")
+        if not os.path.exists(path):
+            return None
+        with open(path) as f:
+            saved = json.load(f)
+        if saved["tensor_parallel"] != self.group.size:
+            raise ValueError(
+                f"--model_dir={model_dir} was written with --tensor_parallel="
+                f"{saved['tensor_parallel']}; this run has {self.group.size}. Resume with the "
+                f"same degree, or assemble a single-device checkpoint first (it resumes with "
+                f"any degree): python -m tfbig.distribute.tensor_layout {model_dir} OUT_DIR")
+        return saved
 
     def after_checkpoint(self, directory):
         if self.is_chief:

@@ -14,7 +14,9 @@ dropout sits:
 Softmax, LayerNorm statistics and logits stay in float32 under mixed precision. The layers know
 nothing about distribution: a tensor-parallel backend shrinks `num_heads`/`intermediate_size` and
 the Dense widths from outside (tfbig.distribute.tensor_layout), so every width below is read
-from those attributes, never recomputed from the constructor's arguments.
+from those attributes, never recomputed from the constructor's arguments; and with sequence
+parallelism the QKV projection's input is a chunk of the sequence that the projection gathers,
+so attention takes its length from the projection's output.
 
 Example:
     block = TransformerBlock(64, 4, 256, causal=True, style="gpt2")
@@ -78,8 +80,9 @@ class MultiHeadAttention(keras.layers.Layer):
         """x: (B, T, C); input_mask: (B, T), 1 for real tokens. With `cache` (2, B, S, nh, hs)
         (causal only) the T new keys/values are written at `cache_index` and attention spans
         the cache; returns (y, new_cache) in that case."""
-        batch, length = ops.shape(x)[0], ops.shape(x)[1]
-        qkv = ops.reshape(self.qkv(x), (batch, length, 3, self.num_heads, self.head_size))
+        qkv = self.qkv(x)  # (B, T, 3C); its shape, not x's, is the attention's (see below)
+        batch, length = ops.shape(qkv)[0], ops.shape(qkv)[1]
+        qkv = ops.reshape(qkv, (batch, length, 3, self.num_heads, self.head_size))
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # (B, T, nh, hs)
         if cache is not None:
             if not self.causal:
