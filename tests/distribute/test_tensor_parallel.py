@@ -3,7 +3,7 @@ against the single-device run on the same global batch.
 
 Scenarios (tests/distribute/horovod_worker.py plans; HOROVOD_DYNAMIC_PROCESS_SETS=1 lets one
 launch build several rank grids): TP2 x DP2 with accumulation and clipping active, the same
-with --sequence_parallel, ALBERT
+with --sequence_parallel and with --activation_checkpointing, ALBERT
 (factorised embedding, shared blocks, MLM head with its vocabulary bias, LAMB) at TP2 x DP2, TP4
 with LAMB (its per-variable trust ratio over split variables), TP2 x DP2 under fp16 loss scaling,
 a TP2 x DP2 run stopped after 2 steps and resumed from the per-rank checkpoints, and a TP2 x DP2
@@ -41,6 +41,7 @@ SCENARIOS = {  # name: (tensor_parallel, train options, worker options)
     "tp2_dp2": (2, {}, {"first_gradients": True, "norm_rows": True}),
     "tp2_dp2_sequence": (2, {"sequence_parallel": True},
                          {"first_gradients": True, "norm_rows": True}),
+    "tp2_dp2_recompute": (2, {"activation_checkpointing": True}, {"first_gradients": True}),
     "tp2_dp2_albert": (2, ALBERT, {"first_gradients": True, "mlm_argmax": True}),
     "tp4_lamb": (4, {**LAMB, "grad_accum_steps": 1},
                  {"first_gradients": True, "widest_activation": True}),
@@ -54,10 +55,12 @@ EQUAL_TO_ONE_DEVICE = [name for name in SCENARIOS if name != "tp2_dropout"]
 FROM_ONE_AT = 2
 
 
-def tp_cfg(data_dir, model_dir, tensor, sequence_parallel=False, **train):
+def tp_cfg(data_dir, model_dir, tensor, sequence_parallel=False, activation_checkpointing=False,
+           **train):
     cfg = make_cfg(data_dir, model_dir, strategy="horovod", **{**TRAIN, **train})
     cfg.parallel.tensor_parallel = tensor
     cfg.parallel.sequence_parallel = sequence_parallel
+    cfg.pipeline.activation_checkpointing = activation_checkpointing
     return cfg
 
 
@@ -86,7 +89,8 @@ def runs(gpt_data, albert_data, tmp_path_factory):
 def reference(data_dir, model_dir, replicas, **train):
     """The single-device run on the examples the data-parallel ranks read together, and the
     averaged gradients of its first batch."""
-    train = {k: v for k, v in train.items() if k != "sequence_parallel"}  # same math
+    train = {k: v for k, v in train.items()  # the same math on one device
+             if k not in ("sequence_parallel", "activation_checkpointing")}
     cfg = make_cfg(data_dir, model_dir, **{**TRAIN, **train})
     logger = RecordingLogger(cfg.train.model_dir, True, cfg.train.max_steps)
     trainer = Trainer(cfg, task=ReplicasTask(cfg.train, replicas, get_task(cfg.train, cfg)),

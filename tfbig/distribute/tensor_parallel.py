@@ -50,6 +50,7 @@ import tensorflow as tf
 from keras import ops
 
 from tfbig.checkpoint import piece_dir, write_layout
+from tfbig.distribute import recompute
 from tfbig.distribute.horovod import HorovodStrategy
 from tfbig.distribute.horovod_keras import hvd
 from tfbig.distribute.tensor_layout import (LAYOUT_FILE, TensorGroup, join_slices,
@@ -210,10 +211,13 @@ class TensorParallelStrategy(HorovodStrategy):
         return self.mesh.mesh.size  # MFU: every rank's device works on the one model
 
     def build_model(self, task):
-        if getattr(self.cfg.pipeline, "activation_checkpointing", False):
-            raise ValueError("--activation_checkpointing with --tensor_parallel is not built "
-                             "yet (the recompute would repeat the tensor group's collectives)")
         model, self.splits = split_model(task, self.group, wrap=_wrap)
+        memory = getattr(self.cfg, "pipeline", None)
+        if memory is not None and memory.activation_checkpointing:
+            # The recompute runs the block's collectives again in the backward, on every rank
+            # of the group alike (Horovod matches collectives by name, not by order).
+            recompute.check_offload(memory.offload_activations, False)
+            recompute.checkpoint_blocks(model, offload=memory.offload_activations)
         self._model = model
         if self.is_chief:
             print(self.describe(task.model_config), flush=True)
