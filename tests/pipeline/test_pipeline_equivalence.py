@@ -169,6 +169,7 @@ def test_a_batch_without_fixed_size_is_refused(gpt_data, tmp_path, batch):
         step.get_concrete_function(spec)
 
 
+@pytest.mark.slow  # 23 s; the schedules' order and equality stay in the default run
 def test_measured_peak_memory_follows_the_schedule(gpt_data, tmp_path):
     """The CPU allocator's peak during a step, above what was held before it: GPipe keeps all
     M micro-batches' activations, 1F1B at most K - s on stage s, recompute only stage inputs.
