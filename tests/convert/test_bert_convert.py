@@ -82,7 +82,7 @@ def _convert(source, output_dir, **kwargs):
     return convert(ConvertOptions(source=str(source), output_dir=str(output_dir), **kwargs))
 
 
-def _write_hf(reference, directory):
+def _write_hf(reference, directory, hidden_act="gelu_new"):
     """Hugging Face BertModel names from keras-hub weights (written here, not by tfbig)."""
     w = {x.path: np.asarray(x.numpy()) for x in reference["backbone"].weights}
     h = HIDDEN
@@ -117,7 +117,7 @@ def _write_hf(reference, directory):
     config = {"model_type": "bert", "vocab_size": 101, "hidden_size": h,
               "num_hidden_layers": SIZES["num_layers"], "num_attention_heads": 3,
               "intermediate_size": 52, "max_position_embeddings": 40, "type_vocab_size": 2,
-              "hidden_act": "gelu_new", "layer_norm_eps": 1e-12}
+              "hidden_act": hidden_act, "layer_norm_eps": 1e-12}
     with open(os.path.join(directory, "config.json"), "w") as file:
         json.dump(config, file)
     with open(os.path.join(directory, "tokenizer_config.json"), "w") as file:
@@ -212,6 +212,24 @@ def test_huggingface_directory_and_export_round_trip(reference):
         root / "reimported")
     assert sorted(first) == sorted(second)
     assert all(np.array_equal(first[k], second[k]) for k in first)
+
+
+def test_huggingface_erf_gelu(reference):
+    """Hugging Face's "gelu" is the erf form: keras-hub's BERT with its feed-forward activation
+    set to the erf GELU is the reference; the export writes "gelu" back."""
+    root = reference["root"]
+    _convert(_write_hf(reference, str(root / "hf_erf"), hidden_act="gelu"), root / "erf")
+    backbone = keras_hub.models.BertBackbone(**SIZES)
+    backbone.set_weights(reference["backbone"].get_weights())
+    for i in range(SIZES["num_layers"]):
+        dense = backbone.get_layer(f"transformer_layer_{i}")._feedforward_intermediate_dense
+        dense.activation = lambda x: keras.activations.gelu(x, approximate=False)
+    erf = {k: np.asarray(v) for k, v in backbone(reference["inputs"]).items()}
+    assert np.abs(erf["pooled_output"] - reference["outputs"]["pooled_output"]).max() > 1e-4
+    _assert_equal_outputs(str(root / "erf"), {**reference, "outputs": erf})
+    _convert(root / "erf", root / "erf_hf", to="huggingface")
+    with open(root / "erf_hf" / "config.json") as file:
+        assert json.load(file)["hidden_act"] == "gelu"
 
 
 def test_google_checkpoint_with_pretraining_heads(reference):

@@ -1,6 +1,7 @@
 """A tfbig BERT run directory -> a Hugging Face BERT directory.
 
-    config.json (model_type "bert", hidden_act "gelu_new": the tanh GELU tfbig computes),
+    config.json (model_type "bert"; hidden_act "gelu_new", the tanh GELU, or "gelu", the erf
+    form, as the model computes),
     model.safetensors (BertForPreTraining names when the run has the pretraining heads, else
     BertModel's "bert."-prefixed backbone), vocab.txt, tokenizer_config.json (do_lower_case).
 """
@@ -17,7 +18,7 @@ def hf_config(config, pretraining):
             "model_type": "bert", "vocab_size": config.vocab_size,
             "hidden_size": config.hidden_size, "num_hidden_layers": config.num_layers,
             "num_attention_heads": config.num_heads,
-            "intermediate_size": config.intermediate_size, "hidden_act": "gelu_new",
+            "intermediate_size": config.intermediate_size, "hidden_act": "gelu_new" if config.approximate_gelu else "gelu",
             "hidden_dropout_prob": config.dropout, "attention_probs_dropout_prob": config.dropout,
             "max_position_embeddings": config.seq_length,
             "type_vocab_size": config.type_vocab_size,

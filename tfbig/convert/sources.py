@@ -62,8 +62,10 @@ def detect(directory):
                      f"bert_config.json (Google TF1) in it; found {sorted(os.listdir(directory))}")
 
 
-def _hf_config(config, path):
-    """BertConfig from a Hugging Face / Google bert_config.json dict."""
+def _hf_config(config, path, tanh_gelu=False):
+    """BertConfig from a Hugging Face / Google bert_config.json dict. Hugging Face's "gelu" is
+    the erf form; the Google TF1 code computes the tanh form whatever its config says
+    (`tanh_gelu`)."""
     keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
             "intermediate_size", "max_position_embeddings")
     missing = [k for k in keys if k not in config]
@@ -71,7 +73,8 @@ def _hf_config(config, path):
         raise UsageError(f"{path}: missing {missing}; expected a BERT config")
     act = config.get("hidden_act", "gelu")
     if act not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
-        raise UsageError(f"{path}: hidden_act={act!r}; tfbig's BERT computes GELU")
+        raise UsageError(f"{path}: hidden_act={act!r}; tfbig's BERT computes GELU (gelu, "
+                         "gelu_new or gelu_pytorch_tanh)")
     return BertConfig(
         vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
         num_layers=config["num_hidden_layers"], num_heads=config["num_attention_heads"],
@@ -80,7 +83,8 @@ def _hf_config(config, path):
         type_vocab_size=config.get("type_vocab_size", 2),
         dropout=config.get("hidden_dropout_prob", 0.1),
         layer_norm_epsilon=config.get("layer_norm_eps", 1e-12),
-        initializer_range=config.get("initializer_range", 0.02))
+        initializer_range=config.get("initializer_range", 0.02),
+        approximate_gelu=act != "gelu" or tanh_gelu)
 
 
 def check_weights(published, weights_file, name_of=lambda google: (google, False)):
@@ -178,7 +182,7 @@ def read_google(directory, lowercase=None):
     import tensorflow as tf
 
     config_file = os.path.join(directory, "bert_config.json")
-    config = _hf_config(_json(config_file), config_file)
+    config = _hf_config(_json(config_file), config_file, tanh_gelu=True)
     prefix = os.path.join(directory, "bert_model.ckpt")
     if not os.path.isfile(prefix + ".index"):
         raise UsageError(f"{prefix}.index: file not found (the TF1 checkpoint bert_model.ckpt.*)")

@@ -6,7 +6,8 @@ each block its own weights), tanh pooler on [CLS]. It is ALBERT without the fact
 embedding and without layer sharing, so the checkpoint keys are ALBERT's where the parts are
 the same ("backbone/embedding/word/embeddings", "mlm_head/...", "span_head/..."); the blocks
 are "backbone/block_{i}/..." as in GPT. GELU in its tanh form, as the original TF1 code and
-keras-hub compute it. The model knows nothing about distribution.
+keras-hub compute it, or the erf form (`approximate_gelu=False`, Hugging Face's "gelu") for
+models trained with it. The model knows nothing about distribution.
 
 Heads: masked-LM (tied to the word table) + next-sentence prediction on the pooled [CLS]
 (pretraining), start/end span logits (SQuAD), and a sentence/pair classifier.
@@ -53,7 +54,8 @@ class BertBackbone(keras.layers.Layer):
             cfg.hidden_size, cfg.num_heads, cfg.intermediate_size, cfg.dropout,
             cfg.layer_norm_epsilon, pre_layer_norm=False, causal=False, style="bert",
             initializer="truncated_normal", initializer_range=cfg.initializer_range,
-            name=f"block_{i}") for i in range(cfg.num_layers)]
+            approximate_gelu=cfg.approximate_gelu, name=f"block_{i}")
+            for i in range(cfg.num_layers)]
         self.pooler = keras.layers.Dense(cfg.hidden_size, activation="tanh", name="pooler",
                                          kernel_initializer=_truncated_normal(
                                              cfg.initializer_range))
@@ -109,7 +111,8 @@ class BertForPretraining(_BertModel):
         super().__init__(config, **kwargs)
         cfg = self.config
         self.mlm_head = MaskedLMHead(cfg.vocab_size, cfg.hidden_size, cfg.layer_norm_epsilon,
-                                     initializer_range=cfg.initializer_range, name="mlm_head")
+                                     initializer_range=cfg.initializer_range,
+                                     approximate_gelu=cfg.approximate_gelu, name="mlm_head")
         self.nsp_dropout = keras.layers.Dropout(cfg.dropout)
         self.nsp_head = keras.layers.Dense(2, kernel_initializer=_truncated_normal(
             cfg.initializer_range), name="nsp_head")

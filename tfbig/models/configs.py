@@ -165,6 +165,7 @@ class BertConfig(ArchitectureConfig):
     dropout: float = 0.1  # dropout on embeddings, attention probabilities and residual branches
     layer_norm_epsilon: float = 1e-12  # LayerNorm epsilon
     initializer_range: float = 0.02  # std of the truncated-normal initialiser
+    approximate_gelu: bool = True  # GELU's tanh form (original BERT, keras-hub); False: erf
 
     def __post_init__(self):
         if self.intermediate_size == 0:
