@@ -1,13 +1,16 @@
-"""`tfbig-convert`: published BERT checkpoints into tfbig run directories, and back out.
+"""`tfbig-convert`: published BERT and ALBERT checkpoints into tfbig run directories, and
+tfbig BERT back out to Hugging Face.
 
     tfbig-convert --source=bert-base-uncased/ --output_dir=runs/bert-base        # HF directory
     tfbig-convert --source=uncased_L-12_H-768_A-12/ --output_dir=runs/bert-base  # Google TF1
     tfbig-convert --source=keras_hub_preset/ --output_dir=runs/bert-base         # keras-hub
+    tfbig-convert --source=albert_base/ --output_dir=runs/albert-base  # model.ckpt, HF, keras-hub
     tfbig-convert --source=runs/bert-base --to=huggingface --output_dir=hf/      # export
 
-The source format is detected from its files (--format to force one). The run directory holds
-config.json (model_format "bert"), vocab.txt and a checkpoint any tfbig BERT model restores its
-backbone from (tfbig.convert.run_dir.restore_backbone). Nothing is downloaded.
+The source format and family are detected from its files (--format to force a format). The run
+directory holds config.json (model_format "bert" or "albert"), the tokenizer (vocab.txt, or
+ALBERT's SentencePiece model as tokenizer.model) and a checkpoint any tfbig model of that family
+restores its backbone from (tfbig.convert.run_dir.restore_backbone). Nothing is downloaded.
 """
 import dataclasses
 import os
@@ -51,9 +54,13 @@ def convert(options):
     from tfbig.convert import bert_names, run_dir, sources
 
     published = sources.read(options.source, options.format, lowercase)
-    weights = bert_names.google_to_tfbig(published.weights, published.config.num_layers)
+    if published.family == "albert":
+        from tfbig.convert import albert
+        weights = albert.google_to_tfbig(published.weights, published.config.num_groups)
+    else:
+        weights = bert_names.google_to_tfbig(published.weights, published.config.num_layers)
     return run_dir.write(options.output_dir, published.config, weights, published.vocab_file,
-                         published.lowercase, published.source)
+                         published.lowercase, published.source, published.family)
 
 
 def main(argv=None):

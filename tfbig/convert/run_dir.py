@@ -23,8 +23,9 @@ from tfbig.errors import UsageError
 from tfbig.models.configs import BertConfig
 
 
-def write(output_dir, config, weights, vocab_file, lowercase, source):
-    """Write the run directory; refuses one that already holds a checkpoint."""
+def write(output_dir, config, weights, vocab_file, lowercase, source, family="bert"):
+    """Write the run directory; refuses one that already holds a checkpoint. An ALBERT run
+    gets its SentencePiece model as tokenizer.model, where tfbig-train runs keep theirs."""
     if tf.train.latest_checkpoint(output_dir):
         raise UsageError(f"--output_dir={output_dir} already holds a checkpoint; choose an "
                          "empty directory")
@@ -33,11 +34,12 @@ def write(output_dir, config, weights, vocab_file, lowercase, source):
     manager = tf.train.CheckpointManager(tf.train.Checkpoint(model=variables), output_dir,
                                          max_to_keep=1)
     path = manager.save(checkpoint_number=0)
-    shutil.copyfile(vocab_file, os.path.join(output_dir, "vocab.txt"))
+    tokenizer = {"bert": {"vocab_file": "vocab.txt", "lowercase": lowercase},
+                 "albert": {"vocab_file": "tokenizer.model"}}[family]
+    shutil.copyfile(vocab_file, os.path.join(output_dir, tokenizer["vocab_file"]))
     with open(os.path.join(output_dir, "config.json"), "w") as file:
-        json.dump({"model_format": "bert", "model_config": dataclasses.asdict(config),
-                   "tokenizer": {"vocab_file": "vocab.txt", "lowercase": lowercase},
-                   "converted_from": source}, file, indent=1)
+        json.dump({"model_format": family, "model_config": dataclasses.asdict(config),
+                   "tokenizer": tokenizer, "converted_from": source}, file, indent=1)
     return path
 
 

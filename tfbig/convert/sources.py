@@ -1,4 +1,4 @@
-"""Read a BERT published in someone else's on-disk format: its config, weights and vocabulary.
+"""Read a BERT or ALBERT published in someone else's on-disk format: config, weights, tokenizer.
 
     huggingface  config.json (model_type "bert") + model.safetensors + vocab.txt
                  (+ tokenizer_config.json for do_lower_case)
@@ -6,6 +6,9 @@
                  tokenizer.json + assets/tokenizer/vocabulary.txt; read with keras-hub itself
     google       the original TF1 release: bert_config.json + bert_model.ckpt.{index,data-*}
                  + vocab.txt, read with TensorFlow's checkpoint reader
+    ALBERT       the same three: config.json (model_type "albert") + model.safetensors +
+                 spiece.model; keras_hub>AlbertBackbone presets (vocabulary.spm); Google's
+                 albert_config.json + model.ckpt.* + 30k-clean.model (tfbig.convert.albert)
 
 Each reader returns a `Published`: the BertConfig, the weights under the Google TF1 names (the
 pivot of tfbig.convert.bert_names), the vocabulary file and whether the tokenizer lowercases.
@@ -30,9 +33,10 @@ class Published:
 
     config: BertConfig
     weights: dict  # {Google TF1 name: np.ndarray}
-    vocab_file: str
+    vocab_file: str  # BERT: WordPiece vocab.txt; ALBERT: SentencePiece model
     lowercase: bool
     source: str  # "<format>:<path>", recorded in the converted run's config.json
+    family: str = "bert"  # "bert" | "albert": the run's model_format
 
 
 def _json(path):
@@ -49,17 +53,15 @@ def detect(directory):
 
     if not os.path.isdir(directory):
         raise UsageError(f"--source={directory}: not a directory")
-    if has("albert_config.json"):
-        raise UsageError(f"{directory}/albert_config.json: an ALBERT release; tfbig-convert "
-                         "reads BERT (Hugging Face, keras-hub or Google TF1 directories)")
-    if has("bert_config.json"):
+    if has("bert_config.json") or has("albert_config.json"):
         return "google"
     if has("model.weights.h5") or has("metadata.json"):
         return "keras_hub"
     if has("config.json"):
         return "huggingface"
-    raise UsageError(f"--source={directory}: no config.json (Hugging Face or keras-hub) or "
-                     f"bert_config.json (Google TF1) in it; found {sorted(os.listdir(directory))}")
+    raise UsageError(f"--source={directory}: no config.json (Hugging Face or keras-hub), "
+                     f"bert_config.json or albert_config.json (Google TF1) in it; found "
+                     f"{sorted(os.listdir(directory))}")
 
 
 def _hf_config(config, path, tanh_gelu=False):
@@ -87,12 +89,14 @@ def _hf_config(config, path, tanh_gelu=False):
         approximate_gelu=act != "gelu" or tanh_gelu)
 
 
-def check_weights(published, weights_file, name_of=lambda google: (google, False)):
-    """Every backbone tensor present with the shape the config implies; else an error naming
-    the weights file, the tensor and its shape as that file stores them (`name_of`: Google name
-    -> (the file's name, whether the file stores it transposed)) and the config's fields."""
+def check_weights(published, weights_file, name_of=lambda google: (google, False),
+                  expected=None):
+    """Every backbone tensor present with the shape the config implies (`expected`, Google
+    name -> shape; BERT's by default); else an error naming the weights file, the tensor and
+    its shape as that file stores them (`name_of`: Google name -> (the file's name, whether the
+    file stores it transposed)) and the config's fields."""
     cfg = published.config
-    expected = bert_names.google_shapes(cfg)
+    expected = bert_names.google_shapes(cfg) if expected is None else expected
     missing = [name_of(n)[0] for n in expected if n not in published.weights
                and not n.startswith("cls/")]
     if missing:
@@ -107,7 +111,9 @@ def check_weights(published, weights_file, name_of=lambda google: (google, False
             raise UsageError(
                 f"{weights_file}: {file_name} has shape {found} but the config (vocab_size="
                 f"{cfg.vocab_size}, hidden_size={cfg.hidden_size}, intermediate_size="
-                f"{cfg.intermediate_size}, seq_length={cfg.seq_length}) implies {shape}")
+                f"{cfg.intermediate_size}, seq_length={cfg.seq_length}"
+                f"{', embedding_size=%d' % cfg.embedding_size if published.family == 'albert' else ''}"
+                f") implies {shape}")
 
 
 def check_vocab(vocab_file, config, config_file):
@@ -121,12 +127,7 @@ def check_vocab(vocab_file, config, config_file):
                          f"vocab_size={config.vocab_size}; they must come from the same model")
 
 
-def read_huggingface(directory):
-    config_file = os.path.join(directory, "config.json")
-    raw = _json(config_file)
-    if raw.get("model_type") != "bert":
-        raise UsageError(f"{config_file}: model_type={raw.get('model_type')!r}; tfbig-convert "
-                         "reads BERT (model_type 'bert')")
+def _safetensors_file(directory):
     weights_file = os.path.join(directory, "model.safetensors")
     if not os.path.isfile(weights_file):
         others = [f for f in ("pytorch_model.bin", "tf_model.h5", "model.safetensors.index.json")
@@ -136,6 +137,18 @@ def read_huggingface(directory):
                                                  "model.safetensors first, e.g. transformers' "
                                                  "model.save_pretrained(dir, "
                                                  "safe_serialization=True))" if others else ""))
+    return weights_file
+
+
+def read_huggingface(directory):
+    config_file = os.path.join(directory, "config.json")
+    raw = _json(config_file)
+    if raw.get("model_type") == "albert":
+        return read_albert_huggingface(directory, raw)
+    if raw.get("model_type") != "bert":
+        raise UsageError(f"{config_file}: model_type={raw.get('model_type')!r}; tfbig-convert "
+                         "reads BERT and ALBERT (model_type 'bert' or 'albert')")
+    weights_file = _safetensors_file(directory)
     from safetensors.numpy import load_file
 
     config = _hf_config(raw, config_file)
@@ -153,9 +166,11 @@ def read_huggingface(directory):
 def read_keras_hub(directory):
     config_file = os.path.join(directory, "config.json")
     raw = _json(config_file)
+    if raw.get("registered_name") == "keras_hub>AlbertBackbone":
+        return read_albert_keras_hub(directory, raw)
     if raw.get("registered_name") != "keras_hub>BertBackbone":
         raise UsageError(f"{config_file}: a {raw.get('registered_name')!r} preset; tfbig-convert "
-                         "reads keras_hub>BertBackbone presets")
+                         "reads keras_hub>BertBackbone and keras_hub>AlbertBackbone presets")
     import keras_hub
 
     backbone = keras_hub.models.BertBackbone.from_preset(directory)
@@ -181,6 +196,8 @@ def read_google(directory, lowercase=None):
     uncased_L-12_H-768_A-12 / cased_L-12_H-768_A-12)."""
     import tensorflow as tf
 
+    if os.path.isfile(os.path.join(directory, "albert_config.json")):
+        return read_albert_google(directory)
     config_file = os.path.join(directory, "bert_config.json")
     config = _hf_config(_json(config_file), config_file, tanh_gelu=True)
     prefix = os.path.join(directory, "bert_model.ckpt")
@@ -214,3 +231,83 @@ def read(directory, source_format="auto", lowercase=None):
     if lowercase is not None:
         published.lowercase = lowercase
     return published
+
+
+def _albert(directory, raw, config_file, weights, weights_file, tokenizer, source, name_of):
+    from tfbig.convert import albert
+
+    config = albert.config_from_json(raw, config_file)
+    google = weights(config)
+    published = Published(config, google, os.path.join(directory, tokenizer), False,
+                          f"{source}:{directory}", family="albert")
+    check_weights(published, weights_file, name_of, albert.google_shapes(config))
+    albert.check_tokenizer(published.vocab_file, config, config_file)
+    return published
+
+
+def read_albert_huggingface(directory, raw):
+    """config.json (model_type "albert") + model.safetensors + spiece.model."""
+    from safetensors.numpy import load_file
+
+    from tfbig.convert import albert
+
+    weights_file = _safetensors_file(directory)
+    hf_names = {}
+
+    def weights(config):
+        rows = albert.table(config.num_groups) + [
+            (None, g, h) for _, gs, hs in albert.qkv_table(config.num_groups)
+            for g, h in zip(gs, hs)]
+        hf_names.update({g: (h, g.endswith("/kernel")) for _, g, h in rows})
+        return albert.hf_to_google(load_file(weights_file), config.num_groups)
+
+    return _albert(directory, raw, os.path.join(directory, "config.json"), weights,
+                   weights_file, "spiece.model", "huggingface",
+                   lambda google: hf_names.get(google, (google, False)))
+
+
+def read_albert_google(directory):
+    """albert_config.json + model.ckpt.{index,data-*} + 30k-clean.model."""
+    import tensorflow as tf
+
+    config_file = os.path.join(directory, "albert_config.json")
+    prefix = os.path.join(directory, "model.ckpt")
+    if not os.path.isfile(prefix + ".index"):
+        raise UsageError(f"{prefix}.index: file not found (the TF1 checkpoint model.ckpt.*)")
+
+    def weights(config):
+        reader = tf.train.load_checkpoint(prefix)
+        return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()
+                if name.startswith(("bert/", "cls/"))}
+
+    return _albert(directory, _json(config_file), config_file, weights, prefix,
+                   "30k-clean.model", "google", lambda google: (google, False))
+
+
+def read_albert_keras_hub(directory, raw):
+    """A keras_hub>AlbertBackbone preset, read with keras-hub."""
+    import keras_hub
+
+    from tfbig.convert import albert
+
+    c = raw["config"]
+    if c.get("num_inner_repetitions", 1) != 1:
+        raise UsageError(f"{directory}/config.json: num_inner_repetitions="
+                         f"{c['num_inner_repetitions']}; tfbig's ALBERT runs one layer per group")
+    hf_like = {"vocab_size": c["vocabulary_size"], "embedding_size": c["embedding_dim"],
+               "hidden_size": c["hidden_dim"], "num_hidden_layers": c["num_layers"],
+               "num_hidden_groups": c["num_groups"], "num_attention_heads": c["num_heads"],
+               "intermediate_size": c["intermediate_dim"],
+               "max_position_embeddings": c["max_sequence_length"],
+               "type_vocab_size": c["num_segments"], "hidden_dropout_prob": c.get("dropout", 0.0)}
+
+    def weights(config):
+        backbone = keras_hub.models.AlbertBackbone.from_preset(directory)
+        return albert.keras_hub_to_google({w.path: np.asarray(w.numpy())
+                                           for w in backbone.weights},
+                                          config.num_groups, config.hidden_size)
+
+    return _albert(directory, hf_like, os.path.join(directory, "config.json"), weights,
+                   os.path.join(directory, "model.weights.h5"),
+                   os.path.join("assets", "tokenizer", "vocabulary.spm"), "keras_hub",
+                   lambda google: (google, False))
