@@ -285,10 +285,12 @@ def test_bad_inputs_name_the_file(reference, tmp_path):
     shutil.copytree(hf, no_vocab)
     os.remove(no_vocab / "vocab.txt")
     fails(no_vocab, r"no_vocab/vocab\.txt: file not found")
-    albert = tmp_path / "albert"
-    shutil.copytree(hf, albert)
-    _edit_json(albert / "config.json", model_type="albert")
-    fails(albert, r"albert/config\.json: model_type='albert'")
+    gpt2 = tmp_path / "gpt2"
+    shutil.copytree(hf, gpt2)
+    _edit_json(gpt2 / "config.json", model_type="gpt2")
+    fails(gpt2, r"gpt2/config\.json: model_type='gpt2'; tfbig-convert reads BERT and ALBERT")
+    _edit_json(gpt2 / "config.json", model_type="albert")  # an ALBERT config over BERT files
+    fails(gpt2, r"gpt2/config\.json: missing \['embedding_size'\]; expected an ALBERT config")
     shape = tmp_path / "shape"
     shutil.copytree(hf, shape)
     _edit_json(shape / "config.json", intermediate_size=64)
