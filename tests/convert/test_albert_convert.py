@@ -178,7 +178,7 @@ def test_google_checkpoint_with_pretraining_heads(reference):
     g.update({n: rng.normal(size=s).astype("float32") for n, s in heads.items()})
     os.makedirs(d)
     names_sorted = sorted(g)
-    tf.raw_ops.SaveV2(prefix=os.path.join(d, "model.ckpt"), tensor_names=names_sorted,
+    tf.raw_ops.SaveV2(prefix=os.path.join(d, "model.ckpt-best"), tensor_names=names_sorted,
                       shape_and_slices=[""] * len(names_sorted),
                       tensors=[g[n] for n in names_sorted])
     with open(os.path.join(d, "albert_config.json"), "w") as file:
@@ -196,4 +196,10 @@ def test_google_checkpoint_with_pretraining_heads(reference):
                                   g["cls/seq_relationship/output_weights"].T)
     os.remove(os.path.join(d, "30k-clean.model"))
     with pytest.raises(UsageError, match=r"albert_base/30k-clean\.model: file not found"):
+        _convert(d, reference["root"] / "bad_google")
+    for name in os.listdir(d):
+        if name.startswith("model.ckpt"):
+            os.remove(os.path.join(d, name))
+    with pytest.raises(UsageError, match=r"albert_base/model\.ckpt\*\.index: expected one TF1 "
+                                         r"checkpoint, found none"):
         _convert(d, reference["root"] / "bad_google")

@@ -267,13 +267,17 @@ def read_albert_huggingface(directory, raw):
 
 
 def read_albert_google(directory):
-    """albert_config.json + model.ckpt.{index,data-*} + 30k-clean.model."""
+    """albert_config.json + model.ckpt*.{index,data-*} + 30k-clean.model."""
     import tensorflow as tf
 
     config_file = os.path.join(directory, "albert_config.json")
-    prefix = os.path.join(directory, "model.ckpt")
-    if not os.path.isfile(prefix + ".index"):
-        raise UsageError(f"{prefix}.index: file not found (the TF1 checkpoint model.ckpt.*)")
+    # The releases name it model.ckpt-best (v2) or model.ckpt-<step>: take the one there is.
+    found = sorted(f[:-len(".index")] for f in os.listdir(directory)
+                   if f.startswith("model.ckpt") and f.endswith(".index"))
+    if len(found) != 1:
+        raise UsageError(f"{directory}/model.ckpt*.index: expected one TF1 checkpoint, found "
+                         f"{found or 'none'}")
+    prefix = os.path.join(directory, found[0])
 
     def weights(config):
         reader = tf.train.load_checkpoint(prefix)
