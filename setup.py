@@ -31,6 +31,7 @@ setup(
             "tfbig-launch=launch.local:run",
             "tfbig-plan=tfbig.plan.cli:run",
             "tfbig-convert=tfbig.convert:run",
+            "tfbig-classify=tfbig.classify:run",
         ]
     },
 )
