@@ -26,7 +26,8 @@ from tfbig.wordpiece import WordPieceTokenizer
 SIZES = dict(vocabulary_size=101, num_layers=2, num_heads=3, hidden_dim=36, intermediate_dim=52,
              max_sequence_length=40, num_segments=2)
 HIDDEN = SIZES["hidden_dim"]
-TEXT = ("Héllo, wörld!! Ça va? «Quoi»—naïve café... 東京は晴れ。 Привет, мир! 42.5% (a+b)=c; "
+TEXT = ("Héllo, wörld!! Ça va? «Quoi»—naïve café... 東京は晴れ。 "
+        "Привет, мир! 42.5% (a+b)=c; "
         "e-mail: x@y.z #tag $5 ~ `q` ÜNÏCÖDÉ")
 
 

@@ -113,7 +113,8 @@ def google_shapes(config):
     """{Google name: shape} that an AlbertConfig implies."""
     v, e, h, i = config.vocab_size, config.embedding_size, config.hidden_size, \
         config.intermediate_size
-    special = {"seq_relationship/output_bias": (2,), "word_embeddings": (v, e), "position_embeddings": (config.seq_length, e),
+    special = {"seq_relationship/output_bias": (2,), "word_embeddings": (v, e),
+               "position_embeddings": (config.seq_length, e),
                "token_type_embeddings": (config.type_vocab_size, e),
                "embedding_hidden_mapping_in/kernel": (e, h), "embedding_hidden_mapping_in/bias":
                (h,), "embeddings/LayerNorm": (e,), "ffn_1/intermediate/dense/kernel": (h, i),

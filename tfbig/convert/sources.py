@@ -111,9 +111,15 @@ def check_weights(published, weights_file, name_of=lambda google: (google, False
             raise UsageError(
                 f"{weights_file}: {file_name} has shape {found} but the config (vocab_size="
                 f"{cfg.vocab_size}, hidden_size={cfg.hidden_size}, intermediate_size="
-                f"{cfg.intermediate_size}, seq_length={cfg.seq_length}"
-                f"{', embedding_size=%d' % cfg.embedding_size if published.family == 'albert' else ''}"
-                f") implies {shape}")
+                f"{cfg.intermediate_size}, seq_length={cfg.seq_length}{_embedding(published)})"
+                f" implies {shape}")
+
+
+def _embedding(published):
+    """ALBERT's embedding size, for the shape message."""
+    if published.family != "albert":
+        return ""
+    return f", embedding_size={published.config.embedding_size}"
 
 
 def check_vocab(vocab_file, config, config_file):
