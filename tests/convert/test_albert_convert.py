@@ -184,6 +184,8 @@ def test_google_checkpoint_with_pretraining_heads(reference):
     with open(os.path.join(d, "albert_config.json"), "w") as file:
         json.dump(_config_json(hidden_act="gelu"), file)
     shutil.copyfile(reference["spm"], os.path.join(d, "30k-clean.model"))
+    with pytest.raises(UsageError, match=r"--lowercase=true: applies to BERT's WordPiece"):
+        _convert(d, reference["root"] / "from_google", lowercase="true")
     _convert(d, reference["root"] / "from_google")
     _assert_equal_outputs(str(reference["root"] / "from_google"), reference)
     model = AlbertForPretraining(AlbertConfig(**json.load(open(

@@ -54,6 +54,10 @@ def convert(options):
     from tfbig.convert import bert_names, run_dir, sources
 
     published = sources.read(options.source, options.format, lowercase)
+    if published.family == "albert" and lowercase is not None:
+        raise UsageError(f"--lowercase={options.lowercase}: applies to BERT's WordPiece "
+                         f"vocabulary; {options.source} is an ALBERT (its SentencePiece model "
+                         "carries its own normalisation)")
     if published.family == "albert":
         from tfbig.convert import albert
         weights = albert.google_to_tfbig(published.weights, published.config.num_groups)
