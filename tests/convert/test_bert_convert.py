@@ -201,6 +201,8 @@ def test_huggingface_directory_and_export_round_trip(reference):
     _convert(hf, root / "from_hf")
     _assert_equal_outputs(str(root / "from_hf"), reference)
     # export -> keras-hub reads it with equal outputs; re-import is bit-exact
+    with pytest.raises(UsageError, match="--format and --lowercase describe an import"):
+        _convert(root / "from_hf", root / "exported", to="huggingface", lowercase="false")
     _convert(root / "from_hf", root / "exported", to="huggingface")
     exported = keras_hub.models.BertBackbone.from_preset(str(root / "exported"))
     for key, value in exported(reference["inputs"]).items():

@@ -47,6 +47,9 @@ def convert(options):
     if lowercase == "?":
         raise UsageError(f"--lowercase={options.lowercase!r}: expected auto, true or false")
     if options.to == "huggingface":
+        if options.format != "auto" or lowercase is not None:
+            raise UsageError("--format and --lowercase describe an import (--to=tfbig); the "
+                             "export reads them from the run's config.json")
         from tfbig.convert import export_hf
         return export_hf.export(options.source, options.output_dir)
     if options.to != "tfbig":
