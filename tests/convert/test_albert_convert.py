@@ -1,4 +1,4 @@
-"""ALBERT in from the formats users download: a random keras-hub ALBERT with odd sizes (E 10,
+"""ALBERT in from the formats users download, and out to Hugging Face: a random keras-hub ALBERT with odd sizes (E 10,
 hidden 36, 3 heads, intermediate 52, vocabulary 101, 4 layers in 2 groups) written by
 keras-hub (`save_to_preset`), under the Hugging Face names with `safetensors` (checked by
 keras-hub's own Hugging Face converter) and under the Google TF1 `model.ckpt` names with
@@ -110,6 +110,26 @@ def test_keras_hub_preset(reference):
     _assert_equal_outputs(str(reference["root"] / "from_keras_hub"), reference)
 
 
+def test_export_loads_in_keras_hub_and_reimports_exactly(reference):
+    root = reference["root"]
+    source = root / "from_keras_hub"
+    if not source.exists():
+        test_keras_hub_preset(reference)
+    _convert(source, root / "albert_hf", to="huggingface")
+    exported = keras_hub.models.AlbertBackbone.from_preset(str(root / "albert_hf"))
+    x, real = reference["inputs"], reference["inputs"]["padding_mask"].astype(bool)
+    out = exported(x)
+    np.testing.assert_allclose(np.asarray(out["sequence_output"])[real],
+                               reference["outputs"]["sequence_output"][real], atol=1e-5,
+                               rtol=1e-5)
+    np.testing.assert_allclose(out["pooled_output"], reference["outputs"]["pooled_output"],
+                               atol=1e-5, rtol=1e-5)
+    _convert(root / "albert_hf", root / "albert_back")
+    first, second = run_dir.read_weights(source), run_dir.read_weights(root / "albert_back")
+    assert sorted(first) == sorted(second)
+    assert all(np.array_equal(first[k], second[k]) for k in first)
+
+
 def test_huggingface_directory(reference):
     w, d = reference["weights"], str(reference["root"] / "hf")
     t = {"albert.embeddings.word_embeddings.weight": w["token_embedding/embeddings"],
@@ -196,6 +216,12 @@ def test_google_checkpoint_with_pretraining_heads(reference):
                                   g["cls/predictions/transform/dense/kernel"])
     np.testing.assert_array_equal(model.sop_head.kernel.numpy(),
                                   g["cls/seq_relationship/output_weights"].T)
+    _convert(reference["root"] / "from_google", reference["root"] / "google_hf", to="huggingface")
+    _convert(reference["root"] / "google_hf", reference["root"] / "google_back")
+    first = run_dir.read_weights(reference["root"] / "from_google")
+    second = run_dir.read_weights(reference["root"] / "google_back")
+    assert sorted(first) == sorted(second) and "sop_head/kernel" in first  # heads go round too
+    assert all(np.array_equal(first[k], second[k]) for k in first)
     os.remove(os.path.join(d, "30k-clean.model"))
     with pytest.raises(UsageError, match=r"albert_base/30k-clean\.model: file not found"):
         _convert(d, reference["root"] / "bad_google")

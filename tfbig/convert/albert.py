@@ -196,3 +196,37 @@ def check_tokenizer(path, config, config_file):
     if size != config.vocab_size:
         raise UsageError(f"{path}: {size} pieces, but {config_file} says vocab_size="
                          f"{config.vocab_size}; they must come from the same model")
+
+
+def tfbig_to_google(weights, num_groups):
+    """The inverse of google_to_tfbig (heads only if `weights` has them)."""
+    out = {}
+    for tfbig, name, _ in table(num_groups):
+        if tfbig in weights:
+            out[name] = weights[tfbig].T if _tfbig_transposed(tfbig) else weights[tfbig]
+    for tfbig, names, _ in qkv_table(num_groups):
+        out.update(zip(names, np.split(weights[tfbig], 3, axis=-1)))
+    return out
+
+
+def google_to_hf(google, num_groups):
+    """{Google name: array} -> {HF name: array} (AlbertForPreTraining names)."""
+    rows = table(num_groups) + [(None, g, h) for _, gs, hs in qkv_table(num_groups)
+                                for g, h in zip(gs, hs)]
+    return {hf: np.ascontiguousarray(google[g].T if g.endswith("/kernel") else google[g])
+            for _, g, hf in rows if g in google}
+
+
+def hf_config(config, pretraining):
+    """A Hugging Face config.json dict for an AlbertConfig."""
+    return {"architectures": ["AlbertForPreTraining" if pretraining else "AlbertModel"],
+            "model_type": "albert", "vocab_size": config.vocab_size,
+            "embedding_size": config.embedding_size, "hidden_size": config.hidden_size,
+            "num_hidden_layers": config.num_layers, "num_hidden_groups": config.num_groups,
+            "inner_group_num": 1, "num_attention_heads": config.num_heads,
+            "intermediate_size": config.intermediate_size, "hidden_act": "gelu_new",
+            "hidden_dropout_prob": config.dropout, "attention_probs_dropout_prob": config.dropout,
+            "max_position_embeddings": config.seq_length,
+            "type_vocab_size": config.type_vocab_size,
+            "initializer_range": config.initializer_range,
+            "layer_norm_eps": config.layer_norm_epsilon, "pad_token_id": 0}

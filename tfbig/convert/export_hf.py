@@ -1,4 +1,4 @@
-"""A tfbig BERT run directory -> a Hugging Face BERT directory.
+"""A tfbig BERT or ALBERT run directory -> a Hugging Face directory.
 
     config.json (model_type "bert"; hidden_act "gelu_new", the tanh GELU, or "gelu", the erf
     form, as the model computes),
@@ -31,11 +31,13 @@ def export(source_dir, output_dir):
     """Write the Hugging Face directory; returns the path of model.safetensors."""
     from safetensors.numpy import save_file
 
-    config, saved = run_dir.read_config(source_dir)
+    config, saved = run_dir.read_config(source_dir, families=("bert", "albert"))
     if os.path.exists(os.path.join(output_dir, "model.safetensors")):
         raise UsageError(f"--output_dir={output_dir} already holds a model.safetensors; choose "
                          "an empty directory")
     weights = run_dir.read_weights(source_dir)
+    if saved["model_format"] == "albert":
+        return _export_albert(source_dir, output_dir, config, weights)
     google = bert_names.tfbig_to_google(weights, config.num_layers)
     tensors = bert_names.google_to_hf(google)
     os.makedirs(output_dir, exist_ok=True)
@@ -49,4 +51,22 @@ def export(source_dir, output_dir):
     with open(os.path.join(output_dir, "tokenizer_config.json"), "w") as file:
         json.dump({"tokenizer_class": "BertTokenizer",
                    "do_lower_case": tokenizer.get("lowercase", True)}, file, indent=1)
+    return path
+
+
+def _export_albert(source_dir, output_dir, config, weights):
+    """ALBERT: config.json (model_type "albert"), model.safetensors, spiece.model."""
+    from safetensors.numpy import save_file
+
+    from tfbig.convert import albert
+
+    tensors = albert.google_to_hf(albert.tfbig_to_google(weights, config.num_groups),
+                                  config.num_groups)
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, "model.safetensors")
+    save_file(tensors, path, metadata={"format": "pt"})
+    with open(os.path.join(output_dir, "config.json"), "w") as file:
+        json.dump(albert.hf_config(config, "mlm_head/bias" in weights), file, indent=1)
+    shutil.copyfile(os.path.join(source_dir, "tokenizer.model"),
+                    os.path.join(output_dir, "spiece.model"))
     return path

@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from tfbig.checkpoint import model_variables
 from tfbig.errors import UsageError
-from tfbig.models.configs import BertConfig
+from tfbig.models.configs import AlbertConfig, BertConfig
 
 
 def write(output_dir, config, weights, vocab_file, lowercase, source, family="bert"):
@@ -43,18 +43,19 @@ def write(output_dir, config, weights, vocab_file, lowercase, source, family="be
     return path
 
 
-def read_config(run_dir):
-    """(BertConfig, the config.json dict) of a BERT run directory."""
+def read_config(run_dir, families=("bert",)):
+    """(BertConfig or AlbertConfig, the config.json dict) of a run directory of `families`."""
     path = os.path.join(run_dir, "config.json")
     if not os.path.isfile(path):
-        raise UsageError(f"{path}: file not found; expected a tfbig BERT run directory "
+        raise UsageError(f"{path}: file not found; expected a tfbig run directory "
                          "(tfbig-convert --output_dir or tfbig-train --model_dir)")
     with open(path) as file:
         saved = json.load(file)
-    if saved.get("model_format") != "bert":
-        raise UsageError(f"{path}: model_format={saved.get('model_format')!r}; expected a BERT "
-                         "run ('bert')")
-    return BertConfig(**saved["model_config"]), saved
+    if saved.get("model_format") not in families:
+        raise UsageError(f"{path}: model_format={saved.get('model_format')!r}; expected one of "
+                         f"{list(families)}")
+    config_class = {"bert": BertConfig, "albert": AlbertConfig}[saved["model_format"]]
+    return config_class(**saved["model_config"]), saved
 
 
 def read_weights(run_dir):
