@@ -1,5 +1,5 @@
 """`tfbig-convert`: published BERT and ALBERT checkpoints into tfbig run directories, and
-tfbig BERT back out to Hugging Face.
+tfbig BERT/ALBERT runs back out to Hugging Face directories.
 
     tfbig-convert --source=bert-base-uncased/ --output_dir=runs/bert-base        # HF directory
     tfbig-convert --source=uncased_L-12_H-768_A-12/ --output_dir=runs/bert-base  # Google TF1
@@ -31,7 +31,8 @@ class ConvertOptions:
                             "run directory (--to=huggingface).")
     output_dir: str = field("", "Directory to write (must not hold a checkpoint yet).")
     to: str = field("tfbig", "tfbig: import --source into a tfbig run directory; huggingface: "
-                             "export a tfbig run as config.json + model.safetensors + vocab.txt.")
+                             "export a tfbig BERT/ALBERT run as config.json + model.safetensors "
+                             "+ its tokenizer.")
     format: str = field("auto", "Format of --source for --to=tfbig: auto (from its files) | "
                                 "huggingface | keras_hub | google.")
     lowercase: str = field("auto", "Does the WordPiece tokenizer lowercase (and strip accents): "
