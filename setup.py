@@ -13,6 +13,7 @@ setup(
         "absl-py>=1.4",
         "sentencepiece>=0.2",
         "psutil>=5.9",
+        "safetensors>=0.4",
     ],
     extras_require={
         # TensorBoard's Profile tab for --profile_steps traces. The 2.20 line matches
@@ -29,6 +30,8 @@ setup(
             "tfbig-profile=tfbig.profiling.report:run",
             "tfbig-launch=launch.local:run",
             "tfbig-plan=tfbig.plan.cli:run",
+            "tfbig-convert=tfbig.convert:run",
+            "tfbig-classify=tfbig.classify:run",
         ]
     },
 )

@@ -55,7 +55,7 @@ def options(tmp_path, qa_sets, **overrides):
 
 def test_backbone_starts_from_the_pretrained_checkpoint(pretrained_run):
     config, tokenizer = finetune.pretrained_config(pretrained_run)
-    assert os.path.basename(tokenizer) == "tokenizer.model" and config.vocab_size == 600
+    assert os.path.basename(tokenizer.path) == "tokenizer.model" and config.vocab_size == 600
     model = finetune.build_model(config, pretrained_run)
     reader = tf.train.load_checkpoint(pretrained_run)
     (key,) = [k for k in reader.get_variable_to_shape_map()

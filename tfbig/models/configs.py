@@ -1,9 +1,9 @@
 """The architecture configs and presets of tfbig's model families, without Keras.
 
 Plain dataclasses: everything that fixes an architecture (and so its checkpoint layout), its
-closed-form parameter and FLOP counts, and the named presets. `tfbig.models.gpt` and
-`tfbig.models.albert` build Keras models from them; the planner (tfbig.plan) imports them
-without starting TensorFlow.
+closed-form parameter and FLOP counts, and the named presets. `tfbig.models.gpt`,
+`tfbig.models.albert` and `tfbig.models.bert` build Keras models from them; the planner
+(tfbig.plan) imports them without starting TensorFlow.
 
 Example:
     GPTConfig.from_preset("175b").num_params()     # 174.6e9
@@ -146,4 +146,67 @@ ALBERT_PRESETS = {
     "large": dict(hidden_size=1024, num_layers=24, num_heads=16),
     "xlarge": dict(hidden_size=2048, num_layers=24, num_heads=16),
     "xxlarge": dict(hidden_size=4096, num_layers=12, num_heads=64),
+}
+
+
+@dataclasses.dataclass
+class BertConfig(ArchitectureConfig):
+    """Everything that fixes the BERT architecture (and so its checkpoint layout)."""
+
+    family = "BERT"  # in messages
+
+    vocab_size: int = 30522  # rows of the word table (uncased English WordPiece: 30522)
+    hidden_size: int = 768  # H: word, position and segment tables and transformer width
+    num_layers: int = 12  # transformer blocks, each with its own weights
+    num_heads: int = 12  # attention heads; hidden_size must be divisible by it
+    intermediate_size: int = 0  # feed-forward width; 0 means 4 * hidden_size
+    seq_length: int = 512  # rows of the position table: the longest sequence the model reads
+    type_vocab_size: int = 2  # segment ids (sentence A / B)
+    dropout: float = 0.1  # dropout on embeddings, attention probabilities and residual branches
+    layer_norm_epsilon: float = 1e-12  # LayerNorm epsilon
+    initializer_range: float = 0.02  # std of the truncated-normal initialiser
+    approximate_gelu: bool = True  # GELU's tanh form (original BERT, keras-hub); False: erf
+
+    def __post_init__(self):
+        if self.intermediate_size == 0:
+            self.intermediate_size = 4 * self.hidden_size
+        self._check_fields(("vocab_size", "hidden_size", "num_layers", "num_heads",
+                            "seq_length", "type_vocab_size"))
+
+    @classmethod
+    def presets(cls):
+        return BERT_PRESETS
+
+    def num_params(self, head="pretraining", num_classes=2):
+        """Closed-form parameter count (equals the built model's exactly).
+
+        head: "pretraining" (backbone + MLM + NSP), "question_answering" (+ span head),
+        "classifier" (+ a `num_classes` head on the pooled [CLS]) or None (backbone only).
+        """
+        v, h, i = self.vocab_size, self.hidden_size, self.intermediate_size
+        embedding = (v + self.seq_length + self.type_vocab_size) * h + 2 * h
+        block = (3 * h * h + 3 * h) + (h * h + h) + (h * i + i) + (i * h + h) + 2 * 2 * h
+        backbone = embedding + self.num_layers * block + (h * h + h)
+        heads = {None: 0, "pretraining": (h * h + h) + 2 * h + v + (2 * h + 2),
+                 "question_answering": 2 * h + 2,
+                 "classifier": h * num_classes + num_classes}
+        if head not in heads:
+            raise ValueError(f"head={head!r}: expected one of {list(heads)}")
+        return backbone + heads[head]
+
+    def flops_per_token(self, seq_length=None):
+        """Training FLOPs per token: 6 x the blocks' matmul params + attention scores (the MLM
+        head runs on masked positions only, ignored)."""
+        t = seq_length or self.seq_length
+        h, i = self.hidden_size, self.intermediate_size
+        return 6 * self.num_layers * (4 * h * h + 2 * h * i) + 12 * self.num_layers * h * t
+
+
+# Presets are plain data. base/large follow Devlin et al. (2018) and the released
+# bert_config.json files (uncased vocabulary 30522; cased ones are 28996, a tokenizer matter:
+# tfbig-convert takes vocab_size from the files). tiny is CPU-sized.
+BERT_PRESETS = {
+    "tiny": dict(hidden_size=32, num_layers=2, num_heads=2, seq_length=128, vocab_size=8000),
+    "base": dict(hidden_size=768, num_layers=12, num_heads=12),
+    "large": dict(hidden_size=1024, num_layers=24, num_heads=16),
 }

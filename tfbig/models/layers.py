@@ -127,13 +127,15 @@ class MultiHeadAttention(keras.layers.Layer):
 
 
 class FeedForward(keras.layers.Layer):
-    """Position-wise Dense(intermediate) -> GELU (tanh form: GPT-2's and ALBERT's gelu_new)
-    -> Dense(hidden) [-> residual dropout when `output_dropout`, the gpt2 block style]."""
+    """Position-wise Dense(intermediate) -> GELU -> Dense(hidden) [-> residual dropout when
+    `output_dropout`, the gpt2 block style]. GELU in its tanh form (GPT-2's and ALBERT's
+    gelu_new, the original BERT's) unless `approximate_gelu=False` (the erf form)."""
 
     def __init__(self, hidden_size, intermediate_size, dropout=0.0, output_dropout=False,
                  initializer="normal", initializer_range=0.02, output_initializer_range=None,
-                 **kwargs):
+                 approximate_gelu=True, **kwargs):
         super().__init__(**kwargs)
+        self.approximate_gelu = approximate_gelu
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size  # the width this layer holds
         self.dropout = dropout
@@ -154,7 +156,7 @@ class FeedForward(keras.layers.Layer):
         self.proj.build(tuple(input_shape[:-1]) + (self.intermediate_size,))
 
     def call(self, x, training=False):
-        y = self.proj(ops.gelu(self.fc(x), approximate=True))
+        y = self.proj(ops.gelu(self.fc(x), approximate=self.approximate_gelu))
         return y if self.drop is None else self.drop(y, training=training)
 
     def get_config(self):
@@ -162,7 +164,8 @@ class FeedForward(keras.layers.Layer):
                 "intermediate_size": self.intermediate_size, "dropout": self.dropout,
                 "output_dropout": self.output_dropout, "initializer": self.initializer,
                 "initializer_range": self.initializer_range,
-                "output_initializer_range": self.output_initializer_range}
+                "output_initializer_range": self.output_initializer_range,
+                "approximate_gelu": self.approximate_gelu}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,7 +193,7 @@ class TransformerBlock(keras.layers.Layer):
     def __init__(self, hidden_size, num_heads, intermediate_size, dropout=0.0,
                  layer_norm_epsilon=1e-5, pre_layer_norm=True, causal=False, style="gpt2",
                  initializer="normal", initializer_range=0.02, output_initializer_range=None,
-                 **kwargs):
+                 approximate_gelu=True, **kwargs):
         super().__init__(**kwargs)
         if style not in STYLES:
             raise ValueError(f"style={style!r}: expected one of {sorted(STYLES)}")
@@ -205,6 +208,7 @@ class TransformerBlock(keras.layers.Layer):
         self.initializer = initializer
         self.initializer_range = initializer_range
         self.output_initializer_range = output_initializer_range
+        self.approximate_gelu = approximate_gelu
         names = STYLES[style]
         branch_dropout = not names.block_dropout
         init = dict(initializer=initializer, initializer_range=initializer_range,
@@ -216,7 +220,8 @@ class TransformerBlock(keras.layers.Layer):
         setattr(self, names.mlp_norm, keras.layers.LayerNormalization(
             epsilon=layer_norm_epsilon, name=names.mlp_norm))
         setattr(self, names.mlp, FeedForward(hidden_size, intermediate_size, dropout,
-                                             branch_dropout, name=names.mlp, **init))
+                                             branch_dropout, name=names.mlp,
+                                             approximate_gelu=approximate_gelu, **init))
         self.drop = keras.layers.Dropout(dropout) if names.block_dropout else None
 
     def parts(self):
@@ -253,7 +258,8 @@ class TransformerBlock(keras.layers.Layer):
                 "pre_layer_norm": self.pre_layer_norm, "causal": self.causal,
                 "style": self.style, "initializer": self.initializer,
                 "initializer_range": self.initializer_range,
-                "output_initializer_range": self.output_initializer_range}
+                "output_initializer_range": self.output_initializer_range,
+                "approximate_gelu": self.approximate_gelu}
 
 
 class Embeddings(keras.layers.Layer):
@@ -328,8 +334,10 @@ class MaskedLMHead(keras.layers.Layer):
     BERT has E = H; ALBERT's E is its factorised embedding size."""
 
     def __init__(self, vocab_size, embedding_size, layer_norm_epsilon=1e-12,
-                 initializer="truncated_normal", initializer_range=0.02, **kwargs):
+                 initializer="truncated_normal", initializer_range=0.02, approximate_gelu=True,
+                 **kwargs):
         super().__init__(**kwargs)
+        self.approximate_gelu = approximate_gelu
         self.vocab_size = vocab_size
         self.embedding_size = embedding_size
         self.layer_norm_epsilon = layer_norm_epsilon
@@ -346,7 +354,7 @@ class MaskedLMHead(keras.layers.Layer):
 
     def call(self, x, word_table):
         """x: (B, P, H) hidden states at the masked positions -> float32 logits (B, P, vocab)."""
-        h = self.norm(ops.gelu(self.dense(x), approximate=True))  # (B, P, E)
+        h = self.norm(ops.gelu(self.dense(x), approximate=self.approximate_gelu))  # (B, P, E)
         logits = ops.einsum("bpe,ve->bpv", h, ops.cast(word_table, h.dtype))
         return ops.cast(logits, "float32") + ops.cast(self.bias, "float32")
 
@@ -354,5 +362,6 @@ class MaskedLMHead(keras.layers.Layer):
         return {**super().get_config(), "vocab_size": self.vocab_size,
                 "embedding_size": self.embedding_size,
                 "layer_norm_epsilon": self.layer_norm_epsilon, "initializer": self.initializer,
-                "initializer_range": self.initializer_range}
+                "initializer_range": self.initializer_range,
+                "approximate_gelu": self.approximate_gelu}
 

@@ -1,4 +1,4 @@
-"""`tfbig-squad`: fine-tune ALBERT on SQuAD v1.1/v2.0, predict, and score with the official logic.
+"""`tfbig-squad`: fine-tune ALBERT or BERT on SQuAD v1.1/v2.0, predict, and score officially.
 
     tfbig-squad --init_checkpoint=runs/albert --train_file=train-v2.0.json \\
         --predict_file=dev-v2.0.json --output_dir=runs/squad
@@ -35,7 +35,8 @@ class SquadOptions:
     predict_file: str = field("", "SQuAD JSON to predict (and score, if it has answers).")
     output_dir: str = field("runs/squad", "Where predictions, scores and the fine-tuned "
                                           "checkpoint go.")
-    init_checkpoint: str = field("", "A tfbig-train --model=albert --model_dir: its config, "
+    init_checkpoint: str = field("", "A tfbig-train --model=albert --model_dir or a "
+                                     "tfbig-convert --output_dir (BERT or ALBERT): its config, "
                                      "tokenizer and latest checkpoint initialise the backbone.")
     random_init: bool = field(False, "Take --init_checkpoint's config and tokenizer but start "
                                      "from random weights (the no-pretraining baseline).")
@@ -76,28 +77,38 @@ def define_flags():
 
 def _model_config_and_tokenizer(options):
     from tfbig.models.albert import AlbertConfig
-    from tfbig.squad.finetune import pretrained_config
+    from tfbig.squad.finetune import pretrained_config, read_model_dir
     from tfbig.tokenizer import Tokenizer
 
     saved = os.path.join(options.output_dir, "squad_config.json")
     if not options.train_file and os.path.isfile(saved):  # predict with a fine-tuned model
         with open(saved) as file:
-            config = AlbertConfig(**json.load(file)["model_config"])
-        tokenizer_path = os.path.join(options.output_dir, "tokenizer.model")
+            content = json.load(file)
+        config, tokenizer = read_model_dir(options.output_dir, {
+            "model_format": "albert", **content}, flag="--output_dir")
     elif options.init_checkpoint:
-        config, tokenizer_path = pretrained_config(options.init_checkpoint)
+        config, tokenizer = pretrained_config(options.init_checkpoint)
     else:
         if not options.tokenizer:
             raise ValueError("give --init_checkpoint (a tfbig-train ALBERT run), --tokenizer "
                              "(with --preset, for a randomly initialised model), or an "
                              "--output_dir holding a fine-tuned model")
-        tokenizer_path = options.tokenizer
-        config = AlbertConfig.from_preset(options.preset, vocab_size=Tokenizer.load(
-            tokenizer_path).vocab_size, seq_length=max(options.max_seq_length, 128))
+        tokenizer = Tokenizer.load(options.tokenizer)
+        config = AlbertConfig.from_preset(options.preset, vocab_size=tokenizer.vocab_size,
+                                          seq_length=max(options.max_seq_length, 128))
     if options.dropout >= 0:
         config = dataclasses.replace(config, dropout=options.dropout)
     config.check_inputs(seq_length=options.max_seq_length)
-    return config, Tokenizer.load(tokenizer_path)
+    return config, tokenizer
+
+
+def _save_tokenizer(tokenizer, output_dir):
+    """Copy the tokenizer beside the fine-tuned model; its entry for squad_config.json."""
+    if hasattr(tokenizer, "vocab_file"):  # WordPiece (BERT)
+        shutil.copyfile(tokenizer.vocab_file, os.path.join(output_dir, "vocab.txt"))
+        return {"vocab_file": "vocab.txt", "lowercase": tokenizer.lowercase}
+    shutil.copyfile(tokenizer.path, os.path.join(output_dir, "tokenizer.model"))
+    return {"vocab_file": "tokenizer.model"}
 
 
 def _read(path, version, tokenizer, options):
@@ -134,9 +145,10 @@ def fine_tune(options):
                        options.learning_rate, options.warmup_proportion, options.weight_decay,
                        options.max_steps, options.seed, options.xla, options.log_every)
         finetune.save_model(model, checkpoint_prefix)
-        shutil.copyfile(tokenizer.path, os.path.join(options.output_dir, "tokenizer.model"))
         _write_json(options.output_dir, "squad_config.json",
-                    {"model_config": dataclasses.asdict(config),
+                    {"model_format": finetune.family_of(config),
+                     "tokenizer": _save_tokenizer(tokenizer, options.output_dir),
+                     "model_config": dataclasses.asdict(config),
                      "options": {k: None if v != v else v  # NaN (unset) is not JSON
                                  for k, v in dataclasses.asdict(options).items()}})
     else:

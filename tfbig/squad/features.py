@@ -97,8 +97,11 @@ def token_char_spans(tokenizer, text, byte_lengths=None):
     """Token ids of `text` and each token's character span [start, end).
 
     The leading space of a "▁" piece is not part of its span. Raises ValueError if the
-    tokenizer does not spell the text exactly (a normalising SentencePiece model).
+    tokenizer does not spell the text exactly (a normalising SentencePiece model). A WordPiece
+    tokenizer (tfbig.wordpiece) locates its pieces itself (`char_spans`).
     """
+    if hasattr(tokenizer, "char_spans"):
+        return tokenizer.char_spans(text)
     byte_lengths = tokenizer.piece_byte_lengths() if byte_lengths is None else byte_lengths
     ids = np.asarray(tokenizer.encode(text), dtype=np.int64)
     encoded = text.encode("utf-8")
@@ -160,7 +163,7 @@ def convert_examples(examples, tokenizer, max_seq_length=384, doc_stride=128,
     if doc_stride < 1:
         raise ValueError(f"--doc_stride={doc_stride}: expected >= 1")
     cls_id, sep_id = tokenizer.piece_id("[CLS]"), tokenizer.piece_id("[SEP]")
-    byte_lengths = tokenizer.piece_byte_lengths()
+    byte_lengths = None if hasattr(tokenizer, "char_spans") else tokenizer.piece_byte_lengths()
     rows, token_spans, contexts = [], [], {}
     for index, example in enumerate(examples):
         if example.context not in contexts:  # questions share contexts: tokenize each once

@@ -1,7 +1,8 @@
-"""Fine-tune ALBERT on SQuAD features, and predict start/end logits.
+"""Fine-tune ALBERT or BERT on SQuAD features, and predict start/end logits.
 
-The backbone comes from a tfbig-train ALBERT run directory (config.json, tokenizer.model and
-its latest checkpoint), or is initialised at random with the same configuration (the
+The backbone comes from a run directory: a tfbig-train ALBERT run (config.json, tokenizer.model
+and its latest checkpoint) or a BERT/ALBERT converted by tfbig-convert (BERT: vocab.txt and
+the casing in config.json), or is initialised at random with the same configuration (the
 ablation that shows what pretraining is worth). The span head is always new.
 
 Loss: mean of the start and end cross-entropies over the sequence positions (BERT). AdamW
@@ -9,7 +10,7 @@ with linear warmup and linear decay to zero, weight decay off LayerNorm, biases 
 embeddings (tfbig.optim).
 
 Example:
-    config, tokenizer_path = pretrained_config("runs/albert")
+    config, tokenizer = pretrained_config("runs/albert")
     model = build_model(config, init_checkpoint="runs/albert")
     history = train(model, features, batch_size=32, num_epochs=2, learning_rate=5e-5)
     start_logits, end_logits = predict(model, dev_features)
@@ -26,34 +27,57 @@ import tensorflow as tf
 from tfbig.checkpoint import model_variables
 from tfbig.config import TrainConfig
 from tfbig.models.albert import AlbertConfig, AlbertForQuestionAnswering
+from tfbig.models.bert import BertConfig, BertForQuestionAnswering
 from tfbig.optim import build_optimizer
 
 INPUTS = ("input_ids", "segment_ids", "input_mask")
+FAMILIES = {"albert": (AlbertConfig, AlbertForQuestionAnswering),
+            "bert": (BertConfig, BertForQuestionAnswering)}
+
+
+def family_of(config):
+    """"albert" or "bert": the model_format of a config."""
+    return next(name for name, (cls, _) in FAMILIES.items() if isinstance(config, cls))
+
+
+def read_model_dir(model_dir, saved, flag="--init_checkpoint"):
+    """(config, tokenizer) from a run directory's config.json dict `saved`: ALBERT with
+    tokenizer.model (SentencePiece), BERT with the WordPiece vocabulary it names."""
+    family = saved.get("model_format")
+    if family not in FAMILIES:
+        raise ValueError(f"{flag}={model_dir} holds a {family!r} model; tfbig-squad fine-tunes "
+                         f"ALBERT (tfbig-train --model=albert) or BERT (tfbig-convert)")
+    config = FAMILIES[family][0](**saved["model_config"])
+    if family == "bert":
+        from tfbig.wordpiece import WordPieceTokenizer
+
+        return config, WordPieceTokenizer.from_run(model_dir, saved["tokenizer"])
+    from tfbig.tokenizer import Tokenizer
+
+    tokenizer = os.path.join(model_dir, "tokenizer.model")
+    if not os.path.isfile(tokenizer):
+        raise ValueError(f"{flag}={model_dir}: no tokenizer.model next to the checkpoint")
+    return config, Tokenizer.load(tokenizer)
 
 
 def pretrained_config(model_dir):
-    """(AlbertConfig, tokenizer path) of a tfbig-train --model=albert run directory."""
+    """(config, tokenizer) of a tfbig-train --model=albert run or a tfbig-convert run."""
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
         raise ValueError(f"--init_checkpoint={model_dir}: no config.json; expected the "
-                         "--model_dir of a tfbig-train --model=albert run")
+                         "--model_dir of a tfbig-train --model=albert run or the --output_dir "
+                         "of tfbig-convert")
     with open(path) as file:
-        saved = json.load(file)
-    if saved.get("model_format") != "albert":
-        raise ValueError(f"--init_checkpoint={model_dir} holds a {saved.get('model_format')!r} "
-                         "model; tfbig-squad fine-tunes ALBERT (tfbig-train --model=albert)")
-    tokenizer = os.path.join(model_dir, "tokenizer.model")
-    if not os.path.isfile(tokenizer):
-        raise ValueError(f"--init_checkpoint={model_dir}: no tokenizer.model next to the "
-                         "checkpoint")
-    return AlbertConfig(**saved["model_config"]), tokenizer
+        return read_model_dir(model_dir, json.load(file))
 
 
 def build_model(config, init_checkpoint=None, seed=0):
-    """An AlbertForQuestionAnswering; its backbone restored from `init_checkpoint` (a run
-    directory or checkpoint path) if given, else randomly initialised."""
+    """An AlbertForQuestionAnswering or BertForQuestionAnswering (by the config's type); its
+    backbone restored from `init_checkpoint` (a run directory or checkpoint path) if given,
+    else randomly initialised."""
     keras.utils.set_random_seed(seed)
-    model = AlbertForQuestionAnswering(config, name="albert_qa")
+    family = family_of(config)
+    model = FAMILIES[family][1](config, name=f"{family}_qa")
     model.build()
     if init_checkpoint:
         path = tf.train.latest_checkpoint(init_checkpoint) if os.path.isdir(init_checkpoint) \

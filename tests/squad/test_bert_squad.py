@@ -1,0 +1,112 @@
+"""tfbig-squad on BERT: a random BERT written in the Hugging Face format, converted by
+tfbig-convert, fine-tuned and scored from its run directory; WordPiece character spans give
+back every answer; predicting again from --output_dir reads the BERT back."""
+import json
+import os
+import re
+
+import keras
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from tfbig.checkpoint import model_variables
+from tfbig.convert import ConvertOptions, bert_names, convert
+from tfbig.models.bert import BertConfig, BertForPretraining
+from tfbig.squad import features as squad_features
+from tfbig.squad import finetune
+from tfbig.squad.cli import SquadOptions, fine_tune
+
+
+def _contexts(squad):
+    return [p["context"] for a in squad["data"] for p in a["paragraphs"]]
+
+
+def _first(squad, paragraphs):
+    """The first `paragraphs` paragraphs of the first article (keeps the test short)."""
+    article = squad["data"][0]
+    return {**squad, "data": [{**article, "paragraphs": article["paragraphs"][:paragraphs]}]}
+
+
+def _vocab(texts, path, size=600):
+    """Special pieces, every character (and its ## form), then the most frequent words."""
+    words, chars = {}, set()
+    for text in texts:
+        lowered = text.lower()
+        chars |= {c for c in lowered if not c.isspace()}
+        for word in re.findall(r"\w+", lowered):
+            words[word] = words.get(word, 0) + 1
+    pieces = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + sorted(chars) + \
+        ["##" + c for c in sorted(chars)]
+    pieces += [w for w, _ in sorted(words.items(), key=lambda kv: -kv[1]) if w not in chars]
+    pieces = pieces[:size]
+    with open(path, "w", encoding="utf-8") as file:
+        file.write("\n".join(pieces) + "\n")
+    return path, len(pieces)
+
+
+@pytest.fixture(scope="module")
+def bert_run(tmp_path_factory, qa_sets):
+    """A random BERT (hidden 36, 3 heads) in a Hugging Face directory, converted."""
+    root = tmp_path_factory.mktemp("bert_squad")
+    texts = [c for s in qa_sets.values() for c in _contexts(s)]
+    vocab, size = _vocab(texts, str(root / "vocab.txt"))
+    config = BertConfig(vocab_size=size, hidden_size=36, num_heads=3, intermediate_size=52,
+                        num_layers=2, seq_length=64, dropout=0.0)
+    keras.utils.set_random_seed(0)
+    model = BertForPretraining(config)
+    model.build()
+    weights = {k: v.numpy() for k, v in model_variables(model).items()}
+    hf = root / "hf"
+    hf.mkdir()
+    save_file(bert_names.google_to_hf(bert_names.tfbig_to_google(weights, 2)),
+              str(hf / "model.safetensors"))
+    (hf / "config.json").write_text(json.dumps({
+        "model_type": "bert", "vocab_size": size, "hidden_size": 36, "num_hidden_layers": 2,
+        "num_attention_heads": 3, "intermediate_size": 52, "max_position_embeddings": 64,
+        "hidden_act": "gelu_new", "hidden_dropout_prob": 0.0}))
+    (hf / "vocab.txt").write_text(open(vocab, encoding="utf-8").read(), encoding="utf-8")
+    convert(ConvertOptions(source=str(hf), output_dir=str(root / "run")))
+    return str(root / "run"), weights
+
+
+def test_wordpiece_spans_give_back_every_answer(bert_run, qa_sets):
+    config, tokenizer = finetune.pretrained_config(bert_run[0])
+    assert isinstance(config, BertConfig) and tokenizer.lowercase
+    squad = qa_sets["1.1", "train"]
+    checked = 0
+    for article in squad["data"]:
+        for paragraph in article["paragraphs"][:20]:
+            ids, starts, ends = squad_features.token_char_spans(tokenizer, paragraph["context"])
+            assert len(ids) == len(tokenizer.encode(paragraph["context"]))
+            for qa in paragraph["qas"]:
+                answer = qa["answers"][0]
+                first, last = squad_features.answer_token_span(
+                    starts, ends, answer["answer_start"],
+                    answer["answer_start"] + len(answer["text"]))
+                span = paragraph["context"][starts[first]:ends[last]]
+                assert span == answer["text"], (span, answer["text"])
+                checked += 1
+    assert checked > 20
+
+
+def test_fine_tune_bert_from_a_converted_run(bert_run, qa_sets, tmp_path):
+    run, weights = bert_run
+    model = finetune.build_model(finetune.pretrained_config(run)[0], run)
+    np.testing.assert_array_equal(model.backbone.blocks[1].ffn.fc.kernel.numpy(),
+                                  weights["backbone/block_1/ffn/fc/kernel"])
+    for name, split in (("train.json", "train"), ("dev.json", "dev")):
+        (tmp_path / name).write_text(json.dumps(_first(qa_sets["2.0", split], 12)))
+    options = SquadOptions(init_checkpoint=run, train_file=str(tmp_path / "train.json"),
+                           predict_file=str(tmp_path / "dev.json"), output_dir=str(tmp_path / "o"),
+                           max_seq_length=64, doc_stride=32, max_query_length=24,
+                           train_batch_size=16, max_steps=3, learning_rate=1e-3, xla=False)
+    scores = fine_tune(options)
+    assert {"exact", "f1", "HasAns_f1", "best_f1"} <= set(scores)
+    saved = json.loads((tmp_path / "o" / "squad_config.json").read_text())
+    assert saved["model_format"] == "bert" and saved["tokenizer"]["lowercase"] is True
+    predictions = json.loads((tmp_path / "o" / "predictions.json").read_text())
+    again = fine_tune(SquadOptions(**{**options.__dict__, "train_file": ""}))
+    assert again == scores  # the fine-tuned BERT and its WordPiece vocabulary read back
+    assert json.loads((tmp_path / "o" / "predictions.json").read_text()) == predictions
+    assert os.path.isfile(tmp_path / "o" / "vocab.txt")

@@ -1,0 +1,3 @@
+from tfbig.convert import run
+
+run()

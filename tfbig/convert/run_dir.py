@@ -1,0 +1,88 @@
+"""A converted model as a tfbig run directory, and back.
+
+    OUTPUT_DIR/config.json   {"model_format": "bert", "model_config": {...BertConfig},
+                              "tokenizer": {"vocab_file": "vocab.txt", "lowercase": ...},
+                              "converted_from": "<format>:<path>"}
+    OUTPUT_DIR/vocab.txt     the WordPiece vocabulary
+    OUTPUT_DIR/ckpt-0.*      tf.train.Checkpoint(model={tfbig key: variable}): the trainer's
+                             layout, so `tf.train.latest_checkpoint(OUTPUT_DIR)` and
+                             `--init_checkpoint=OUTPUT_DIR` find it
+
+Only the weights the source had are written (a backbone-only source gives no pretraining heads).
+"""
+import dataclasses
+import json
+import os
+import shutil
+
+import numpy as np
+import tensorflow as tf
+
+from tfbig.checkpoint import model_variables
+from tfbig.errors import UsageError
+from tfbig.models.configs import AlbertConfig, BertConfig
+
+
+def write(output_dir, config, weights, vocab_file, lowercase, source, family="bert"):
+    """Write the run directory; refuses one that already holds a checkpoint. An ALBERT run
+    gets its SentencePiece model as tokenizer.model, where tfbig-train runs keep theirs."""
+    if tf.train.latest_checkpoint(output_dir):
+        raise UsageError(f"--output_dir={output_dir} already holds a checkpoint; choose an "
+                         "empty directory")
+    os.makedirs(output_dir, exist_ok=True)
+    variables = {key: tf.Variable(value) for key, value in weights.items()}
+    manager = tf.train.CheckpointManager(tf.train.Checkpoint(model=variables), output_dir,
+                                         max_to_keep=1)
+    path = manager.save(checkpoint_number=0)
+    tokenizer = {"bert": {"vocab_file": "vocab.txt", "lowercase": lowercase},
+                 "albert": {"vocab_file": "tokenizer.model"}}[family]
+    shutil.copyfile(vocab_file, os.path.join(output_dir, tokenizer["vocab_file"]))
+    with open(os.path.join(output_dir, "config.json"), "w") as file:
+        json.dump({"model_format": family, "model_config": dataclasses.asdict(config),
+                   "tokenizer": tokenizer, "converted_from": source}, file, indent=1)
+    return path
+
+
+def read_config(run_dir, families=("bert",)):
+    """(BertConfig or AlbertConfig, the config.json dict) of a run directory of `families`."""
+    path = os.path.join(run_dir, "config.json")
+    if not os.path.isfile(path):
+        raise UsageError(f"{path}: file not found; expected a tfbig run directory "
+                         "(tfbig-convert --output_dir or tfbig-train --model_dir)")
+    with open(path) as file:
+        saved = json.load(file)
+    if saved.get("model_format") not in families:
+        raise UsageError(f"{path}: model_format={saved.get('model_format')!r}; expected one of "
+                         f"{list(families)}")
+    config_class = {"bert": BertConfig, "albert": AlbertConfig}[saved["model_format"]]
+    return config_class(**saved["model_config"]), saved
+
+
+def read_weights(run_dir):
+    """{tfbig key: np.ndarray} of the latest checkpoint in `run_dir`."""
+    path = tf.train.latest_checkpoint(run_dir)
+    if not path:
+        raise UsageError(f"--source={run_dir}: no checkpoint in it")
+    reader = tf.train.load_checkpoint(path)
+    suffix = "/.ATTRIBUTES/VARIABLE_VALUE"
+    return {name[len("model/"):-len(suffix)].replace(".S", "/"): reader.get_tensor(name)
+            for name in reader.get_variable_to_shape_map()
+            if name.startswith("model/") and name.endswith(suffix)}
+
+
+def restore_backbone(model, run_dir):
+    """Load a run directory's backbone weights into a tfbig BERT model (any head)."""
+    backbone = {k: v for k, v in model_variables(model).items() if k.startswith("backbone/")}
+    status = tf.train.Checkpoint(model=backbone).restore(tf.train.latest_checkpoint(run_dir))
+    status.expect_partial().assert_existing_objects_matched()
+    return model
+
+
+def assign(model, weights):
+    """Set a built tfbig model's variables from {tfbig key: array} (keys it lacks are an error)."""
+    variables = model_variables(model)
+    unknown = sorted(set(weights) - set(variables))
+    if unknown:
+        raise ValueError(f"weights not in {model.name}: {unknown[:3]}")
+    for key, value in weights.items():
+        variables[key].assign(np.asarray(value, variables[key].dtype.name))
