@@ -35,6 +35,8 @@ SCENARIOS = {  # name: (stages, pipeline options, train options, worker options)
                      {"first_gradients": True, "interrupt_at": 1}),
     "pp4_gpipe": (4, dict(schedule="gpipe", num_microbatches=4, activation_checkpointing=True),
                   {}, {"first_gradients": True}),
+}
+SLOW_SCENARIOS = {  # a launch of its own, in the slow run
     "pp2_dp2_albert": (2, dict(schedule="gpipe", num_microbatches=2), ALBERT,
                        {"first_gradients": True}),
 }
@@ -52,21 +54,31 @@ def data_of(train, gpt_data, albert_data):
     return albert_data if train.get("model") == "albert" else gpt_data
 
 
-@pytest.fixture(scope="module")
-def runs(gpt_data, albert_data, tmp_path_factory):
-    root = tmp_path_factory.mktemp("cross_rank")
+def launch(scenarios, gpt_data, albert_data, root):
+    """One `horovodrun -np 4` running every scenario; (root, directory of the results)."""
     out = root / "out"
     plan = [run_entry(name, pipeline_cfg(data_of(train, gpt_data, albert_data), root / name,
                                          stages, pipeline, **train), out, **opts)
-            for name, (stages, pipeline, train, opts) in SCENARIOS.items()]
+            for name, (stages, pipeline, train, opts) in scenarios.items()]
     os.makedirs(out)
     with open(root / "plan.json", "w") as f:
         json.dump(plan, f)
-    code = horovodrun([WORKER, str(root / "plan.json")], root / "log.txt",
+    code = horovodrun([WORKER, str(root / "plan.json")], root / "log.txt", timeout=900,
                       env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"},
                       ranks=["-np", str(RANKS), "-H", f"localhost:{RANKS}"])
     assert code == 0, read(root / "log.txt")[-6000:]
     return root, out
+
+
+@pytest.fixture(scope="module")
+def runs(gpt_data, albert_data, tmp_path_factory):
+    return launch(SCENARIOS, gpt_data, albert_data, tmp_path_factory.mktemp("cross_rank"))
+
+
+@pytest.fixture(scope="module")
+def slow_runs(gpt_data, albert_data, tmp_path_factory):
+    return launch(SLOW_SCENARIOS, gpt_data, albert_data,
+                  tmp_path_factory.mktemp("cross_rank_slow"))
 
 
 def reference(data_dir, model_dir, replicas, **train):
@@ -90,8 +102,19 @@ def held(result, prefix):
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_stage_ranks_equal_one_device_on_the_same_global_batch(gpt_data, albert_data, runs,
                                                                tmp_path, name):
-    _, out = runs
-    stages, _, train, opts = SCENARIOS[name]
+    check_scenario(gpt_data, albert_data, runs[1], tmp_path, name, SCENARIOS[name])
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", list(SLOW_SCENARIOS))
+def test_albert_stage_ranks_equal_one_device(gpt_data, albert_data, slow_runs, tmp_path, name):
+    check_scenario(gpt_data, albert_data, slow_runs[1], tmp_path, name, SLOW_SCENARIOS[name])
+
+
+def check_scenario(gpt_data, albert_data, out, tmp_path, name, scenario):
+    """Every rank's losses, weights and first-batch gradients against one device."""
+    stages, _, train, opts = scenario
     ranks = [load(out, name, r) for r in range(RANKS)]
     single, losses, grads = reference(data_of(train, gpt_data, albert_data), tmp_path,
                                       RANKS // stages, **train)

@@ -104,22 +104,39 @@ def clipping_class(cls, sum_over_stages, counted):
     return PipelineStage
 
 
-def run_stage(ops, stage, link, micro_batches, specs):
-    """This rank's column of the schedule: {microbatch: (loss, metrics)} on the last stage."""
+def _stamped(run, inputs, stamps):
+    """run(inputs), with [start, end] wall-clock stamps around it appended to `stamps` (the
+    start waits for the inputs and the previous op's end; the benchmark's bubble)."""
+    if stamps is None:
+        return run(inputs)
+    deps = [t for t in tf.nest.flatten(inputs) if t is not None] + stamps[-1:]
+    with tf.control_dependencies(deps):
+        start = tf.timestamp()
+    with tf.control_dependencies([start]):
+        inputs = tf.nest.map_structure(tf.identity, inputs)
+    out = run(inputs)
+    with tf.control_dependencies([t for t in tf.nest.flatten(out) if t is not None]):
+        stamps.append(tf.stack([start, tf.timestamp()]))
+    return out
+
+
+def run_stage(ops, stage, link, micro_batches, specs, stamps=None):
+    """This rank's column of the schedule: {microbatch: (loss, metrics)} on the last stage.
+    `stamps` (a list) collects each op's [start, end] wall-clock times."""
     results = {}
     for op in ops:
         m = op.microbatch
         if op.kind == "F":
             x = micro_batches[m] if stage.is_first else link.receive_forward(
                 m, specs[stage.index - 1])
-            out = stage.forward(m, x, micro_batches[m])
+            out = _stamped(lambda i, m=m: stage.forward(m, *i), (x, micro_batches[m]), stamps)
             if stage.is_last:
                 results[m] = out
             else:
                 link.send_forward(m, out)
         else:
             dy = None if stage.is_last else link.receive_backward(m, specs[stage.index])
-            dx = stage.backward(m, dy)
+            dx = _stamped(lambda d, m=m: stage.backward(m, d), dy, stamps)
             if not stage.is_first:
                 link.send_backward(m, dx)
     return results
@@ -189,6 +206,14 @@ class CrossRankPipeline(HorovodStrategy):
     def make_forward_backward(self, loss_fn, variables, scale_loss, jit_compile):
         """batch -> (mean loss, this stage's gradients, mean metrics), the stages exchanging
         activations and gradients; `loss_fn` is not called (the last stage has the loss)."""
+        return self._forward_backward(variables, scale_loss, jit_compile, timed=False)
+
+    def make_timed_forward_backward(self, variables, scale_loss):
+        """As make_forward_backward, the function also returning a (num_ops, 2) tensor of
+        each op's wall-clock [start, end] on this rank (benchmarks/pipeline_cross_rank.py)."""
+        return self._forward_backward(variables, scale_loss, False, timed=True)
+
+    def _forward_backward(self, variables, scale_loss, jit_compile, timed):
         self._scale_loss = scale_loss
         self._counted = [id(v) in self.built.owned for v in variables]
         stage, link = self.make_stage(jit_compile), StageLink(
@@ -201,17 +226,21 @@ class CrossRankPipeline(HorovodStrategy):
             stage.begin_step(scale_loss, num_micro)
             link.begin(runtime_zero(micro_batches[0]))
             specs, metric_spec = self._specs(micro_batches[0])
-            results = run_stage(self.ops, stage, link, micro_batches, specs)
-            loss, metrics = self._share_metrics(results, metric_spec, "train", link)
+            stamps = [] if timed else None
+            results = run_stage(self.ops, stage, link, micro_batches, specs, stamps)
             grads = [stage.gradient_sums.get(id(v), tf.zeros(v.shape, tf.float32))
                      for v in variables]
-            return loss, self._sum_shared(stage, variables, grads, link.zero), metrics
+            grads, summed = self._sum_shared(stage, variables, grads, link.zero)
+            loss, metrics = self._share_metrics(results, metric_spec, "train", link, summed)
+            out = loss, grads, metrics
+            return out + (tf.stack(stamps),) if timed else out
 
         return tf.function(forward_backward, autograph=False)
 
-    def _share_metrics(self, results, metric_spec, tag, link):
-        """The last stage's mean (loss, metrics) on every stage of the replica (the metrics,
-        which the trainer reads, carry the zero that makes every send run)."""
+    def _share_metrics(self, results, metric_spec, tag, link, summed=0.0):
+        """The last stage's mean (loss, metrics) on every stage of the replica. The metrics,
+        which the trainer reads, carry the zeros (`link.sends_done()`, `summed`) that make
+        every send and the shared-gradient sum run on every rank."""
         if results:
             scale = 1.0 / len(results)
             ordered = [results[m] for m in sorted(results)]
@@ -222,7 +251,8 @@ class CrossRankPipeline(HorovodStrategy):
             metrics = {k: tf.zeros(s.shape, tf.float32) for k, s in metric_spec.items()}
         keys = sorted(metrics)
         flat = tf.stack([tf.cast(loss, tf.float32)] + [tf.cast(metrics[k], tf.float32)
-                                                       for k in keys]) + link.sends_done()
+                                                       for k in keys])
+        flat = flat + link.sends_done() + summed
         # Horovod: the last stage's values to every stage (the others add zeros).
         total = hvd.allreduce(unfoldable(flat, link.zero), op=hvd.Sum,
                               process_set=self.pipeline_set,
@@ -230,17 +260,21 @@ class CrossRankPipeline(HorovodStrategy):
         return total[0], {k: total[i + 1] for i, k in enumerate(keys)}
 
     def _sum_shared(self, stage, variables, grads, zero):
-        """Gradients of weights used by several stages: their parts summed over the stages."""
+        """(gradients with those of weights used by several stages summed over the stages,
+        a float32 zero computed from the sums: a rank holding none of them must still feed
+        the all-reduce's result into an output, or Grappler drops it there)."""
         shared = self.built.shared
         if not shared:
-            return grads
+            return grads, 0.0
         parts = [unfoldable(stage.gradient_sums.get(id(v), tf.zeros(v.shape, tf.float32)),
                             zero) for v in shared]
         # Horovod: one grouped all-reduce over the pipeline group (zeros from non-users).
         summed = hvd.grouped_allreduce(parts, op=hvd.Sum, process_set=self.pipeline_set,
                                        name="pipeline.train.shared", ignore_name_scope=True)
         by_id = {id(v): g for v, g in zip(shared, summed)}
-        return [by_id.get(id(v), g) for v, g in zip(variables, grads)]
+        used = tf.add_n([tf.cast(tf.abs(tf.reshape(g, [-1])[0]) < -1.0, tf.float32)
+                         for g in summed])
+        return [by_id.get(id(v), g) for v, g in zip(variables, grads)], used
 
     def make_forward(self, loss_fn, jit_compile):
         """batch -> mean metrics, micro-batches flowing forward through the stage ranks."""
