@@ -14,6 +14,7 @@ weight held by several stages (a tied or shared one) is read from its owner.
 """
 import json
 import os
+import re
 
 import numpy as np
 import tensorflow as tf
@@ -95,8 +96,9 @@ def assembled_weights(model_dir, model, warn=print):
 class OfflineStage(Strategy):
     """One stage of a cross-rank pipeline run, built and restored in a plain process."""
 
-    def __init__(self, cfg, stage_index, num_stages, restore_path):
+    def __init__(self, cfg, pipeline, stage_index, num_stages, restore_path):
         super().__init__(cfg)
+        self.pipeline = pipeline  # the run's PipelineConfig (its stage boundaries)
         self.stage_index, self.num_stages = stage_index, num_stages
         self.restore_path = restore_path
 
@@ -108,7 +110,7 @@ class OfflineStage(Strategy):
         from tfbig.pipeline.cross_rank import stage_plan
         from tfbig.pipeline.stage_model import build_stage_model
 
-        specs, plan = stage_plan(task, self.cfg.pipeline, self.num_stages)
+        specs, plan = stage_plan(task, self.pipeline, self.num_stages)
         return build_stage_model(task, plan, specs, self.stage_index, "/device:CPU:0").model
 
     def restore_dir(self, model_dir):
@@ -134,13 +136,14 @@ def consolidate(model_dir, out_dir, warn=print):
     paths = stage_checkpoints(model_dir, saved, warn)
     with open(os.path.join(model_dir, "config.json")) as f:
         cfg = config_lib.from_dict(json.load(f))
-    cfg.train.strategy = "single"
-    num_stages = cfg.pipeline.pipeline_stages
-    cfg.pipeline.pipeline_stages = 0
+    pipeline, num_stages = cfg.pipeline, saved["pipeline_stages"]
+    cfg.train.strategy = "single"  # the Horovod/pipeline sections' flags do not apply
+    cfg.pipeline, cfg.horovod, cfg.parallel = (type(cfg.pipeline)(), type(cfg.horovod)(),
+                                               type(cfg.parallel)())
     states = []
     for stage, path in enumerate(paths):
         cfg.train.model_dir = model_dir
-        trainer = Trainer(cfg, strategy=OfflineStage(cfg, stage, num_stages, path))
+        trainer = Trainer(cfg, strategy=OfflineStage(cfg, pipeline, stage, num_stages, path))
         if trainer.restored_from is None or \
                 os.path.basename(trainer.restored_from) != os.path.basename(path):
             raise ValueError(f"could not restore {path} (found {trainer.restored_from})")
@@ -160,10 +163,16 @@ def _named_variables(trainer):
     """{name: variable} of a checkpoint's content, named alike in every layout: weights and
     optimizer variables by path (slots carry their weight's path), counters by name."""
     named = {v.path: v for v in trainer.model.variables if "seed_generator" not in v.path}
-    named.update({f"optimizer:{v.path}": v for v in trainer.optimizer.variables})
+    named.update({f"optimizer:{_optimizer_key(v.path)}": v for v in trainer.optimizer.variables})
     named.update({"step": trainer.step, "batches_consumed": trainer.batches_consumed,
                   "nonfinite_steps": trainer.nonfinite_steps})
     return named
+
+
+def _optimizer_key(path):
+    """'adam_w_2/iteration' -> 'adam_w/iteration': Keras numbers the optimizers of a process."""
+    owner, _, rest = path.partition("/")
+    return re.sub(r"_\d+$", "", owner) + "/" + rest
 
 
 def _named_state(trainer):
