@@ -115,7 +115,7 @@ def main():
         return worker(args.worker[0], int(args.worker[1]), int(args.worker[2]))
     counts = [int(m) for m in args.microbatches.split(",")]
     results = {}
-    with tempfile.TemporaryDirectory() as root:
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as root:
         plan = [{"config": config_for(args, m, root), "out": os.path.join(root, f"m{m}")}
                 for m in counts]
         with open(os.path.join(root, "plan.json"), "w") as f:
@@ -125,13 +125,17 @@ def main():
                    "-H", f"localhost:{k}", "--gloo", sys.executable, os.path.abspath(__file__),
                    "--worker", os.path.join(root, "plan.json"), str(args.warmup),
                    str(args.steps)]
-        subprocess.run(command, check=True, env={**os.environ, **ENV}, cwd=ROOT,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        done = subprocess.run(command, env={**os.environ, **ENV}, cwd=ROOT, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        if done.returncode:
+            sys.exit(f"the horovodrun launch failed:\n{done.stdout[-4000:]}")
         for m, entry in zip(counts, plan):
             ranks = []
             for r in range(k):
                 with open(f"{entry['out']}.rank{r}") as f:
                     ranks.append(json.load(f))
+            if os.environ.get("BENCH_RAW"):
+                print(json.dumps(ranks), file=sys.stderr)
             measured, timeline, fwd, bwd = bubble(ranks, args.schedule, k, m)
             theory = (k - 1) / (m + k - 1)
             results[f"m{m}"] = {

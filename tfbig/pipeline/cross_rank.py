@@ -104,18 +104,20 @@ def clipping_class(cls, sum_over_stages, counted):
     return PipelineStage
 
 
-def _stamped(run, inputs, stamps):
+def _stamped(run, inputs, stamps, stage):
     """run(inputs), with [start, end] wall-clock stamps around it appended to `stamps` (the
-    start waits for the inputs and the previous op's end; the benchmark's bubble)."""
+    start waits for the inputs and the previous op's end, the end for everything the op
+    produced, weight-gradient sums included; the benchmark's bubble)."""
     if stamps is None:
         return run(inputs)
     deps = [t for t in tf.nest.flatten(inputs) if t is not None] + stamps[-1:]
     with tf.control_dependencies(deps):
         start = tf.timestamp()
     with tf.control_dependencies([start]):
-        inputs = tf.nest.map_structure(tf.identity, inputs)
+        inputs = tf.nest.map_structure(lambda t: t if t is None else tf.identity(t), inputs)
     out = run(inputs)
-    with tf.control_dependencies([t for t in tf.nest.flatten(out) if t is not None]):
+    with tf.control_dependencies([t for t in tf.nest.flatten(out) if t is not None]
+                                 + list(stage.gradient_sums.values())):
         stamps.append(tf.stack([start, tf.timestamp()]))
     return out
 
@@ -129,14 +131,15 @@ def run_stage(ops, stage, link, micro_batches, specs, stamps=None):
         if op.kind == "F":
             x = micro_batches[m] if stage.is_first else link.receive_forward(
                 m, specs[stage.index - 1])
-            out = _stamped(lambda i, m=m: stage.forward(m, *i), (x, micro_batches[m]), stamps)
+            out = _stamped(lambda i, m=m: stage.forward(m, *i), (x, micro_batches[m]), stamps,
+                           stage)
             if stage.is_last:
                 results[m] = out
             else:
                 link.send_forward(m, out)
         else:
             dy = None if stage.is_last else link.receive_backward(m, specs[stage.index])
-            dx = _stamped(lambda d, m=m: stage.backward(m, d), dy, stamps)
+            dx = _stamped(lambda d, m=m: stage.backward(m, d), dy, stamps, stage)
             if not stage.is_first:
                 link.send_backward(m, dx)
     return results
