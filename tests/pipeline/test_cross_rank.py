@@ -2,7 +2,8 @@
 one real `horovodrun -np 4 --gloo` launch, against the single-device run on the same global
 batch: first-batch gradients of every weight, losses over the steps, final weights, with
 gradient accumulation and active clipping; GPipe and 1F1B; the checkpoint each stage rank
-writes assembled into the single-device model; bad layouts refused without a launch.
+writes assembled into the single-device model; bad layouts refused without a launch. GPT only:
+ALBERT is refused (its first cross-rank step hung; see tfbig/pipeline/cross_rank.py).
 """
 import json
 import os
@@ -14,7 +15,7 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "distribute"))
-from test_horovod import ALBERT, horovodrun, load, read, run_entry  # noqa: E402
+from test_horovod import horovodrun, load, read, run_entry  # noqa: E402
 from test_trainer import ReplicasTask, make_cfg  # noqa: E402
 
 from horovod_worker import RecordingLogger  # noqa: E402
@@ -36,12 +37,6 @@ SCENARIOS = {  # name: (stages, pipeline options, train options, worker options)
     "pp4_gpipe": (4, dict(schedule="gpipe", num_microbatches=4, activation_checkpointing=True),
                   {}, {"first_gradients": True}),
 }
-SLOW_SCENARIOS = {  # a launch of its own, in the slow run
-    "pp2_dp2_albert": (2, dict(schedule="gpipe", num_microbatches=2), ALBERT,
-                       {"first_gradients": True}),
-}
-
-
 def pipeline_cfg(data_dir, model_dir, stages, pipeline, **train):
     cfg = make_cfg(data_dir, model_dir, strategy="horovod", **{**TRAIN, **train})
     cfg.pipeline.pipeline_stages = stages
@@ -50,15 +45,11 @@ def pipeline_cfg(data_dir, model_dir, stages, pipeline, **train):
     return cfg
 
 
-def data_of(train, gpt_data, albert_data):
-    return albert_data if train.get("model") == "albert" else gpt_data
-
-
-def launch(scenarios, gpt_data, albert_data, root):
+def launch(scenarios, gpt_data, root):
     """One `horovodrun -np 4` running every scenario; (root, directory of the results)."""
     out = root / "out"
-    plan = [run_entry(name, pipeline_cfg(data_of(train, gpt_data, albert_data), root / name,
-                                         stages, pipeline, **train), out, **opts)
+    plan = [run_entry(name, pipeline_cfg(gpt_data, root / name, stages, pipeline, **train),
+                      out, **opts)
             for name, (stages, pipeline, train, opts) in scenarios.items()]
     os.makedirs(out)
     with open(root / "plan.json", "w") as f:
@@ -71,14 +62,8 @@ def launch(scenarios, gpt_data, albert_data, root):
 
 
 @pytest.fixture(scope="module")
-def runs(gpt_data, albert_data, tmp_path_factory):
-    return launch(SCENARIOS, gpt_data, albert_data, tmp_path_factory.mktemp("cross_rank"))
-
-
-@pytest.fixture(scope="module")
-def slow_runs(gpt_data, albert_data, tmp_path_factory):
-    return launch(SLOW_SCENARIOS, gpt_data, albert_data,
-                  tmp_path_factory.mktemp("cross_rank_slow"))
+def runs(gpt_data, tmp_path_factory):
+    return launch(SCENARIOS, gpt_data, tmp_path_factory.mktemp("cross_rank"))
 
 
 def reference(data_dir, model_dir, replicas, **train):
@@ -100,24 +85,15 @@ def held(result, prefix):
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", list(SCENARIOS))
-def test_stage_ranks_equal_one_device_on_the_same_global_batch(gpt_data, albert_data, runs,
-                                                               tmp_path, name):
-    check_scenario(gpt_data, albert_data, runs[1], tmp_path, name, SCENARIOS[name])
+def test_stage_ranks_equal_one_device_on_the_same_global_batch(gpt_data, runs, tmp_path, name):
+    check_scenario(gpt_data, runs[1], tmp_path, name, SCENARIOS[name])
 
 
-@pytest.mark.slow
-@pytest.mark.multiproc
-@pytest.mark.parametrize("name", list(SLOW_SCENARIOS))
-def test_albert_stage_ranks_equal_one_device(gpt_data, albert_data, slow_runs, tmp_path, name):
-    check_scenario(gpt_data, albert_data, slow_runs[1], tmp_path, name, SLOW_SCENARIOS[name])
-
-
-def check_scenario(gpt_data, albert_data, out, tmp_path, name, scenario):
+def check_scenario(gpt_data, out, tmp_path, name, scenario):
     """Every rank's losses, weights and first-batch gradients against one device."""
     stages, _, train, opts = scenario
     ranks = [load(out, name, r) for r in range(RANKS)]
-    single, losses, grads = reference(data_of(train, gpt_data, albert_data), tmp_path,
-                                      RANKS // stages, **train)
+    single, losses, grads = reference(gpt_data, tmp_path, RANKS // stages, **train)
     expected = {v.path: v.numpy() for v in single.model.trainable_variables}
     covered = set()
     for result in ranks:
@@ -187,6 +163,8 @@ def cfg_with(**flags):
     (dict(pipeline_stages=2, zero_stage=1), 4, "--pipeline_stages=2 with --zero_stage=1"),
     (dict(pipeline_stages=2, elastic=True), 4, "--pipeline_stages=2 with --elastic=True"),
     (dict(pipeline_stages=2, sequence_parallel=True), 2, "with --sequence_parallel=True"),
+    (dict(pipeline_stages=2, model="albert"), 2, "is built for --model=gpt; --model=albert is "
+                                                  "not supported yet"),
 ])
 def test_unsupported_layouts_are_refused_before_training(flags, world, message):
     with pytest.raises(ValueError, match=message.replace("+", r"\+")):

@@ -32,7 +32,8 @@ assembles the single-device model (tfbig-generate/export read it) or writes a si
 checkpoint: python -m tfbig.pipeline.stage_checkpoint MODEL_DIR OUT_DIR.
 
 Not built (refused before training): --tensor_parallel, --zero_stage, --shard_degree,
---sequence_parallel, --elastic, --offload_activations with --pipeline_stages > 1.
+--sequence_parallel, --elastic, --offload_activations with --pipeline_stages > 1, and
+--model=albert (its first cross-rank step hung in the one test launch; GPT only for now).
 
 Example (2 stages x 2 data-parallel replicas):
     horovodrun -np 4 -H localhost:4 --gloo tfbig-train --strategy=horovod --pipeline_stages=2 \\
@@ -74,6 +75,10 @@ def pipeline_mesh(cfg, world_size):
             raise ValueError(f"--pipeline_stages={stages} with --{flag}={value} is not "
                              f"supported by --strategy=horovod yet (stages on different ranks "
                              f"are built for plain data parallelism); drop one of the two")
+    if cfg.train.model != "gpt":  # ALBERT's cross-rank run hung in its first step
+        raise ValueError(f"--pipeline_stages={stages} with --strategy=horovod is built for "
+                         f"--model=gpt; --model={cfg.train.model} is not supported yet (use "
+                         f"--strategy=pipeline, stages on the devices of each process)")
     if cfg.pipeline.num_microbatches < 1:
         raise ValueError(f"--num_microbatches={cfg.pipeline.num_microbatches}: expected >= 1")
     return Mesh.build(world_size, pipeline=stages, placement=cfg.parallel.placement)
