@@ -155,8 +155,10 @@ class ProfileConfig:
 class PipelineConfig:
     """Options of --strategy=pipeline (stages on devices, micro-batches; tfbig.pipeline)."""
 
-    pipeline_stages: int = field(2, "Pipeline: stages the model is cut into, one device each "
-                                     "(GPUs, else logical CPU devices).")
+    pipeline_stages: int = field(0, "Pipeline: stages the model is cut into: with "
+                                     "--strategy=pipeline one device each (GPUs, else logical "
+                                     "CPU devices; 0: 2), with --strategy=horovod one rank "
+                                     "each (0: no pipeline).")
     num_microbatches: int = field(4, "Pipeline: micro-batches each replica's batch is split "
                                      "into; must divide it.")
     schedule: str = field("1f1b", "Pipeline: gpipe (all forwards, then all backwards) | 1f1b "
@@ -196,7 +198,7 @@ def _applicability():
     rules = {"scale_lr": ("strategy", ("horovod",)), "elastic": ("strategy", ("horovod",)),
              "elastic_commit_every": ("strategy", ("horovod",)),
              "hvd_fp16_allreduce": ("strategy", ("horovod", "pipeline"))}
-    for section, key, allowed in ((PipelineConfig, "strategy", ("pipeline",)),
+    for section, key, allowed in ((PipelineConfig, "strategy", ("pipeline", "horovod")),
                                   (MultiWorkerConfig, "strategy", ("multiworker", "mirrored")),
                                   (ParallelConfig, "strategy", ("horovod",)),
                                   (AlbertTrainConfig, "model", ("albert",))):
@@ -217,9 +219,30 @@ def check_applicable(cfg):
         if value != default and chosen not in allowed:
             raise ValueError(f"--{flag}={value} has no effect with --{key}={chosen}; it applies "
                              f"to --{key}={' or '.join(allowed)}")
+    _check_pipeline_flags(cfg)
     if cfg.pipeline.offload_activations and not cfg.pipeline.activation_checkpointing:
         raise ValueError("--offload_activations needs --activation_checkpointing: only the "
                          "block inputs it keeps for the recompute are offloaded")
+
+
+def pipeline_stages(cfg):
+    """Stages the model is cut into: --pipeline_stages, or the strategy's default for 0
+    (2 devices with --strategy=pipeline, no pipeline (1) with --strategy=horovod)."""
+    stages = cfg.pipeline.pipeline_stages
+    return stages if stages else (2 if cfg.train.strategy == "pipeline" else 1)
+
+
+def _check_pipeline_flags(cfg):
+    """Under --strategy=horovod the schedule flags act only with --pipeline_stages > 1."""
+    if cfg.train.strategy != "horovod" or pipeline_stages(cfg) > 1:
+        return
+    for f in dataclasses.fields(PipelineConfig):
+        value = getattr(cfg.pipeline, f.name)
+        if f.name in ("num_microbatches", "schedule", "stage_boundaries",
+                      "pipeline_balance") and value != f.default:
+            raise ValueError(f"--{f.name}={value} has no effect with --strategy=horovod and "
+                             f"--pipeline_stages={cfg.pipeline.pipeline_stages}; add "
+                             f"--pipeline_stages=K (K > 1 stages, one rank each) or drop it")
 
 
 def define_flags(flag_values=None):

@@ -21,6 +21,7 @@ from tfbig.checkpoint import model_variables  # noqa: E402
 from tfbig.distribute import tensor_layout  # noqa: E402
 from tfbig.errors import UsageError  # noqa: E402
 from tfbig.models.gpt import GPT, GPTConfig  # noqa: E402
+from tfbig.pipeline import stage_checkpoint  # noqa: E402
 
 
 def _filter_logits(logits, top_k, top_p):
@@ -107,8 +108,10 @@ def load_model(model_dir):
         raise FileNotFoundError(f"--model_dir={model_dir} has no checkpoint")
     model = GPT(GPTConfig(**saved["model_config"]), name="gpt")
     model.build((None, None))
-    if tensor_layout.read_layout(model_dir) is not None:  # pieces saved by each tensor rank
-        weights = tensor_layout.assembled_weights(model_dir, model, warn)
+    pieces = next((m for m in (tensor_layout, stage_checkpoint)  # saved by each tensor/stage rank
+                   if m.read_layout(model_dir) is not None), None)
+    if pieces is not None:
+        weights = pieces.assembled_weights(model_dir, model, warn)
         for v in model.variables:
             if v.path in weights:
                 v.assign(weights[v.path])

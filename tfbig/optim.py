@@ -48,7 +48,8 @@ def no_decay_variables(variables):
     return [v for v in variables if len(v.shape) < 2 or "embedding" in v.path]
 
 
-def build_optimizer(train, variables, no_decay=None, sum_over_shards=None, replicated=None):
+def build_optimizer(train, variables, no_decay=None, sum_over_shards=None, replicated=None,
+                    adapt=None):
     """The optimizer for TrainConfig `train`, wrapped in a LossScaleOptimizer for fp16.
 
     Weight decay skips `no_decay` (default: `no_decay_variables(variables)`); clipping is by
@@ -57,7 +58,8 @@ def build_optimizer(train, variables, no_decay=None, sum_over_shards=None, repli
     sums a tensor over the ranks holding the other slices: global-norm clipping and LAMB's
     per-layer trust ratio then see whole variables. `replicated` (booleans in the order of
     `variables`; tensor parallelism) marks variables every rank holds whole: their squares
-    are counted once, outside `sum_over_shards`.
+    are counted once, outside `sum_over_shards`. `adapt(cls) -> cls` lets a backend change the
+    optimizer class (the cross-rank pipeline's global norm over stages).
     """
     if train.optimizer not in OPTIMIZERS:
         raise ValueError(f"--optimizer={train.optimizer!r}: expected one of {OPTIMIZERS}")
@@ -66,6 +68,8 @@ def build_optimizer(train, variables, no_decay=None, sum_over_shards=None, repli
     cls = keras.optimizers.AdamW if train.optimizer == "adamw" else keras.optimizers.Lamb
     if sum_over_shards is not None:
         cls = sharded_class(cls, sum_over_shards, replicated)
+    if adapt is not None:
+        cls = adapt(cls)
     optimizer = cls(learning_rate=schedule, weight_decay=train.weight_decay,
                     beta_1=train.beta_1, beta_2=train.beta_2, epsilon=train.epsilon,
                     global_clipnorm=train.grad_clip_norm or None)

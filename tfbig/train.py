@@ -41,7 +41,7 @@ def main(argv):
     cfg = config_lib.from_flags(flags.FLAGS)
     try:
         trainer = Trainer(cfg)
-        if trainer.strategy.is_chief and cfg.train.sample_tokens and trainer.task.format == "gpt":
+        if trainer.strategy.is_chief and _samples(trainer):
             preflight.check_tokenizer(trainer.task)  # needed for the sample at the end
         summary = trainer.fit()
     except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError) as error:
@@ -56,7 +56,7 @@ def main(argv):
         print(f"checkpoint: {summary['checkpoint']}")
         if summary["eval"]:
             print("validation: " + ", ".join(f"{k} {v:.4f}" for k, v in summary["eval"].items()))
-        if trainer.cfg.train.sample_tokens and trainer.task.format == "gpt":
+        if _samples(trainer):
             from tfbig.generate import sample_text
 
             text = sample_text(trainer.model, trainer.task.tokenizer(), "",
@@ -64,6 +64,12 @@ def main(argv):
                                seed=trainer.cfg.train.seed)
             print("sample:\n" + text)
     trainer.strategy.shutdown()
+
+
+def _samples(trainer):
+    """Whether the chief prints a text sample at the end (a GPT it holds whole)."""
+    return bool(trainer.cfg.train.sample_tokens and trainer.task.format == "gpt"
+                and trainer.strategy.whole_model)
 
 
 def _peer_failure(error, model_dir):

@@ -62,6 +62,7 @@ class Strategy:
     """Single device: the reference backend and the base class of the others."""
 
     name = "single"
+    whole_model = True  # this process holds every weight (the chief samples text from it)
 
     def __init__(self, cfg=None):
         self.cfg = cfg

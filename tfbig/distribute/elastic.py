@@ -27,6 +27,7 @@ import tensorflow as tf
 from horovod.common.elastic import State, run_fn
 from horovod.common.exceptions import HorovodInternalError
 
+from tfbig.config import pipeline_stages
 from tfbig.distribute import horovod_keras
 from tfbig.distribute.horovod import HorovodStrategy
 from tfbig.distribute.horovod_keras import hvd
@@ -146,11 +147,16 @@ class ElasticHorovodStrategy(HorovodStrategy):
 
 
 def horovod_backend(cfg=None):
-    """--strategy=horovod: elastic with --elastic, tensor-parallel with --tensor_parallel,
+    """--strategy=horovod: pipeline stages on ranks with --pipeline_stages > 1, elastic with
+    --elastic, tensor-parallel with --tensor_parallel,
     ZeRO-sharded with --zero_stage, else the fixed-world HorovodStrategy."""
     horovod = getattr(cfg, "horovod", None)
     parallel = getattr(cfg, "parallel", None)
     tensor = getattr(parallel, "tensor_parallel", 1)
+    if cfg is not None and pipeline_stages(cfg) > 1:
+        from tfbig.pipeline.cross_rank import CrossRankPipeline
+
+        return CrossRankPipeline(cfg)  # refuses what it does not combine with (--elastic...)
     if horovod is not None and horovod.elastic:
         return ElasticHorovodStrategy(cfg)  # refuses --tensor_parallel (check_elastic)
     if tensor > 1:

@@ -6,5 +6,8 @@
     stages.py      a stage: forward/backward of one micro-batch, gradients summed
     schedules.py   GPipe and 1F1B (same signature), their timeline, and the runner
     strategy.py    --strategy=pipeline on the one Strategy surface
-    data_parallel.py  data parallel x pipeline under Horovod
+    data_parallel.py  data parallel x pipeline under Horovod (every rank holds all stages)
+    cross_rank.py  --strategy=horovod --pipeline_stages=K: one stage per Horovod rank
+    transport.py   activations and gradients between stage ranks (hvd.alltoall on pairs)
+    stage_model.py a model built holding one stage; stage_checkpoint.py its checkpoints
 """

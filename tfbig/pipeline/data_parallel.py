@@ -8,8 +8,8 @@ stage, which can start as soon as that stage's backward is done. Each process re
 its data-parallel rank (the trainer's input context), so all stages of a replica see the same
 samples.
 
-Stages spread over different processes (one stage per rank) would need point-to-point
-activation transfers that Horovod does not have; they are not built.
+Stages spread over different processes (one stage per rank) are the other layout:
+`--strategy=horovod --pipeline_stages=K` (tfbig.pipeline.cross_rank).
 
 Example (2 replicas x 2 stages, 4 devices in all):
     horovodrun -np 2 -H localhost:2 --gloo tfbig-train --strategy=pipeline --pipeline_stages=2

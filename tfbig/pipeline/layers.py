@@ -56,6 +56,7 @@ class LayerSpec:
     flops_per_token: float  # training FLOPs (forward + backward) per token
     activation_bytes_per_token: float  # fp32 bytes kept for backward per token
     output_bytes_per_token: float  # fp32 bytes per token handed to the next layer
+    reads: tuple = ()  # name-scope paths of weights it reads but another layer owns (tied)
 
 
 def _keras_call(layer):
@@ -92,7 +93,7 @@ def _gpt_specs(cfg, seq_length, masked_per_seq=None):
                for n in names[1:-1]]
             # the head keeps float32 logits and their softmax: 2 x V floats per token
             + [LayerSpec("head", ("final_norm", "head"), head_params, 6 * c * v, 4 * c + 8 * v,
-                         4 * v)])
+                         4 * v, ("embedding/token",) if cfg.tie_embeddings else ())])
 
 
 # ---- ALBERT ----------------------------------------------------------------------------------
@@ -144,15 +145,18 @@ def _albert_specs(cfg, seq_length, masked_per_seq=None):
     layer_flops = 6 * (4 * h * h + 2 * h * i) + 12 * h * t
     layer_bytes = 2 * (34 * h + 5 * cfg.num_heads * t)
     first = {cfg.group_of_layer(n): n for n in reversed(range(cfg.num_layers))}
-    layers = [LayerSpec(f"layer_{n}", (f"group_{cfg.group_of_layer(n)}",) if first[
-        cfg.group_of_layer(n)] == n else (), block if first[cfg.group_of_layer(n)] == n else 0,
-        layer_flops, layer_bytes, 4 * h) for n in range(cfg.num_layers)]
+    group = lambda n: f"group_{cfg.group_of_layer(n)}"  # noqa: E731
+    owns = lambda n: first[cfg.group_of_layer(n)] == n  # noqa: E731
+    layers = [LayerSpec(f"layer_{n}", (group(n),) if owns(n) else (), block if owns(n) else 0,
+                        layer_flops, layer_bytes, 4 * h, () if owns(n) else (group(n),))
+              for n in range(cfg.num_layers)]
     embedding = LayerSpec("embedding", ("embedding", "projection"),
                           (v + cfg.seq_length + cfg.type_vocab_size) * e + 2 * e + e * h + h,
                           6 * e * h, 4 * (3 * e + h), 4 * h)
     heads = LayerSpec("heads", ("pooler", "mlm_head", "sop_head"),
                       (h * h + h) + (h * e + e) + 2 * e + v + (2 * h + 2),
-                      6 * (h * h / t + (h * e + e * v) * p / t), 4 * (e + 2 * v) * p / t, 4 * v)
+                      6 * (h * h / t + (h * e + e * v) * p / t), 4 * (e + 2 * v) * p / t, 4 * v,
+                      ("embedding/word",))
     return [embedding] + layers + [heads]
 
 

@@ -11,6 +11,7 @@ Example:
     tfbig-train --strategy=pipeline --pipeline_stages=2 --num_microbatches=8 --schedule=1f1b
 """
 import contextlib
+import dataclasses
 import math
 
 import tensorflow as tf
@@ -80,8 +81,8 @@ class PipelineStrategy(Strategy):
 
     def __init__(self, cfg=None):
         super().__init__(cfg)
-        self.options = getattr(cfg, "pipeline", None) or PipelineConfig()
-        o = self.options
+        o = getattr(cfg, "pipeline", None) or PipelineConfig()
+        self.options = o = dataclasses.replace(o, pipeline_stages=o.pipeline_stages or 2)
         if o.pipeline_stages < 1 or o.num_microbatches < 1:
             raise ValueError(f"--pipeline_stages={o.pipeline_stages} and --num_microbatches="
                              f"{o.num_microbatches} must both be at least 1")

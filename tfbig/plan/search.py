@@ -11,6 +11,7 @@ Example:
 import dataclasses
 import math
 
+from tfbig.config import pipeline_stages
 from tfbig.plan import estimate
 
 DEFAULT_BATCH_TOKENS = 2 ** 20  # --batch_size=0: about a million tokens per step (GPT-3's 0.5-3.2M)
@@ -45,11 +46,11 @@ class Estimate:
 def layout_from_config(cfg):
     """The layout flags an ExperimentConfig (tfbig-train's flags) sets: the one place that knows
     which config section holds which field."""
-    pipelined = cfg.train.strategy == "pipeline"
+    pipelined = cfg.train.strategy == "pipeline" or pipeline_stages(cfg) > 1
     return {"tensor_parallel": cfg.parallel.tensor_parallel,
             "sequence_parallel": cfg.parallel.sequence_parallel,
             "zero_stage": cfg.parallel.zero_stage, "shard_degree": cfg.parallel.shard_degree,
-            "pipeline_stages": cfg.pipeline.pipeline_stages if pipelined else 1,
+            "pipeline_stages": pipeline_stages(cfg),
             "num_microbatches": (cfg.pipeline.num_microbatches if pipelined
                                  else cfg.train.grad_accum_steps),
             "schedule": cfg.pipeline.schedule if pipelined else "1f1b",

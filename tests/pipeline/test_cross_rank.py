@@ -1,0 +1,191 @@
+"""Pipeline stages on different Horovod ranks (--strategy=horovod --pipeline_stages=K) through
+one real `horovodrun -np 4 --gloo` launch, against the single-device run on the same global
+batch: first-batch gradients of every weight, losses over the steps, final weights, with
+gradient accumulation and active clipping; GPipe and 1F1B; the checkpoint each stage rank
+writes assembled into the single-device model; bad layouts refused without a launch. GPT only:
+ALBERT is refused (its first cross-rank step hung; see tfbig/pipeline/cross_rank.py).
+"""
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "distribute"))
+from test_horovod import horovodrun, load, read, run_entry  # noqa: E402
+from test_trainer import ReplicasTask, make_cfg  # noqa: E402
+
+from horovod_worker import RecordingLogger  # noqa: E402
+from tfbig import config as config_lib  # noqa: E402
+from tfbig.generate import load_model  # noqa: E402
+from tfbig.pipeline import stage_checkpoint  # noqa: E402
+from tfbig.pipeline.cross_rank import pipeline_mesh, stage_plan  # noqa: E402
+from tfbig.tasks import get_task  # noqa: E402
+from tfbig.trainer import Trainer  # noqa: E402
+
+WORKER = os.path.join(HERE, "cross_rank_worker.py")
+RANKS = 4
+# Clipping at 0.5 is active at every step; accumulation 2 x 2 micro-batches per replica.
+TRAIN = dict(max_steps=3, batch_size=8, grad_clip_norm=0.5, dropout=0.0, grad_accum_steps=2,
+             hidden_size=16, num_heads=2, eval_steps=1)
+SCENARIOS = {  # name: (stages, pipeline options, train options, worker options)
+    "pp2_dp2_1f1b": (2, dict(schedule="1f1b", num_microbatches=2), {},
+                     {"first_gradients": True, "interrupt_at": 1}),
+    "pp4_gpipe": (4, dict(schedule="gpipe", num_microbatches=4, activation_checkpointing=True),
+                  {}, {"first_gradients": True}),
+}
+def pipeline_cfg(data_dir, model_dir, stages, pipeline, **train):
+    cfg = make_cfg(data_dir, model_dir, strategy="horovod", **{**TRAIN, **train})
+    cfg.pipeline.pipeline_stages = stages
+    for key, value in pipeline.items():
+        setattr(cfg.pipeline, key, value)
+    return cfg
+
+
+def launch(scenarios, gpt_data, root):
+    """One `horovodrun -np 4` running every scenario; (root, directory of the results)."""
+    out = root / "out"
+    plan = [run_entry(name, pipeline_cfg(gpt_data, root / name, stages, pipeline, **train),
+                      out, **opts)
+            for name, (stages, pipeline, train, opts) in scenarios.items()]
+    os.makedirs(out)
+    with open(root / "plan.json", "w") as f:
+        json.dump(plan, f)
+    code = horovodrun([WORKER, str(root / "plan.json")], root / "log.txt", timeout=900,
+                      env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"},
+                      ranks=["-np", str(RANKS), "-H", f"localhost:{RANKS}"])
+    assert code == 0, read(root / "log.txt")[-6000:]
+    return root, out
+
+
+@pytest.fixture(scope="module")
+def runs(gpt_data, tmp_path_factory):
+    return launch(SCENARIOS, gpt_data, tmp_path_factory.mktemp("cross_rank"))
+
+
+def reference(data_dir, model_dir, replicas, **train):
+    """The single-device run on what the data-parallel replicas read together: its trainer
+    (fitted), per-step losses and {path: gradient} of the first batch."""
+    cfg = make_cfg(data_dir, model_dir, **{**TRAIN, **train})
+    logger = RecordingLogger(cfg.train.model_dir, True, cfg.train.max_steps)
+    trainer = Trainer(cfg, task=ReplicasTask(cfg.train, replicas, get_task(cfg.train, cfg)),
+                      logger=logger)
+    _, grads, _ = trainer.forward_backward(next(trainer._train_iterator()))
+    grads = {v.path: g.numpy() for v, g in zip(trainer.model.trainable_variables, grads)}
+    trainer.summary = trainer.fit()
+    return trainer, np.array([logger.losses[s][0] for s in sorted(logger.losses)]), grads
+
+
+def held(result, prefix):
+    return {str(p): result[f"{prefix}{i}"] for i, p in enumerate(result["paths"])}
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_stage_ranks_equal_one_device_on_the_same_global_batch(gpt_data, runs, tmp_path, name):
+    check_scenario(gpt_data, runs[1], tmp_path, name, SCENARIOS[name])
+
+
+def check_scenario(gpt_data, out, tmp_path, name, scenario):
+    """Every rank's losses, weights and first-batch gradients against one device."""
+    stages, _, train, opts = scenario
+    ranks = [load(out, name, r) for r in range(RANKS)]
+    single, losses, grads = reference(gpt_data, tmp_path, RANKS // stages, **train)
+    expected = {v.path: v.numpy() for v in single.model.trainable_variables}
+    covered = set()
+    for result in ranks:
+        assert int(result["step"]) == TRAIN["max_steps"]
+        assert np.all(result["grad_norms"] > TRAIN["grad_clip_norm"])  # clipping is active
+        # every rank logs the last stage's loss: the single-device losses
+        np.testing.assert_allclose(result["losses"], losses, rtol=1e-5)
+        for path, value in held(result, "w").items():
+            np.testing.assert_allclose(value, expected[path], rtol=1e-5, atol=1e-6,
+                                       err_msg=f"{name} rank stage {result['stage']}: {path}")
+            covered.add(path)
+        for path, value in held(result, "g").items():  # copies of tied weights included
+            np.testing.assert_allclose(value, grads[path], rtol=1e-5, atol=1e-7,
+                                       err_msg=f"{name} gradient of {path}")
+        # a stage rank holds its stage (and copies of tied weights), not the model
+        assert int(result["held_bytes"]) < int(result["model_bytes"])
+    assert covered == set(expected)  # every weight lives on some stage rank
+    assert {(int(r["stage"]), int(r["data"])) for r in ranks} == {
+        (s, d) for s in range(stages) for d in range(RANKS // stages)}
+    if opts.get("interrupt_at"):
+        assert int(ranks[0]["restored_step"]) == opts["interrupt_at"]
+    eval_loss = single.summary["eval"]["loss"]
+    assert float(ranks[0]["eval_loss"]) == pytest.approx(eval_loss, rel=1e-5)
+
+
+@pytest.mark.multiproc
+def test_stage_checkpoints_assemble_into_the_single_device_model(gpt_data, runs, tmp_path):
+    root, out = runs
+    model_dir = str(root / "pp2_dp2_1f1b")
+    layout = stage_checkpoint.read_layout(model_dir)
+    assert layout["pipeline_stages"] == 2
+    assert layout["stages"][0]["layers"][0] == "embedding"
+    assert os.path.exists(os.path.join(model_dir, "pipeline", "stage-1", "checkpoint"))
+    ranks = [load(out, "pp2_dp2_1f1b", r) for r in range(RANKS)]
+    trained = {}
+    for result in ranks:
+        trained.update(held(result, "w"))
+    model, _ = load_model(model_dir)  # tfbig-generate / tfbig-export
+    for v in model.trainable_variables:
+        np.testing.assert_array_equal(v.numpy(), trained[v.path])
+    written = stage_checkpoint.consolidate(model_dir, str(tmp_path / "single"))
+    cfg = make_cfg(gpt_data, tmp_path / "single", **TRAIN)
+    resumed = Trainer(cfg)
+    assert resumed.restored_from == written and int(resumed.step.numpy()) == 3
+    for v in resumed.model.trainable_variables:
+        np.testing.assert_array_equal(v.numpy(), trained[v.path])
+    slots = stage_checkpoint._slot_owners(resumed.optimizer)
+    assert len(slots) == 2 * len(resumed.model.trainable_variables)
+    assert all(np.any(s.numpy() != 0) for s in resumed.optimizer.variables if id(s) in slots)
+
+
+def cfg_with(**flags):
+    cfg = config_lib.ExperimentConfig()
+    cfg.train.strategy = "horovod"
+    for key, value in flags.items():
+        section = next(s for s in ("pipeline", "parallel", "horovod", "train")
+                       if hasattr(getattr(cfg, s), key))
+        setattr(getattr(cfg, section), key, value)
+    return cfg
+
+
+@pytest.mark.parametrize("flags, world, message", [
+    (dict(pipeline_stages=3), 4, "--pipeline_stages=3 x --tensor_parallel=1 = 3 does not "
+                                 "divide 4"),
+    (dict(pipeline_stages=2, tensor_parallel=2), 4, "--pipeline_stages=2 with "
+                                                    "--tensor_parallel=2 is not supported"),
+    (dict(pipeline_stages=2, zero_stage=1), 4, "--pipeline_stages=2 with --zero_stage=1"),
+    (dict(pipeline_stages=2, elastic=True), 4, "--pipeline_stages=2 with --elastic=True"),
+    (dict(pipeline_stages=2, sequence_parallel=True), 2, "with --sequence_parallel=True"),
+    (dict(pipeline_stages=2, model="albert"), 2, "is built for --model=gpt; --model=albert is "
+                                                  "not supported yet"),
+])
+def test_unsupported_layouts_are_refused_before_training(flags, world, message):
+    with pytest.raises(ValueError, match=message.replace("+", r"\+")):
+        pipeline_mesh(cfg_with(**flags), world)
+
+
+def test_schedule_flags_without_stages_are_refused_under_horovod():
+    with pytest.raises(ValueError, match="--num_microbatches=8 has no effect with "
+                                         "--strategy=horovod and --pipeline_stages=0"):
+        config_lib.check_applicable(cfg_with(num_microbatches=8))
+    config_lib.check_applicable(cfg_with(pipeline_stages=2, num_microbatches=8))  # accepted
+
+
+def test_more_stages_than_layers_are_refused(gpt_data, tmp_path):
+    cfg = pipeline_cfg(gpt_data, tmp_path, 5, {})  # embedding, 2 blocks, head: 4 layers
+    with pytest.raises(ValueError, match="--pipeline_stages=5: the model has 4 layers"):
+        stage_plan(get_task(cfg.train, cfg), cfg.pipeline, 5)
+
+
+def test_the_stage_count_default_depends_on_the_strategy():
+    assert config_lib.pipeline_stages(cfg_with()) == 1  # horovod: no pipeline
+    pipeline = cfg_with()
+    pipeline.train.strategy = "pipeline"
+    assert config_lib.pipeline_stages(pipeline) == 2

@@ -1,0 +1,360 @@
+"""Pipeline stages on different Horovod ranks: `--strategy=horovod --pipeline_stages=K`.
+
+The rank grid (tfbig.distribute.mesh) is data D x pipeline K: `horovodrun -np K*D`. The rank at
+pipeline position k of data replica d holds stage k only (tfbig.pipeline.stage_model: the
+other stages' weights are empty placeholders), reads the batch of data index d (every rank of
+a replica reads the same one: the first stage takes its tokens, the last its labels), and runs
+its own column of the schedule's timeline (GPipe or 1F1B, tfbig.pipeline.schedules):
+
+    F(m)  receive stage k-1's activation of micro-batch m, forward, send the output to k+1
+    B(m)  receive d(loss)/d(output) from k+1, backward, send d(loss)/d(input) to k-1
+
+over the two-rank process set of each pair of adjacent stages (transport and its choice:
+tfbig.pipeline.transport). One optimizer step, per rank:
+
+    forward_backward      the schedule; the last stage's mean loss and metrics go to every
+                          stage (one all-reduce over the pipeline group, zeros elsewhere);
+                          weights used by several stages (tied/shared) get their gradient
+                          parts summed over the pipeline group
+    all_reduce_gradients  the stage's gradients averaged over its data group (the ranks holding
+                          the same stage), then one all-reduce of 3 scalars over the pipeline
+                          group: the squared gradient norm (each weight counted on its owner),
+                          the count of non-finite entries and the SIGTERM flag. A non-finite
+                          gradient on any stage makes every stage's gradients non-finite, so
+                          with fp16 loss scaling every stage skips the step and lowers its scale
+    clipping              the optimizer's global norm sums the stages' squares (one scalar
+                          all-reduce), so clipping acts on the whole model's norm
+
+Checkpoints: each rank of data replica 0 writes its stage (stage 0 in --model_dir, stage k in
+MODEL_DIR/pipeline/stage-k) and the chief writes MODEL_DIR/pipeline.json (which stage owns
+which weight). Resuming needs the same --pipeline_stages; tfbig.pipeline.stage_checkpoint
+assembles the single-device model (tfbig-generate/export read it) or writes a single-device
+checkpoint: python -m tfbig.pipeline.stage_checkpoint MODEL_DIR OUT_DIR.
+
+Not built (refused before training): --tensor_parallel, --zero_stage, --shard_degree,
+--sequence_parallel, --elastic, --offload_activations with --pipeline_stages > 1, and
+--model=albert (its first cross-rank step hung in the one test launch; GPT only for now).
+
+Example (2 stages x 2 data-parallel replicas):
+    horovodrun -np 4 -H localhost:4 --gloo tfbig-train --strategy=horovod --pipeline_stages=2 \\
+        --num_microbatches=4 --schedule=1f1b
+"""
+import math
+
+import tensorflow as tf
+
+from tfbig.checkpoint import piece_dir, write_layout
+from tfbig.config import pipeline_stages
+from tfbig.distribute.horovod import HorovodStrategy
+from tfbig.distribute.horovod_keras import hvd
+from tfbig.distribute.mesh import HorovodMesh, Mesh, launcher_world_size
+from tfbig.pipeline import partition as partition_lib
+from tfbig.pipeline import schedules
+from tfbig.pipeline import stage_checkpoint
+from tfbig.pipeline.layers import layer_specs
+from tfbig.pipeline.stage_model import build_stage_model
+from tfbig.pipeline.stages import Stage
+from tfbig.pipeline.strategy import microbatch_size, split_microbatches
+from tfbig.pipeline.transport import StageLink, boundary_specs, runtime_zero, unfoldable
+
+# (config section, flag, is it set?) of what is not built with stages on different ranks.
+REFUSED = (("parallel", "tensor_parallel", lambda v: v != 1),
+           ("parallel", "zero_stage", lambda v: v != 0),
+           ("parallel", "shard_degree", lambda v: v != 0),
+           ("parallel", "sequence_parallel", bool),
+           ("horovod", "elastic", bool),
+           ("pipeline", "offload_activations", bool))
+
+
+def pipeline_mesh(cfg, world_size):
+    """The data x pipeline grid of a cross-rank pipeline run; refuses what is not built."""
+    stages = pipeline_stages(cfg)
+    for section, flag, is_set in REFUSED:
+        value = getattr(getattr(cfg, section), flag)
+        if is_set(value):
+            raise ValueError(f"--pipeline_stages={stages} with --{flag}={value} is not "
+                             f"supported by --strategy=horovod yet (stages on different ranks "
+                             f"are built for plain data parallelism); drop one of the two")
+    if cfg.train.model != "gpt":  # ALBERT's cross-rank run hung in its first step
+        raise ValueError(f"--pipeline_stages={stages} with --strategy=horovod is built for "
+                         f"--model=gpt; --model={cfg.train.model} is not supported yet (use "
+                         f"--strategy=pipeline, stages on the devices of each process)")
+    if cfg.pipeline.num_microbatches < 1:
+        raise ValueError(f"--num_microbatches={cfg.pipeline.num_microbatches}: expected >= 1")
+    return Mesh.build(world_size, pipeline=stages, placement=cfg.parallel.placement)
+
+
+def stage_plan(task, pipeline, num_stages):
+    """(LayerSpecs, StagePlans) of `task`'s model cut into `num_stages` (errors name flags)."""
+    specs = layer_specs(task.model_config, task.seq_length,
+                        getattr(task, "max_predictions_per_seq", None))
+    return specs, partition_lib.partition(specs, num_stages, pipeline.stage_boundaries,
+                                          pipeline.pipeline_balance)
+
+
+def clipping_class(cls, sum_over_stages, counted):
+    """`cls` whose global-norm clipping sums the squares of the weights each stage owns
+    (`counted`, in the optimizer's variable order) over the stages."""
+    class PipelineStage(cls):
+        def _clip_gradients(self, grads):
+            if not (self.global_clipnorm and self.global_clipnorm > 0):
+                return super()._clip_gradients(grads)
+            squares = [tf.reduce_sum(tf.square(g)) for g, c in zip(grads, counted) if c]
+            local = tf.add_n(squares) if squares else tf.constant(0.0)
+            norm = tf.sqrt(sum_over_stages(local))  # keras' clip_by_global_norm formula
+            scale = self.global_clipnorm * tf.minimum(1.0 / norm, 1.0 / self.global_clipnorm)
+            return [g * (scale + (norm - norm)) for g in grads]
+
+    PipelineStage.__name__ = f"PipelineStage{cls.__name__}"
+    return PipelineStage
+
+
+def _stamped(run, inputs, stamps, stage):
+    """run(inputs), with [start, end] wall-clock stamps around it appended to `stamps` (the
+    start waits for the inputs and the previous op's end, the end for everything the op
+    produced, weight-gradient sums included; the benchmark's bubble)."""
+    if stamps is None:
+        return run(inputs)
+    deps = [t for t in tf.nest.flatten(inputs) if t is not None] + stamps[-1:]
+    with tf.control_dependencies(deps):
+        start = tf.timestamp()
+    with tf.control_dependencies([start]):
+        inputs = tf.nest.map_structure(lambda t: t if t is None else tf.identity(t), inputs)
+    out = run(inputs)
+    with tf.control_dependencies([t for t in tf.nest.flatten(out) if t is not None]
+                                 + list(stage.gradient_sums.values())):
+        stamps.append(tf.stack([start, tf.timestamp()]))
+    return out
+
+
+def run_stage(ops, stage, link, micro_batches, specs, stamps=None):
+    """This rank's column of the schedule: {microbatch: (loss, metrics)} on the last stage.
+    `stamps` (a list) collects each op's [start, end] wall-clock times."""
+    results = {}
+    for op in ops:
+        m = op.microbatch
+        if op.kind == "F":
+            x = micro_batches[m] if stage.is_first else link.receive_forward(
+                m, specs[stage.index - 1])
+            out = _stamped(lambda i, m=m: stage.forward(m, *i), (x, micro_batches[m]), stamps,
+                           stage)
+            if stage.is_last:
+                results[m] = out
+            else:
+                link.send_forward(m, out)
+        else:
+            dy = None if stage.is_last else link.receive_backward(m, specs[stage.index])
+            dx = _stamped(lambda d, m=m: stage.backward(m, d), dy, stamps, stage)
+            if not stage.is_first:
+                link.send_backward(m, dx)
+    return results
+
+
+class CrossRankPipeline(HorovodStrategy):
+    """Data parallel x pipeline, one stage per Horovod rank (see the module docstring)."""
+
+    name = "horovod"
+    whole_model = False  # each rank holds one stage: no text sample at the end
+
+    def __init__(self, cfg, mesh=None):
+        size = hvd.size() if hvd.is_initialized() else launcher_world_size()
+        mesh = mesh or HorovodMesh(pipeline_mesh(cfg, size))  # Horovod: init with the sets
+        super().__init__(cfg, mesh)
+        self.pipeline = cfg.pipeline
+        self.num_stages = self.mesh.mesh.pipeline
+        self.stage_index = self.mesh.coords["pipeline"]
+        self.pipeline_set = self.mesh.process_set("pipeline")
+        self.ops = schedules.get_schedule(self.pipeline.schedule)(
+            self.num_stages, self.pipeline.num_microbatches)[self.stage_index]
+        self.device = "/GPU:0" if tf.config.list_physical_devices("GPU") else "/device:CPU:0"
+        self.built = self.plan = self.specs = self.task = None
+        self._norm = None
+
+    @property
+    def num_devices(self):
+        return self.mesh.mesh.size
+
+    # ---- model ---------------------------------------------------------------------------
+    def build_model(self, task):
+        """This rank's stage of `task`'s model (the others' weights are placeholders)."""
+        self.specs, self.plan = stage_plan(task, self.pipeline, self.num_stages)
+        micro = microbatch_size(self.cfg.train.batch_size // self.num_replicas,
+                                self.pipeline.num_microbatches)
+        self.built = build_stage_model(task, self.plan, self.specs, self.stage_index,
+                                       self.device)
+        self.task = task
+        if self.is_chief:
+            print(self.describe(micro * task.seq_length), flush=True)
+        return self.built.model
+
+    def describe(self, micro_batch_tokens):
+        """The rank grid, the schedule and which ranks hold which layers."""
+        p = self.pipeline
+        memory = [partition_lib.estimate_memory(
+            stage, p.schedule, self.num_stages, p.num_microbatches, micro_batch_tokens,
+            p.activation_checkpointing) for stage in self.plan]
+        holders = [",".join(str(r) for r in self.mesh.mesh.group(
+            "data", self.mesh.mesh.rank_of(pipeline=s.index))) for s in self.plan]
+        return (f"{self.mesh.mesh.describe()}\n"
+                f"pipeline across ranks: {self.num_stages} stages, --schedule={p.schedule}, "
+                f"{p.num_microbatches} micro-batches of {micro_batch_tokens} tokens, "
+                f"{self.num_replicas} data-parallel replica(s); device = ranks holding it\n"
+                + partition_lib.format_plan(self.plan, [f"ranks {h}" for h in holders], memory))
+
+    def make_stage(self, jit_compile):
+        s = self.plan[self.stage_index]
+        return Stage(s.index, self.built.stage_layers, self.device, self.task, s.index == 0,
+                     s.index == self.num_stages - 1, self.pipeline.activation_checkpointing,
+                     jit_compile)
+
+    def _specs(self, micro_batch):
+        return boundary_specs(self.built.layers, self.plan, self.task, micro_batch)
+
+    # ---- steps ---------------------------------------------------------------------------
+    def make_forward_backward(self, loss_fn, variables, scale_loss, jit_compile):
+        """batch -> (mean loss, this stage's gradients, mean metrics), the stages exchanging
+        activations and gradients; `loss_fn` is not called (the last stage has the loss)."""
+        return self._forward_backward(variables, scale_loss, jit_compile, timed=False)
+
+    def make_timed_forward_backward(self, variables, scale_loss):
+        """As make_forward_backward, the function also returning a (num_ops, 2) tensor of
+        each op's wall-clock [start, end] on this rank (benchmarks/pipeline_cross_rank.py)."""
+        return self._forward_backward(variables, scale_loss, False, timed=True)
+
+    def _forward_backward(self, variables, scale_loss, jit_compile, timed):
+        self._scale_loss = scale_loss
+        self._counted = [id(v) in self.built.owned for v in variables]
+        stage, link = self.make_stage(jit_compile), StageLink(
+            self.mesh, self.stage_index, self.num_stages, "train")
+        self.stage = stage  # for inspection: peak_live
+        num_micro = self.pipeline.num_microbatches
+
+        def forward_backward(batch):
+            micro_batches = split_microbatches(batch, num_micro, batch_axes=2)
+            stage.begin_step(scale_loss, num_micro)
+            link.begin(runtime_zero(micro_batches[0]))
+            specs, metric_spec = self._specs(micro_batches[0])
+            stamps = [] if timed else None
+            results = run_stage(self.ops, stage, link, micro_batches, specs, stamps)
+            grads = [stage.gradient_sums.get(id(v), tf.zeros(v.shape, tf.float32))
+                     for v in variables]
+            grads, summed = self._sum_shared(stage, variables, grads, link.zero)
+            loss, metrics = self._share_metrics(results, metric_spec, "train", link, summed)
+            out = loss, grads, metrics
+            return out + (tf.stack(stamps),) if timed else out
+
+        return tf.function(forward_backward, autograph=False)
+
+    def _share_metrics(self, results, metric_spec, tag, link, summed=0.0):
+        """The last stage's mean (loss, metrics) on every stage of the replica. The metrics,
+        which the trainer reads, carry the zeros (`link.sends_done()`, `summed`) that make
+        every send and the shared-gradient sum run on every rank."""
+        if results:
+            scale = 1.0 / len(results)
+            ordered = [results[m] for m in sorted(results)]
+            loss = tf.add_n([loss for loss, _ in ordered]) * scale
+            metrics = {k: tf.add_n([m[k] for _, m in ordered]) * scale for k in metric_spec}
+        else:  # zeros: the sum over the pipeline group is the last stage's
+            loss = tf.constant(0.0)
+            metrics = {k: tf.zeros(s.shape, tf.float32) for k, s in metric_spec.items()}
+        keys = sorted(metrics)
+        flat = tf.stack([tf.cast(loss, tf.float32)] + [tf.cast(metrics[k], tf.float32)
+                                                       for k in keys])
+        flat = flat + link.sends_done() + summed
+        # Horovod: the last stage's values to every stage (the others add zeros).
+        total = hvd.allreduce(unfoldable(flat, link.zero), op=hvd.Sum,
+                              process_set=self.pipeline_set,
+                              name=f"pipeline.{tag}.metrics", ignore_name_scope=True)
+        return total[0], {k: total[i + 1] for i, k in enumerate(keys)}
+
+    def _sum_shared(self, stage, variables, grads, zero):
+        """(gradients with those of weights used by several stages summed over the stages,
+        a float32 zero computed from the sums: a rank holding none of them must still feed
+        the all-reduce's result into an output, or Grappler drops it there)."""
+        shared = self.built.shared
+        if not shared:
+            return grads, 0.0
+        parts = [unfoldable(stage.gradient_sums.get(id(v), tf.zeros(v.shape, tf.float32)),
+                            zero) for v in shared]
+        # Horovod: one grouped all-reduce over the pipeline group (zeros from non-users).
+        summed = hvd.grouped_allreduce(parts, op=hvd.Sum, process_set=self.pipeline_set,
+                                       name="pipeline.train.shared", ignore_name_scope=True)
+        by_id = {id(v): g for v, g in zip(shared, summed)}
+        used = tf.add_n([tf.cast(tf.abs(tf.reshape(g, [-1])[0]) < -1.0, tf.float32)
+                         for g in summed])
+        return [by_id.get(id(v), g) for v, g in zip(variables, grads)], used
+
+    def make_forward(self, loss_fn, jit_compile):
+        """batch -> mean metrics, micro-batches flowing forward through the stage ranks."""
+        stage, link = self.make_stage(jit_compile), StageLink(
+            self.mesh, self.stage_index, self.num_stages, "eval")
+
+        def forward(batch):
+            size = tf.nest.flatten(batch)[0].shape[0]
+            num_micro = math.gcd(self.pipeline.num_microbatches, size) if size else 1
+            micro_batches = split_microbatches(batch, num_micro)
+            stage.begin_step(None, num_micro)
+            link.begin(runtime_zero(micro_batches[0]))
+            specs, metric_spec = self._specs(micro_batches[0])
+            results = {}
+            for m, micro in enumerate(micro_batches):
+                x = micro if stage.is_first else link.receive_forward(m, specs[stage.index - 1])
+                out = stage.infer(x, micro)
+                if stage.is_last:
+                    results[m] = out[1:]
+                else:
+                    link.send_forward(m, out)
+            return self._share_metrics(results, metric_spec, "eval", link)[1]
+
+        return tf.function(forward, autograph=False)
+
+    def all_reduce_gradients(self, grads):
+        """Average over the stage's data group, then agree across stages on the norm,
+        non-finite gradients and stop requests (one all-reduce of three scalars)."""
+        grads = super().all_reduce_gradients(grads)
+        squares = [tf.reduce_sum(tf.square(g)) for g, c in zip(grads, self._counted) if c]
+        bad = [tf.reduce_sum(tf.cast(~tf.math.is_finite(g), tf.float32)) for g in grads]
+        local = tf.stack([tf.add_n(squares) if squares else tf.constant(0.0),
+                          tf.add_n(bad) if bad else tf.constant(0.0),
+                          self._stop_agreed.read_value()])
+        total = hvd.allreduce(local, op=hvd.Sum, process_set=self.pipeline_set,
+                              name="pipeline.train.norm", ignore_name_scope=True)
+        self._stop_agreed.assign(total[2])
+        poison = tf.where(total[1] > 0, float("nan"), 0.0)  # every stage skips, or none
+        self._norm = tf.sqrt(total[0]) + poison
+        return [g + poison for g in grads]
+
+    def global_norm(self, grads):
+        return self._norm  # from all_reduce_gradients: the whole model's, every stage
+
+    def build_optimizer(self, train, variables):
+        from tfbig.optim import build_optimizer
+
+        counted = [id(v) in self.built.owned for v in variables]
+
+        def sum_over_stages(x):  # Horovod: the clipping norm's squares over the stages
+            return hvd.allreduce(x, op=hvd.Sum, process_set=self.pipeline_set,
+                                 name="pipeline.train.clip", ignore_name_scope=True)
+
+        return self.prepare_optimizer(build_optimizer(
+            train, variables, adapt=lambda cls: clipping_class(cls, sum_over_stages, counted)))
+
+    # ---- checkpoints: each stage rank of data replica 0 writes its stage -------------------
+    @property
+    def restores_checkpoint(self):
+        return self.rank == 0  # replica 0's stage ranks; the broadcast gives it to the rest
+
+    def _stage_dir(self, model_dir):
+        return piece_dir(model_dir, "pipeline", self.stage_index)
+
+    def restore_dir(self, model_dir):
+        stage_checkpoint.check_resume(model_dir, self.num_stages)
+        return self._stage_dir(model_dir)
+
+    def checkpoint_dir(self, model_dir):
+        return self._stage_dir(model_dir) if self.rank == 0 else None
+
+    def after_checkpoint(self, directory):
+        if self.is_chief:
+            write_layout(directory, stage_checkpoint.LAYOUT_FILE,
+                         stage_checkpoint.layout(self.built.layers, self.plan))
