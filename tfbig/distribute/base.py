@@ -185,6 +185,13 @@ class Strategy:
     def broadcast_variables(self, variables):
         """Make every replica's copy of `variables` equal to the chief's."""
 
+    def checkpoint_model(self, model):
+        """{key: variable} of the model's weights in this process's checkpoint (ZeRO-3: its
+        slices under the same keys)."""
+        from tfbig.checkpoint import model_variables
+
+        return model_variables(model)
+
     def restore_dir(self, model_dir):
         """Where this process finds the checkpoint it restores (when `restores_checkpoint`)."""
         return model_dir

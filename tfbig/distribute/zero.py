@@ -36,12 +36,15 @@ import math
 import os
 
 import keras
+import numpy as np
 import tensorflow as tf
 
-from tfbig.checkpoint import piece_dir, write_layout
+from tfbig.checkpoint import model_key, piece_dir, write_layout
+from tfbig.distribute import recompute, zero3
 from tfbig.distribute.base import accumulate_gradients
 from tfbig.distribute.horovod import HorovodStrategy
 from tfbig.distribute.horovod_keras import average_gradients, hvd
+from tfbig.distribute.zero3 import Partition
 from tfbig.optim import build_optimizer, no_decay_variables
 
 LAYOUT_FILE = "zero.json"
@@ -64,34 +67,53 @@ class ZeroStrategy(HorovodStrategy):
         self.shard_index = self.partition_set.rank() if self.partition_set else 0
         replicas = self.mesh.mesh.group("replica", self.mesh.rank)
         self.replica_index = replicas.index(self.mesh.rank)
+        self.partition = Partition(self.partition_set, self.num_shards, self.shard_index)
+        self._shard_of = {}  # stage 3: id(model variable) -> its slice variable
 
     # ---- the layout ----------------------------------------------------------------------
-    def _slice_size(self, variable):
-        return math.ceil(variable.shape.num_elements() / self.num_shards)
-
-    def _padded(self, tensor, size):
-        flat = tf.reshape(tf.cast(tensor, tf.float32), [-1])
-        return tf.pad(flat, [[0, size * self.num_shards - flat.shape[0]]])
-
     def _own_slice(self, variable):
-        size = self._slice_size(variable)
-        return self._padded(variable, size)[self.shard_index * size:(self.shard_index + 1) * size]
+        return self.partition.own(variable, variable.shape)
 
     def state_bytes(self):
-        """{name: bytes} of the model state this rank holds (model, master slices, slots)."""
-        nbytes = lambda vs: sum(math.prod(v.shape) * tf.as_dtype(v.dtype).size  # noqa: E731
-                                for v in vs)
+        """{name: bytes} of the model state this rank holds (model, master slices, slots):
+        the bytes of the values its variables hold (a stage-3 model variable holds none)."""
+        nbytes = lambda vs: sum(  # noqa: E731
+            0 if getattr(v, "_value", True) is None  # Keras: never given a value
+            else math.prod(v.shape) * tf.as_dtype(v.dtype).size for v in vs)
         inner = getattr(self.optimizer, "inner_optimizer", self.optimizer)
         slots = list(inner._momentums) + list(inner._velocities)  # Keras Adam/LAMB slots
         return {"parameters": nbytes(self.model_variables), "master_slices": nbytes(self.shards),
                 "optimizer_slots": nbytes(slots)}
 
+    def gather_full(self, variables, values=None):
+        """[full numpy array] of each model variable (or of `values`: slices with stage 3,
+        full otherwise); a collective of the partition group with stage 3."""
+        if self.stage < 3:
+            return [np.asarray(v) for v in (values if values is not None else variables)]
+        slices = values if values is not None else [self._shard_of[id(v)] for v in variables]
+        return [t.numpy() for t in self.partition.gather(slices, [v.shape for v in variables])]
+
+    # ---- stage 3: the model without values, gathered per layer ---------------------------
+    def build_model(self, task):
+        if self.stage < 3:
+            return super().build_model(task)
+        memory = getattr(self.cfg, "pipeline", None)
+        offload = bool(memory and memory.offload_activations)
+        recompute.check_offload(offload, False)
+        # Stage 3 recomputes every gathered layer (zero3.py): --activation_checkpointing is
+        # implied, --offload_activations keeps the saved layer inputs on the host.
+        model, self._initialisers = zero3.build_unmaterialised(task)
+        zero3.Gatherer(self.partition, self._shard_of, offload).install(model)
+        return model
+
     # ---- optimizer over the slices -------------------------------------------------------
     def build_optimizer(self, train, variables):
         self.model_variables = list(variables)
-        self.shards = [keras.Variable(self._own_slice(v), dtype="float32", trainable=True,
+        self.shards = [keras.Variable(self._initial_slice(v), dtype="float32", trainable=True,
+                                      autocast=self.stage < 3,  # gathered in float32
                                       name=v.path.replace("/", "__") + "__zero_slice")
                        for v in variables]
+        self._shard_of.update({id(v): s for v, s in zip(variables, self.shards)})
         excluded = {id(v) for v in no_decay_variables(variables)}
         self.optimizer = build_optimizer(
             train, self.shards, sum_over_shards=self._sum_over_partition,
@@ -99,6 +121,11 @@ class ZeroStrategy(HorovodStrategy):
         inner = getattr(self.optimizer, "inner_optimizer", self.optimizer)
         self._slot_ids = {id(v) for v in list(inner._momentums) + list(inner._velocities)}
         return self.optimizer
+
+    def _initial_slice(self, variable):
+        if self.stage < 3:
+            return self._own_slice(variable)
+        return zero3.initial_slice(variable, self._initialisers[id(variable)], self.partition)
 
     def _sum_over_partition(self, value):
         if self.partition_set is None:
@@ -110,17 +137,21 @@ class ZeroStrategy(HorovodStrategy):
         if self.stage == 1:
             return super().make_forward_backward(loss_fn, variables, scale_loss, jit_compile)
         self._scale_loss = scale_loss
+        if self.stage == 3:  # gradients of the slices, reduce-scattered layer by layer inside
+            variables, jit_compile, to_slices = self.shards, False, list
+        else:
+            to_slices = self._reduce_scatter
         micro_step = tf.function(
             lambda micro: accumulate_gradients(loss_fn, variables, micro, scale_loss),
             jit_compile=jit_compile)
 
-        def forward_backward(batch):  # stage 2: accumulate into the slice, never in full
+        def forward_backward(batch):  # stages 2-3: accumulate into the slice, never in full
             num_micro = tf.nest.flatten(batch)[0].shape[0]
             loss_sum, slices, metric_sums = 0.0, None, None
             for i in range(num_micro):  # unrolled: the reduce-scatter cannot sit in XLA
                 loss, grads, metrics = micro_step(tf.nest.map_structure(
                     lambda t: t[i:i + 1], batch))
-                scattered = self._reduce_scatter(grads)
+                scattered = to_slices(grads)
                 slices = scattered if slices is None else [a + g for a, g in
                                                             zip(slices, scattered)]
                 loss_sum += loss
@@ -132,15 +163,14 @@ class ZeroStrategy(HorovodStrategy):
 
         return tf.function(forward_backward)
 
+    def make_forward(self, loss_fn, jit_compile):
+        # Stage 3 gathers inside the forward: Horovod ops have no XLA kernels.
+        return super().make_forward(loss_fn, jit_compile and self.stage < 3)
+
     def _reduce_scatter(self, grads):
         """Full-size gradients -> this rank's slices, averaged over the partition group."""
-        padded = [self._padded(g, self._slice_size(v))
-                  for g, v in zip(grads, self.model_variables)]
-        if self.partition_set is None:
-            return padded
         # Horovod: one grouped reduce-scatter inside the partition group (hop 1).
-        return hvd.grouped_reducescatter(padded, op=hvd.Average,
-                                         process_set=self.partition_set)
+        return self.partition.scatter(grads, [v.shape for v in self.model_variables])
 
     def all_reduce_gradients(self, grads):
         """Slices of the gradients averaged over all data-parallel ranks (2-hop sync)."""
@@ -162,6 +192,8 @@ class ZeroStrategy(HorovodStrategy):
 
     def apply_gradients(self, optimizer, grads, variables):
         optimizer.apply(grads, self.shards)
+        if self.stage == 3:
+            return  # the parameters are the slices: gathered when a layer runs
         values = [tf.convert_to_tensor(s.value) for s in self.shards]
         if self.partition_set is not None:  # Horovod: the updated slices, gathered
             values = hvd.grouped_allgather(values, process_set=self.partition_set)
@@ -181,9 +213,20 @@ class ZeroStrategy(HorovodStrategy):
                                  f"optimizer steps {steps.tolist()} (a save was cut short?); "
                                  f"remove the newer checkpoints so every shard directory's "
                                  f"newest one is of the same step")
+        if self.stage == 3:  # every rank made or restored its own slices: counters, RNG only
+            held = self._slot_ids | {id(v) for v in self.model_variables}
+            super().broadcast_variables([v for v in variables if id(v) not in held])
+            return
         super().broadcast_variables([v for v in variables if id(v) not in self._slot_ids])
         for shard, variable in zip(self.shards, self.model_variables):
             shard.assign(self._own_slice(variable))  # master slices of the final parameters
+
+    def checkpoint_model(self, model):
+        """Stage 3: the slices, under the keys of the model variables they are slices of."""
+        if self.stage < 3:
+            return super().checkpoint_model(model)
+        return {model_key(model, v): (self._shard_of[id(v)] if v.trainable else v).value
+                for v in model.variables if "seed_generator" not in v.path}
 
     @property
     def restores_checkpoint(self):
