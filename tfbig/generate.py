@@ -18,7 +18,7 @@ from absl import flags  # noqa: E402
 
 from tfbig import integrity  # noqa: E402
 from tfbig.checkpoint import model_variables  # noqa: E402
-from tfbig.distribute import tensor_layout  # noqa: E402
+from tfbig.distribute import tensor_layout, zero_checkpoint  # noqa: E402
 from tfbig.errors import UsageError  # noqa: E402
 from tfbig.models.gpt import GPT, GPTConfig  # noqa: E402
 
@@ -107,8 +107,13 @@ def load_model(model_dir):
         raise FileNotFoundError(f"--model_dir={model_dir} has no checkpoint")
     model = GPT(GPTConfig(**saved["model_config"]), name="gpt")
     model.build((None, None))
+    pieces = None
     if tensor_layout.read_layout(model_dir) is not None:  # pieces saved by each tensor rank
-        weights = tensor_layout.assembled_weights(model_dir, model, warn)
+        pieces = tensor_layout
+    elif zero_checkpoint.read_layout(model_dir) is not None:  # ZeRO slices of each position
+        pieces = zero_checkpoint
+    if pieces is not None:
+        weights = pieces.assembled_weights(model_dir, model, warn)
         for v in model.variables:
             if v.path in weights:
                 v.assign(weights[v.path])

@@ -166,7 +166,7 @@ class Trainer:
                                             self.logger.info,
                                             keep_damaged=self.strategy.is_chief)
         if latest:
-            self.checkpoint.restore(latest).assert_existing_objects_matched()
+            self.strategy.restore_checkpoint(self.checkpoint, latest)
             self.logger.info(f"resumed from {latest} at step {int(self.step.numpy())}")
         return latest
 

@@ -1,4 +1,4 @@
-"""ZeRO stages 1 and 2 with MiCS partition groups on Horovod (`--zero_stage=1|2 --shard_degree=N`).
+"""ZeRO stages 1-3 with MiCS partition groups on Horovod (`--zero_stage=1|2|3 --shard_degree=N`).
 
 Layout: every trainable variable is flattened, zero-padded to a multiple of N and cut into N
 equal slices; the rank at position j of its partition group (tfbig.distribute.mesh) owns slice j
@@ -6,48 +6,54 @@ of every variable: a float32 master copy of it and its optimizer slots (AdamW/LA
 Per-variable slices (rather than one flat buffer) keep weight-decay exclusions and LAMB's
 per-layer trust ratio attached to the variable they belong to. One optimizer step:
 
-    forward/backward (XLA)          full-size local gradients  (stage 2: one micro-batch at a time)
+    forward/backward                full-size local gradients  (stage 2: one micro-batch at a time;
+                                    stage 3: one layer at a time, see zero3.py)
     reduce-scatter, partition group  this rank's slice, averaged over the N ranks of the group
     all-reduce, replica group        ... and over the D/N groups (MiCS's 2-hop sync)
     optimizer on the slices          clipping norm and LAMB norms summed over the N slices
-    all-gather, partition group      the updated full parameters on every rank
+    all-gather, partition group      stages 1-2: the updated full parameters on every rank
 
 Per-rank model state, with P parameters and S = sum over variables of ceil(n / N) elements
-(S = P / N up to padding): 4 P (full parameters, replicated: stages 1-2 do not shard them)
-+ 4 S (master slice) + 8 S (m and v). Gradients: stage 1 holds the full 4 P summed over the
-micro-batches by the XLA forward/backward until the reduce-scatter; stage 2 reduce-scatters
+(S = P / N up to padding): stages 1-2: 4 P (full parameters, replicated) + 4 S (master slice)
++ 8 S (m and v); stage 3: 4 S (the parameters are the slices) + 8 S, the model's own variables
+hold no value (zero3.build_unmaterialised). Gradients: stage 1 holds the full 4 P summed over
+the micro-batches by the XLA forward/backward until the reduce-scatter; stage 2 reduce-scatters
 each micro-batch's gradients as soon as they exist and accumulates only its 4 S slice (one
-collective per micro-batch instead of one per step: that is its price). A non-finite value in
-any rank's gradients makes every rank's slice non-finite, so fp16 loss scaling skips the step
-everywhere and fp32/bf16 stop the run everywhere.
+collective per micro-batch instead of one per step: that is its price); stage 3 reduce-scatters
+each layer's gradient in the backward and accumulates 4 S, and holds at most two layers'
+full parameters and one layer's full gradient at a time (plus the per-step tables of
+zero3.PLANS). Stage 3 runs without XLA (every layer communicates; Horovod ops have no XLA
+kernels) and recomputes each layer in its backward. A non-finite value in any rank's gradients
+makes every rank's slice non-finite, so fp16 loss scaling skips the step everywhere and
+fp32/bf16 stop the run everywhere.
 
 Checkpoints: slice j's holder in the first replica group writes its own checkpoint in
-parallel (position 0 in --model_dir, the others in MODEL_DIR/zero/shard-j; parameters are
-replicated, so each file also holds them and tfbig-generate/tfbig-export read --model_dir as
-usual); every rank restores the slice of its position. MODEL_DIR/zero.json records the layout;
-resuming with another world size or shard degree is refused (re-sharding on load is not built).
+parallel (position 0 in --model_dir, the others in MODEL_DIR/zero/shard-j); MODEL_DIR/zero.json
+records the layout. Stages 1-2 files also hold the full parameters (tfbig-generate/-export
+read --model_dir as usual; with stage 3 they assemble the slices). Resuming with another stage
+(3 vs 1-2), shard degree or number of processes re-shards on load (zero_checkpoint.py: every
+piece is read, full values assembled, this rank's slices cut); a plain checkpoint loads too.
+`python -m tfbig.distribute.zero MODEL_DIR OUT_DIR` writes a single-device checkpoint.
 
 Example:
-    horovodrun -np 8 -H localhost:8 --gloo tfbig-train --strategy=horovod --zero_stage=2 \
+    horovodrun -np 8 -H localhost:8 --gloo tfbig-train --strategy=horovod --zero_stage=3 \
         --shard_degree=4
 """
-import json
 import math
-import os
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 from tfbig.checkpoint import model_key, piece_dir, write_layout
-from tfbig.distribute import recompute, zero3
+from tfbig.distribute import recompute, zero3, zero_checkpoint
 from tfbig.distribute.base import accumulate_gradients
 from tfbig.distribute.horovod import HorovodStrategy
 from tfbig.distribute.horovod_keras import average_gradients, hvd
 from tfbig.distribute.zero3 import Partition
 from tfbig.optim import build_optimizer, no_decay_variables
 
-LAYOUT_FILE = "zero.json"
+LAYOUT_FILE = zero_checkpoint.LAYOUT_FILE
 
 
 class ZeroStrategy(HorovodStrategy):
@@ -96,7 +102,8 @@ class ZeroStrategy(HorovodStrategy):
     # ---- stage 3: the model without values, gathered per layer ---------------------------
     def build_model(self, task):
         if self.stage < 3:
-            return super().build_model(task)
+            self._model = super().build_model(task)
+            return self._model
         memory = getattr(self.cfg, "pipeline", None)
         offload = bool(memory and memory.offload_activations)
         recompute.check_offload(offload, False)
@@ -104,6 +111,7 @@ class ZeroStrategy(HorovodStrategy):
         # implied, --offload_activations keeps the saved layer inputs on the host.
         model, self._initialisers = zero3.build_unmaterialised(task)
         zero3.Gatherer(self.partition, self._shard_of, offload).install(model)
+        self._model = model
         return model
 
     # ---- optimizer over the slices -------------------------------------------------------
@@ -236,8 +244,22 @@ class ZeroStrategy(HorovodStrategy):
         return piece_dir(model_dir, "zero", self.shard_index)
 
     def restore_dir(self, model_dir):
-        self._check_layout(model_dir)
+        saved = self._check_layout(model_dir)
+        self._resharding = None
+        if saved is not None and not self._same_files(saved):
+            self._resharding = (model_dir, saved)  # every piece is read: see zero_checkpoint
+            return model_dir  # position 0's directory has the newest step
         return self._shard_dir(model_dir)
+
+    def restore_checkpoint(self, checkpoint, path):
+        if not getattr(self, "_resharding", None):
+            return checkpoint.restore(path).assert_existing_objects_matched()
+        model_dir, saved = self._resharding
+        if self.is_chief:
+            print(f"re-sharding {path}: saved as {saved}, loaded as {self._layout()}")
+        return zero_checkpoint.restore_resharded(
+            checkpoint, model_dir, saved, path, self._model, self.model_variables,
+            self.optimizer, self.partition)
 
     def checkpoint_dir(self, model_dir):
         return self._shard_dir(model_dir) if self.replica_index == 0 else None
@@ -247,22 +269,24 @@ class ZeroStrategy(HorovodStrategy):
         return {"zero_stage": self.stage, "shard_degree": m.shard_degree, "data": m.data,
                 "world_size": m.size}
 
+    def _same_files(self, saved):
+        """Whether a checkpoint saved with layout `saved` has this run's pieces (stages 1 and
+        2 save the same; the number of replica groups does not change a piece)."""
+        return (saved["shard_degree"] == self.num_shards and saved["zero_stage"] in (1, 2, 3)
+                and (saved["zero_stage"] == 3) == (self.stage == 3))
+
     def _check_layout(self, model_dir):
-        path = os.path.join(model_dir, LAYOUT_FILE)
-        saved = None
-        if os.path.exists(path):
-            with open(path) as f:
-                saved = json.load(f)
-        elif tf.train.latest_checkpoint(model_dir):
-            raise ValueError(f"--model_dir={model_dir} holds a checkpoint without ZeRO slices "
-                             f"({LAYOUT_FILE} is missing); resume it without --zero_stage or "
-                             f"start another --model_dir")
-        slot_layout = {k: v for k, v in self._layout().items() if k != "zero_stage"}
-        if saved and {k: saved[k] for k in slot_layout} != slot_layout:
-            raise ValueError(f"--model_dir={model_dir} was written with ZeRO slices {saved}; "
-                             f"this run has {self._layout()}. Resume with the same number of "
-                             f"processes and --shard_degree (re-sharding on load is not built)")
+        """The layout `model_dir`'s checkpoint was saved with (None: no checkpoint yet); a
+        plain checkpoint counts as stage 0 over one piece."""
+        saved = zero_checkpoint.read_layout(model_dir)
+        if saved is None and tf.train.latest_checkpoint(model_dir):
+            return {"zero_stage": 0, "shard_degree": 1, "data": 1, "world_size": 1}
+        return saved
 
     def after_checkpoint(self, directory):
         if self.is_chief:
             write_layout(directory, LAYOUT_FILE, self._layout())
+
+
+if __name__ == "__main__":  # python -m tfbig.distribute.zero MODEL_DIR OUT_DIR: consolidate
+    raise SystemExit(zero_checkpoint.main())

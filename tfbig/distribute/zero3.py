@@ -168,6 +168,8 @@ def _shapes(variables):
 def differentiable_gather(partition, shards, variables):
     """Full parameters from the slice variables; the gradient is reduce-scattered back."""
     shapes = _shapes(variables)
+    if not variables:
+        return []
 
     @tf.custom_gradient
     def gather(*slices):
