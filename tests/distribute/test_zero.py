@@ -40,7 +40,8 @@ SCENARIOS = {  # name: (zero_stage, shard_degree, data, train options, worker op
     "z2_d4_lamb": (2, 4, "gpt_data", LAMB, {}),
     "z2_d2_albert": (2, 2, "albert_data", ALBERT, {}),
     "z1_d4_resumed": (1, 4, "gpt_data", {}, {"interrupt_at": 2}),
-    "z2_d2_fp16_skip": (2, 2, "gpt_data", {"precision": "mixed_float16"}, {"poison_rank": 3}),
+    # fp16 on stage 3 (the skip is the same code for stages 2 and 3: all_reduce_gradients)
+    "z3_d2_fp16_skip": (3, 2, "gpt_data", {"precision": "mixed_float16"}, {"poison_rank": 3}),
     # stage 3: parameters sharded too, gathered per layer (tfbig/distribute/zero3.py)
     "z3_d2": (3, 2, "gpt_data", {}, {"first_gradients": True}),
     "z3_d4_lamb_resumed": (3, 4, "gpt_data", LAMB, {"first_gradients": True,
@@ -164,7 +165,7 @@ def test_slice_checkpoints_are_written_by_their_owners(runs):
 @pytest.mark.multiproc
 def test_a_non_finite_slice_on_one_rank_skips_the_step_on_all(runs):
     _, out = runs
-    ranks = [load(out, "z2_d2_fp16_skip", r) for r in range(RANKS)]
+    ranks = [load(out, "z3_d2_fp16_skip", r) for r in range(RANKS)]
     for result in ranks:
         assert int(result["nonfinite_steps"]) == 1
         assert float(result["scale_after_poison"]) == float(ranks[0]["scale_after_poison"])
@@ -325,8 +326,10 @@ WIDE = dict(hidden_size=1024, num_layers=8, num_heads=8, max_steps=1)  # 100M pa
 @pytest.mark.multiproc
 def test_stage_3_ranks_never_hold_the_whole_model(gpt_data, tmp_path):
     """Peak resident memory of each stage-3 rank after building the trainer (model, slices,
-    optimizer) stays below the 16 P bytes one process needs for the full state, and below
-    what one plain process actually reaches when it builds the same trainer."""
+    optimizer) stays well below the 16 P bytes one process needs for the full state and below
+    what one plain process reaches building the same trainer; what the build added is its
+    12 S bytes of slices and moments plus one variable's initial value (a materialised fp32
+    model would add 4 P more)."""
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zero_memory_worker.py")
     single = make_cfg(gpt_data, tmp_path / "single", **WIDE)
     sharded = zero_cfg(gpt_data, tmp_path / "sharded", 3, 4, **WIDE)
@@ -344,6 +347,9 @@ def test_stage_3_ranks_never_hold_the_whole_model(gpt_data, tmp_path):
     assert one["params"] > 100e6
     for r in range(4):
         rank = json.loads((tmp_path / f"sharded.rank{r}.json").read_text())
-        assert rank["state"]["parameters"] == 0
-        assert rank["peak_rss"] < 0.6 * full_state, (rank, full_state)
-        assert rank["peak_rss"] < 0.6 * one["peak_rss"], (rank, one)
+        held = sum(rank["state"].values())
+        assert rank["state"]["parameters"] == 0 and held < 0.2 * full_state
+        assert rank["peak_rss"] < 0.8 * full_state, (rank, full_state)
+        assert rank["peak_rss"] < 0.8 * one["peak_rss"], (rank, one)
+        # a materialised fp32 model would add 4 P beside the slices; half of that is the line
+        assert rank["peak_rss"] - rank["peak_rss_before"] < held + 2 * one["params"], rank

@@ -37,6 +37,7 @@ import dataclasses
 import math
 
 import keras
+import numpy as np
 import tensorflow as tf
 from keras.src.backend.common import global_state  # Keras' deferred-init registry: no public API
 from keras.src.backend.common.variables import AutocastScope, get_autocast_scope
@@ -109,8 +110,15 @@ class Partition:
         return tf.pad(flat, [[0, self.slice_size(shape) * self.num_shards - flat.shape[0]]])
 
     def own(self, tensor, shape):
-        size = self.slice_size(shape)
-        return self.padded(tensor, shape)[self.index * size:(self.index + 1) * size]
+        """This position's slice (cut before padding: no second full-size copy)."""
+        size, count = self.slice_size(shape), math.prod(shape)
+        start = min(self.index * size, count)
+        end = min(start + size, count)
+        flat = tf.reshape(tf.cast(tf.convert_to_tensor(tensor), tf.float32), [-1])
+        piece = tf.pad(flat[start:end], [[0, size - (end - start)]])
+        # A slice along the first axis shares the full tensor's buffer (so would a variable
+        # made from it): copied, the full tensor is freed when the caller drops it.
+        return tf.constant(np.array(piece)) if tf.executing_eagerly() else piece
 
     def gather(self, slices, shapes):
         """Full float32 tensors from every rank's slices (an all-gather of the group)."""
