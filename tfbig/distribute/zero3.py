@@ -26,9 +26,10 @@ Which parameters are gathered when is data (`PLANS`, attribute paths below the m
 
 Prefetch: TF runs graph ops as soon as their inputs are ready, so a gather with no input from
 the previous layer would start at once and every layer's parameters would be full at the same
-time. Each gather is therefore made to wait for the *previous* layer's input (forward) or
-output gradient (backward): it overlaps the previous layer's compute and at most two layers'
-parameters are full at any time (plus the per-step ones).
+time. Each gather is therefore made to wait for the *previous* layer's input (forward) or the
+later layer's output gradient (backward, where the recompute follows the gather): it overlaps
+that layer's compute, and at most two layers' parameters are full at any time (plus the
+per-step ones).
 
 Dropout: generator states are read before a layer's forward and given to its recompute (the
 same masks); their updates, caught by the StatelessScope, are written back after the forward.
@@ -286,7 +287,9 @@ class Gatherer:
                 v.assign(value)
 
             def grad(dy, variables=None):
-                with self._after(self.previous_grad), tf.control_dependencies([dy]):
+                # prefetch: after the later layer's backward started (its output gradient),
+                # not after it ended (this layer's `dy`); the last layer waits for its `dy`
+                with self._after(dy if self.previous_grad is None else self.previous_grad):
                     again = self.partition.gather(
                         [tf.convert_to_tensor(s.value) for s in self._shards(layer_variables)],
                         _shapes(layer_variables))
