@@ -166,7 +166,7 @@ class Trainer:
                                             self.logger.info,
                                             keep_damaged=self.strategy.is_chief)
         if latest:
-            self.strategy.restore_checkpoint(self.checkpoint, latest)
+            self.strategy.restore(self, latest)
             self.logger.info(f"resumed from {latest} at step {int(self.step.numpy())}")
         return latest
 

@@ -299,6 +299,15 @@ def test_generate_reads_a_stage_3_checkpoint(runs):
         np.testing.assert_array_equal(ours, theirs)
 
 
+@pytest.mark.multiproc
+def test_a_run_without_zero_refuses_a_zero_directory(runs, gpt_data, tmp_path):
+    root, _ = runs
+    shutil.copytree(root / "z1_d2", tmp_path / "run")
+    with pytest.raises(ValueError, match=r"holds a --zero_stage checkpoint \(its zero.json\): "
+                                         r"resume it with --strategy=horovod"):
+        Trainer(make_cfg(gpt_data, tmp_path / "run", **TRAIN))
+
+
 def weights_of(model):
     return [v.numpy() for v in model.trainable_variables]
 

@@ -251,14 +251,14 @@ class ZeroStrategy(HorovodStrategy):
             return model_dir  # position 0's directory has the newest step
         return self._shard_dir(model_dir)
 
-    def restore_checkpoint(self, checkpoint, path):
+    def restore(self, trainer, path):
         if not getattr(self, "_resharding", None):
-            return checkpoint.restore(path).assert_existing_objects_matched()
+            return trainer.checkpoint.restore(path).assert_existing_objects_matched()
         model_dir, saved = self._resharding
         if self.is_chief:
             print(f"re-sharding {path}: saved as {saved}, loaded as {self._layout()}")
         return zero_checkpoint.restore_resharded(
-            checkpoint, model_dir, saved, path, self._model, self.model_variables,
+            trainer.checkpoint, model_dir, saved, path, self._model, self.model_variables,
             self.optimizer, self.partition)
 
     def checkpoint_dir(self, model_dir):
