@@ -32,6 +32,7 @@ from tfbig.tasks import get_task  # noqa: E402
 from tfbig.trainer import Trainer  # noqa: E402
 
 RANKS = 4
+LAUNCH_TIMEOUT = 1200  # ten runs of 4 ranks on 2 shared cores: minutes when the machine is busy
 # Clipping at 0.5 is active at every step; 2 micro-batches of 2 sequences per rank.
 TRAIN = dict(max_steps=4, batch_size=16, grad_clip_norm=0.5, dropout=0.0, grad_accum_steps=2)
 LAMB = dict(optimizer="lamb", learning_rate=1e-2, weight_decay=0.01, epsilon=1e-6)
@@ -70,7 +71,8 @@ def runs(gpt_data, albert_data, tmp_path_factory):
         json.dump(plan, f)
     command = ["-np", str(RANKS), "-H", f"localhost:{RANKS}"]
     code = horovodrun([WORKER, str(root / "plan.json")], root / "log.txt",
-                      env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"}, ranks=command)
+                      timeout=LAUNCH_TIMEOUT, env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"},
+                      ranks=command)
     assert code == 0, read(root / "log.txt")[-6000:]
     return root, out
 
