@@ -1,15 +1,19 @@
 """Per-rank model state, peak RSS and step time of plain Horovod data parallelism vs ZeRO stages
-1-2 at shard degrees 2 and 4, on 4 ranks, for a GPT of over 100M parameters.
+1-3 at shard degrees 2 and 4, on 4 ranks, for a GPT of over 100M parameters.
 
     python benchmarks/sharded_memory.py            # 125m-wide GPT (14 layers), seq 64
 
 Each layout is its own `horovodrun -np 4 --gloo` launch (so each process's peak RSS is its
 own layout's). Every rank reports the bytes of the model state it holds: parameters, master
-slices and optimizer slots (the variables themselves), peak RSS (getrusage), and the mean step
-time over --steps steps after --warmup. One JSON line: per layout, rank 0's figures, the
-closed form 4P + 12S beside the measured bytes (S = sum of ceil(n / N) per variable), and
-step time relative to plain DP measured in the same run. One-thread processes, no XLA (the
-ZeRO collectives sit between TF ops; see tfbig/distribute/zero.py).
+slices and optimizer slots (the values its variables hold: a stage-3 model variable holds
+none), peak RSS right after building the trainer (stage 3: delayed initialisation, no full
+model is ever made) and at the end (getrusage), and the mean step time over --steps steps
+after --warmup. One JSON line: per layout, rank 0's figures, the closed form beside the
+measured bytes (stages 1-2: 4P + 12S, stage 3: 12S, plain DP: 12P; S = sum of ceil(n / N) per
+variable; gradients are transient tensors, not counted), the full single-process state 16P
+for the RSS comparison, step time relative to plain DP measured in the same run, the load
+average and the CPU model. One-thread processes, no XLA (the ZeRO collectives sit between TF
+ops; see tfbig/distribute/zero.py).
 """
 import argparse
 import json
@@ -23,7 +27,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 LAYOUTS = {"dp": (0, 0), "zero1_d2": (1, 2), "zero1_d4": (1, 4), "zero2_d2": (2, 2),
-           "zero2_d4": (2, 4)}
+           "zero2_d4": (2, 4), "zero3_d2": (3, 2), "zero3_d4": (3, 4)}
 ENV = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1", "OMP_NUM_THREADS": "1",
        "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": ROOT}
 
@@ -36,6 +40,7 @@ def worker(config_path, out_path, warmup, steps):
 
     with open(config_path) as f:
         trainer = Trainer(config_lib.from_dict(json.load(f)))
+    rss_after_init = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     step_seconds = time_steps(trainer, warmup, steps)
     strategy = trainer.strategy
     variables = trainer.model.trainable_variables
@@ -47,10 +52,13 @@ def worker(config_path, out_path, warmup, steps):
         state = {"parameters": nbytes(variables), "optimizer_slots": 2 * nbytes(variables)}
         slices = 0
     params = sum(math.prod(v.shape) for v in variables)
+    stage = getattr(strategy, "stage", 0)
+    closed = {0: 12 * params, 3: 12 * slices}.get(stage, 4 * params + 12 * slices)
     figures = {"rank": strategy.mesh.rank, "params": params, "state_bytes": state,
-               "state_total": sum(state.values()), "closed_form": 4 * params + 12 * slices
-               if slices else 12 * params, "peak_rss_bytes": resource.getrusage(
-                   resource.RUSAGE_SELF).ru_maxrss * 1024, "step_seconds": step_seconds}
+               "state_total": sum(state.values()), "closed_form": closed,
+               "full_state_16p": 16 * params, "peak_rss_after_init_bytes": rss_after_init,
+               "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+               "step_seconds": step_seconds}
     with open(f"{out_path}.rank{strategy.mesh.rank}", "w") as f:
         json.dump(figures, f)
     strategy.shutdown()
@@ -89,13 +97,16 @@ def main():
     parser.add_argument("--per_rank_batch", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--layouts", default=",".join(LAYOUTS),
+                        help="comma-separated subset of " + ",".join(LAYOUTS) + " (dp first)")
     parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         config_path, out, warmup, steps = args.worker
         return worker(config_path, out, int(warmup), int(steps))
     with tempfile.TemporaryDirectory() as root:
-        results = {name: launch(args, name, *layout, root) for name, layout in LAYOUTS.items()}
+        results = {name: launch(args, name, *LAYOUTS[name], root)
+                   for name in args.layouts.split(",")}
     dp = results["dp"]["step_seconds"]
     for figures in results.values():
         figures["step_time_vs_dp"] = round(figures["step_seconds"] / dp, 3)
@@ -104,7 +115,15 @@ def main():
     print(json.dumps({"benchmark": "sharded_memory", "ranks": 4, "preset": args.preset,
                       "num_layers": args.num_layers, "seq_length": args.seq_length,
                       "layouts": results, "load_average": [round(x, 2) for x in
-                                                           os.getloadavg()]}))
+                                                           os.getloadavg()],
+                      "cpu": cpu_model()}))
+
+
+def cpu_model():
+    """`lscpu`'s model name (the figures differ between machines of the same size)."""
+    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    return next((line.split(":", 1)[1].strip() for line in out.splitlines()
+                 if line.startswith("Model name")), "unknown")
 
 
 if __name__ == "__main__":

@@ -10,11 +10,16 @@ import json
 import os
 
 
+def model_key(model, variable):
+    """A variable's checkpoint key: its Keras path below the model's own name."""
+    prefix = model.name + "/"
+    return variable.path[len(prefix):] if variable.path.startswith(prefix) else variable.path
+
+
 def model_variables(model):
     """{path below the model: tf.Variable} for every weight of `model`."""
-    prefix = model.name + "/"
-    return {v.path[len(prefix):] if v.path.startswith(prefix) else v.path: v.value
-            for v in model.variables if "seed_generator" not in v.path}
+    return {model_key(model, v): v.value for v in model.variables
+            if "seed_generator" not in v.path}
 
 
 def rng_variables(model):

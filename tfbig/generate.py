@@ -18,7 +18,7 @@ from absl import flags  # noqa: E402
 
 from tfbig import integrity  # noqa: E402
 from tfbig.checkpoint import model_variables  # noqa: E402
-from tfbig.distribute import tensor_layout  # noqa: E402
+from tfbig.distribute import tensor_layout, zero_checkpoint  # noqa: E402
 from tfbig.errors import UsageError  # noqa: E402
 from tfbig.models.gpt import GPT, GPTConfig  # noqa: E402
 from tfbig.pipeline import stage_checkpoint  # noqa: E402
@@ -108,7 +108,7 @@ def load_model(model_dir):
         raise FileNotFoundError(f"--model_dir={model_dir} has no checkpoint")
     model = GPT(GPTConfig(**saved["model_config"]), name="gpt")
     model.build((None, None))
-    pieces = next((m for m in (tensor_layout, stage_checkpoint)  # saved by each tensor/stage rank
+    pieces = next((m for m in (tensor_layout, stage_checkpoint, zero_checkpoint)  # per-rank pieces
                    if m.read_layout(model_dir) is not None), None)
     if pieces is not None:
         weights = pieces.assembled_weights(model_dir, model, warn)

@@ -17,7 +17,7 @@ from tensorflow.python.framework import config as op_config
 
 from tfbig import config as config_lib
 from tfbig import integrity, preflight
-from tfbig.checkpoint import model_variables, rng_variables
+from tfbig.checkpoint import rng_variables
 from tfbig.distribute import get_strategy
 from tfbig.logs import RunLogger
 from tfbig.optim import learning_rate, loss_scale
@@ -90,7 +90,7 @@ class Trainer:
             self.nonfinite_steps = tf.Variable(0, dtype=tf.int64, trainable=False,
                                                name="nonfinite_steps")
         self.checkpoint = tf.train.Checkpoint(
-            model=model_variables(self.model), rng_state=rng_variables(self.model),
+            model=self.strategy.checkpoint_model(self.model), rng_state=rng_variables(self.model),
             optimizer=self.optimizer, step=self.step, batches_consumed=self.batches_consumed,
             nonfinite_steps=self.nonfinite_steps)
         self._managers = {}

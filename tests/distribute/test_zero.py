@@ -2,14 +2,16 @@
 `horovodrun -np 4 --gloo` launch, against the single-device run on the same global batch.
 
 Scenarios (tests/distribute/horovod_worker.py plans; HOROVOD_DYNAMIC_PROCESS_SETS=1 lets one
-process build several rank grids): stage 1 and 2 at shard degree 2 (2 partition groups of 2,
+process build several rank grids): stage 1, 2 and 3 at shard degree 2 (2 partition groups of 2,
 the 2-hop sync) and 4 (one group, plain ZeRO), with accumulation and clipping active, AdamW and
-LAMB, ALBERT, a resume from the per-slice checkpoints, and an fp16 step made non-finite on one
-rank only.
+LAMB, ALBERT, per-variable gradients of the first batch, resumes from the per-slice
+checkpoints, and an fp16 step made non-finite on one rank only.
 """
 import json
 import math
 import os
+import shutil
+import subprocess
 import sys
 
 import numpy as np
@@ -17,17 +19,20 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_horovod import (ALBERT, WORKER, horovodrun, listed, load, read,  # noqa: E402
-                          run_entry)
+from test_horovod import (ALBERT, ROOT, WORKER, horovodrun, listed, load,  # noqa: E402
+                          read, run_entry)
 from test_trainer import ReplicasTask, make_cfg, weights  # noqa: E402
 
 from horovod_worker import RecordingLogger  # noqa: E402
+from tfbig import config as config_lib  # noqa: E402
 from tfbig.config import ParallelConfig  # noqa: E402
+from tfbig.distribute import zero_checkpoint  # noqa: E402
 from tfbig.distribute.horovod import build_mesh  # noqa: E402
 from tfbig.tasks import get_task  # noqa: E402
 from tfbig.trainer import Trainer  # noqa: E402
 
 RANKS = 4
+LAUNCH_TIMEOUT = 1200  # ten runs of 4 ranks on 2 shared cores: minutes when the machine is busy
 # Clipping at 0.5 is active at every step; 2 micro-batches of 2 sequences per rank.
 TRAIN = dict(max_steps=4, batch_size=16, grad_clip_norm=0.5, dropout=0.0, grad_accum_steps=2)
 LAMB = dict(optimizer="lamb", learning_rate=1e-2, weight_decay=0.01, epsilon=1e-6)
@@ -36,8 +41,16 @@ SCENARIOS = {  # name: (zero_stage, shard_degree, data, train options, worker op
     "z2_d4_lamb": (2, 4, "gpt_data", LAMB, {}),
     "z2_d2_albert": (2, 2, "albert_data", ALBERT, {}),
     "z1_d4_resumed": (1, 4, "gpt_data", {}, {"interrupt_at": 2}),
-    "z2_d2_fp16_skip": (2, 2, "gpt_data", {"precision": "mixed_float16"}, {"poison_rank": 3}),
+    # fp16 on stage 3 (the skip is the same code for stages 2 and 3: all_reduce_gradients)
+    "z3_d2_fp16_skip": (3, 2, "gpt_data", {"precision": "mixed_float16"}, {"poison_rank": 3}),
+    # stage 3: parameters sharded too, gathered per layer (tfbig/distribute/zero3.py)
+    "z3_d2": (3, 2, "gpt_data", {}, {"first_gradients": True}),
+    "z3_d4_lamb_resumed": (3, 4, "gpt_data", LAMB, {"first_gradients": True,
+                                                    "interrupt_at": 2}),
+    "z3_d2_albert": (3, 2, "albert_data", ALBERT, {"first_gradients": True}),
 }
+EQUAL_TO_ONE_DEVICE = ["z1_d2", "z2_d4_lamb", "z2_d2_albert", "z1_d4_resumed", "z3_d2",
+                       "z3_d4_lamb_resumed", "z3_d2_albert"]
 
 
 def zero_cfg(data_dir, model_dir, stage, degree, **train):
@@ -58,29 +71,41 @@ def runs(gpt_data, albert_data, tmp_path_factory):
         json.dump(plan, f)
     command = ["-np", str(RANKS), "-H", f"localhost:{RANKS}"]
     code = horovodrun([WORKER, str(root / "plan.json")], root / "log.txt",
-                      env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"}, ranks=command)
+                      timeout=LAUNCH_TIMEOUT, env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"},
+                      ranks=command)
     assert code == 0, read(root / "log.txt")[-6000:]
     return root, out
 
 
 def reference(data_dir, model_dir, **train):
-    """The single-device run on the examples the 4 ranks read together."""
+    """The single-device run on the examples the 4 ranks read together, and the averaged
+    gradients of its first batch."""
     cfg = make_cfg(data_dir, model_dir, **{**TRAIN, **train})
     logger = RecordingLogger(cfg.train.model_dir, True, cfg.train.max_steps)
     trainer = Trainer(cfg, task=ReplicasTask(cfg.train, RANKS, get_task(cfg.train, cfg)),
                       logger=logger)
+    trainer.initial = weights(trainer)
+    _, grads, _ = trainer.forward_backward(next(trainer._train_iterator()))
     trainer.fit()
-    return trainer, np.array([logger.losses[s][0] for s in sorted(logger.losses)])
+    return (trainer, np.array([logger.losses[s][0] for s in sorted(logger.losses)]),
+            [g.numpy() for g in grads])
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name", ["z1_d2", "z2_d4_lamb", "z2_d2_albert", "z1_d4_resumed"])
+@pytest.mark.parametrize("name", EQUAL_TO_ONE_DEVICE)
 def test_sharded_ranks_equal_one_process_on_the_same_data(runs, request, tmp_path, name):
     _, out = runs
-    _, _, data, train, _ = SCENARIOS[name]
+    _, _, data, train, opts = SCENARIOS[name]
     ranks = [load(out, name, r) for r in range(RANKS)]
-    single, losses = reference(request.getfixturevalue(data), tmp_path, **train)
+    single, losses, grads = reference(request.getfixturevalue(data), tmp_path, **train)
     first = ranks[0]
+    if opts.get("first_gradients"):  # per variable, gathered from the reduce-scattered slices
+        assert len(listed(first, "gradients")) == len(grads)
+        for ours, theirs in zip(listed(first, "gradients"), grads):
+            np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-7)
+    assert len(listed(first, "initial")) == len(single.initial)
+    for ours, theirs in zip(listed(first, "initial"), single.initial):
+        np.testing.assert_array_equal(ours, theirs)  # the same initialisation, bit for bit
     assert np.all(first["grad_norms"] > TRAIN["grad_clip_norm"])  # clipping is active
     np.testing.assert_allclose(first["losses"], losses, rtol=1e-5)
     # the global norm is over all slices: it equals the single device's
@@ -90,7 +115,7 @@ def test_sharded_ranks_equal_one_process_on_the_same_data(runs, request, tmp_pat
     for other in ranks[1:]:  # every rank gathers the same full parameters
         for a, b in zip(listed(first, "w"), listed(other, "w")):
             np.testing.assert_array_equal(a, b)
-    if name == "z1_d4_resumed":
+    if name.endswith("_resumed"):
         assert int(first["restored_step"]) == 2
 
 
@@ -111,6 +136,23 @@ def test_per_rank_model_state_is_the_closed_form(runs, name):
 
 
 @pytest.mark.multiproc
+@pytest.mark.parametrize("name", ["z3_d2", "z3_d4_lamb_resumed"])
+def test_stage_3_ranks_hold_only_their_slices(runs, name):
+    """(4 + 4 + 8) P / N: float32 parameter slices, gradient slices (transient, of the same
+    size: not a variable) and m, v; the model's own variables hold no value at all."""
+    _, out = runs
+    degree = SCENARIOS[name][1]
+    for r in range(RANKS):
+        result = load(out, name, r)
+        sizes = [w.size for w in listed(result, "w")]
+        slices = sum(math.ceil(n / degree) for n in sizes)
+        assert int(result["bytes_parameters"]) == 0
+        assert int(result["bytes_master_slices"]) == 4 * slices  # the parameters themselves
+        assert int(result["bytes_optimizer_slots"]) == 8 * slices
+        assert 12 * slices < 12 * sum(sizes) / degree + 12 * len(sizes)
+
+
+@pytest.mark.multiproc
 def test_slice_checkpoints_are_written_by_their_owners(runs):
     root, _ = runs
     model_dir = root / "z1_d4_resumed"
@@ -125,7 +167,7 @@ def test_slice_checkpoints_are_written_by_their_owners(runs):
 @pytest.mark.multiproc
 def test_a_non_finite_slice_on_one_rank_skips_the_step_on_all(runs):
     _, out = runs
-    ranks = [load(out, "z2_d2_fp16_skip", r) for r in range(RANKS)]
+    ranks = [load(out, "z3_d2_fp16_skip", r) for r in range(RANKS)]
     for result in ranks:
         assert int(result["nonfinite_steps"]) == 1
         assert float(result["scale_after_poison"]) == float(ranks[0]["scale_after_poison"])
@@ -137,10 +179,188 @@ def test_a_non_finite_slice_on_one_rank_skips_the_step_on_all(runs):
 
 @pytest.mark.parametrize("options, world, message", [
     (dict(zero_stage=5), 4, "--zero_stage=5: expected 0 (no sharding), 1"),
-    (dict(zero_stage=3), 4, "--zero_stage=3 is not supported by --strategy=horovod yet"),
+    (dict(zero_stage=3, tensor_parallel=2), 4, "--tensor_parallel=2 with --zero_stage=3 is "
+                                               "not supported"),
     (dict(zero_stage=1, shard_degree=3), 4, "--shard_degree=3 does not divide the 4"),
     (dict(shard_degree=2), 4, "--shard_degree=2 needs --zero_stage=1, 2 or 3"),
 ])
 def test_bad_sharding_flags_are_refused_before_training(options, world, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         build_mesh(ParallelConfig(**options), world)
+
+
+# ---- re-sharding on load and consolidation ------------------------------------------------
+RESUMED = dict(LAMB, max_steps=6)  # two more steps after the 4 of the source run
+RESHARD = {  # name: (source scenario of the 4-rank launch, zero_stage, shard_degree, ranks)
+    "z3_d4_to_1_process": ("z3_d4_lamb_resumed", 3, 1, 1),
+    "z3_d4_to_z3_d2": ("z3_d4_lamb_resumed", 3, 2, 2),
+    "z2_d4_to_z1_d2": ("z2_d4_lamb", 1, 2, 2),
+}
+
+
+def resume_elsewhere(runs, gpt_data, root, ranks):
+    """Copies of the source runs' directories resumed on `ranks` processes (1: a plain
+    process, Horovod's world of one)."""
+    source_root, _ = runs
+    out = root / "out"
+    plan = []
+    for name, (source, stage, degree, n) in RESHARD.items():
+        if n == ranks:
+            shutil.copytree(source_root / source, root / name)
+            plan.append(run_entry(name, zero_cfg(gpt_data, root / name, stage, degree,
+                                                 **RESUMED), out))
+    os.makedirs(out)
+    with open(root / "plan.json", "w") as f:
+        json.dump(plan, f)
+    if ranks == 1:
+        env = {**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}
+        with open(root / "log.txt", "w") as log:
+            code = subprocess.run([sys.executable, WORKER, str(root / "plan.json")], env=env,
+                                  stdout=log, stderr=subprocess.STDOUT, timeout=600).returncode
+    else:
+        code = horovodrun([WORKER, str(root / "plan.json")], root / "log.txt",
+                          ranks=["-np", str(ranks), "-H", f"localhost:{ranks}"])
+    assert code == 0, read(root / "log.txt")[-6000:]
+    return root, out
+
+
+@pytest.fixture(scope="module")
+def on_one_process(runs, gpt_data, tmp_path_factory):
+    return resume_elsewhere(runs, gpt_data, tmp_path_factory.mktemp("one"), 1)
+
+
+@pytest.fixture(scope="module")
+def on_two_ranks(runs, gpt_data, tmp_path_factory):
+    return resume_elsewhere(runs, gpt_data, tmp_path_factory.mktemp("two"), 2)
+
+
+def single_device(data_dir, model_dir, replicas, **train):
+    """A single-device trainer in `model_dir` (restored) reading what `replicas` ranks read."""
+    cfg = make_cfg(data_dir, model_dir, **{**TRAIN, **train})
+    logger = RecordingLogger(cfg.train.model_dir, True, cfg.train.max_steps)
+    task = get_task(cfg.train, cfg)
+    return Trainer(cfg, task=ReplicasTask(cfg.train, replicas, task) if replicas > 1 else task,
+                   logger=logger)
+
+
+def consolidate(model_dir, out_dir):
+    assert zero_checkpoint.main([str(model_dir), str(out_dir)]) == 0
+    assert not (out_dir / "zero.json").exists()
+
+
+def check_resumed(runs, resumed, gpt_data, tmp_path, name):
+    source, _, _, replicas = RESHARD[name]
+    source_root, source_out = runs
+    root, out = resumed
+    final = listed(load(source_out, source, 0), "w")
+    ranks = [load(out, name, r) for r in range(replicas)]
+    for result in ranks:  # re-sharded on load: the source's final weights, bit for bit
+        for ours, theirs in zip(listed(result, "initial"), final):
+            np.testing.assert_array_equal(ours, theirs)
+    # the single-device run resumed from the consolidated source continues the same way
+    consolidate(source_root / source, tmp_path / "source")
+    reference = single_device(gpt_data, tmp_path / "source", replicas, **RESUMED)
+    assert int(reference.step.numpy()) == 4
+    for ours, theirs in zip(weights(reference), final):
+        np.testing.assert_array_equal(ours, theirs)
+    reference.fit()
+    losses = [reference.logger.losses[s][0] for s in sorted(reference.logger.losses)]
+    np.testing.assert_allclose(ranks[0]["losses"], losses, rtol=1e-5)
+    assert list(ranks[0]["loss_steps"]) == [5, 6]
+    for ours, theirs in zip(listed(ranks[0], "w"), weights(reference)):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+    # and so does the optimizer state (consolidated from the re-sharded run's slices)
+    consolidate(root / name, tmp_path / "resumed")
+    mine = single_device(gpt_data, tmp_path / "resumed", 1, **RESUMED)
+    assert int(mine.step.numpy()) == 6
+    assert len(mine.optimizer.variables) == len(reference.optimizer.variables)
+    for ours, theirs in zip(mine.optimizer.variables, reference.optimizer.variables):
+        np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.multiproc
+def test_a_4_rank_stage_3_checkpoint_resumes_on_1_process(runs, on_one_process, gpt_data,
+                                                           tmp_path):
+    check_resumed(runs, on_one_process, gpt_data, tmp_path, "z3_d4_to_1_process")
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", ["z3_d4_to_z3_d2", "z2_d4_to_z1_d2"])
+def test_a_4_rank_checkpoint_resumes_on_2_ranks(runs, on_two_ranks, gpt_data, tmp_path, name):
+    check_resumed(runs, on_two_ranks, gpt_data, tmp_path, name)
+
+
+@pytest.mark.multiproc
+def test_generate_reads_a_stage_3_checkpoint(runs):
+    from tfbig.generate import load_model
+
+    root, out = runs
+    model, _ = load_model(str(root / "z3_d4_lamb_resumed"))
+    for ours, theirs in zip(weights_of(model), listed(load(out, "z3_d4_lamb_resumed", 0), "w")):
+        np.testing.assert_array_equal(ours, theirs)
+
+
+@pytest.mark.multiproc
+def test_a_run_without_zero_refuses_a_zero_directory(runs, gpt_data, tmp_path):
+    root, _ = runs
+    shutil.copytree(root / "z1_d2", tmp_path / "run")
+    with pytest.raises(ValueError, match=r"holds a --zero_stage checkpoint \(its zero.json\): "
+                                         r"resume it with --strategy=horovod"):
+        Trainer(make_cfg(gpt_data, tmp_path / "run", **TRAIN))
+
+
+def weights_of(model):
+    return [v.numpy() for v in model.trainable_variables]
+
+
+def test_consolidation_refuses_a_run_without_slices(tmp_path, capsys):
+    assert zero_checkpoint.main([str(tmp_path), str(tmp_path / "out")]) == 2
+    assert "has no zero.json: it is not a --zero_stage run" in capsys.readouterr().err
+    assert zero_checkpoint.main([str(tmp_path)]) == 2
+
+
+def test_stage_3_refuses_a_model_without_a_gather_plan():
+    import keras
+
+    from tfbig.distribute import zero3
+
+    with pytest.raises(ValueError, match="--zero_stage=3: no gather plan for Sequential"):
+        zero3.plan_layers(keras.Sequential([keras.layers.Dense(2)]))
+
+
+# ---- delayed initialisation: no rank ever holds the whole model ---------------------------
+WIDE = dict(hidden_size=1024, num_layers=8, num_heads=8, max_steps=1)  # 100M parameters
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_stage_3_ranks_never_hold_the_whole_model(gpt_data, tmp_path):
+    """Peak resident memory of each stage-3 rank after building the trainer (model, slices,
+    optimizer) stays well below the 16 P bytes one process needs for the full state and below
+    what one plain process reaches building the same trainer; what the build added is its
+    12 S bytes of slices and moments plus one variable's initial value (a materialised fp32
+    model would add 4 P more)."""
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zero_memory_worker.py")
+    single = make_cfg(gpt_data, tmp_path / "single", **WIDE)
+    sharded = zero_cfg(gpt_data, tmp_path / "sharded", 3, 4, **WIDE)
+    for name, cfg in (("single", single), ("sharded", sharded)):
+        with open(tmp_path / f"{name}.json", "w") as f:
+            json.dump(config_lib.to_dict(cfg), f)
+    env = {**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    subprocess.run([sys.executable, worker, str(tmp_path / "single.json"),
+                    str(tmp_path / "single")], env=env, check=True, timeout=600)
+    code = horovodrun([worker, str(tmp_path / "sharded.json"), str(tmp_path / "sharded")],
+                      tmp_path / "log.txt", ranks=["-np", "4", "-H", "localhost:4"])
+    assert code == 0, read(tmp_path / "log.txt")[-6000:]
+    one = json.loads((tmp_path / "single.rank0.json").read_text())
+    full_state = 16 * one["params"]
+    assert one["params"] > 100e6
+    for r in range(4):
+        rank = json.loads((tmp_path / f"sharded.rank{r}.json").read_text())
+        held = sum(rank["state"].values())
+        assert rank["state"]["parameters"] == 0 and held < 0.2 * full_state
+        assert rank["peak_rss"] < 0.8 * full_state, (rank, full_state)
+        assert rank["peak_rss"] < 0.8 * one["peak_rss"], (rank, one)
+        # a materialised fp32 model would add 4 P beside the slices; half of that is the line
+        assert rank["peak_rss"] - rank["peak_rss_before"] < held + 2 * one["params"], rank

@@ -29,7 +29,8 @@ def main(cases_path, out_dir):
         trainer = Trainer(cfg)
         trainer.fit()
         held = sum(v.numpy().nbytes for v in trainer.model.variables + trainer.optimizer.variables
-                   + getattr(trainer.strategy, "shards", []))  # ZeRO: the master slices
+                   + getattr(trainer.strategy, "shards", [])  # ZeRO: the master slices
+                   if getattr(v, "_value", True) is not None)  # ZeRO 3: model holds no value
         with open(os.path.join(out_dir, f"{case['name']}.rank{hvd.rank()}.json"), "w") as f:
             json.dump({"model_state": held, "world_size": hvd.size(),
                        "model_config": dataclasses.asdict(trainer.task.model_config),

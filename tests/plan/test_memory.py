@@ -5,7 +5,8 @@ and optimizer slots: the bytes of its variables) and the peak of a training step
 the CPU allocator's peak above it during forward, backward and apply). Cases: a single device,
 which is also every rank of plain Horovod data parallelism (each holds the whole model state).
 Under Horovod (2 ranks): plain data parallelism and ZeRO stages 1 and 2 (each rank holds the
-whole parameters, half of the optimizer slots and a half-size float32 master copy).
+whole parameters, half of the optimizer slots and a half-size float32 master copy) and 3 (half
+of the slots and half of the parameters, which are its master copy).
 Tensor-parallel and cross-rank pipeline rows are added as cases with their layout once those
 backends exist.
 """
@@ -80,7 +81,8 @@ def horovod_cases(data_dir, root):
                            strategy="horovod").items():
         setattr(cfg.train, key, value)
     cases = [{"name": "dp2", "config": config_lib.to_dict(cfg)}]
-    for stage in (1, 2):  # ZeRO over both ranks: slots and master copies in halves
+    for stage in (1, 2, 3):  # ZeRO over both ranks: slots and master copies in halves (3:
+        # the parameters too, their slices being the master copies)
         cfg.train.model_dir = str(root / f"zero{stage}")
         cfg.parallel.zero_stage = stage
         cases.append({"name": f"zero{stage}", "config": config_lib.to_dict(cfg)})

@@ -11,6 +11,7 @@ it with its schedules), how gradients and metrics are averaged (`all_reduce_grad
 `SingleDevice` is the reference every other backend is tested against.
 """
 import contextlib
+import os
 import signal
 import threading
 
@@ -186,12 +187,28 @@ class Strategy:
     def broadcast_variables(self, variables):
         """Make every replica's copy of `variables` equal to the chief's."""
 
+    def checkpoint_model(self, model):
+        """{key: variable} of the model's weights in this process's checkpoint (ZeRO-3: its
+        slices under the same keys)."""
+        from tfbig.checkpoint import model_variables
+
+        return model_variables(model)
+
     def restore_dir(self, model_dir):
         """Where this process finds the checkpoint it restores (when `restores_checkpoint`)."""
         return model_dir
 
     def restore(self, trainer, path):
-        """Restore checkpoint `path` into the trainer's state (a split backend may slice)."""
+        """Restore checkpoint `path` into the trainer's state (a split backend may slice; a
+        ZeRO backend may re-shard a checkpoint of another layout)."""
+        from tfbig.distribute.zero_checkpoint import LAYOUT_FILE
+
+        if os.path.exists(os.path.join(os.path.dirname(path), LAYOUT_FILE)):
+            raise ValueError(
+                f"{os.path.dirname(path)} holds a --zero_stage checkpoint (its {LAYOUT_FILE}): "
+                f"resume it with --strategy=horovod --zero_stage=1|2|3 (any number of "
+                f"processes, re-sharded on load) or write a single-device copy with "
+                f"python -m tfbig.distribute.zero MODEL_DIR OUT_DIR")
         trainer.checkpoint.restore(path).assert_existing_objects_matched()
 
     def checkpoint_dir(self, model_dir):

@@ -27,8 +27,6 @@ from tfbig.distribute.horovod_keras import hvd
 from tfbig.distribute.base import Strategy
 from tfbig.distribute.mesh import HorovodMesh, Mesh, launcher_world_size
 
-# --flag=value pairs of ParallelConfig this backend cannot run yet (refused before training).
-UNSUPPORTED = {"zero_stage": lambda v: v == 3}
 ZERO_STAGES = (0, 1, 2, 3)
 
 
@@ -37,10 +35,6 @@ def build_mesh(parallel, world_size):
     if parallel.zero_stage not in ZERO_STAGES:
         raise ValueError(f"--zero_stage={parallel.zero_stage}: expected 0 (no sharding), 1 "
                          f"(optimizer slots), 2 (+ gradients) or 3 (+ parameters)")
-    for name, unsupported in UNSUPPORTED.items():
-        value = getattr(parallel, name)
-        if unsupported(value):
-            raise ValueError(f"--{name}={value} is not supported by --strategy=horovod yet")
     if parallel.sequence_parallel and parallel.tensor_parallel < 2:
         raise ValueError(f"--sequence_parallel needs --tensor_parallel >= 2 (it splits the "
                          f"tensor group's replicated regions along the sequence); got "

@@ -1,4 +1,4 @@
-"""ZeRO stages 1 and 2 with MiCS partition groups on Horovod (`--zero_stage=1|2 --shard_degree=N`).
+"""ZeRO stages 1-3 with MiCS partition groups on Horovod (`--zero_stage=1|2|3 --shard_degree=N`).
 
 Layout: every trainable variable is flattened, zero-padded to a multiple of N and cut into N
 equal slices; the rank at position j of its partition group (tfbig.distribute.mesh) owns slice j
@@ -6,45 +6,54 @@ of every variable: a float32 master copy of it and its optimizer slots (AdamW/LA
 Per-variable slices (rather than one flat buffer) keep weight-decay exclusions and LAMB's
 per-layer trust ratio attached to the variable they belong to. One optimizer step:
 
-    forward/backward (XLA)          full-size local gradients  (stage 2: one micro-batch at a time)
+    forward/backward                full-size local gradients  (stage 2: one micro-batch at a time;
+                                    stage 3: one layer at a time, see zero3.py)
     reduce-scatter, partition group  this rank's slice, averaged over the N ranks of the group
     all-reduce, replica group        ... and over the D/N groups (MiCS's 2-hop sync)
     optimizer on the slices          clipping norm and LAMB norms summed over the N slices
-    all-gather, partition group      the updated full parameters on every rank
+    all-gather, partition group      stages 1-2: the updated full parameters on every rank
 
 Per-rank model state, with P parameters and S = sum over variables of ceil(n / N) elements
-(S = P / N up to padding): 4 P (full parameters, replicated: stages 1-2 do not shard them)
-+ 4 S (master slice) + 8 S (m and v). Gradients: stage 1 holds the full 4 P summed over the
-micro-batches by the XLA forward/backward until the reduce-scatter; stage 2 reduce-scatters
+(S = P / N up to padding): stages 1-2: 4 P (full parameters, replicated) + 4 S (master slice)
++ 8 S (m and v); stage 3: 4 S (the parameters are the slices) + 8 S, the model's own variables
+hold no value (zero3.build_unmaterialised). Gradients: stage 1 holds the full 4 P summed over
+the micro-batches by the XLA forward/backward until the reduce-scatter; stage 2 reduce-scatters
 each micro-batch's gradients as soon as they exist and accumulates only its 4 S slice (one
-collective per micro-batch instead of one per step: that is its price). A non-finite value in
-any rank's gradients makes every rank's slice non-finite, so fp16 loss scaling skips the step
-everywhere and fp32/bf16 stop the run everywhere.
+collective per micro-batch instead of one per step: that is its price); stage 3 reduce-scatters
+each layer's gradient in the backward and accumulates 4 S, and holds at most two layers'
+full parameters and one layer's full gradient at a time (plus the per-step tables of
+zero3.PLANS). Stage 3 runs without XLA (every layer communicates; Horovod ops have no XLA
+kernels) and recomputes each layer in its backward. A non-finite value in any rank's gradients
+makes every rank's slice non-finite, so fp16 loss scaling skips the step everywhere and
+fp32/bf16 stop the run everywhere.
 
 Checkpoints: slice j's holder in the first replica group writes its own checkpoint in
-parallel (position 0 in --model_dir, the others in MODEL_DIR/zero/shard-j; parameters are
-replicated, so each file also holds them and tfbig-generate/tfbig-export read --model_dir as
-usual); every rank restores the slice of its position. MODEL_DIR/zero.json records the layout;
-resuming with another world size or shard degree is refused (re-sharding on load is not built).
+parallel (position 0 in --model_dir, the others in MODEL_DIR/zero/shard-j); MODEL_DIR/zero.json
+records the layout. Stages 1-2 files also hold the full parameters (tfbig-generate/-export
+read --model_dir as usual; with stage 3 they assemble the slices). Resuming with another stage
+(3 vs 1-2), shard degree or number of processes re-shards on load (zero_checkpoint.py: every
+piece is read, full values assembled, this rank's slices cut); a plain checkpoint loads too.
+`python -m tfbig.distribute.zero MODEL_DIR OUT_DIR` writes a single-device checkpoint.
 
 Example:
-    horovodrun -np 8 -H localhost:8 --gloo tfbig-train --strategy=horovod --zero_stage=2 \
+    horovodrun -np 8 -H localhost:8 --gloo tfbig-train --strategy=horovod --zero_stage=3 \
         --shard_degree=4
 """
-import json
 import math
-import os
 
 import keras
+import numpy as np
 import tensorflow as tf
 
-from tfbig.checkpoint import piece_dir, write_layout
+from tfbig.checkpoint import model_key, piece_dir, write_layout
+from tfbig.distribute import recompute, zero3, zero_checkpoint
 from tfbig.distribute.base import accumulate_gradients
 from tfbig.distribute.horovod import HorovodStrategy
 from tfbig.distribute.horovod_keras import average_gradients, hvd
+from tfbig.distribute.zero3 import Partition
 from tfbig.optim import build_optimizer, no_decay_variables
 
-LAYOUT_FILE = "zero.json"
+LAYOUT_FILE = zero_checkpoint.LAYOUT_FILE
 
 
 class ZeroStrategy(HorovodStrategy):
@@ -64,34 +73,55 @@ class ZeroStrategy(HorovodStrategy):
         self.shard_index = self.partition_set.rank() if self.partition_set else 0
         replicas = self.mesh.mesh.group("replica", self.mesh.rank)
         self.replica_index = replicas.index(self.mesh.rank)
+        self.partition = Partition(self.partition_set, self.num_shards, self.shard_index)
+        self._shard_of = {}  # stage 3: id(model variable) -> its slice variable
 
     # ---- the layout ----------------------------------------------------------------------
-    def _slice_size(self, variable):
-        return math.ceil(variable.shape.num_elements() / self.num_shards)
-
-    def _padded(self, tensor, size):
-        flat = tf.reshape(tf.cast(tensor, tf.float32), [-1])
-        return tf.pad(flat, [[0, size * self.num_shards - flat.shape[0]]])
-
     def _own_slice(self, variable):
-        size = self._slice_size(variable)
-        return self._padded(variable, size)[self.shard_index * size:(self.shard_index + 1) * size]
+        return self.partition.own(variable, variable.shape)
 
     def state_bytes(self):
-        """{name: bytes} of the model state this rank holds (model, master slices, slots)."""
-        nbytes = lambda vs: sum(math.prod(v.shape) * tf.as_dtype(v.dtype).size  # noqa: E731
-                                for v in vs)
+        """{name: bytes} of the model state this rank holds (model, master slices, slots):
+        the bytes of the values its variables hold (a stage-3 model variable holds none)."""
+        nbytes = lambda vs: sum(  # noqa: E731
+            0 if getattr(v, "_value", True) is None  # Keras: never given a value
+            else math.prod(v.shape) * tf.as_dtype(v.dtype).size for v in vs)
         inner = getattr(self.optimizer, "inner_optimizer", self.optimizer)
         slots = list(inner._momentums) + list(inner._velocities)  # Keras Adam/LAMB slots
         return {"parameters": nbytes(self.model_variables), "master_slices": nbytes(self.shards),
                 "optimizer_slots": nbytes(slots)}
 
+    def gather_full(self, variables, values=None):
+        """[full numpy array] of each model variable (or of `values`: slices with stage 3,
+        full otherwise); a collective of the partition group with stage 3."""
+        if self.stage < 3:
+            return [np.asarray(v) for v in (values if values is not None else variables)]
+        slices = values if values is not None else [self._shard_of[id(v)] for v in variables]
+        return [t.numpy() for t in self.partition.gather(slices, [v.shape for v in variables])]
+
+    # ---- stage 3: the model without values, gathered per layer ---------------------------
+    def build_model(self, task):
+        if self.stage < 3:
+            self._model = super().build_model(task)
+            return self._model
+        memory = getattr(self.cfg, "pipeline", None)
+        offload = bool(memory and memory.offload_activations)
+        recompute.check_offload(offload, False)
+        # Stage 3 recomputes every gathered layer (zero3.py): --activation_checkpointing is
+        # implied, --offload_activations keeps the saved layer inputs on the host.
+        model, self._initialisers = zero3.build_unmaterialised(task)
+        zero3.Gatherer(self.partition, self._shard_of, offload).install(model)
+        self._model = model
+        return model
+
     # ---- optimizer over the slices -------------------------------------------------------
     def build_optimizer(self, train, variables):
         self.model_variables = list(variables)
-        self.shards = [keras.Variable(self._own_slice(v), dtype="float32", trainable=True,
+        self.shards = [keras.Variable(self._initial_slice(v), dtype="float32", trainable=True,
+                                      autocast=self.stage < 3,  # gathered in float32
                                       name=v.path.replace("/", "__") + "__zero_slice")
                        for v in variables]
+        self._shard_of.update({id(v): s for v, s in zip(variables, self.shards)})
         excluded = {id(v) for v in no_decay_variables(variables)}
         self.optimizer = build_optimizer(
             train, self.shards, sum_over_shards=self._sum_over_partition,
@@ -99,6 +129,11 @@ class ZeroStrategy(HorovodStrategy):
         inner = getattr(self.optimizer, "inner_optimizer", self.optimizer)
         self._slot_ids = {id(v) for v in list(inner._momentums) + list(inner._velocities)}
         return self.optimizer
+
+    def _initial_slice(self, variable):
+        if self.stage < 3:
+            return self._own_slice(variable)
+        return zero3.initial_slice(variable, self._initialisers[id(variable)], self.partition)
 
     def _sum_over_partition(self, value):
         if self.partition_set is None:
@@ -110,17 +145,21 @@ class ZeroStrategy(HorovodStrategy):
         if self.stage == 1:
             return super().make_forward_backward(loss_fn, variables, scale_loss, jit_compile)
         self._scale_loss = scale_loss
+        if self.stage == 3:  # gradients of the slices, reduce-scattered layer by layer inside
+            variables, jit_compile, to_slices = self.shards, False, list
+        else:
+            to_slices = self._reduce_scatter
         micro_step = tf.function(
             lambda micro: accumulate_gradients(loss_fn, variables, micro, scale_loss),
             jit_compile=jit_compile)
 
-        def forward_backward(batch):  # stage 2: accumulate into the slice, never in full
+        def forward_backward(batch):  # stages 2-3: accumulate into the slice, never in full
             num_micro = tf.nest.flatten(batch)[0].shape[0]
             loss_sum, slices, metric_sums = 0.0, None, None
             for i in range(num_micro):  # unrolled: the reduce-scatter cannot sit in XLA
                 loss, grads, metrics = micro_step(tf.nest.map_structure(
                     lambda t: t[i:i + 1], batch))
-                scattered = self._reduce_scatter(grads)
+                scattered = to_slices(grads)
                 slices = scattered if slices is None else [a + g for a, g in
                                                             zip(slices, scattered)]
                 loss_sum += loss
@@ -132,15 +171,14 @@ class ZeroStrategy(HorovodStrategy):
 
         return tf.function(forward_backward)
 
+    def make_forward(self, loss_fn, jit_compile):
+        # Stage 3 gathers inside the forward: Horovod ops have no XLA kernels.
+        return super().make_forward(loss_fn, jit_compile and self.stage < 3)
+
     def _reduce_scatter(self, grads):
         """Full-size gradients -> this rank's slices, averaged over the partition group."""
-        padded = [self._padded(g, self._slice_size(v))
-                  for g, v in zip(grads, self.model_variables)]
-        if self.partition_set is None:
-            return padded
         # Horovod: one grouped reduce-scatter inside the partition group (hop 1).
-        return hvd.grouped_reducescatter(padded, op=hvd.Average,
-                                         process_set=self.partition_set)
+        return self.partition.scatter(grads, [v.shape for v in self.model_variables])
 
     def all_reduce_gradients(self, grads):
         """Slices of the gradients averaged over all data-parallel ranks (2-hop sync)."""
@@ -162,6 +200,8 @@ class ZeroStrategy(HorovodStrategy):
 
     def apply_gradients(self, optimizer, grads, variables):
         optimizer.apply(grads, self.shards)
+        if self.stage == 3:
+            return  # the parameters are the slices: gathered when a layer runs
         values = [tf.convert_to_tensor(s.value) for s in self.shards]
         if self.partition_set is not None:  # Horovod: the updated slices, gathered
             values = hvd.grouped_allgather(values, process_set=self.partition_set)
@@ -181,9 +221,20 @@ class ZeroStrategy(HorovodStrategy):
                                  f"optimizer steps {steps.tolist()} (a save was cut short?); "
                                  f"remove the newer checkpoints so every shard directory's "
                                  f"newest one is of the same step")
+        if self.stage == 3:  # every rank made or restored its own slices: counters, RNG only
+            held = self._slot_ids | {id(v) for v in self.model_variables}
+            super().broadcast_variables([v for v in variables if id(v) not in held])
+            return
         super().broadcast_variables([v for v in variables if id(v) not in self._slot_ids])
         for shard, variable in zip(self.shards, self.model_variables):
             shard.assign(self._own_slice(variable))  # master slices of the final parameters
+
+    def checkpoint_model(self, model):
+        """Stage 3: the slices, under the keys of the model variables they are slices of."""
+        if self.stage < 3:
+            return super().checkpoint_model(model)
+        return {model_key(model, v): (self._shard_of[id(v)] if v.trainable else v).value
+                for v in model.variables if "seed_generator" not in v.path}
 
     @property
     def restores_checkpoint(self):
@@ -193,8 +244,22 @@ class ZeroStrategy(HorovodStrategy):
         return piece_dir(model_dir, "zero", self.shard_index)
 
     def restore_dir(self, model_dir):
-        self._check_layout(model_dir)
+        saved = self._check_layout(model_dir)
+        self._resharding = None
+        if saved is not None and not self._same_files(saved):
+            self._resharding = (model_dir, saved)  # every piece is read: see zero_checkpoint
+            return model_dir  # position 0's directory has the newest step
         return self._shard_dir(model_dir)
+
+    def restore(self, trainer, path):
+        if not getattr(self, "_resharding", None):
+            return trainer.checkpoint.restore(path).assert_existing_objects_matched()
+        model_dir, saved = self._resharding
+        if self.is_chief:
+            print(f"re-sharding {path}: saved as {saved}, loaded as {self._layout()}")
+        return zero_checkpoint.restore_resharded(
+            trainer.checkpoint, model_dir, saved, path, self._model, self.model_variables,
+            self.optimizer, self.partition)
 
     def checkpoint_dir(self, model_dir):
         return self._shard_dir(model_dir) if self.replica_index == 0 else None
@@ -204,22 +269,24 @@ class ZeroStrategy(HorovodStrategy):
         return {"zero_stage": self.stage, "shard_degree": m.shard_degree, "data": m.data,
                 "world_size": m.size}
 
+    def _same_files(self, saved):
+        """Whether a checkpoint saved with layout `saved` has this run's pieces (stages 1 and
+        2 save the same; the number of replica groups does not change a piece)."""
+        return (saved["shard_degree"] == self.num_shards and saved["zero_stage"] in (1, 2, 3)
+                and (saved["zero_stage"] == 3) == (self.stage == 3))
+
     def _check_layout(self, model_dir):
-        path = os.path.join(model_dir, LAYOUT_FILE)
-        saved = None
-        if os.path.exists(path):
-            with open(path) as f:
-                saved = json.load(f)
-        elif tf.train.latest_checkpoint(model_dir):
-            raise ValueError(f"--model_dir={model_dir} holds a checkpoint without ZeRO slices "
-                             f"({LAYOUT_FILE} is missing); resume it without --zero_stage or "
-                             f"start another --model_dir")
-        slot_layout = {k: v for k, v in self._layout().items() if k != "zero_stage"}
-        if saved and {k: saved[k] for k in slot_layout} != slot_layout:
-            raise ValueError(f"--model_dir={model_dir} was written with ZeRO slices {saved}; "
-                             f"this run has {self._layout()}. Resume with the same number of "
-                             f"processes and --shard_degree (re-sharding on load is not built)")
+        """The layout `model_dir`'s checkpoint was saved with (None: no checkpoint yet); a
+        plain checkpoint counts as stage 0 over one piece."""
+        saved = zero_checkpoint.read_layout(model_dir)
+        if saved is None and tf.train.latest_checkpoint(model_dir):
+            return {"zero_stage": 0, "shard_degree": 1, "data": 1, "world_size": 1}
+        return saved
 
     def after_checkpoint(self, directory):
         if self.is_chief:
             write_layout(directory, LAYOUT_FILE, self._layout())
+
+
+if __name__ == "__main__":  # python -m tfbig.distribute.zero MODEL_DIR OUT_DIR: consolidate
+    raise SystemExit(zero_checkpoint.main())

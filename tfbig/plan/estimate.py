@@ -126,9 +126,10 @@ def memory(shape, layout, micro_batch, precision, device, last=False):
             + (2 * 4 * shape.layer_params / layout.tensor if z == 3 else 0))
     return {"parameters": 4 * params / (g if z >= 3 else 1),
             "gradients": 4 * params / (g if z >= 2 else 1),
-            # moments; with ZeRO also the float32 master copy of the slice the optimizer
-            # updates (tfbig/distribute/zero.py), the full weights being kept beside it
-            "optimizer": (12 * params / g) if z >= 1 else 8 * params,
+            # moments; with ZeRO 1-2 also the float32 master copy of the slice the optimizer
+            # updates (tfbig/distribute/zero.py), the full weights being kept beside it; with
+            # ZeRO 3 that slice is the parameters themselves
+            "optimizer": (8 * params / g) if z >= 3 else (12 * params / g) if z else 8 * params,
             "activations": activation_memory(shape, layout, micro_batch, precision, last),
             "communication": comm, "reserve": device.reserve_bytes}
 
@@ -176,6 +177,7 @@ def data_sync_time(shape, layout, cluster):
         return 2 * inner + outer
     # ZeRO 2-3 keep no full gradient: reduce-scatter each micro-batch; ZeRO 3 gathers the
     # weights before every forward and backward (and recompute) of every micro-batch
-    passes = (3 if layout.activation_checkpointing else 2) if layout.zero_stage == 3 else 0
+    passes = 2 if layout.zero_stage == 3 else 0  # tfbig's ZeRO 3 gathers once for the
+    # forward and once for the backward, which recomputes the layer with those weights
     gathers = layout.num_microbatches * passes if passes else 1
     return (layout.num_microbatches + gathers) * inner + outer

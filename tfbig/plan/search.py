@@ -54,7 +54,8 @@ def layout_from_config(cfg):
             "num_microbatches": (cfg.pipeline.num_microbatches if pipelined
                                  else cfg.train.grad_accum_steps),
             "schedule": cfg.pipeline.schedule if pipelined else "1f1b",
-            "activation_checkpointing": cfg.pipeline.activation_checkpointing}
+            "activation_checkpointing": (cfg.pipeline.activation_checkpointing
+                                         or cfg.parallel.zero_stage == 3)}  # implied by ZeRO 3
 
 
 def evaluate(shape, layout, batch_size, precision, cluster, token_budget):
@@ -142,6 +143,8 @@ def _data_layouts(fixed, t, k, d, batch):
                 if (batch // d) % m:
                     continue
                 for ckpt in _options(fixed, "activation_checkpointing", [False, True]):
+                    if z == 3 and not ckpt:  # tfbig's ZeRO 3 recomputes every layer (zero3.py)
+                        continue
                     yield estimate.Layout(
                         d, k, t, z, g if z else 0, m, ckpt,
                         fixed.get("sequence_parallel", t > 1),

@@ -1,0 +1,315 @@
+"""ZeRO stage 3: the parameters are sharded too and gathered per layer, from outside the model.
+
+The model is built with Keras' deferred initialisation (`build_unmaterialised`): its variables
+exist (paths, shapes, initialisers) but hold no values, and reading one outside a gather raises.
+Each rank keeps only the float32 slices of its partition position (tfbig.distribute.zero's
+layout: flattened, zero-padded to N equal slices), made one variable at a time from the
+variable's own initialiser (`initial_slice`), so they equal the single-device initialisation.
+
+Which parameters are gathered when is data (`PLANS`, attribute paths below the model):
+    per call   each transformer block, and the embedding, final norm and head where only
+               their own layer reads them: `layer.call` is wrapped (`gather_per_call`). The
+               forward gathers the layer's parameters just before it runs (all-gather over
+               the partition group), runs it with them in a Keras StatelessScope and keeps
+               only its input; the backward gathers them again, recomputes the layer under a
+               tape (so stage 3 implies per-layer activation checkpointing: TF's gradient of
+               a layer needs the full parameters it ran with, and keeping those would undo the
+               sharding), and its parameter gradients are reduce-scattered right there, layer
+               by layer (the custom gradient of the gather). A layer called several times in
+               one step (ALBERT's shared group) is gathered once for the forward (the same
+               parameters, kept until its last call), again for each call's backward, and its
+               gradient, summed over the calls, is reduce-scattered once.
+    per step   tables read outside their own layer (GPT's tied token table in `logits`,
+               ALBERT's word table in the MLM head) and the layers reading them: gathered once
+               when the model is called and kept until their gradient is reduce-scattered at
+               the end of the backward (as FSDP keeps its root module unsharded).
+
+Prefetch: TF runs graph ops as soon as their inputs are ready, so a gather with no input from
+the previous layer would start at once and every layer's parameters would be full at the same
+time. Each gather is therefore made to wait for the *previous* layer's input (forward) or the
+later layer's output gradient (backward, where the recompute follows the gather): it overlaps
+that layer's compute, and at most two layers' parameters are full at any time (plus the
+per-step ones).
+
+Dropout: generator states are read before a layer's forward and given to its recompute (the
+same masks); their updates, caught by the StatelessScope, are written back after the forward.
+"""
+import dataclasses
+import math
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras.src.backend.common import global_state  # Keras' deferred-init registry: no public API
+from keras.src.backend.common.variables import AutocastScope, get_autocast_scope
+from tensorflow.python.eager import record  # stop_recording: no public equivalent
+
+from tfbig.distribute import recompute
+from tfbig.distribute.horovod_keras import hvd
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Attribute paths below the model ("*": every element of a list)."""
+
+    per_call: tuple  # layers whose parameters are gathered around each of their calls
+    per_step: tuple = ()  # layers whose parameters are gathered once per model call
+
+
+PLANS = {
+    "GPT": lambda model: Plan(
+        per_call=("blocks.*", "final_norm", "head") + (
+            () if model.config.tie_embeddings else ("embedding",)),
+        per_step=("embedding",) if model.config.tie_embeddings else ()),
+    "AlbertForPretraining": lambda model: Plan(
+        per_call=("backbone.projection", "backbone.groups.*", "backbone.pooler", "sop_head"),
+        per_step=("backbone.embedding", "mlm_head")),
+}
+
+
+def _resolve(model, pattern):
+    found = [model]
+    for part in pattern.split("."):
+        found = [x for obj in found
+                 for x in (list(obj) if part == "*" else [getattr(obj, part, None)])
+                 if x is not None]
+    return found
+
+
+def plan_layers(model):
+    """(per-call layers, per-step layers) of `model`; every trainable variable in exactly one."""
+    if type(model).__name__ not in PLANS:
+        raise ValueError(f"--zero_stage=3: no gather plan for {type(model).__name__} (GPT and "
+                         f"ALBERT pretraining have one); use --zero_stage=2")
+    plan = PLANS[type(model).__name__](model)
+    per_call = [layer for p in plan.per_call for layer in _resolve(model, p)]
+    per_step = [layer for p in plan.per_step for layer in _resolve(model, p)]
+    owners = {}
+    for layer in per_call + per_step:
+        for v in layer.trainable_variables:
+            owners.setdefault(id(v), []).append(layer.name)
+    bad = [(v.path, owners.get(id(v))) for v in model.trainable_variables
+           if len(owners.get(id(v), [])) != 1]
+    if bad:
+        raise ValueError(f"--zero_stage=3: the gather plan of {type(model).__name__} must hold "
+                         f"every trainable variable exactly once; (variable, layers): {bad}")
+    return per_call, per_step
+
+
+# ---- the slices ---------------------------------------------------------------------------
+class Partition:
+    """Slice j of N of every variable (flattened, zero-padded), over a partition group."""
+
+    def __init__(self, process_set, num_shards, index):
+        self.process_set, self.num_shards, self.index = process_set, num_shards, index
+
+    def slice_size(self, shape):
+        return math.ceil(math.prod(shape) / self.num_shards)
+
+    def padded(self, tensor, shape):
+        flat = tf.reshape(tf.cast(tf.convert_to_tensor(tensor), tf.float32), [-1])
+        return tf.pad(flat, [[0, self.slice_size(shape) * self.num_shards - flat.shape[0]]])
+
+    def own(self, tensor, shape):
+        """This position's slice (cut before padding: no second full-size copy)."""
+        size, count = self.slice_size(shape), math.prod(shape)
+        start = min(self.index * size, count)
+        end = min(start + size, count)
+        flat = tf.reshape(tf.cast(tf.convert_to_tensor(tensor), tf.float32), [-1])
+        piece = tf.pad(flat[start:end], [[0, size - (end - start)]])
+        # A slice along the first axis shares the full tensor's buffer (so would a variable
+        # made from it): copied, the full tensor is freed when the caller drops it.
+        return tf.constant(np.array(piece)) if tf.executing_eagerly() else piece
+
+    def gather(self, slices, shapes):
+        """Full float32 tensors from every rank's slices (an all-gather of the group)."""
+        slices = [tf.convert_to_tensor(s) for s in slices]
+        if self.process_set is not None:  # Horovod: one grouped all-gather per layer
+            slices = hvd.grouped_allgather(slices, process_set=self.process_set)
+        return [tf.reshape(f[:math.prod(shape)], shape) for f, shape in zip(slices, shapes)]
+
+    def scatter(self, grads, shapes):
+        """This rank's slices of full gradients, averaged over the group (a reduce-scatter)."""
+        padded = [self.padded(g, shape) for g, shape in zip(grads, shapes)]
+        if self.process_set is None:
+            return padded
+        # Horovod: one grouped reduce-scatter per layer (hop 1 of the 2-hop sync).
+        return hvd.grouped_reducescatter(padded, op=hvd.Average, process_set=self.process_set)
+
+
+# ---- delayed initialisation ---------------------------------------------------------------
+def build_unmaterialised(task):
+    """The task's model with its trainable variables created but never given a value; the
+    non-trainable ones (dropout generator states, a few bytes) are initialised as usual."""
+    with keras.StatelessScope(initialize_variables=False):
+        model = task.build_model()
+    mine = {id(v) for v in model.variables}
+    pending = global_state.get_global_attribute("uninitialized_variables") or []
+    global_state.set_global_attribute("uninitialized_variables",
+                                      [v for v in pending if id(v) not in mine])
+    for v in model.non_trainable_variables:
+        v._deferred_initialize()
+    initialisers = {}
+    for v in model.trainable_variables:
+        initialisers[id(v)] = v._initializer
+        v._initializer = _not_gathered(v.path)  # Keras calls it for a read without a value
+    return model, initialisers
+
+
+def _not_gathered(path):
+    def refuse(*args, **kwargs):
+        raise ValueError(f"--zero_stage=3: {path} was read outside the layer that gathers it "
+                         f"(tfbig.distribute.zero3.PLANS lists which layer gathers what)")
+    return refuse
+
+
+def initial_slice(variable, initialiser, partition):
+    """This rank's slice of `variable`'s single-device initial value (built whole, then cut:
+    one variable at a time is ever full)."""
+    return partition.own(initialiser(variable.shape, dtype=variable._dtype), variable.shape)
+
+
+# ---- gathering around calls ---------------------------------------------------------------
+def _shapes(variables):
+    return [tuple(v.shape) for v in variables]
+
+
+def differentiable_gather(partition, shards, variables):
+    """Full parameters from the slice variables; the gradient is reduce-scattered back."""
+    shapes = _shapes(variables)
+    if not variables:
+        return []
+
+    @tf.custom_gradient
+    def gather(*slices):
+        def grad(*full_grads):
+            full_grads = [tf.zeros(s) if g is None else tf.convert_to_tensor(g)
+                          for g, s in zip(full_grads, shapes)]
+            return partition.scatter(full_grads, shapes)
+        return partition.gather(slices, shapes), grad
+
+    return list(gather(*[tf.convert_to_tensor(s.value) for s in shards]))
+
+
+def _read_states(states):
+    return [tf.identity(tf.convert_to_tensor(v.value)) for v in states]
+
+
+def run_with(variables, values, states, state_values, fn):
+    """fn() with `variables` reading `values` and the dropout `states` starting at
+    `state_values`; returns (fn's result, the states' values after it)."""
+    mapping = list(zip(variables, values)) + list(zip(states, state_values))
+    with keras.StatelessScope(mapping, initialize_variables=False) as scope:
+        out = fn()
+    return out, [scope.get_current_value(v) for v in states]
+
+
+class Gatherer:
+    """Installs the gathers of a model's plan and keeps the per-trace prefetch order."""
+
+    def __init__(self, partition, shard_of, offload=False):
+        self.partition = partition
+        self.shard_of = shard_of  # id(model variable) -> its slice variable
+        self.offload = offload
+        self.reset()
+
+    def reset(self):
+        self.previous_input, self.previous_grad, self.forward_full = None, None, {}
+
+    def install(self, model):
+        per_call, per_step = plan_layers(model)
+        for layer in per_call:
+            if not getattr(layer, "_tfbig_gathered", False):
+                layer.call = self._per_call(layer, layer.call)
+                layer._tfbig_gathered = True
+        variables = [v for layer in per_step for v in layer.trainable_variables]
+        model.call = self._per_step(model, variables, model.call)
+        return per_call, per_step
+
+    def _shards(self, variables):
+        return [self.shard_of[id(v)] for v in variables]
+
+    def _after(self, tensor):
+        return tf.control_dependencies([tensor] if tensor is not None else [])
+
+    def _per_step(self, model, variables, call):
+        states = recompute.seed_states(model)
+
+        def wrapped(*args, **kwargs):
+            self.reset()
+            full = differentiable_gather(self.partition, self._shards(variables), variables)
+            start = _read_states(states)
+            out, after = run_with(variables, full, states, start,
+                                  lambda: call(*args, **kwargs))
+            for v, value in zip(states, after):
+                v.assign(value)
+            return out
+
+        return wrapped
+
+    def _gather_for_forward(self, layer, x):
+        """The layer's full parameters for this call: gathered after the previous layer
+        started (prefetch), once per step for a layer called several times."""
+        variables = layer.trainable_variables
+        if id(layer) not in self.forward_full:
+            with self._after(self.previous_input):
+                self.forward_full[id(layer)] = differentiable_gather(
+                    self.partition, self._shards(variables), variables)
+        self.previous_input = x
+        return self.forward_full[id(layer)]
+
+    def _per_call(self, layer, call):
+        states = recompute.seed_states(layer)
+
+        def wrapped(x, *args, **kwargs):
+            if kwargs.get("cache") is not None:
+                raise ValueError("--zero_stage=3 models do not decode with a cache; "
+                                 "consolidate the run (python -m tfbig.distribute.zero) first")
+            full = self._gather_for_forward(layer, x)
+            return self._run(layer, call, states, x, full, args, kwargs)
+
+        return wrapped
+
+    def _run(self, layer, call, states, x, full, args, kwargs):
+        variables = layer.trainable_variables
+        floating = x.dtype.is_floating
+        start = _read_states(states)  # the enclosing scope's (a shared layer's second call)
+        device = x.device
+        autocast = get_autocast_scope()  # the layer's compute dtype, for the recompute too
+
+        @tf.custom_gradient
+        def gathered_layer(x, *full):
+            saved = recompute._to_host(x, self.offload)
+            with record.stop_recording():  # keep nothing of the layer for the outer tape
+                y, after = run_with(variables, full, states, start,
+                                    lambda: call(x, *args, **kwargs))
+            for v, value in zip(states, after):
+                v.assign(value)
+
+            def grad(dy, variables=None):
+                # prefetch: after the later layer's backward started (its output gradient),
+                # not after it ended (this layer's `dy`); the last layer waits for its `dy`
+                with self._after(dy if self.previous_grad is None else self.previous_grad):
+                    again = self.partition.gather(
+                        [tf.convert_to_tensor(s.value) for s in self._shards(layer_variables)],
+                        _shapes(layer_variables))
+                self.previous_grad = dy  # the next (earlier) layer's gather may start now
+                with tf.GradientTape() as tape:
+                    x_again = recompute._from_host(saved, device, self.offload)
+                    watched = ([x_again] if floating else []) + again
+                    tape.watch(watched)
+                    with AutocastScope(autocast.dtype if autocast else None):
+                        y_again, _ = run_with(layer_variables, again, states, start,
+                                              lambda: call(x_again, *args, **kwargs))
+                grads = tape.gradient(y_again, watched, output_gradients=dy,
+                                      unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                grads = [tf.convert_to_tensor(g) for g in grads]
+                inputs = grads if floating else [None] + grads
+                if variables is None:  # TF passes `variables` only when the forward read some
+                    return inputs
+                return inputs, [tf.zeros_like(v) for v in variables]
+
+            return y, grad
+
+        layer_variables = variables
+        return gathered_layer(x, *full)
