@@ -43,3 +43,32 @@ def write_layout(directory, filename, layout):
         json.dump(layout, f, indent=1)
     os.replace(path + ".tmp", path)
 
+
+def slot_owners(optimizer):
+    """{id(optimizer slot variable): path of the weight it belongs to} (Adam/LAMB m and v)."""
+    inner = getattr(optimizer, "inner_optimizer", optimizer)  # under a LossScaleOptimizer
+    out = {}
+    for i, v in enumerate(inner._trainable_variables):
+        for slots in (getattr(inner, "_momentums", []), getattr(inner, "_velocities", [])):
+            if i < len(slots):
+                out[id(slots[i])] = v.path
+    return out
+
+
+def consolidation_main(argv, command, what, consolidate, done):
+    """The `python -m COMMAND MODEL_DIR OUT_DIR` of a sharded layout: `consolidate(model_dir,
+    out_dir)` writes a single-device checkpoint; errors are one line and exit code 2."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        print(f"usage: python -m {command} MODEL_DIR OUT_DIR\n"
+              f"Assemble {what}'s newest checkpoint into a single-device one.", file=sys.stderr)
+        return 2
+    try:
+        path = consolidate(*args)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"tfbig: error: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {path}: {done}")
+    return 0

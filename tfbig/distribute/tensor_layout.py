@@ -18,7 +18,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from tfbig.checkpoint import piece_dir
+from tfbig.checkpoint import consolidation_main, piece_dir, slot_owners
 from tfbig.distribute.base import Strategy
 
 LAYOUT_FILE = "tensor.json"
@@ -395,12 +395,7 @@ def _state_variables(trainer):
 
 def _state_arrays(trainer, splits):
     """{name: (value, split of the model variable it belongs to or None)} of one rank."""
-    inner = getattr(trainer.optimizer, "inner_optimizer", trainer.optimizer)
-    owner = {}  # optimizer slot -> the trainable variable it belongs to
-    for i, v in enumerate(inner._trainable_variables):
-        for slots in (getattr(inner, "_momentums", []), getattr(inner, "_velocities", [])):
-            if i < len(slots):
-                owner[id(slots[i])] = v.path
+    owner = slot_owners(trainer.optimizer)  # optimizer slot -> the weight it belongs to
     out = {}
     for name, v in _state_variables(trainer).items():
         path = name if not name.startswith("optimizer/") else owner.get(id(v))
@@ -410,21 +405,9 @@ def _state_arrays(trainer, splits):
 
 def main(argv=None):
     """python -m tfbig.distribute.tensor_layout MODEL_DIR OUT_DIR"""
-    import sys
-
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2:
-        print("usage: python -m tfbig.distribute.tensor_layout MODEL_DIR OUT_DIR\n"
-              "Assemble a --tensor_parallel run's newest checkpoint into a single-device one.",
-              file=sys.stderr)
-        return 2
-    try:
-        path = consolidate(*args)
-    except (ValueError, FileNotFoundError) as error:
-        print(f"tfbig: error: {error}", file=sys.stderr)
-        return 2
-    print(f"wrote {path}: resumes with any --tensor_parallel, read by tfbig-generate/export")
-    return 0
+    return consolidation_main(
+        argv, "tfbig.distribute.tensor_layout", "a --tensor_parallel run", consolidate,
+        "resumes with any --tensor_parallel, read by tfbig-generate/export")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import tempfile
 import numpy as np
 import tensorflow as tf
 
-from tfbig.checkpoint import model_key, piece_dir
+from tfbig.checkpoint import consolidation_main, model_key, piece_dir
 
 LAYOUT_FILE = "zero.json"
 OBJECT_GRAPH = "_CHECKPOINTABLE_OBJECT_GRAPH"
@@ -218,18 +218,7 @@ def consolidate(model_dir, out_dir, warn=print):
 
 def main(argv=None):
     """python -m tfbig.distribute.zero MODEL_DIR OUT_DIR"""
-    import sys
+    return consolidation_main(
+        argv, "tfbig.distribute.zero", "a --zero_stage run", consolidate,
+        "resumes with any --zero_stage, read by tfbig-generate/export")
 
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2:
-        print("usage: python -m tfbig.distribute.zero MODEL_DIR OUT_DIR\n"
-              "Assemble a --zero_stage run's newest checkpoint into a single-device one.",
-              file=sys.stderr)
-        return 2
-    try:
-        path = consolidate(*args)
-    except (ValueError, FileNotFoundError) as error:
-        print(f"tfbig: error: {error}", file=sys.stderr)
-        return 2
-    print(f"wrote {path}: resumes with any --zero_stage, read by tfbig-generate/export")
-    return 0

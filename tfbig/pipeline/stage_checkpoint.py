@@ -19,7 +19,7 @@ import re
 import numpy as np
 import tensorflow as tf
 
-from tfbig.checkpoint import piece_dir
+from tfbig.checkpoint import consolidation_main, piece_dir, slot_owners
 from tfbig.distribute.base import Strategy
 
 LAYOUT_FILE = "pipeline.json"
@@ -152,7 +152,7 @@ def consolidate(model_dir, out_dir, warn=print):
     cfg.train.model_dir = out_dir
     os.makedirs(out_dir, exist_ok=True)
     full = Trainer(cfg)
-    slots = _slot_owners(full.optimizer)
+    slots = slot_owners(full.optimizer)
     for name, variable in _named_variables(full).items():
         stage = owner.get(slots.get(id(variable), name), 0)
         variable.assign(states[stage][name])
@@ -179,34 +179,11 @@ def _named_state(trainer):
     return {name: np.asarray(v.numpy()) for name, v in _named_variables(trainer).items()}
 
 
-def _slot_owners(optimizer):
-    """{id(slot variable): path of the weight it belongs to}."""
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
-    out = {}
-    for i, v in enumerate(inner._trainable_variables):
-        for slots in (getattr(inner, "_momentums", []), getattr(inner, "_velocities", [])):
-            if i < len(slots):
-                out[id(slots[i])] = v.path
-    return out
-
-
 def main(argv=None):
     """python -m tfbig.pipeline.stage_checkpoint MODEL_DIR OUT_DIR"""
-    import sys
-
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2:
-        print("usage: python -m tfbig.pipeline.stage_checkpoint MODEL_DIR OUT_DIR\n"
-              "Assemble a cross-rank pipeline run's newest checkpoint into a single-device one.",
-              file=sys.stderr)
-        return 2
-    try:
-        path = consolidate(*args)
-    except (ValueError, FileNotFoundError) as error:
-        print(f"tfbig: error: {error}", file=sys.stderr)
-        return 2
-    print(f"wrote {path}: a single-device checkpoint (resumes under any layout)")
-    return 0
+    return consolidation_main(
+        argv, "tfbig.pipeline.stage_checkpoint", "a cross-rank pipeline run", consolidate,
+        "a single-device checkpoint (resumes under any layout)")
 
 
 if __name__ == "__main__":
