@@ -36,6 +36,30 @@ def piece_dir(model_dir, kind, index):
     return os.path.join(model_dir, kind, f"{name}-{index}")
 
 
+def piece_checkpoints(model_dir, kind, count, warn=print):
+    """The newest intact checkpoint of piece 0 (in `model_dir`) and the same-numbered one of
+    pieces 1..count-1 (each rank of the first replica saves its own); a missing one is named."""
+    from tfbig import integrity
+
+    latest, _ = integrity.newest_intact(model_dir, warn, keep_damaged=True)
+    if latest is None:
+        raise FileNotFoundError(f"--model_dir={model_dir} has no checkpoint")
+    paths = [latest]
+    for index in range(1, count):
+        path = os.path.join(piece_dir(model_dir, kind, index), os.path.basename(latest))
+        if not os.path.exists(path + ".index"):
+            raise FileNotFoundError(f"{path}: {kind} piece {index} of {latest} is missing; "
+                                    f"every rank of the first replica saves its own")
+        paths.append(path)
+    return paths
+
+
+def reader_key(model, variable):
+    """The key of a model variable in a tf.train.load_checkpoint reader of a tfbig checkpoint."""
+    return ("model/" + model_key(model, variable).replace("/", ".S")
+            + "/.ATTRIBUTES/VARIABLE_VALUE")
+
+
 def write_layout(directory, filename, layout):
     """Write the JSON `layout` of a sharded checkpoint beside it, atomically."""
     path = os.path.join(directory, filename)

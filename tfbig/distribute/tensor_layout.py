@@ -18,7 +18,8 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from tfbig.checkpoint import consolidation_main, piece_dir, slot_owners
+from tfbig.checkpoint import (consolidation_main, piece_checkpoints, reader_key,
+                              slot_owners)
 from tfbig.distribute.base import Strategy
 
 LAYOUT_FILE = "tensor.json"
@@ -280,23 +281,7 @@ def read_layout(model_dir):
 def rank_checkpoints(model_dir, layout, warn=print):
     """The newest intact checkpoint of tensor rank 0 and the same-numbered one of every other
     rank (each rank saves its own; a missing or damaged piece is named)."""
-    from tfbig import integrity
-
-    latest, _ = integrity.newest_intact(model_dir, warn, keep_damaged=True)
-    if latest is None:
-        raise FileNotFoundError(f"--model_dir={model_dir} has no checkpoint")
-    paths = [latest]
-    for rank in range(1, layout["tensor_parallel"]):
-        path = os.path.join(piece_dir(model_dir, "tensor", rank), os.path.basename(latest))
-        if not os.path.exists(path + ".index"):
-            raise FileNotFoundError(f"{path}: tensor rank {rank}'s piece of {latest} is missing; "
-                                    f"every rank of the first replica saves its own")
-        paths.append(path)
-    return paths
-
-
-def _model_key(path_below_model):
-    return "model/" + path_below_model.replace("/", ".S") + "/.ATTRIBUTES/VARIABLE_VALUE"
+    return piece_checkpoints(model_dir, "tensor", layout["tensor_parallel"], warn)
 
 
 def assembled_weights(model_dir, model, warn=print):
@@ -304,12 +289,11 @@ def assembled_weights(model_dir, model, warn=print):
     tensor-parallel run's newest checkpoint, each split variable joined from the ranks."""
     layout = read_layout(model_dir)
     readers = [tf.train.load_checkpoint(p) for p in rank_checkpoints(model_dir, layout, warn)]
-    prefix = model.name + "/"
     out = {}
     for v in model.variables:
         if "seed_generator" in v.path:
             continue
-        key = _model_key(v.path[len(prefix):] if v.path.startswith(prefix) else v.path)
+        key = reader_key(model, v)
         piece = layout["splits"].get(v.path)
         if piece is None:
             out[v.path] = readers[0].get_tensor(key)

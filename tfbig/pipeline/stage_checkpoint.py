@@ -19,7 +19,7 @@ import re
 import numpy as np
 import tensorflow as tf
 
-from tfbig.checkpoint import consolidation_main, piece_dir, slot_owners
+from tfbig.checkpoint import consolidation_main, piece_checkpoints, reader_key, slot_owners
 from tfbig.distribute.base import Strategy
 
 LAYOUT_FILE = "pipeline.json"
@@ -58,23 +58,7 @@ def check_resume(model_dir, num_stages):
 
 def stage_checkpoints(model_dir, saved, warn=print):
     """The newest intact checkpoint of stage 0 and the same-numbered one of every stage."""
-    from tfbig import integrity
-
-    latest, _ = integrity.newest_intact(model_dir, warn, keep_damaged=True)
-    if latest is None:
-        raise FileNotFoundError(f"--model_dir={model_dir} has no checkpoint")
-    paths = [latest]
-    for stage in range(1, saved["pipeline_stages"]):
-        path = os.path.join(piece_dir(model_dir, "pipeline", stage), os.path.basename(latest))
-        if not os.path.exists(path + ".index"):
-            raise FileNotFoundError(f"{path}: stage {stage}'s piece of {latest} is missing; "
-                                    f"every stage rank of the first replica saves its own")
-        paths.append(path)
-    return paths
-
-
-def _model_key(path_below_model):
-    return "model/" + path_below_model.replace("/", ".S") + "/.ATTRIBUTES/VARIABLE_VALUE"
+    return piece_checkpoints(model_dir, "pipeline", saved["pipeline_stages"], warn)
 
 
 def assembled_weights(model_dir, model, warn=print):
@@ -83,13 +67,11 @@ def assembled_weights(model_dir, model, warn=print):
     saved = read_layout(model_dir)
     readers = [tf.train.load_checkpoint(p) for p in stage_checkpoints(model_dir, saved, warn)]
     owner = {path: s for s, stage in enumerate(saved["stages"]) for path in stage["weights"]}
-    prefix = model.name + "/"
     out = {}
     for v in model.variables:
         if "seed_generator" in v.path:
             continue
-        key = _model_key(v.path[len(prefix):] if v.path.startswith(prefix) else v.path)
-        out[v.path] = readers[owner.get(v.path, 0)].get_tensor(key)
+        out[v.path] = readers[owner.get(v.path, 0)].get_tensor(reader_key(model, v))
     return out
 
 
