@@ -20,6 +20,7 @@ from test_trainer import ReplicasTask, make_cfg  # noqa: E402
 
 from horovod_worker import RecordingLogger  # noqa: E402
 from tfbig import config as config_lib  # noqa: E402
+from tfbig.checkpoint import slot_owners  # noqa: E402
 from tfbig.generate import load_model  # noqa: E402
 from tfbig.pipeline import stage_checkpoint  # noqa: E402
 from tfbig.pipeline.cross_rank import pipeline_mesh, stage_plan  # noqa: E402
@@ -140,7 +141,7 @@ def test_stage_checkpoints_assemble_into_the_single_device_model(gpt_data, runs,
     assert resumed.restored_from == written and int(resumed.step.numpy()) == 3
     for v in resumed.model.trainable_variables:
         np.testing.assert_array_equal(v.numpy(), trained[v.path])
-    slots = stage_checkpoint._slot_owners(resumed.optimizer)
+    slots = slot_owners(resumed.optimizer)
     assert len(slots) == 2 * len(resumed.model.trainable_variables)
     assert all(np.any(s.numpy() != 0) for s in resumed.optimizer.variables if id(s) in slots)
 
