@@ -167,3 +167,40 @@ def test_bad_layer_arguments_are_clear_errors():
         MultiHeadAttention(32, 4, initializer="uniform")
     with pytest.raises(ValueError, match="not divisible by num_heads=5"):
         MultiHeadAttention(32, 5)
+
+
+@pytest.mark.parametrize("approximate", [True, False], ids=["tanh", "erf"])
+def test_gelu_equals_keras_and_its_backward_keeps_only_the_input(approximate):
+    """Same values and gradients as differentiating keras' GELU, and a smaller backward: each
+    GELU of a chain keeps one input-sized tensor for it instead of the formula's intermediates
+    (measured: the CPU allocator's peak over the forward and backward of 8 chained GELUs)."""
+    import tensorflow as tf
+
+    from tfbig.models.layers import gelu
+
+    x = tf.constant(np.linspace(-3, 3, 1 << 20).reshape(256, 4096), tf.float32)
+    chain = 8
+
+    def held_and_gradient(fn):
+        @tf.function
+        def forward_backward(x):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                y = x
+                for _ in range(chain):
+                    y = fn(y)
+            return y, tape.gradient(y, x, output_gradients=tf.ones_like(y))
+
+        forward_backward(x)  # trace
+        before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        y, grad = forward_backward(x)
+        peak = tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
+        return y.numpy(), grad.numpy(), peak
+
+    ours = held_and_gradient(lambda t: gelu(t, approximate))
+    theirs = held_and_gradient(lambda t: keras.ops.gelu(t, approximate=approximate))
+    np.testing.assert_array_equal(ours[0], theirs[0])
+    np.testing.assert_allclose(ours[1], theirs[1], rtol=1e-5, atol=1e-5)
+    size = x.numpy().nbytes
+    assert ours[2] < theirs[2] - chain * size, (ours[2], theirs[2], size)

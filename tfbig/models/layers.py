@@ -40,6 +40,37 @@ def make_initializer(kind, stddev):
     return INITIALIZERS[kind](stddev=stddev)
 
 
+def gelu(x, approximate=True):
+    """GELU (tanh form, or erf with approximate=False) whose backward keeps only its input.
+
+    The forward is keras' own (the same values); the gradient is the closed-form derivative,
+    evaluated from `x` in float32. Differentiating keras' composite instead keeps every
+    intermediate of the formula (x^3, the tanh argument, the tanh...): measured on this CPU,
+    about 11 of the 32 hidden-widths of activations a GPT block holds per token for its
+    backward, which this brings down to the one 4h input a fused GELU kernel keeps."""
+    @ops.custom_gradient
+    def gelu_keeping_input(x):
+        def grad(*args, upstream=None):
+            upstream = args[0] if upstream is None else upstream
+            return ops.cast(ops.cast(upstream, "float32") * _gelu_derivative(x, approximate),
+                            upstream.dtype)
+        return ops.gelu(x, approximate=approximate), grad
+
+    return gelu_keeping_input(x)
+
+
+def _gelu_derivative(x, approximate):
+    """d gelu(x) / dx in float32."""
+    x = ops.cast(x, "float32")
+    if approximate:  # 0.5 x (1 + tanh(u)), u = c (x + 0.044715 x^3)
+        c = math.sqrt(2.0 / math.pi)
+        t = ops.tanh(c * (x + 0.044715 * x * x * x))
+        return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * c * (1.0 + 3 * 0.044715 * x * x)
+    # x Phi(x): Phi(x) + x phi(x)
+    return 0.5 * (1.0 + ops.erf(x / math.sqrt(2.0))) + x * ops.exp(-0.5 * x * x) / math.sqrt(
+        2.0 * math.pi)
+
+
 class MultiHeadAttention(keras.layers.Layer):
     """Self-attention: fused QKV Dense -> scores -> float32 softmax -> dropout -> output Dense.
 
@@ -156,7 +187,7 @@ class FeedForward(keras.layers.Layer):
         self.proj.build(tuple(input_shape[:-1]) + (self.intermediate_size,))
 
     def call(self, x, training=False):
-        y = self.proj(ops.gelu(self.fc(x), approximate=self.approximate_gelu))
+        y = self.proj(gelu(self.fc(x), approximate=self.approximate_gelu))
         return y if self.drop is None else self.drop(y, training=training)
 
     def get_config(self):
@@ -354,7 +385,7 @@ class MaskedLMHead(keras.layers.Layer):
 
     def call(self, x, word_table):
         """x: (B, P, H) hidden states at the masked positions -> float32 logits (B, P, vocab)."""
-        h = self.norm(ops.gelu(self.dense(x), approximate=self.approximate_gelu))  # (B, P, E)
+        h = self.norm(gelu(self.dense(x), approximate=self.approximate_gelu))  # (B, P, E)
         logits = ops.einsum("bpe,ve->bpv", h, ops.cast(word_table, h.dtype))
         return ops.cast(logits, "float32") + ops.cast(self.bias, "float32")
 
