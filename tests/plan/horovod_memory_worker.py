@@ -34,7 +34,8 @@ def main(cases_path, out_dir):
         with open(os.path.join(out_dir, f"{case['name']}.rank{hvd.rank()}.json"), "w") as f:
             json.dump({"model_state": held, "world_size": hvd.size(),
                        "model_config": dataclasses.asdict(trainer.task.model_config),
-                       "layout": layout_from_config(cfg)}, f)
+                       "layout": layout_from_config(cfg),
+                       "stage": getattr(trainer.strategy, "stage_index", 0)}, f)
     trainer.strategy.shutdown()
 
 

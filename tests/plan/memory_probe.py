@@ -47,5 +47,6 @@ def predicted_rank_state(record):
     cfg = cls(**record["model_config"])
     shape = models.shape_of(cfg, "gpt", cfg.seq_length)
     layout = rank_layout(record["layout"], record["world_size"])
-    mem = estimate.memory(shape, layout, 1, "fp32", CPU)
+    mem = estimate.memory(shape, layout, 1, "fp32", CPU,
+                          last=record["stage"] == layout.pipeline - 1 > 0)
     return mem["parameters"] + mem["optimizer"]

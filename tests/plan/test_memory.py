@@ -6,9 +6,9 @@ the CPU allocator's peak above it during forward, backward and apply). Cases: a 
 which is also every rank of plain Horovod data parallelism (each holds the whole model state).
 Under Horovod (2 ranks): plain data parallelism and ZeRO stages 1 and 2 (each rank holds the
 whole parameters, half of the optimizer slots and a half-size float32 master copy) and 3 (half
-of the slots and half of the parameters, which are its master copy).
-Tensor-parallel and cross-rank pipeline rows are added as cases with their layout once those
-backends exist.
+of the slots and half of the parameters, which are its master copy); tensor parallelism over
+both ranks; two pipeline stages on the two ranks (each its own stage's weights and slots).
+The single-device step peaks are TensorFlow-graph steps (no XLA), which the plan counts.
 """
 import json
 import os
@@ -36,9 +36,12 @@ MODEL_128 = dict(hidden_size=128, num_layers=2, num_heads=4, seq_length=128, voc
 MODEL_256 = dict(hidden_size=256, num_layers=4, num_heads=4, seq_length=256, vocab_size=8000)
 # Below ~10 MB per step the allocator's rounding and XLA's fixed buffers dominate; these cases
 # are the smallest where the closed form is the thing being measured.
+MODEL_256_L8 = dict(MODEL_256, num_layers=8, vocab_size=1024)
+# TensorFlow's graph (no XLA): what the plan counts. An XLA-compiled step assigns its own
+# buffers; benchmarks/plan_accuracy.py reports its ratio beside these.
 CASES = [Case("h128 no-xla", MODEL_128, 8, xla=False),
          Case("h256 no-xla", MODEL_256, 16, xla=False),
-         Case("h256 xla", MODEL_256, 16, xla=True)]
+         Case("h256 L8 v1024 no-xla", MODEL_256_L8, 16, xla=False)]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
@@ -91,6 +94,11 @@ def horovod_cases(data_dir, root):
     cfg.train.model_dir, cfg.parallel.zero_stage = str(root / "tp2"), 0
     cfg.parallel.tensor_parallel = 2
     cases.append({"name": "tp2", "config": config_lib.to_dict(cfg)})
+    # Pipeline stages on the two ranks: each holds its stage's blocks (and the first the
+    # embedding, the last the final norm and its copy of the tied token table).
+    cfg.train.model_dir, cfg.parallel.tensor_parallel = str(root / "pp2"), 1
+    cfg.pipeline.pipeline_stages, cfg.pipeline.num_microbatches = 2, 2
+    cases.append({"name": "pp2", "config": config_lib.to_dict(cfg)})
     return cases
 
 

@@ -130,8 +130,11 @@ def test_memory_terms_follow_zero_stage_and_schedule():
     gpipe, one_f = (estimate.memory(shape, estimate.Layout(pipeline=4, num_microbatches=16,
                                                            schedule=s), 1, "fp32", device)
                     for s in ("gpipe", "1f1b"))
-    layer_part = gpipe["activations"] / 16  # GPipe holds all 16 micro-batches, 1F1B 4
-    assert one_f["activations"] == pytest.approx(4 * layer_part)
+    # GPipe holds all 16 micro-batches, 1F1B 4; both the backward's working set of one
+    working = estimate.backward_working_bytes(shape, estimate.Layout(pipeline=4), "fp32") * (
+        shape.seq_length)
+    layer_part = (gpipe["activations"] - working) / 16
+    assert one_f["activations"] == pytest.approx(4 * layer_part + working)
 
 
 def test_v100_defaults_to_float16(capsys):
@@ -181,9 +184,12 @@ def test_albert_shared_layers_are_held_by_every_stage():
     assert shape.params == 223_158_450 and shape.block_params == shape.layer_params
     first, last = (estimate.stage_params(shape, estimate.Layout(pipeline=4), last=x)
                    for x in (False, True))
-    assert first == shape.params  # the one shared block, the embeddings and heads
-    assert last == shape.block_params  # the last stage runs the same block again
+    # every stage holds the one shared block; the first the embeddings, the last the pooler,
+    # the heads and its copy of the tied word table (stages on different ranks)
+    assert first == shape.block_params + (30000 + 512 + 2) * 128 + 2 * 128 + 128 * 4096 + 4096
+    assert last == shape.params - first + shape.block_params + 30000 * 128
     gpt = cli.shape_from_flags({**{k: v[1] for k, v in cli.FLAGS_SPEC.items()},
                                 "preset": "1.3b"})
+    # GPT's last stage: its quarter of the blocks, the final norm and the tied table's copy
     assert estimate.stage_params(gpt, estimate.Layout(pipeline=4), last=True) == (
-        gpt.block_params / 4)
+        gpt.block_params / 4 + 2 * 2048 + 50257 * 2048)

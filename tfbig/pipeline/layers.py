@@ -21,6 +21,8 @@ from keras import ops
 
 from tfbig.models.albert import AlbertConfig, AlbertForPretraining
 from tfbig.models.gpt import GPT, GPTConfig
+from tfbig.plan import estimate
+from tfbig.plan import models as plan_models
 
 
 @dataclasses.dataclass
@@ -78,21 +80,27 @@ def _gpt_layers(model):
             + [PipeLayer("head", head, head_modules, tied, random=False)])
 
 
+def _layer_bytes(cfg, family, seq_length):
+    """fp32 bytes per token one transformer layer keeps for its backward (the planner's
+    count: tfbig.plan.estimate.layer_activation_bytes)."""
+    shape = plan_models.shape_of(cfg, family, seq_length)
+    return estimate.layer_activation_bytes(shape, estimate.Layout(), "fp32")
+
+
 def _gpt_specs(cfg, seq_length, masked_per_seq=None):
     c, f, v, t = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, seq_length
     block_params = 4 * c + 3 * c * c + 3 * c + c * c + c + 2 * c * f + f + c
     # 6 FLOPs per matmul weight per token (2 forward, 4 backward) + attention scores and mix.
     block_flops = 6 * (4 * c * c + 2 * c * f) + 12 * c * t
-    # Korthikanti et al. (2022): 34*C + 5*heads*T bytes per token per layer in 16 bits; x2 for fp32.
-    block_bytes = 2 * (34 * c + 5 * cfg.num_heads * t)
+    block_bytes = _layer_bytes(cfg, "gpt", seq_length)
     head_params = (2 * c if cfg.pre_layer_norm else 0) + (0 if cfg.tie_embeddings else c * v)
     names = ["embedding"] + [f"block_{i}" for i in range(cfg.num_layers)] + ["head"]
     return ([LayerSpec("embedding", ("embedding",), v * c + cfg.seq_length * c, 4 * c, 4 * c,
                        4 * c)]
             + [LayerSpec(n, (n,), block_params, block_flops, block_bytes, 4 * c)
                for n in names[1:-1]]
-            # the head keeps float32 logits and their softmax: 2 x V floats per token
-            + [LayerSpec("head", ("final_norm", "head"), head_params, 6 * c * v, 4 * c + 8 * v,
+            # the head keeps the loss's float32 softmax gradient: V floats per token
+            + [LayerSpec("head", ("final_norm", "head"), head_params, 6 * c * v, 4 * c + 4 * v,
                          4 * v, ("embedding/token",) if cfg.tie_embeddings else ())])
 
 
@@ -143,7 +151,7 @@ def _albert_specs(cfg, seq_length, masked_per_seq=None):
     p = masked_per_seq or max(1, round(0.15 * t))  # MLM positions per sequence
     block = (3 * h * h + 3 * h) + (h * h + h) + (h * i + i) + (i * h + h) + 2 * 2 * h
     layer_flops = 6 * (4 * h * h + 2 * h * i) + 12 * h * t
-    layer_bytes = 2 * (34 * h + 5 * cfg.num_heads * t)
+    layer_bytes = _layer_bytes(cfg, "albert", seq_length)
     first = {cfg.group_of_layer(n): n for n in reversed(range(cfg.num_layers))}
     group = lambda n: f"group_{cfg.group_of_layer(n)}"  # noqa: E731
     owns = lambda n: first[cfg.group_of_layer(n)] == n  # noqa: E731

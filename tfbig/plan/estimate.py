@@ -7,14 +7,22 @@ Memory (the busiest pipeline stage, first or last):
     optimizer               Adam/LAMB's two float32 slots, 8 bytes per weight, sharded from stage 1
     activations             per layer and token, Korthikanti et al. (2022) in 16 bits:
                             (8 + 24/t) h + 2 a s / t without dropout, (10 + 24/t) h + 5 a s / t
-                            with its masks (the 8-10 h kept by LayerNorms is split too under
+                            with its masks, plus 4 h: keras' LayerNorm keeps its normalised
+                            output beside its input for the backward (2 bytes x h, twice a
+                            layer; tfbig's GELU keeps only its input, as a fused kernel does)
+                            (the 12-14 h kept around LayerNorms and dropout is split too under
                             sequence parallelism), doubled in float32; x layers on the stage x
                             micro-batches in flight (GPipe: all M; 1F1B: min(K, M) on the first
                             stage). Checkpointing keeps each layer's input and one layer's full
-                            set while it is recomputed. The last stage holds three float32
-                            vocabulary-sized tensors per token at its peak (logits, the loss's
-                            saved softmax, the logits' gradient: 12 V / t bytes; + 2 V for the
-                            16-bit matmul output under mixed precision).
+                            set while it is recomputed. The backward of a layer forms the
+                            gradients of the MLP's two 4h/t tensors before it frees them (8 h / t
+                            per token of one micro-batch). The last stage keeps, per token and
+                            micro-batch until its backward, the softmax gradient TensorFlow's
+                            fused cross-entropy computes in the forward (one float32 vocabulary-
+                            sized tensor, written over the logits: 4 V / t bytes; + 2 V for the
+                            16-bit matmul output under mixed precision). These are what
+                            TensorFlow's graph keeps; an XLA-compiled step assigns its own
+                            buffers (benchmarks/plan_accuracy.py reports both).
     communication           Horovod's fusion buffer, pipeline send/receive of a micro-batch's
                             boundary activation, ZeRO-3's gathered weights of two layers
     reserve                 CUDA context, workspaces, fragmentation (hardware.GPU_RESERVE_BYTES)
@@ -36,6 +44,9 @@ import dataclasses
 from tfbig.plan import hardware
 
 SCHEDULES = ("1f1b", "gpipe")
+# Bytes per token (16-bit) a layer's two keras LayerNorms keep beyond their inputs: each saves
+# its normalised output (h values) for the backward; Megatron's fused kernel keeps statistics.
+LAYERNORM_OUTPUTS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,24 +85,41 @@ def _act_bytes(precision):
 
 
 def stage_params(shape, layout, last):
-    """Weights one GPU holds before ZeRO: its layers (ALBERT: every shared block), plus the
-    embedding on the first stage and the final norm (and untied head) on the last, over T."""
+    """Weights one GPU holds before ZeRO: its layers (ALBERT: every shared block), plus, with
+    stages, the embedding on the first stage and the final norm and output matrix on the last
+    (a tied token table is held by both), over T."""
     layers = shape.block_params if shape.shared_layers else shape.block_params / layout.pipeline
-    ends = shape.params - shape.block_params if layout.pipeline == 1 or not last else 0
+    ends = shape.params - shape.block_params
+    if layout.pipeline > 1:
+        ends = shape.last_params if last else shape.first_params
     return (layers + ends) / layout.tensor
 
 
 def layer_activation_bytes(shape, layout, precision):
     """Bytes per token one transformer layer keeps for its backward pass."""
     h, a, s, t = shape.hidden_size, shape.num_heads, shape.seq_length, layout.tensor
-    replicated = (10 if shape.dropout else 8) * h / (t if layout.sequence_parallel else 1)
+    replicated = ((10 if shape.dropout else 8) + LAYERNORM_OUTPUTS) * h / (
+        t if layout.sequence_parallel else 1)
     split = (24 * h + (5 if shape.dropout else 2) * a * s) / t
     return (replicated + split) * _act_bytes(precision) / 2
 
 
 def head_bytes(shape, layout, precision):
-    """Bytes per token of the logits, the loss's softmax and the logits' gradient (float32)."""
+    """Bytes per token the loss keeps for its backward: the float32 softmax gradient
+    TensorFlow's fused cross-entropy computes in the forward (in the logits' buffer), + the
+    16-bit logits under mixed precision."""
+    return (4 + (0 if precision == "fp32" else 2)) * shape.vocab_size / layout.tensor
+
+
+def logits_traffic(shape, layout, precision):
+    """Bytes per token of one pass over the logits, the softmax and the logits' gradient."""
     return (12 + (0 if precision == "fp32" else 2)) * shape.vocab_size / layout.tensor
+
+
+def backward_working_bytes(shape, layout, precision):
+    """Bytes per token of one micro-batch the backward of a layer forms before it frees the
+    activations they replace: the gradients of the MLP's two 4h-wide tensors."""
+    return 8 * shape.hidden_size / layout.tensor * _act_bytes(precision)
 
 
 def activation_memory(shape, layout, micro_batch, precision, last=False):
@@ -101,12 +129,13 @@ def activation_memory(shape, layout, micro_batch, precision, last=False):
     per_layer = layer_activation_bytes(shape, layout, precision)
     k, m, gpipe = layout.pipeline, layout.num_microbatches, layout.schedule == "gpipe"
     live = 1 if k == 1 else (m if gpipe else (1 if last else min(k, m)))
+    working = backward_working_bytes(shape, layout, precision) * tokens
     if layout.activation_checkpointing:  # layer inputs, and one layer being recomputed
         kept = _act_bytes(precision) * shape.hidden_size / (
             layout.tensor if layout.sequence_parallel else 1)
-        held = (live * layers * kept + per_layer) * tokens
+        held = (live * layers * kept + per_layer) * tokens + working
     else:
-        held = live * layers * per_layer * tokens
+        held = live * layers * per_layer * tokens + working
     if last:
         held += (m if gpipe and k > 1 else 1) * head_bytes(shape, layout, precision) * tokens
     return held
@@ -143,7 +172,7 @@ def step_time(shape, layout, micro_batch, precision, cluster):
     compute = flops / (device.peak_flops * device.matmul_fraction)
     layers = shape.num_layers // k
     traffic = ((5 if recompute else 4) * layer_activation_bytes(shape, layout, precision) * layers
-               + 2 * head_bytes(shape, layout, precision) / k) * tokens  # head: spread by balance
+               + 2 * logits_traffic(shape, layout, precision) / k) * tokens  # spread by balance
     elementwise = traffic / (device.memory_bandwidth * hardware.BANDWIDTH_FRACTION)
     boundary = tokens * shape.hidden_size * _act_bytes(precision)
     tensor = layers * (6 if recompute else 4) * cluster.collective_time(boundary, t, 1, 2)

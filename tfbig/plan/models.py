@@ -45,6 +45,11 @@ class Shape:
     layer_params: int  # weights of one transformer layer
     block_params: int  # weights of all distinct transformer layers (ALBERT: its shared groups)
     flops_per_token: float  # model FLOPs (forward + backward), no recomputation
+    # with pipeline stages, what the first stage holds besides its layers (the embedding) and
+    # what the last holds (final norm / heads and the output matrix: a tied model's copy of
+    # the token table, or its own head)
+    first_params: int = 0
+    last_params: int = 0
 
     @property
     def shared_layers(self):
@@ -59,4 +64,14 @@ def shape_of(cfg, family, seq_length):
     distinct = getattr(cfg, "num_groups", cfg.num_layers)
     return Shape(family, cfg.num_layers, c, cfg.num_heads, f, cfg.vocab_size, seq_length,
                  cfg.dropout > 0, cfg.num_params(), layer, distinct * layer,
-                 cfg.flops_per_token(seq_length))
+                 cfg.flops_per_token(seq_length), *_end_params(cfg, family))
+
+
+def _end_params(cfg, family):
+    """(first stage's, last stage's) weights besides their transformer layers."""
+    v, c = cfg.vocab_size, cfg.hidden_size
+    if family == "gpt":
+        return (v + cfg.seq_length) * c, (2 * c if cfg.pre_layer_norm else 0) + v * c
+    e = cfg.embedding_size  # ALBERT: embedding and its projection; pooler, MLM and SOP heads
+    first = (v + cfg.seq_length + cfg.type_vocab_size) * e + 2 * e + e * c + c
+    return first, cfg.num_params() - cfg.num_params(head=None) + c * c + c + v * e
