@@ -1,0 +1,48 @@
+"""A run's TensorBoard scalars as plain Python data, for notebooks and run comparisons.
+
+tfbig-train writes one event directory per split under its --model_dir (`train`, `validation`,
+`system`); each scalar is a tag (`loss`, `tokens_per_sec`, `mfu`, `time_fraction/input` ...)
+with one value per logged step. The system monitor's samples and the per-step timings are read
+by tfbig.profiling.diagnose.load_run.
+
+Example:
+    scalars = read_scalars("runs/gpt-small")      # {"train": {"loss": [(10, 5.1), ...]}, ...}
+    curves = compare_runs(["runs/a", "runs/b"], "train", "loss")   # {"runs/a": [(step, v)...]}
+"""
+import glob
+import os
+
+SPLITS = ("train", "validation", "system")
+
+
+def read_scalars(run_dir, splits=SPLITS):
+    """{split: {tag: [(step, value), ...] sorted by step}} of every scalar in `run_dir`'s event
+    files (a step written twice, by a resumed run, keeps its last value)."""
+    import tensorflow as tf
+
+    if not os.path.isdir(run_dir):
+        raise FileNotFoundError(f"{run_dir}: no such run directory (a tfbig-train --model_dir)")
+    found = {}
+    for split in splits:
+        values = {}
+        for path in sorted(glob.glob(os.path.join(run_dir, split, "events.out.tfevents.*"))):
+            for event in tf.compat.v1.train.summary_iterator(path):
+                for value in event.summary.value:
+                    if value.HasField("simple_value"):
+                        number = float(value.simple_value)
+                    elif value.HasField("tensor") and value.tensor.dtype != tf.string.as_datatype_enum:
+                        number = float(tf.make_ndarray(value.tensor))
+                    else:  # text summaries (the generated samples)
+                        continue
+                    values.setdefault(value.tag, {})[event.step] = number
+        if values:
+            found[split] = {tag: sorted(points.items()) for tag, points in values.items()}
+    if not found:
+        raise FileNotFoundError(f"{run_dir} holds no TensorBoard scalars under {list(splits)}: "
+                                f"is it the --model_dir of a run that logged at least once?")
+    return found
+
+
+def compare_runs(run_dirs, split, tag):
+    """{run_dir: [(step, value), ...]} of one scalar in several runs (missing: [])."""
+    return {d: read_scalars(d, (split,)).get(split, {}).get(tag, []) for d in run_dirs}
