@@ -20,9 +20,7 @@ from collections import Counter
 
 from absl import app, flags
 
-from tfbig import sources
-from tfbig.prepare import prepare
-from tfbig.tokenizer import Tokenizer
+from tfbig.data import Tokenizer, prepare, sources
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("copies", 4, "Times the ~5 MB corpus is repeated.")

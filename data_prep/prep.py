@@ -8,7 +8,7 @@
         --tokenizer=sp.model --output_dir=/data/bert   # shards of create_pretraining_data.py, as they are
     tfbig-prep --flagfile=prep.flags
 
-Every flag maps onto an argument of `tfbig.prepare.prepare`.
+Every flag maps onto an argument of `tfbig.data.prepare`.
 """
 
 import glob
@@ -18,11 +18,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # console script: no C++ INF
 
 from absl import flags, logging  # noqa: E402
 
-from tfbig import cli, sources  # noqa: E402
+from tfbig import cli  # noqa: E402
+from tfbig.data import DEFAULT_VALIDATION_PLAYS, FORMATS, Tokenizer, index_shards, prepare  # noqa: E402
 from tfbig.errors import UsageError  # noqa: E402
-from tfbig.formats import FORMATS  # noqa: E402
-from tfbig.prepare import prepare  # noqa: E402
-from tfbig.tokenizer import Tokenizer  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_multi_string("input", None, "Input files, directories (searched recursively for .txt/.md/.jsonl) "
@@ -50,12 +48,12 @@ flags.DEFINE_string("tfds_text_key", "text", "TFDS feature holding the document 
 flags.DEFINE_string("tfds_data_dir", None, "TFDS data_dir holding the prepared dataset (default: TFDS's own).")
 flags.DEFINE_float("validation_fraction", 0.01, "Share of the input held out for validation, chosen as whole "
                    "files (or 1 MiB ranges of lines) spread evenly over the input. 0 = no validation split.")
-flags.DEFINE_list("validation_plays", list(sources.DEFAULT_VALIDATION_PLAYS), "Embedded corpus only: plays "
+flags.DEFINE_list("validation_plays", list(DEFAULT_VALIDATION_PLAYS), "Embedded corpus only: plays "
                   "held out for validation (file names without .md).")
 flags.DEFINE_float("tokenizer_sample_mb", 512, "At most this much training text (MiB) trains the tokenizer.")
 flags.DEFINE_bool("overwrite", False, "Replace a directory prepared with other settings instead of refusing.")
 flags.DEFINE_integer("seed", 0, "Seed for tokenizer training (and ALBERT pairs and masks).")
-# --format=albert only (tfbig.albert_data.MaskingOptions); recorded in the manifest.
+# --format=albert only (tfbig.data.MaskingOptions); recorded in the manifest.
 flags.DEFINE_integer("max_predictions_per_seq", 20, "ALBERT: at most this many masked-LM "
                      "predictions per sequence.")
 flags.DEFINE_float("masked_lm_prob", 0.15, "ALBERT: share of tokens to predict (80% [MASK], 10% "
@@ -84,12 +82,10 @@ def main(argv: list[str]) -> None:
 
 
 def _index_from_flags():
-    from tfbig import albert_data
-
     if FLAGS.format != "albert" or not FLAGS.tokenizer or not FLAGS.output_dir:
         raise ValueError("--index_shards needs --format=albert, --tokenizer (the SentencePiece model the "
                          "shards were made with) and --output_dir")
-    return albert_data.index_shards(_shard_files("index_shards"), _shard_files("index_validation_shards"),
+    return index_shards(_shard_files("index_shards"), _shard_files("index_validation_shards"),
                                     FLAGS.output_dir, FLAGS.tokenizer)
 
 

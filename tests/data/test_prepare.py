@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from tfbig.data import make_dataset
-from tfbig.manifest import load_manifest
-from tfbig.prepare import default_data_dir, prepare
-from tfbig.tokenizer import Tokenizer
+from tfbig.data import load_manifest
+from tfbig.data import default_data_dir, prepare
+from tfbig.data import Tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEQ, VOCAB = 16, 400

@@ -5,7 +5,7 @@ from collections import Counter
 
 import pytest
 
-from tfbig import sources
+from tfbig.data import sources
 
 
 def _documents(spec, piece_bytes=1 << 20):

@@ -15,8 +15,8 @@ import os
 
 import tensorflow as tf
 
-from tfbig import data, manifest as manifest_lib
-from tfbig.albert_data import MaskingOptions, MaskingVocab
+from tfbig import data
+from tfbig.data import MaskingOptions, MaskingVocab
 from tfbig.config import AlbertTrainConfig
 from tfbig.models.albert import AlbertConfig, AlbertForPretraining
 
@@ -36,7 +36,7 @@ class AlbertTask:
         self.train = train
         self.albert = albert or AlbertTrainConfig()
         self.data_dir = train.data_dir or self._prepare_default()
-        self.manifest = manifest_lib.load_manifest(self.data_dir)
+        self.manifest = data.load_manifest(self.data_dir)
         self.manifest.check(format=self.format)
         self.seq_length = train.seq_length or self.manifest.seq_length
         self.manifest.check(seq_length=self.seq_length)
@@ -52,11 +52,9 @@ class AlbertTask:
 
     def _prepare_default(self):
         """Prepare the embedded Shakespeare corpus in ALBERT format once (cached)."""
-        from tfbig import prepare
-
         seq_length = self.train.seq_length or 128
-        out = prepare.default_data_dir(seq_length=seq_length, vocab_size=8000) + "-albert"
-        return prepare.prepare_locked(out, seq_length=seq_length, format=self.format,
+        out = data.default_data_dir(seq_length=seq_length, vocab_size=8000) + "-albert"
+        return data.prepare_locked(out, seq_length=seq_length, format=self.format,
                                       format_options=dataclasses.asdict(MaskingOptions()))
 
     def _model_config(self):
@@ -125,9 +123,7 @@ class AlbertTask:
         return {name: float(metrics[name]) for name in ("loss", *METRICS)}
 
     def tokenizer(self):
-        from tfbig.tokenizer import Tokenizer
-
-        return Tokenizer.load(os.path.join(self.data_dir, self.manifest.tokenizer))
+        return data.Tokenizer.load(os.path.join(self.data_dir, self.manifest.tokenizer))
 
 
 class DynamicMasking:

@@ -22,8 +22,8 @@ from collections.abc import Iterator
 import numpy as np
 from absl import logging
 
-from tfbig import formats, sources, tfrecord
-from tfbig.tokenizer import Tokenizer
+from tfbig.data import formats, sources, tfrecord
+from tfbig.data.tokenizer import Tokenizer
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,9 +28,9 @@ from collections import Counter
 import numpy as np
 from absl import logging
 
-from tfbig import formats, shards, sources, tfrecord
-from tfbig.manifest import MANIFEST_NAME, Manifest, ShardInfo, SplitInfo, load_manifest, write_manifest
-from tfbig.tokenizer import Tokenizer
+from tfbig.data import formats, shards, sources, tfrecord
+from tfbig.data.manifest import MANIFEST_NAME, Manifest, ShardInfo, SplitInfo, load_manifest, write_manifest
+from tfbig.data.tokenizer import Tokenizer
 
 TOKENIZER_NAME = "tokenizer.model"
 PIECE_BYTES = 1 << 20  # input granularity: shards are runs of pieces
@@ -76,10 +76,10 @@ def prepare(inputs: list[str] | None = None, output_dir: str | None = None, seq_
       vocab_size: size of the tokenizer to train (checked against a given one).
       shard_size_mb: target size of one shard file, in MiB.
       num_workers: processes that tokenize and write shards.
-      format: record format, a key of `tfbig.formats.FORMATS`.
+      format: record format, a key of `tfbig.data.FORMATS`.
       tokenizer: an existing SentencePiece .model to use (copied next to the shards)
         instead of training one.
-      doc_per_line, jsonl_field, tfds_*: see `tfbig.sources.SourceSpec`.
+      doc_per_line, jsonl_field, tfds_*: see `tfbig.data.SourceSpec`.
       validation_fraction: share of input pieces (files, 1 MiB line ranges, TFDS example
         ranges) held out; unused with tfds_validation_split.
       validation_plays: embedded corpus only: plays held out for validation.
@@ -87,7 +87,7 @@ def prepare(inputs: list[str] | None = None, output_dir: str | None = None, seq_
       overwrite: replace a directory prepared with other settings instead of refusing.
       seed: tokenizer training seed (and the format's, if it uses randomness).
       format_options: keyword options of the record format (e.g. for "albert" the
-        `tfbig.albert_data.MaskingOptions` fields), recorded in the manifest.
+        `tfbig.data.MaskingOptions` fields), recorded in the manifest.
     """
     spec = sources.SourceSpec(tuple(inputs or ()), doc_per_line, jsonl_field, tfds_name, tfds_split,
                               tfds_validation_split, tfds_text_key, tfds_data_dir)

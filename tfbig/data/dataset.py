@@ -17,8 +17,8 @@ Example:
 
 import tensorflow as tf
 
-from tfbig import formats
-from tfbig.manifest import load_manifest
+from tfbig.data import formats
+from tfbig.data.manifest import load_manifest
 
 READ_BUFFER_BYTES = 8 << 20
 MAX_PARALLEL_FILES = 8
