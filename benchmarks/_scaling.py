@@ -87,7 +87,7 @@ def prepare_data(args):
     from tfbig import data
 
     return data.prepare_locked(data.default_data_dir(seq_length=args.seq_length),
-                                  seq_length=args.seq_length)
+                               seq_length=args.seq_length)
 
 
 def run(args, name, unit, measure):

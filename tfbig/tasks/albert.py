@@ -55,7 +55,7 @@ class AlbertTask:
         seq_length = self.train.seq_length or 128
         out = data.default_data_dir(seq_length=seq_length, vocab_size=8000) + "-albert"
         return data.prepare_locked(out, seq_length=seq_length, format=self.format,
-                                      format_options=dataclasses.asdict(MaskingOptions()))
+                                   format_options=dataclasses.asdict(MaskingOptions()))
 
     def _model_config(self):
         t, a = self.train, self.albert

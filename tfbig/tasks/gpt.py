@@ -39,7 +39,7 @@ class GPTTask:
         out = data.default_data_dir(seq_length, DEFAULT_VOCAB_SIZE)
         # tfbig owns this cache: data made by an older recipe is rebuilt, not refused.
         return data.prepare_locked(out, seq_length=seq_length, vocab_size=DEFAULT_VOCAB_SIZE,
-                                      overwrite=True)
+                                   overwrite=True)
 
     def _model_config(self):
         t = self.train
