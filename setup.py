@@ -14,6 +14,8 @@ setup(
         "sentencepiece>=0.2",
         "psutil>=5.9",
         "safetensors>=0.4",
+        "zstandard>=0.22",
+        "mwparserfromhell>=0.6",
     ],
     extras_require={
         # TensorBoard's Profile tab for --profile_steps traces. The 2.20 line matches

@@ -23,9 +23,9 @@ from tfbig.data import DEFAULT_VALIDATION_PLAYS, FORMATS, Tokenizer, index_shard
 from tfbig.errors import UsageError  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_multi_string("input", None, "Input files, directories (searched recursively for .txt/.md/.jsonl) "
-                          "or globs; repeat the flag for several. Empty (and no --tfds_name): the embedded "
-                          "Shakespeare plays.")
+flags.DEFINE_multi_string("input", None, "Input files, directories (searched recursively for .txt/.md/.jsonl "
+                          "and Wikipedia .xml dumps, plain or .gz/.bz2/.xz/.zst, streamed) or globs; repeat the "
+                          "flag for several. Empty (and no --tfds_name): the embedded Shakespeare plays.")
 flags.DEFINE_string("output_dir", None, "Directory for shards, tokenizer.model and manifest.json. Default for "
                     "the embedded corpus: $TFBIG_CACHE or ~/.cache/tfbig/shakespeare-T{seq_length}-V{vocab_size}.")
 flags.DEFINE_enum("format", "gpt", sorted(FORMATS), "Record format of the shards.")
@@ -39,6 +39,12 @@ flags.DEFINE_integer("num_workers", 1, "Processes that tokenize and write shards
 flags.DEFINE_bool("doc_per_line", False, "In .txt/.md inputs, each non-empty line is a document "
                   "(default: each file is one document).")
 flags.DEFINE_string("jsonl_field", "text", "Field of each .jsonl line that holds the document text.")
+flags.DEFINE_string("jsonl_group_field", None, "Dotted path of each .jsonl record's group, e.g. "
+                    "'meta.pile_set_name' (the Pile's component); documents are counted per group in the manifest.")
+flags.DEFINE_list("jsonl_groups", None, "Keep only these groups (e.g. 'Pile-CC,Github'); the documents of "
+                  "other groups are skipped and counted. Needs --jsonl_group_field.")
+flags.DEFINE_bool("shard_by_group", False, "Each shard holds one of --jsonl_groups (file names carry the group; "
+                  "the manifest lists each shard's group), e.g. per-component shards of the Pile.")
 flags.DEFINE_string("tfds_name", None, "TensorFlow Datasets dataset to read instead of files, e.g. "
                     "'my_corpus:1.0.0'. It must already be on disk: nothing is downloaded.")
 flags.DEFINE_string("tfds_split", "train", "TFDS split to read.")
@@ -110,7 +116,8 @@ def _prepare_from_flags():
     return prepare(
         FLAGS.input, FLAGS.output_dir, FLAGS.seq_length, _vocab_size(), FLAGS.shard_size_mb,
         FLAGS.num_workers, FLAGS.format, tokenizer=FLAGS.tokenizer, doc_per_line=FLAGS.doc_per_line,
-        jsonl_field=FLAGS.jsonl_field, tfds_name=FLAGS.tfds_name or "", tfds_split=FLAGS.tfds_split,
+        jsonl_field=FLAGS.jsonl_field, jsonl_group_field=FLAGS.jsonl_group_field or "",
+        jsonl_groups=tuple(FLAGS.jsonl_groups or ()), shard_by_group=FLAGS.shard_by_group, tfds_name=FLAGS.tfds_name or "", tfds_split=FLAGS.tfds_split,
         tfds_validation_split=FLAGS.tfds_validation_split or "", tfds_text_key=FLAGS.tfds_text_key,
         tfds_data_dir=FLAGS.tfds_data_dir,
         validation_fraction=FLAGS.validation_fraction, validation_plays=tuple(FLAGS.validation_plays),
