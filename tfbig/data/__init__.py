@@ -3,7 +3,8 @@
 The public surface. Preparation (no TensorFlow import, so prep worker processes stay light):
 
     prepare, prepare_locked, default_data_dir   the whole prep job (`tfbig-prep`)
-    SourceSpec, Piece, DEFAULT_VALIDATION_PLAYS  what is read (files, TFDS, plays)
+    SourceSpec, Piece, DEFAULT_VALIDATION_PLAYS  what is read (files, compressed files, Wikipedia dumps,
+                                                 TFDS, plays)
     Tokenizer                                    SentencePiece BPE with eos/pad
     Manifest, SplitInfo, ShardInfo, load_manifest, write_manifest, MANIFEST_NAME
     Format, FORMATS, get_format                  record formats ("gpt", "albert")
@@ -12,11 +13,14 @@ The public surface. Preparation (no TensorFlow import, so prep worker processes 
 
 Reading (imports TensorFlow on first use):
 
-    make_dataset, count_records                  batches of one prepared directory
+    make_dataset, count_records                  batches of one prepared directory or of a weighted
+                                                 mixture ("a:0.6,b:0.4")
+    open_manifest, Mixture, parse_mixture, is_mixture, source_counts, source_tokens   mixtures (numpy only)
 
-Modules, one job each: sources (pieces and documents), tokenizer, tfrecord (writer without TF),
-formats + albert (records), shards (parallel, resumable shard writing), manifest, prepare,
-index (foreign shards), dataset (tf.data reader).
+Modules, one job each: sources (pieces and documents), compression (streamed .gz/.bz2/.xz/.zst),
+wikipedia (dump XML -> articles), tokenizer, tfrecord (writer without TF), formats + albert
+(records), shards (parallel, resumable shard writing), manifest, prepare, index (foreign shards),
+dataset (tf.data reader), mixture (weighted mixtures).
 Dependencies point one way: sources/tokenizer/tfrecord/albert <- formats <- shards <- prepare.
 """
 
@@ -25,6 +29,7 @@ from tfbig.data.formats import FORMATS, Format, get_format
 from tfbig.data.index import index_shards
 from tfbig.data.manifest import (MANIFEST_NAME, Manifest, ShardInfo, SplitInfo, load_manifest,
                                  write_manifest)
+from tfbig.data.mixture import Mixture, is_mixture, open_manifest, parse_mixture, source_counts, source_tokens
 from tfbig.data.prepare import default_data_dir, prepare, prepare_locked
 from tfbig.data.sources import DEFAULT_VALIDATION_PLAYS, Piece, SourceSpec
 from tfbig.data.tokenizer import Tokenizer
@@ -42,6 +47,7 @@ def __getattr__(name: str):
 
 
 __all__ = ["DEFAULT_VALIDATION_PLAYS", "FORMATS", "MANIFEST_NAME", "Format", "Manifest", "MaskingOptions",
-           "MaskingVocab", "Piece", "ShardInfo", "SourceSpec", "SplitInfo", "Tokenizer", "count_records",
-           "default_data_dir", "get_format", "index_shards", "load_manifest", "make_dataset", "prepare",
-           "prepare_locked", "write_manifest", *_LAZY]
+           "MaskingVocab", "Mixture", "Piece", "ShardInfo", "SourceSpec", "SplitInfo", "Tokenizer",
+           "default_data_dir", "get_format", "index_shards", "is_mixture", "load_manifest", "open_manifest",
+           "parse_mixture", "prepare", "prepare_locked", "source_counts", "source_tokens", "write_manifest",
+           *_LAZY]

@@ -36,7 +36,9 @@ def make_dataset(data_dir: str, split: str, batch_size: int, *, format: str = "g
     """Batches of one split of a prepared data directory.
 
     Args:
-      data_dir: directory holding manifest.json (made by tfbig-prep / `prepare`).
+      data_dir: directory holding manifest.json (made by tfbig-prep / `prepare`), or a weighted
+        mixture of such directories ("a:0.6,b:0.4" or a mixture file, see `tfbig.data.mixture`):
+        its train split mixes the sources by weight, its validation split is all of theirs.
       split: "train" or "validation".
       batch_size: examples per batch this pipeline yields (for tf.distribute, the
         per-replica batch: `input_context.get_per_replica_batch_size(global_batch)`).
@@ -57,8 +59,26 @@ def make_dataset(data_dir: str, split: str, batch_size: int, *, format: str = "g
     Returns:
       A dataset of feature dicts; for "gpt": {"input_ids": int32 [batch_size, seq_length + 1]}.
     """
+    from tfbig.data import mixture  # mixture imports this module
+
+    if mixture.is_mixture(data_dir):
+        return mixture.make_mixture_dataset(
+            data_dir, split, batch_size, format=format, seq_length=seq_length, vocab_size=vocab_size,
+            input_context=input_context, seed=seed, shuffle=shuffle, repeat=repeat, deterministic=deterministic,
+            skip_corrupt=skip_corrupt, skip_batches=skip_batches, drop_remainder=drop_remainder,
+            shuffle_buffer=shuffle_buffer)
     manifest = load_manifest(data_dir)
     manifest.check(format=format, seq_length=seq_length, vocab_size=vocab_size)
+    records = split_records(manifest, split, input_context, seed, shuffle, repeat, deterministic, skip_corrupt,
+                            shuffle_buffer)
+    if skip_batches:  # skipping records before batching equals skipping batches, unparsed
+        records = records.skip(skip_batches * batch_size)
+    return batched(records, manifest, format, batch_size, drop_remainder, deterministic or not shuffle)
+
+
+def split_records(manifest, split: str, input_context, seed: int, shuffle: bool, repeat: bool,
+                  deterministic: bool, skip_corrupt: bool, shuffle_buffer: int) -> tf.data.Dataset:
+    """Serialized records of one split for this input pipeline: sharded, shuffled, repeated."""
     shards = manifest.split(split).shards
     if not shards:
         raise ValueError(f"{manifest.path}: split {split!r} has no shards")
@@ -77,8 +97,12 @@ def make_dataset(data_dir: str, split: str, batch_size: int, *, format: str = "g
         records = records.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
     if repeat:
         records = records.repeat()
-    if skip_batches:  # skipping records before batching equals skipping batches, unparsed
-        records = records.skip(skip_batches * batch_size)
+    return records
+
+
+def batched(records: tf.data.Dataset, manifest, format: str, batch_size: int, drop_remainder: bool,
+            ordered: bool) -> tf.data.Dataset:
+    """Serialized records -> parsed feature batches, prefetched."""
     options = manifest.info.get("format_options", {})  # e.g. ALBERT's max_predictions_per_seq
     parse = _parser(formats.get_format(format).features(manifest.seq_length, **options))
     batches = records.batch(batch_size, drop_remainder=drop_remainder)

@@ -11,7 +11,6 @@ tokens and draws new token-level masks for every batch (stateless RNG keyed by t
 the batch number, so a resumed run draws the same masks).
 """
 import dataclasses
-import os
 
 import tensorflow as tf
 
@@ -36,7 +35,7 @@ class AlbertTask:
         self.train = train
         self.albert = albert or AlbertTrainConfig()
         self.data_dir = train.data_dir or self._prepare_default()
-        self.manifest = data.load_manifest(self.data_dir)
+        self.manifest = data.open_manifest(self.data_dir)  # one directory or a mixture
         self.manifest.check(format=self.format)
         self.seq_length = train.seq_length or self.manifest.seq_length
         self.manifest.check(seq_length=self.seq_length)
@@ -123,7 +122,7 @@ class AlbertTask:
         return {name: float(metrics[name]) for name in ("loss", *METRICS)}
 
     def tokenizer(self):
-        return data.Tokenizer.load(os.path.join(self.data_dir, self.manifest.tokenizer))
+        return data.Tokenizer.load(self.manifest.tokenizer_path)
 
 
 class DynamicMasking:

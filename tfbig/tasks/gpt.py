@@ -26,7 +26,7 @@ class GPTTask:
     def __init__(self, train):
         self.train = train
         self.data_dir = train.data_dir or self._prepare_default()
-        self.manifest = data.load_manifest(self.data_dir)
+        self.manifest = data.open_manifest(self.data_dir)  # one directory or a mixture
         self.manifest.check(format=self.format)
         self.seq_length = train.seq_length or self.manifest.seq_length
         self.manifest.check(seq_length=self.seq_length)

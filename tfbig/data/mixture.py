@@ -1,0 +1,203 @@
+"""Weighted mixtures of prepared directories: `--data_dir=pile_cc:0.6,/data/wiki:0.4`.
+
+A mixture is written as comma-separated `directory:weight` items, or as a mixture file (one
+`directory:weight` per line, `#` comments, relative directories resolved against the file's
+folder). Every source must be prepared with the same tokenizer, format and seq_length.
+
+Training examples are drawn source by source: example k of the stream comes from the source
+`choice(seed, k)`, a counter-based draw with probabilities weight / sum(weights) (numpy's
+generator seeded with (seed, k // CHOICE_BLOCK), so any stretch of the sequence is
+recomputed without the rest). Hence the checkpoint's input position (batches consumed) fixes
+the position of every source exactly: a resumed run recounts how many examples each source
+gave (`source_counts`), skips that many in each, and continues every source where it stopped.
+Every input pipeline draws the same source sequence from its own shard of each source, so the
+global count per source is the pipeline count times the number of pipelines (what the trainer
+logs as `tokens/<source>`).
+
+The validation split of a mixture is every source's validation split, read one after another
+(unweighted), so its loss and bits per byte cover all of them.
+
+Example:
+    dataset = make_dataset("/data/pile_cc:0.6,/data/wiki:0.4", "train", batch_size=8, deterministic=True)
+"""
+
+import dataclasses
+import functools
+import os
+import re
+
+import numpy as np
+
+from tfbig.data.manifest import Manifest, ShardInfo, SplitInfo, load_manifest
+
+CHOICE_BLOCK = 4096  # source choices drawn per numpy call
+_WEIGHTED = re.compile(r"^.+:\s*[0-9.eE+-]+\s*$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Mixture:
+    """Sources (prepared directories) and their weights, in the order given."""
+
+    data_dirs: tuple[str, ...]
+    weights: tuple[float, ...]
+
+    @property
+    def probabilities(self) -> np.ndarray:
+        """Weights normalised to sum to 1."""
+        weights = np.asarray(self.weights, dtype=np.float64)
+        return weights / weights.sum()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Short, unique source names for logs: the directories' base names."""
+        names = [os.path.basename(os.path.normpath(d)) or d for d in self.data_dirs]
+        return tuple(name if names.count(name) == 1 else f"{name}_{i}" for i, name in enumerate(names))
+
+
+def is_mixture(data_dir: str) -> bool:
+    """True for "a:0.6,b:0.4" or a mixture file; False for one prepared directory."""
+    if not data_dir or os.path.isdir(data_dir):
+        return False
+    return os.path.isfile(data_dir) or "," in data_dir or bool(_WEIGHTED.match(data_dir))
+
+
+@functools.lru_cache(maxsize=16)
+def parse_mixture(spec: str) -> Mixture:
+    """The Mixture a --data_dir value names; ValueError naming the bad item otherwise."""
+    if os.path.isfile(spec):
+        with open(spec) as file:
+            lines = [line.split("#", 1)[0].strip() for line in file]
+        base, items, where = os.path.dirname(os.path.abspath(spec)), [line for line in lines if line], spec
+    else:
+        base, items, where = "", [item.strip() for item in spec.split(",")], f"--data_dir={spec!r}"
+    dirs, weights = [], []
+    for item in items:
+        path, _, weight = item.rpartition(":")
+        try:
+            value = float(weight)
+        except ValueError:
+            value = -1.0
+        if not path or not value > 0 or not np.isfinite(value):
+            raise ValueError(f"{where}: {item!r} is not 'directory:weight' with a positive weight; expected e.g. "
+                             "--data_dir=/data/pile_cc:0.6,/data/wiki:0.4 or a file of such lines")
+        dirs.append(os.path.join(base, path) if base else path)
+        weights.append(value)
+    if not dirs:
+        raise ValueError(f"{where}: no sources; expected 'directory:weight' items")
+    if len(set(dirs)) != len(dirs):
+        raise ValueError(f"{where}: a directory is listed twice; give each source once with its total weight")
+    return Mixture(tuple(dirs), tuple(weights))
+
+
+@functools.lru_cache(maxsize=16)
+def mixture_manifest(spec: str) -> Manifest:
+    """One manifest for the whole mixture: each split lists every source's shards (absolute paths).
+
+    Its tokenizer, format, seq_length and vocab_size are the sources' (which must agree);
+    info["mixture"] lists the sources and weights.
+    """
+    mixture = parse_mixture(spec)
+    manifests = [load_manifest(data_dir) for data_dir in mixture.data_dirs]
+    first = manifests[0]
+    for manifest in manifests[1:]:
+        for field in ("format", "seq_length", "vocab_size", "tokenizer_sha256"):
+            if getattr(manifest, field) != getattr(first, field):
+                raise ValueError(f"--data_dir={spec!r}: {manifest.data_dir} has {field}={getattr(manifest, field)!r} "
+                                 f"but {first.data_dir} has {getattr(first, field)!r}; a mixture's sources must be "
+                                 "prepared with the same tokenizer (tfbig-prep --tokenizer=...), format and seq_length")
+    splits = {}
+    for name in sorted({split for manifest in manifests for split in manifest.splits}):
+        shards = [dataclasses.replace(shard, file=os.path.join(os.path.abspath(manifest.data_dir), shard.file))
+                  for manifest in manifests if name in manifest.splits for shard in manifest.splits[name].shards]
+        splits[name] = SplitInfo(tuple(shards))
+    sources = [{"data_dir": d, "weight": w} for d, w in zip(mixture.data_dirs, mixture.weights)]
+    return dataclasses.replace(first, splits=splits, info={**first.info, "mixture": sources})
+
+
+def block_choices(probabilities: np.ndarray, seed: int, block: int) -> np.ndarray:
+    """Source index of examples [block * CHOICE_BLOCK, (block + 1) * CHOICE_BLOCK)."""
+    uniform = np.random.default_rng([seed, block]).random(CHOICE_BLOCK)
+    return np.minimum(np.searchsorted(np.cumsum(probabilities), uniform, side="right"),
+                      len(probabilities) - 1).astype(np.int64)
+
+
+def source_counts(probabilities: np.ndarray, seed: int, stop: int, start: int = 0) -> np.ndarray:
+    """How many of the examples [start, stop) each source gives (int64 per source)."""
+    counts = np.zeros(len(probabilities), dtype=np.int64)
+    for block in range(start // CHOICE_BLOCK, -(-stop // CHOICE_BLOCK)):
+        lo, hi = block * CHOICE_BLOCK, (block + 1) * CHOICE_BLOCK
+        chosen = block_choices(probabilities, seed, block)[max(start, lo) - lo:min(stop, hi) - lo]
+        counts += np.bincount(chosen, minlength=len(probabilities))
+    return counts
+
+
+def make_mixture_dataset(spec: str, split: str, batch_size: int, *, format: str = "gpt", seq_length=None,
+                         vocab_size=None, input_context=None, seed: int = 0, shuffle: bool = True,
+                         repeat: bool = True, deterministic: bool = False, skip_corrupt: bool = False,
+                         skip_batches: int = 0, drop_remainder: bool = True, shuffle_buffer: int = 10_000):
+    """`tfbig.data.make_dataset` for a mixture (same arguments): train mixes the sources by weight."""
+    import tensorflow as tf
+
+    from tfbig.data import dataset
+
+    manifest = mixture_manifest(spec)
+    manifest.check(format=format, seq_length=seq_length, vocab_size=vocab_size)
+    ordered = deterministic or not shuffle
+    read = functools.partial(dataset.split_records, input_context=input_context, seed=seed, shuffle=shuffle,
+                             deterministic=deterministic, skip_corrupt=skip_corrupt, shuffle_buffer=shuffle_buffer)
+    if split != "train":  # every source's split, one after another
+        records = read(manifest, split, repeat=repeat)
+        return dataset.batched(records.skip(skip_batches * batch_size), manifest, format, batch_size,
+                               drop_remainder, ordered)
+    if not repeat:
+        raise ValueError(f"--data_dir={spec!r}: a mixture's train split samples its sources forever; read it "
+                         "with repeat=True (or read one source's directory)")
+    mixture = parse_mixture(spec)
+    start = skip_batches * batch_size
+    positions = source_counts(mixture.probabilities, seed, start)  # where each source stopped
+    streams = [read(load_manifest(data_dir), "train", repeat=True).skip(int(position))
+               for data_dir, position in zip(mixture.data_dirs, positions)]
+    choices = _choice_dataset(mixture.probabilities, seed, start)
+    records = tf.data.Dataset.choose_from_datasets(streams, choices)
+    return dataset.batched(records, manifest, format, batch_size, drop_remainder, ordered)
+
+
+def _choice_dataset(probabilities: np.ndarray, seed: int, start: int):
+    """Source indices of examples start, start + 1, ... (the same sequence as `block_choices`)."""
+    import tensorflow as tf
+
+    def block(index):
+        choices = tf.numpy_function(lambda b: block_choices(probabilities, seed, int(b)), [index], tf.int64)
+        return tf.ensure_shape(choices, [CHOICE_BLOCK])
+
+    blocks = tf.data.Dataset.range(start // CHOICE_BLOCK, np.iinfo(np.int64).max).map(block)
+    return blocks.unbatch().skip(start % CHOICE_BLOCK)
+
+
+_COUNTED: dict[tuple[str, int], tuple[int, np.ndarray]] = {}
+
+
+def source_tokens(data_dir: str, seed: int, examples_per_pipeline: int, num_pipelines: int) -> dict[str, float]:
+    """{"tokens/<source>": tokens read from it so far} for a mixture; {} for one directory.
+
+    Tokens per example are the source's stored tokens per record (exactly seq_length + 1 for GPT).
+    Counting is incremental across calls (the trainer logs it every --log_every steps).
+    """
+    if not is_mixture(data_dir):
+        return {}
+    mixture = parse_mixture(data_dir)
+    done, counts = _COUNTED.get((data_dir, seed), (0, np.zeros(len(mixture.data_dirs), dtype=np.int64)))
+    if examples_per_pipeline < done:
+        done, counts = 0, np.zeros_like(counts)
+    counts = counts + source_counts(mixture.probabilities, seed, examples_per_pipeline, done)
+    _COUNTED[data_dir, seed] = (examples_per_pipeline, counts)
+    result = {}
+    for name, data_dir_i, count in zip(mixture.names, mixture.data_dirs, counts):
+        train = load_manifest(data_dir_i).split("train")
+        result[f"tokens/{name}"] = float(count * num_pipelines * train.tokens / max(train.records, 1))
+    return result
+
+
+def open_manifest(data_dir: str) -> Manifest:
+    """The manifest of one prepared directory, or of a mixture (`mixture_manifest`)."""
+    return mixture_manifest(data_dir) if is_mixture(data_dir) else load_manifest(data_dir)
