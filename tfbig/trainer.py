@@ -221,8 +221,8 @@ class Trainer:
         values.update(perf)  # tokens/s, MFU, step-time breakdown (tfbig.profiling)
         values["skipped_steps"] = float(self.nonfinite_steps.numpy())
         values.update(data.source_tokens(  # per-source tokens of a --data_dir mixture ({} otherwise)
-            self.task.data_dir, self.cfg.train.seed, int(self.batches_consumed.numpy()) * self.micro_batch,
-            self.strategy.num_replicas))
+            getattr(self.task, "data_dir", ""), self.cfg.train.seed,
+            int(self.batches_consumed.numpy()) * self.micro_batch, self.strategy.num_replicas))
         if self.cfg.train.precision != "mixed_float16":
             values.pop("loss_scale")
         self.logger.progress(step, values)
