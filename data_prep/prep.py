@@ -35,7 +35,13 @@ flags.DEFINE_integer("vocab_size", 8000, "Vocabulary size of the tokenizer to tr
 flags.DEFINE_string("tokenizer", None, "Existing SentencePiece .model file to use instead of training one; "
                     "it is copied next to the shards.")
 flags.DEFINE_float("shard_size_mb", 1024, "Target size of one shard file in MiB.")
-flags.DEFINE_integer("num_workers", 1, "Processes that tokenize and write shards in parallel.")
+flags.DEFINE_integer("num_workers", 1, "Processes that tokenize and write shards in parallel (with "
+                     "--runner=direct: the DirectRunner's worker processes).")
+flags.DEFINE_string("runner", "local", "local (--num_workers processes on this host) or an Apache Beam runner: "
+                    "direct, dataflow, spark, flink, portable (the optional extra tfbig[beam]); same shards "
+                    "and manifest. Beam workers must share --output_dir and the inputs (a shared file system).")
+flags.DEFINE_list("beam_options", None, "Extra Apache Beam pipeline options for --runner other than local, "
+                  "e.g. --beam_options=--project=p,--region=europe-west4,--temp_location=gs://b/tmp.")
 flags.DEFINE_bool("doc_per_line", False, "In .txt/.md inputs, each non-empty line is a document "
                   "(default: each file is one document).")
 flags.DEFINE_string("jsonl_field", "text", "Field of each .jsonl line that holds the document text.")
@@ -122,6 +128,7 @@ def _prepare_from_flags():
         tfds_data_dir=FLAGS.tfds_data_dir,
         validation_fraction=FLAGS.validation_fraction, validation_plays=tuple(FLAGS.validation_plays),
         tokenizer_sample_mb=FLAGS.tokenizer_sample_mb, overwrite=FLAGS.overwrite, seed=FLAGS.seed,
+        runner=FLAGS.runner, beam_options=tuple(FLAGS.beam_options or ()),
         format_options={name: FLAGS[name].value for name in _ALBERT_OPTIONS} if FLAGS.format == "albert" else None)
 
 

@@ -65,7 +65,7 @@ def prepare(inputs: list[str] | None = None, output_dir: str | None = None, seq_
             tfds_data_dir: str | None = None, tfds_validation_split: str = "", validation_fraction: float = 0.01,
             validation_plays: tuple[str, ...] = sources.DEFAULT_VALIDATION_PLAYS,
             tokenizer_sample_mb: float = 512, overwrite: bool = False, seed: int = 0,
-            format_options: dict | None = None) -> Manifest:
+            format_options: dict | None = None, runner: str = "local", beam_options: tuple[str, ...] = ()) -> Manifest:
     """Prepare a data directory and return its manifest.
 
     Args:
@@ -91,6 +91,9 @@ def prepare(inputs: list[str] | None = None, output_dir: str | None = None, seq_
       seed: tokenizer training seed (and the format's, if it uses randomness).
       format_options: keyword options of the record format (e.g. for "albert" the
         `tfbig.data.MaskingOptions` fields), recorded in the manifest.
+      runner: "local" (num_workers processes on this host) or an Apache Beam runner ("direct",
+        "dataflow", "spark", "flink", "portable"; see `tfbig.data.beam`): the same shards and manifest.
+      beam_options: extra Beam pipeline options (e.g. "--project=p", "--region=r") for a Beam runner.
     """
     spec = sources.SourceSpec(tuple(inputs or ()), doc_per_line, jsonl_field, jsonl_group_field, tuple(jsonl_groups),
                               tfds_name, tfds_split, tfds_validation_split, tfds_text_key, tfds_data_dir)
@@ -100,6 +103,10 @@ def prepare(inputs: list[str] | None = None, output_dir: str | None = None, seq_
     output_dir = _output_dir(output_dir, spec, seq_length, vocab_size)
     record_format = formats.get_format(format)
     _check_positive(seq_length=seq_length, vocab_size=vocab_size, shard_size_mb=shard_size_mb, num_workers=num_workers)
+    if runner != "local":
+        from tfbig.data import beam
+
+        beam.runner_name(runner)  # an unknown runner is refused before any work
     train, validation = sources.plan_splits(spec, _piece_bytes(shard_size_mb), validation_fraction, validation_plays)
     settings = {"format": format, "seq_length": seq_length, "vocab_size": vocab_size, "seed": seed,
                 "shard_size_mb": shard_size_mb, "spec": dataclasses.asdict(spec), "shard_by_group": shard_by_group}
@@ -115,12 +122,20 @@ def prepare(inputs: list[str] | None = None, output_dir: str | None = None, seq_
     if manifest is not None:
         return manifest
     jobs = _plan_jobs(output_dir, spec, settings, {"train": train, "validation": validation}, tokenizer_sha)
-    results = shards.write_shards(jobs, num_workers)
+    results = _write(jobs, num_workers, runner, beam_options)
     manifest = _manifest(output_dir, settings, jobs, results, spec, key, record_format)
     write_manifest(manifest)
     _remove_stale_files(output_dir, manifest)
     _log_summary(manifest)
     return manifest
+
+
+def _write(jobs, num_workers: int, runner: str, beam_options: tuple[str, ...]) -> list[dict]:
+    if runner == "local":
+        return shards.write_shards(jobs, num_workers)
+    from tfbig.data import beam  # optional extra
+
+    return beam.write_shards(jobs, runner, num_workers, tuple(beam_options))
 
 
 def _output_dir(output_dir: str | None, spec: sources.SourceSpec, seq_length: int, vocab_size: int) -> str:
