@@ -69,8 +69,8 @@ def prepare(inputs: list[str] | None = None, output_dir: str | None = None, seq_
     """Prepare a data directory and return its manifest.
 
     Args:
-      inputs: files, directories or globs of .txt/.md/.jsonl; None (and no tfds_name)
-        means the embedded Shakespeare plays.
+      inputs: files, directories or globs of .txt/.md/.jsonl and Wikipedia .xml dumps, plain or
+        .gz/.bz2/.xz/.zst (streamed); None (and no tfds_name) means the embedded Shakespeare plays.
       output_dir: where shards, tokenizer.model and manifest.json go; None means
         `default_data_dir(seq_length, vocab_size)` for the embedded corpus.
       seq_length: tokens the model sees per example (records hold seq_length + 1).

@@ -39,6 +39,7 @@ TFDS_PIECE_BYTES = 16 << 20  # opening a TFDS slice costs ~0.1 s: keep pieces la
 JSONL_SUFFIXES = (".jsonl",)
 WIKI_SUFFIXES = (".xml",)  # MediaWiki XML dumps, e.g. enwiki-...-pages-articles.xml.bz2
 _SUFFIXES = TEXT_SUFFIXES + JSONL_SUFFIXES + WIKI_SUFFIXES
+_WIKI_PART = re.compile(r"\.xml-p\d+p\d+$")  # the parts of a split dump: ...-pages-articles1.xml-p1p41242.bz2
 DEFAULT_VALIDATION_PLAYS = ("coriolanus", "henry-v", "twelfth-night")
 
 
@@ -146,14 +147,15 @@ def _readable(name: str) -> bool:
     suffix = os.path.splitext(name)[1].lower()
     if suffix in compression.UNSUPPORTED_SUFFIXES and not name[:-len(suffix)].endswith(_SUFFIXES):
         return False
-    return compression.inner_name(name).endswith(_SUFFIXES)
+    inner = compression.inner_name(name)
+    return inner.endswith(_SUFFIXES) or bool(_WIKI_PART.search(inner))
 
 
 def _kind(path: str, spec: SourceSpec) -> str:
     name = compression.inner_name(path)
     if name.endswith(JSONL_SUFFIXES):
         return "jsonl"
-    if name.endswith(WIKI_SUFFIXES):
+    if name.endswith(WIKI_SUFFIXES) or _WIKI_PART.search(name):
         return "wiki"
     return "lines" if spec.doc_per_line else "text"
 
@@ -193,7 +195,8 @@ def split_pieces(pieces: list[Piece], validation_fraction: float,
     if count >= len(pieces):
         raise ValueError(f"--validation_fraction={validation_fraction} leaves no training data: the input "
                          f"has only {len(pieces)} piece(s) (a piece is a file, 1 MiB of lines, or 16 MiB of "
-                         "TFDS examples); give more input, set --validation_fraction=0 or --tfds_validation_split")
+                         "TFDS examples; a compressed file or a Wikipedia dump is one piece); give more input files, "
+                         "set --validation_fraction=0 or --tfds_validation_split")
     chosen = {int((k + 0.5) * len(pieces) / count) for k in range(count)}
     train = [p for i, p in enumerate(pieces) if i not in chosen]
     return train, [p for i, p in enumerate(pieces) if i in chosen]
