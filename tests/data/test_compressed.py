@@ -93,7 +93,8 @@ def test_pile_components_filtered_grouped_and_counted(pile, tokenizer_file, tmp_
 
 def _read_all(path, **spec):
     spec = sources.SourceSpec(inputs=(str(path),), **spec)
-    return [doc for piece in sources.plan_pieces(spec, 1 << 20) for doc in sources.read_documents(piece, spec, Counter())]
+    pieces = sources.plan_pieces(spec, 1 << 20)
+    return [doc for piece in pieces for doc in sources.read_documents(piece, spec, Counter())]
 
 
 @pytest.mark.parametrize("suffix", [".zst", ".gz"])

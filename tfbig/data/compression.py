@@ -97,8 +97,8 @@ def decompressed_blocks(path: str) -> Iterator[bytes]:
                 try:
                     out = decoder.decompress(data)
                 except codec.errors + (EOFError,) as error:
-                    raise ValueError(f"{path}: corrupt {codec.name} data in bytes [{offset}, "
-                                     f"{offset + len(block)}) ({error}); the file is damaged: fetch it again") from error
+                    raise ValueError(f"{path}: corrupt {codec.name} data in bytes [{offset}, {offset + len(block)}) "
+                                     f"({error}); the file is damaged: fetch it again") from error
                 started = True
                 if out:
                     yield out

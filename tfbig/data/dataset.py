@@ -15,9 +15,12 @@ Example:
     batch = next(iter(dataset))  # {"input_ids": int32 [8, 257]}
 """
 
+import functools
+
+import numpy as np
 import tensorflow as tf
 
-from tfbig.data import formats
+from tfbig.data import formats, mixture
 from tfbig.data.manifest import load_manifest
 
 READ_BUFFER_BYTES = 8 << 20
@@ -59,10 +62,8 @@ def make_dataset(data_dir: str, split: str, batch_size: int, *, format: str = "g
     Returns:
       A dataset of feature dicts; for "gpt": {"input_ids": int32 [batch_size, seq_length + 1]}.
     """
-    from tfbig.data import mixture  # mixture imports this module
-
     if mixture.is_mixture(data_dir):
-        return mixture.make_mixture_dataset(
+        return make_mixture_dataset(
             data_dir, split, batch_size, format=format, seq_length=seq_length, vocab_size=vocab_size,
             input_context=input_context, seed=seed, shuffle=shuffle, repeat=repeat, deterministic=deterministic,
             skip_corrupt=skip_corrupt, skip_batches=skip_batches, drop_remainder=drop_remainder,
@@ -108,6 +109,43 @@ def batched(records: tf.data.Dataset, manifest, format: str, batch_size: int, dr
     batches = records.batch(batch_size, drop_remainder=drop_remainder)
     batches = batches.map(parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=ordered)
     return batches.prefetch(tf.data.AUTOTUNE).with_options(_options(ordered))
+
+
+def make_mixture_dataset(spec: str, split: str, batch_size: int, *, format: str = "gpt", seq_length=None,
+                         vocab_size=None, input_context=None, seed: int = 0, shuffle: bool = True,
+                         repeat: bool = True, deterministic: bool = False, skip_corrupt: bool = False,
+                         skip_batches: int = 0, drop_remainder: bool = True, shuffle_buffer: int = 10_000):
+    """`make_dataset` for a mixture (same arguments): train mixes the sources by weight (`tfbig.data.mixture`)."""
+    manifest = mixture.mixture_manifest(spec)
+    manifest.check(format=format, seq_length=seq_length, vocab_size=vocab_size)
+    ordered = deterministic or not shuffle
+    read = functools.partial(split_records, input_context=input_context, seed=seed, shuffle=shuffle,
+                             deterministic=deterministic, skip_corrupt=skip_corrupt, shuffle_buffer=shuffle_buffer)
+    if split != "train":  # every source's split, one after another
+        records = read(manifest, split, repeat=repeat)
+        return batched(records.skip(skip_batches * batch_size), manifest, format, batch_size,
+                               drop_remainder, ordered)
+    if not repeat:
+        raise ValueError(f"--data_dir={spec!r}: a mixture's train split samples its sources forever; read it "
+                         "with repeat=True (or read one source's directory)")
+    sources = mixture.parse_mixture(spec)
+    start = skip_batches * batch_size
+    positions = mixture.source_counts(sources.probabilities, seed, start)  # where each source stopped
+    streams = [read(load_manifest(data_dir), "train", repeat=True).skip(int(position))
+               for data_dir, position in zip(sources.data_dirs, positions)]
+    choices = _choice_dataset(sources.probabilities, seed, start)
+    records = tf.data.Dataset.choose_from_datasets(streams, choices)
+    return batched(records, manifest, format, batch_size, drop_remainder, ordered)
+
+
+def _choice_dataset(probabilities: np.ndarray, seed: int, start: int):
+    """Source indices of examples start, start + 1, ... (the same sequence as `mixture.block_choices`)."""
+    def block(index):
+        choices = tf.numpy_function(lambda b: mixture.block_choices(probabilities, seed, int(b)), [index], tf.int64)
+        return tf.ensure_shape(choices, [mixture.CHOICE_BLOCK])
+
+    blocks = tf.data.Dataset.range(start // mixture.CHOICE_BLOCK, np.iinfo(np.int64).max).map(block)
+    return blocks.unbatch().skip(start % mixture.CHOICE_BLOCK)
 
 
 def count_records(data_dir: str, split: str) -> int:

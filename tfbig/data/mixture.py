@@ -28,7 +28,7 @@ import re
 
 import numpy as np
 
-from tfbig.data.manifest import Manifest, ShardInfo, SplitInfo, load_manifest
+from tfbig.data.manifest import Manifest, SplitInfo, load_manifest
 
 CHOICE_BLOCK = 4096  # source choices drawn per numpy call
 _WEIGHTED = re.compile(r"^.+:\s*[0-9.eE+-]+\s*$")
@@ -129,49 +129,6 @@ def source_counts(probabilities: np.ndarray, seed: int, stop: int, start: int = 
         chosen = block_choices(probabilities, seed, block)[max(start, lo) - lo:min(stop, hi) - lo]
         counts += np.bincount(chosen, minlength=len(probabilities))
     return counts
-
-
-def make_mixture_dataset(spec: str, split: str, batch_size: int, *, format: str = "gpt", seq_length=None,
-                         vocab_size=None, input_context=None, seed: int = 0, shuffle: bool = True,
-                         repeat: bool = True, deterministic: bool = False, skip_corrupt: bool = False,
-                         skip_batches: int = 0, drop_remainder: bool = True, shuffle_buffer: int = 10_000):
-    """`tfbig.data.make_dataset` for a mixture (same arguments): train mixes the sources by weight."""
-    import tensorflow as tf
-
-    from tfbig.data import dataset
-
-    manifest = mixture_manifest(spec)
-    manifest.check(format=format, seq_length=seq_length, vocab_size=vocab_size)
-    ordered = deterministic or not shuffle
-    read = functools.partial(dataset.split_records, input_context=input_context, seed=seed, shuffle=shuffle,
-                             deterministic=deterministic, skip_corrupt=skip_corrupt, shuffle_buffer=shuffle_buffer)
-    if split != "train":  # every source's split, one after another
-        records = read(manifest, split, repeat=repeat)
-        return dataset.batched(records.skip(skip_batches * batch_size), manifest, format, batch_size,
-                               drop_remainder, ordered)
-    if not repeat:
-        raise ValueError(f"--data_dir={spec!r}: a mixture's train split samples its sources forever; read it "
-                         "with repeat=True (or read one source's directory)")
-    mixture = parse_mixture(spec)
-    start = skip_batches * batch_size
-    positions = source_counts(mixture.probabilities, seed, start)  # where each source stopped
-    streams = [read(load_manifest(data_dir), "train", repeat=True).skip(int(position))
-               for data_dir, position in zip(mixture.data_dirs, positions)]
-    choices = _choice_dataset(mixture.probabilities, seed, start)
-    records = tf.data.Dataset.choose_from_datasets(streams, choices)
-    return dataset.batched(records, manifest, format, batch_size, drop_remainder, ordered)
-
-
-def _choice_dataset(probabilities: np.ndarray, seed: int, start: int):
-    """Source indices of examples start, start + 1, ... (the same sequence as `block_choices`)."""
-    import tensorflow as tf
-
-    def block(index):
-        choices = tf.numpy_function(lambda b: block_choices(probabilities, seed, int(b)), [index], tf.int64)
-        return tf.ensure_shape(choices, [CHOICE_BLOCK])
-
-    blocks = tf.data.Dataset.range(start // CHOICE_BLOCK, np.iinfo(np.int64).max).map(block)
-    return blocks.unbatch().skip(start % CHOICE_BLOCK)
 
 
 _COUNTED: dict[tuple[str, int], tuple[int, np.ndarray]] = {}
