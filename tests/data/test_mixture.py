@@ -118,3 +118,31 @@ def test_training_on_a_mixture_resumes_exactly_and_logs_tokens_per_source(gpt_da
     assert {k: v for k, v in summary["train"].items() if k.startswith("tokens/")} == {
         "tokens/shards": counts[0] * 17.0, "tokens/other": counts[1] * 17.0}
     assert "bits_per_byte" in summary["eval"]  # the validation split of both sources
+
+
+def test_groups_of_one_prep_are_weighted_as_sources(tmp_path, document_maker, multi_shard_dir):
+    import json
+    import random
+
+    rng = random.Random(1)
+    lines = [json.dumps({"text": document_maker(rng, 5), "meta": {"pile_set_name": ("Pile-CC", "Github")[i % 2]}})
+             for i in range(80)]
+    (tmp_path / "pile.jsonl").write_text("\n".join(lines) + "\n")
+    pile = prepare([str(tmp_path / "pile.jsonl")], str(tmp_path / "pile"), SEQ, VOCAB, shard_size_mb=64,
+                   tokenizer=os.path.join(multi_shard_dir, "tokenizer.model"), validation_fraction=0,
+                   jsonl_group_field="meta.pile_set_name", jsonl_groups=("Pile-CC", "Github"), shard_by_group=True)
+    owner = {}
+    for index, group in enumerate(("Pile-CC", "Github")):
+        for shard in pile.split("train").of_group(group).shards:
+            dataset = make_dataset(f"{pile.data_dir}[{group}]:1", "train", 1, shuffle=False, repeat=True)
+            for batch, _ in zip(dataset, range(shard.records)):
+                owner[tuple(batch["input_ids"].numpy()[0])] = index
+    spec = f"{pile.data_dir}[Pile-CC]:0.8,{pile.data_dir}[Github]:0.2"
+    rows = _rows(spec, 100)
+    observed = np.bincount([owner[tuple(row)] for row in rows], minlength=2)
+    np.testing.assert_array_equal(observed, source_counts(np.array([0.8, 0.2]), 3, len(rows)))
+    assert abs(observed[0] / len(rows) - 0.8) <= 4 * math.sqrt(0.8 * 0.2 / len(rows))
+    assert set(source_tokens(spec, 3, 100, 1)) == {"tokens/pile-cc", "tokens/github"}
+    with pytest.raises(ValueError, match=r"pile\[Books3\]: .* has no shards of group 'Books3'; its groups are "
+                                         r"\['Github', 'Pile-CC'\]"):
+        open_manifest(f"{pile.data_dir}[Books3]:1")

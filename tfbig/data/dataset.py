@@ -131,8 +131,8 @@ def make_mixture_dataset(spec: str, split: str, batch_size: int, *, format: str 
     sources = mixture.parse_mixture(spec)
     start = skip_batches * batch_size
     positions = mixture.source_counts(sources.probabilities, seed, start)  # where each source stopped
-    streams = [read(load_manifest(data_dir), "train", repeat=True).skip(int(position))
-               for data_dir, position in zip(sources.data_dirs, positions)]
+    streams = [read(mixture.source_manifest(data_dir, group), "train", repeat=True).skip(int(position))
+               for data_dir, group, position in zip(sources.data_dirs, sources.groups, positions)]
     choices = _choice_dataset(sources.probabilities, seed, start)
     records = tf.data.Dataset.choose_from_datasets(streams, choices)
     return batched(records, manifest, format, batch_size, drop_remainder, ordered)

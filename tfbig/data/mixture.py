@@ -2,7 +2,10 @@
 
 A mixture is written as comma-separated `directory:weight` items, or as a mixture file (one
 `directory:weight` per line, `#` comments, relative directories resolved against the file's
-folder). Every source must be prepared with the same tokenizer, format and seq_length.
+folder). `directory[group]:weight` is one group of a directory prepared with --shard_by_group
+(e.g. `/data/pile[Pile-CC]:0.6,/data/pile[Github]:0.1`): the Pile's components weighted as
+wished from one prep. Every source must be prepared with the same tokenizer, format and
+seq_length.
 
 Training examples are drawn source by source: example k of the stream comes from the source
 `choice(seed, k)`, a counter-based draw with probabilities weight / sum(weights) (numpy's
@@ -29,9 +32,11 @@ import re
 import numpy as np
 
 from tfbig.data.manifest import Manifest, SplitInfo, load_manifest
+from tfbig.data.shards import group_slug
 
 CHOICE_BLOCK = 4096  # source choices drawn per numpy call
 _WEIGHTED = re.compile(r"^.+:\s*[0-9.eE+-]+\s*$")
+_GROUP = re.compile(r"^(?P<dir>.+?)(\[(?P<group>[^\]]+)\])?$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +45,11 @@ class Mixture:
 
     data_dirs: tuple[str, ...]
     weights: tuple[float, ...]
+    groups: tuple[str, ...] = ()  # per source: a --shard_by_group group of its directory, or "" (all shards)
+
+    def __post_init__(self):
+        if not self.groups:
+            object.__setattr__(self, "groups", ("",) * len(self.data_dirs))
 
     @property
     def probabilities(self) -> np.ndarray:
@@ -49,8 +59,9 @@ class Mixture:
 
     @property
     def names(self) -> tuple[str, ...]:
-        """Short, unique source names for logs: the directories' base names."""
-        names = [os.path.basename(os.path.normpath(d)) or d for d in self.data_dirs]
+        """Short, unique source names for logs: the directories' base names (or the groups' names)."""
+        names = [group_slug(group) if group else os.path.basename(os.path.normpath(d)) or d
+                 for d, group in zip(self.data_dirs, self.groups)]
         return tuple(name if names.count(name) == 1 else f"{name}_{i}" for i, name in enumerate(names))
 
 
@@ -70,7 +81,7 @@ def parse_mixture(spec: str) -> Mixture:
         base, items, where = os.path.dirname(os.path.abspath(spec)), [line for line in lines if line], spec
     else:
         base, items, where = "", [item.strip() for item in spec.split(",")], f"--data_dir={spec!r}"
-    dirs, weights = [], []
+    dirs, weights, groups = [], [], []
     for item in items:
         path, _, weight = item.rpartition(":")
         try:
@@ -80,13 +91,27 @@ def parse_mixture(spec: str) -> Mixture:
         if not path or not value > 0 or not np.isfinite(value):
             raise ValueError(f"{where}: {item!r} is not 'directory:weight' with a positive weight; expected e.g. "
                              "--data_dir=/data/pile_cc:0.6,/data/wiki:0.4 or a file of such lines")
-        dirs.append(os.path.join(base, path) if base else path)
+        match = _GROUP.match(path)
+        dirs.append(os.path.join(base, match["dir"]) if base else match["dir"])
+        groups.append(match["group"] or "")
         weights.append(value)
     if not dirs:
         raise ValueError(f"{where}: no sources; expected 'directory:weight' items")
-    if len(set(dirs)) != len(dirs):
-        raise ValueError(f"{where}: a directory is listed twice; give each source once with its total weight")
-    return Mixture(tuple(dirs), tuple(weights))
+    if len(set(zip(dirs, groups))) != len(dirs):
+        raise ValueError(f"{where}: a source is listed twice; give each source once with its total weight")
+    return Mixture(tuple(dirs), tuple(weights), tuple(groups))
+
+
+def source_manifest(data_dir: str, group: str = "") -> Manifest:
+    """The manifest of one source: a directory, or only its shards of `group` (--shard_by_group)."""
+    manifest = load_manifest(data_dir)
+    if not group:
+        return manifest
+    groups = sorted({shard.group for split in manifest.splits.values() for shard in split.shards} - {""})
+    if group not in groups:
+        raise ValueError(f"{data_dir}[{group}]: {manifest.path} has no shards of group {group!r}; its groups are "
+                         f"{groups} (prepare with --jsonl_groups=... --shard_by_group)")
+    return dataclasses.replace(manifest, splits={name: split.of_group(group) for name, split in manifest.splits.items()})
 
 
 @functools.lru_cache(maxsize=16)
@@ -97,7 +122,7 @@ def mixture_manifest(spec: str) -> Manifest:
     info["mixture"] lists the sources and weights.
     """
     mixture = parse_mixture(spec)
-    manifests = [load_manifest(data_dir) for data_dir in mixture.data_dirs]
+    manifests = [source_manifest(d, group) for d, group in zip(mixture.data_dirs, mixture.groups)]
     first = manifests[0]
     for manifest in manifests[1:]:
         for field in ("format", "seq_length", "vocab_size", "tokenizer_sha256"):
@@ -110,7 +135,8 @@ def mixture_manifest(spec: str) -> Manifest:
         shards = [dataclasses.replace(shard, file=os.path.join(os.path.abspath(manifest.data_dir), shard.file))
                   for manifest in manifests if name in manifest.splits for shard in manifest.splits[name].shards]
         splits[name] = SplitInfo(tuple(shards))
-    sources = [{"data_dir": d, "weight": w} for d, w in zip(mixture.data_dirs, mixture.weights)]
+    sources = [{"data_dir": d, "group": g, "weight": w}
+               for d, g, w in zip(mixture.data_dirs, mixture.groups, mixture.weights)]
     return dataclasses.replace(first, splits=splits, info={**first.info, "mixture": sources})
 
 
@@ -149,8 +175,8 @@ def source_tokens(data_dir: str, seed: int, examples_per_pipeline: int, num_pipe
     counts = counts + source_counts(mixture.probabilities, seed, examples_per_pipeline, done)
     _COUNTED[data_dir, seed] = (examples_per_pipeline, counts)
     result = {}
-    for name, data_dir_i, count in zip(mixture.names, mixture.data_dirs, counts):
-        train = load_manifest(data_dir_i).split("train")
+    for name, data_dir_i, group, count in zip(mixture.names, mixture.data_dirs, mixture.groups, counts):
+        train = source_manifest(data_dir_i, group).split("train")
         result[f"tokens/{name}"] = float(count * num_pipelines * train.tokens / max(train.records, 1))
     return result
 
