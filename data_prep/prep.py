@@ -6,6 +6,10 @@
     tfbig-prep --format=albert --seq_length=128 --output_dir=/data/albert   # ALBERT pairs + masks
     tfbig-prep --format=albert --index_shards='bert/*.tfrecord' --index_validation_shards=dev.tfrecord \
         --tokenizer=sp.model --output_dir=/data/bert   # shards of create_pretraining_data.py, as they are
+    tfbig-prep --input='pile/train/*.jsonl.zst' --jsonl_group_field=meta.pile_set_name \
+        --jsonl_groups=Pile-CC,Github --shard_by_group --output_dir=/data/pile   # streamed, per component
+    tfbig-prep --input='enwiki-*-pages-articles*.xml*.bz2' --output_dir=/data/enwiki   # Wikipedia dumps
+    tfbig-prep --input='/shared/pile/*.jsonl.zst' --output_dir=/shared/out --runner=direct --num_workers=4  # Beam
     tfbig-prep --flagfile=prep.flags
 
 Every flag maps onto an argument of `tfbig.data.prepare`.

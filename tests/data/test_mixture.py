@@ -146,3 +146,20 @@ def test_groups_of_one_prep_are_weighted_as_sources(tmp_path, document_maker, mu
     with pytest.raises(ValueError, match=r"pile\[Books3\]: .* has no shards of group 'Books3'; its groups are "
                                          r"\['Github', 'Pile-CC'\]"):
         open_manifest(f"{pile.data_dir}[Books3]:1")
+
+
+def test_input_pipelines_draw_the_same_sources_from_their_own_shards(sources):
+    import tensorflow as tf
+
+    owner, shard_of = {}, {}
+    for index, data_dir in enumerate(sources):
+        for row in _records(data_dir):
+            owner[row] = index
+    spec = _spec(sources)
+    per_pipeline = [_rows(spec, 30, input_context=tf.distribute.InputContext(2, i, 1)) for i in range(2)]
+    owners = [[owner[tuple(row)] for row in rows] for rows in per_pipeline]
+    assert owners[0] == owners[1]  # one source sequence for every pipeline
+    for i, rows in enumerate(per_pipeline):
+        for row in rows:
+            shard_of.setdefault(tuple(row), set()).add(i)
+    assert all(len(pipelines) == 1 for pipelines in shard_of.values())  # no record in both pipelines
