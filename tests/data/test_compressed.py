@@ -134,3 +134,10 @@ def test_unknown_compression_suffix_is_refused_with_the_list(tmp_path):
         _read_all(path)
     with pytest.raises(ValueError, match=r"unknown compression suffix '\.lz4'"):
         _read_all(tmp_path)  # found by a directory search: refused too, not passed over
+
+
+def test_compressed_text_files_whole_or_one_document_per_line(tmp_path):
+    (tmp_path / "a.txt.gz").write_bytes(gzip.compress("first line\nsecond line\n".encode()))
+    (tmp_path / "b.md.xz").write_bytes(lzma.compress("# title\nbody\n".encode()))
+    assert _read_all(tmp_path) == ["first line\nsecond line\n", "# title\nbody\n"]
+    assert _read_all(tmp_path, doc_per_line=True) == ["first line", "second line", "# title", "body"]
