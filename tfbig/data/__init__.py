@@ -20,7 +20,8 @@ Reading (imports TensorFlow on first use):
 Modules, one job each: sources (pieces and documents), compression (streamed .gz/.bz2/.xz/.zst),
 wikipedia (dump XML -> articles), tokenizer, tfrecord (writer without TF), formats + albert
 (records), shards (parallel, resumable shard writing), manifest, prepare, index (foreign shards),
-dataset (tf.data reader), mixture (weighted mixtures).
+dataset (tf.data reader), mixture (weighted mixtures), beam (shard jobs on Apache Beam: tfbig-prep
+--runner, optional extra).
 Dependencies point one way: sources/tokenizer/tfrecord/albert <- formats <- shards <- prepare.
 """
 
