@@ -14,11 +14,16 @@ setup(
         "sentencepiece>=0.2",
         "psutil>=5.9",
         "safetensors>=0.4",
+        "zstandard>=0.22",
+        "mwparserfromhell>=0.6",
     ],
     extras_require={
         # TensorBoard's Profile tab for --profile_steps traces. The 2.20 line matches
         # TensorBoard 2.20; newer releases pull absl-py 2 over the pinned set.
         "profile": ["tensorboard-plugin-profile==2.20.*"],
+        # tfbig-prep --runner=direct|dataflow|spark|flink. Beam pins protobuf<7, pyarrow<26, pillow<13 and
+        # python-dateutil<3, below the TensorFlow 2.20 set here: install it in an environment of its own.
+        "beam": ["apache-beam>=2.60"],
     },
     entry_points={
         "console_scripts": [

@@ -84,10 +84,10 @@ def prepare_data(args):
     """The embedded Shakespeare corpus, prepared once for --seq_length (cached)."""
     if args.data_dir:
         return args.data_dir
-    from tfbig import prepare
+    from tfbig import data
 
-    return prepare.prepare_locked(prepare.default_data_dir(seq_length=args.seq_length),
-                                  seq_length=args.seq_length)
+    return data.prepare_locked(data.default_data_dir(seq_length=args.seq_length),
+                               seq_length=args.seq_length)
 
 
 def run(args, name, unit, measure):

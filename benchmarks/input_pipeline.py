@@ -20,9 +20,7 @@ from absl import app, flags
 
 import tensorflow as tf
 
-from tfbig.data import make_dataset
-from tfbig.manifest import load_manifest
-from tfbig.prepare import prepare
+from tfbig.data import load_manifest, make_dataset, prepare
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("data_dir", None, "Prepared data directory; default: prepare the embedded corpus in a temp dir.")

@@ -6,9 +6,13 @@
     tfbig-prep --format=albert --seq_length=128 --output_dir=/data/albert   # ALBERT pairs + masks
     tfbig-prep --format=albert --index_shards='bert/*.tfrecord' --index_validation_shards=dev.tfrecord \
         --tokenizer=sp.model --output_dir=/data/bert   # shards of create_pretraining_data.py, as they are
+    tfbig-prep --input='pile/train/*.jsonl.zst' --jsonl_group_field=meta.pile_set_name \
+        --jsonl_groups=Pile-CC,Github --shard_by_group --output_dir=/data/pile   # streamed, per component
+    tfbig-prep --input='enwiki-*-pages-articles*.xml*.bz2' --output_dir=/data/enwiki   # Wikipedia dumps
+    tfbig-prep --input='/shared/pile/*.jsonl.zst' --output_dir=/shared/out --runner=direct --num_workers=4  # Beam
     tfbig-prep --flagfile=prep.flags
 
-Every flag maps onto an argument of `tfbig.prepare.prepare`.
+Every flag maps onto an argument of `tfbig.data.prepare`.
 """
 
 import glob
@@ -18,16 +22,14 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # console script: no C++ INF
 
 from absl import flags, logging  # noqa: E402
 
-from tfbig import cli, sources  # noqa: E402
+from tfbig import cli  # noqa: E402
+from tfbig.data import DEFAULT_VALIDATION_PLAYS, FORMATS, Tokenizer, index_shards, prepare  # noqa: E402
 from tfbig.errors import UsageError  # noqa: E402
-from tfbig.formats import FORMATS  # noqa: E402
-from tfbig.prepare import prepare  # noqa: E402
-from tfbig.tokenizer import Tokenizer  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_multi_string("input", None, "Input files, directories (searched recursively for .txt/.md/.jsonl) "
-                          "or globs; repeat the flag for several. Empty (and no --tfds_name): the embedded "
-                          "Shakespeare plays.")
+flags.DEFINE_multi_string("input", None, "Input files, directories (searched recursively for .txt/.md/.jsonl "
+                          "and Wikipedia .xml dumps, plain or .gz/.bz2/.xz/.zst, streamed) or globs; repeat the "
+                          "flag for several. Empty (and no --tfds_name): the embedded Shakespeare plays.")
 flags.DEFINE_string("output_dir", None, "Directory for shards, tokenizer.model and manifest.json. Default for "
                     "the embedded corpus: $TFBIG_CACHE or ~/.cache/tfbig/shakespeare-T{seq_length}-V{vocab_size}.")
 flags.DEFINE_enum("format", "gpt", sorted(FORMATS), "Record format of the shards.")
@@ -37,10 +39,22 @@ flags.DEFINE_integer("vocab_size", 8000, "Vocabulary size of the tokenizer to tr
 flags.DEFINE_string("tokenizer", None, "Existing SentencePiece .model file to use instead of training one; "
                     "it is copied next to the shards.")
 flags.DEFINE_float("shard_size_mb", 1024, "Target size of one shard file in MiB.")
-flags.DEFINE_integer("num_workers", 1, "Processes that tokenize and write shards in parallel.")
+flags.DEFINE_integer("num_workers", 1, "Processes that tokenize and write shards in parallel (with "
+                     "--runner=direct: the DirectRunner's worker processes).")
+flags.DEFINE_string("runner", "local", "local (--num_workers processes on this host) or an Apache Beam runner: "
+                    "direct, dataflow, spark, flink, portable (the optional extra tfbig[beam]); same shards "
+                    "and manifest. Beam workers must share --output_dir and the inputs (a shared file system).")
+flags.DEFINE_list("beam_options", None, "Extra Apache Beam pipeline options for --runner other than local, "
+                  "e.g. --beam_options=--project=p,--region=europe-west4,--temp_location=gs://b/tmp.")
 flags.DEFINE_bool("doc_per_line", False, "In .txt/.md inputs, each non-empty line is a document "
                   "(default: each file is one document).")
 flags.DEFINE_string("jsonl_field", "text", "Field of each .jsonl line that holds the document text.")
+flags.DEFINE_string("jsonl_group_field", None, "Dotted path of each .jsonl record's group, e.g. "
+                    "'meta.pile_set_name' (the Pile's component); documents are counted per group in the manifest.")
+flags.DEFINE_list("jsonl_groups", None, "Keep only these groups (e.g. 'Pile-CC,Github'); the documents of "
+                  "other groups are skipped and counted. Needs --jsonl_group_field.")
+flags.DEFINE_bool("shard_by_group", False, "Each shard holds one of --jsonl_groups (file names carry the group; "
+                  "the manifest lists each shard's group), e.g. per-component shards of the Pile.")
 flags.DEFINE_string("tfds_name", None, "TensorFlow Datasets dataset to read instead of files, e.g. "
                     "'my_corpus:1.0.0'. It must already be on disk: nothing is downloaded.")
 flags.DEFINE_string("tfds_split", "train", "TFDS split to read.")
@@ -50,12 +64,12 @@ flags.DEFINE_string("tfds_text_key", "text", "TFDS feature holding the document 
 flags.DEFINE_string("tfds_data_dir", None, "TFDS data_dir holding the prepared dataset (default: TFDS's own).")
 flags.DEFINE_float("validation_fraction", 0.01, "Share of the input held out for validation, chosen as whole "
                    "files (or 1 MiB ranges of lines) spread evenly over the input. 0 = no validation split.")
-flags.DEFINE_list("validation_plays", list(sources.DEFAULT_VALIDATION_PLAYS), "Embedded corpus only: plays "
+flags.DEFINE_list("validation_plays", list(DEFAULT_VALIDATION_PLAYS), "Embedded corpus only: plays "
                   "held out for validation (file names without .md).")
 flags.DEFINE_float("tokenizer_sample_mb", 512, "At most this much training text (MiB) trains the tokenizer.")
 flags.DEFINE_bool("overwrite", False, "Replace a directory prepared with other settings instead of refusing.")
 flags.DEFINE_integer("seed", 0, "Seed for tokenizer training (and ALBERT pairs and masks).")
-# --format=albert only (tfbig.albert_data.MaskingOptions); recorded in the manifest.
+# --format=albert only (tfbig.data.MaskingOptions); recorded in the manifest.
 flags.DEFINE_integer("max_predictions_per_seq", 20, "ALBERT: at most this many masked-LM "
                      "predictions per sequence.")
 flags.DEFINE_float("masked_lm_prob", 0.15, "ALBERT: share of tokens to predict (80% [MASK], 10% "
@@ -84,12 +98,10 @@ def main(argv: list[str]) -> None:
 
 
 def _index_from_flags():
-    from tfbig import albert_data
-
     if FLAGS.format != "albert" or not FLAGS.tokenizer or not FLAGS.output_dir:
         raise ValueError("--index_shards needs --format=albert, --tokenizer (the SentencePiece model the "
                          "shards were made with) and --output_dir")
-    return albert_data.index_shards(_shard_files("index_shards"), _shard_files("index_validation_shards"),
+    return index_shards(_shard_files("index_shards"), _shard_files("index_validation_shards"),
                                     FLAGS.output_dir, FLAGS.tokenizer)
 
 
@@ -114,11 +126,14 @@ def _prepare_from_flags():
     return prepare(
         FLAGS.input, FLAGS.output_dir, FLAGS.seq_length, _vocab_size(), FLAGS.shard_size_mb,
         FLAGS.num_workers, FLAGS.format, tokenizer=FLAGS.tokenizer, doc_per_line=FLAGS.doc_per_line,
-        jsonl_field=FLAGS.jsonl_field, tfds_name=FLAGS.tfds_name or "", tfds_split=FLAGS.tfds_split,
+        jsonl_field=FLAGS.jsonl_field, jsonl_group_field=FLAGS.jsonl_group_field or "",
+        jsonl_groups=tuple(FLAGS.jsonl_groups or ()), shard_by_group=FLAGS.shard_by_group,
+        tfds_name=FLAGS.tfds_name or "", tfds_split=FLAGS.tfds_split,
         tfds_validation_split=FLAGS.tfds_validation_split or "", tfds_text_key=FLAGS.tfds_text_key,
         tfds_data_dir=FLAGS.tfds_data_dir,
         validation_fraction=FLAGS.validation_fraction, validation_plays=tuple(FLAGS.validation_plays),
         tokenizer_sample_mb=FLAGS.tokenizer_sample_mb, overwrite=FLAGS.overwrite, seed=FLAGS.seed,
+        runner=FLAGS.runner, beam_options=tuple(FLAGS.beam_options or ()),
         format_options={name: FLAGS[name].value for name in _ALBERT_OPTIONS} if FLAGS.format == "albert" else None)
 
 

@@ -10,7 +10,7 @@ and the answer is the speaker's name as it appears in the context, at the head o
 The v2.0 files add unanswerable questions (one per two answerable ones, rounded up), quoting
 a line of the same scene that is not in the context. Quoted lines are at least 4 words and
 occur once in their context.
-Dev uses the plays tfbig-prep holds out for validation (tfbig.sources.DEFAULT_VALIDATION_PLAYS),
+Dev uses the plays tfbig-prep holds out for validation (tfbig.data.DEFAULT_VALIDATION_PLAYS),
 so neither pretraining nor fine-tuning has read a dev context. Deterministic for a given seed.
 
 Example:
@@ -24,7 +24,7 @@ import re
 
 from absl import app, flags
 
-from tfbig import sources
+from tfbig.data import sources
 
 MIN_WORDS = 4  # a shorter quote ("Ay, my lord.") is rarely unique enough to ask about
 MIN_SPEAKERS = 2  # a context with one speaker would make "who" a trivial question

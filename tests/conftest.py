@@ -40,7 +40,7 @@ def _synthetic_corpus(directory, num_docs=60, seed=0):
 @pytest.fixture(scope="session")
 def gpt_data(tmp_path_factory):
     """A tiny prepared GPT dataset: real TFRecord shards, manifest and tokenizer (seq 16)."""
-    from tfbig.prepare import prepare
+    from tfbig.data import prepare
 
     root = tmp_path_factory.mktemp("gpt_data")
     corpus = _synthetic_corpus(str(root / "text"))
@@ -58,7 +58,7 @@ def albert_data(tmp_path_factory):
     over each replica's predictions (as in tf-models-official), which equals the mean over the
     global batch only when replicas hold equally many, so distributed runs can be compared
     with one device exactly."""
-    from tfbig.prepare import prepare
+    from tfbig.data import prepare
 
     root = tmp_path_factory.mktemp("albert_data")
     corpus = _synthetic_corpus(str(root / "text"))

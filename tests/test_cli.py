@@ -112,7 +112,7 @@ def test_user_errors_are_tfbigs_own_checks_and_bugs_keep_their_traceback():
 def no_validation_data(tmp_path_factory):
     import random
 
-    from tfbig.prepare import prepare
+    from tfbig.data import prepare
 
     root = tmp_path_factory.mktemp("novalid")
     rng = random.Random(0)

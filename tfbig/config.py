@@ -29,7 +29,8 @@ class TrainConfig:
     hidden_size: int = field(0, "Override the preset's hidden size (0 keeps the preset).")
     num_heads: int = field(0, "Override the preset's number of attention heads (0 keeps it).")
     dropout: float = field(-1.0, "Override the preset's dropout rate (negative keeps it).")
-    data_dir: str = field("", "Directory with manifest.json and TFRecord shards from tfbig-prep. "
+    data_dir: str = field("", "Directory with manifest.json and TFRecord shards from tfbig-prep, "
+                              "or a weighted mixture of them (a:0.6,b:0.4 or a mixture file). "
                               "Empty: prepare the embedded Shakespeare corpus once (cached).")
     model_dir: str = field("runs/gpt-small", "Run directory: checkpoints, config.json, "
                                              "TensorBoard events. An existing checkpoint resumes.")

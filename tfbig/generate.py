@@ -146,7 +146,7 @@ def sample_text(model, tokenizer, prompt, max_new_tokens, temperature=0.8, top_k
 def main(argv):
     if len(argv) > 1:
         raise UsageError(f"unexpected arguments {argv[1:]}; the prompt goes in --prompt")
-    from tfbig.tokenizer import Tokenizer
+    from tfbig.data import Tokenizer
 
     model, tokenizer_path = load_model(FLAGS.model_dir)
     text = sample_text(model, Tokenizer.load(tokenizer_path), FLAGS.prompt,

@@ -16,7 +16,7 @@ import tensorflow as tf
 from tensorflow.python.framework import config as op_config
 
 from tfbig import config as config_lib
-from tfbig import integrity, preflight
+from tfbig import data, integrity, preflight
 from tfbig.checkpoint import rng_variables
 from tfbig.distribute import get_strategy
 from tfbig.logs import RunLogger
@@ -220,6 +220,9 @@ class Trainer:
         values["learning_rate"] = float(learning_rate(self.optimizer, step - 1))
         values.update(perf)  # tokens/s, MFU, step-time breakdown (tfbig.profiling)
         values["skipped_steps"] = float(self.nonfinite_steps.numpy())
+        values.update(data.source_tokens(  # per-source tokens of a --data_dir mixture ({} otherwise)
+            getattr(self.task, "data_dir", ""), self.cfg.train.seed,
+            int(self.batches_consumed.numpy()) * self.micro_batch, self.strategy.num_replicas))
         if self.cfg.train.precision != "mixed_float16":
             values.pop("loss_scale")
         self.logger.progress(step, values)

@@ -1,7 +1,7 @@
 """Fixtures for ALBERT tests: a tokenizer and a small ALBERT-format data directory."""
 import pytest
 
-from tfbig import sources
+from tfbig.data import sources
 
 PLAYS = ("hamlet", "macbeth", "othello", "twelfth-night")  # twelfth-night: a validation play
 
@@ -24,7 +24,7 @@ def scenes():
 @pytest.fixture(scope="session")
 def albert_tokenizer(tmp_path_factory, scenes):
     """A 1000-piece tfbig tokenizer trained on four plays."""
-    from tfbig.tokenizer import Tokenizer
+    from tfbig.data import Tokenizer
 
     return Tokenizer.train(scenes, 1000, str(tmp_path_factory.mktemp("tok") / "tokenizer"))
 
@@ -32,7 +32,7 @@ def albert_tokenizer(tmp_path_factory, scenes):
 @pytest.fixture(scope="session")
 def albert_data_dir(tmp_path_factory, albert_tokenizer):
     """tfbig-prep --format=albert of four plays: seq_length 64, two train shards."""
-    from tfbig.prepare import prepare
+    from tfbig.data import prepare
 
     root = tmp_path_factory.mktemp("albert_text")
     for index, scene in enumerate(play_texts()):  # a file is a document: one per scene

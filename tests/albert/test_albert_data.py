@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfbig import albert_data, data, tfrecord
-from tfbig.albert_data import MaskingOptions, MaskingVocab
+from tfbig import data
+from tfbig.data import albert as albert_data, index, tfrecord
+from tfbig.data import MaskingOptions, MaskingVocab
 from tfbig.tasks.albert import DynamicMasking, _restore
 
 
@@ -141,7 +142,7 @@ def test_prepared_shards_round_trip_through_the_reader(albert_data_dir, albert_t
                 ids = row[(segment_ids == segment) & (row > 5)]  # drop [CLS]/[SEP]/padding
                 assert albert_tokenizer.decode(ids) in corpus
         rows += len(original)
-    from tfbig.manifest import load_manifest
+    from tfbig.data import load_manifest
     assert rows == load_manifest(albert_data_dir).split("train").records > 100
 
 
@@ -174,7 +175,7 @@ def official_shards(tmp_path_factory, albert_tokenizer, scenes):
                     "--dupe_factor=1", "--random_seed=1"],
                    check=True, capture_output=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     out = str(root / "indexed")
-    manifest = albert_data.index_shards([paths[0]], [paths[1]], out, albert_tokenizer.path)
+    manifest = index.index_shards([paths[0]], [paths[1]], out, albert_tokenizer.path)
     return out, paths, manifest
 
 
@@ -198,7 +199,7 @@ def test_a_shard_with_v2_feature_names_is_a_clear_error(albert_tokenizer, tmp_pa
     with tfrecord.RecordWriter(path) as writer:
         writer.write(tfrecord.encode_examples({"input_word_ids": np.ones((1, 8), np.int64)}))
     with pytest.raises(ValueError, match="lacks feature.*use_v2_feature_names"):
-        albert_data.index_shards([path], [], str(tmp_path / "out"), albert_tokenizer.path)
+        index.index_shards([path], [], str(tmp_path / "out"), albert_tokenizer.path)
 
 
 def test_dynamic_masking_statistics_and_determinism(albert_data_dir, albert_tokenizer):

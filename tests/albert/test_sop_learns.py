@@ -13,7 +13,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfbig.prepare import prepare
+from tfbig.data import prepare
 from tfbig.tasks import get_task
 
 from test_albert_task import make_cfg

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from tfbig.prepare import prepare
+from tfbig.data import prepare
 
 WORDS = ("the king queen crown sword night day love death honour my lord lady fair good sweet "
          "speak hear come go stay heaven earth fortune villain friend noble gentle father son "

@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 from tfbig.data import count_records, make_dataset
-from tfbig.manifest import load_manifest
+from tfbig.data import load_manifest
 
 
 def _rows(dataset, limit=None) -> list[tuple]:

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from tfbig.manifest import load_manifest
+from tfbig.data import load_manifest
 
 
 def test_loads_a_prepared_directory(single_shard_dir):

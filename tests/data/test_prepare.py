@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from tfbig.data import make_dataset
-from tfbig.manifest import load_manifest
-from tfbig.prepare import default_data_dir, prepare
-from tfbig.tokenizer import Tokenizer
+from tfbig.data import load_manifest
+from tfbig.data import default_data_dir, prepare
+from tfbig.data import Tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEQ, VOCAB = 16, 400
@@ -158,7 +158,7 @@ def test_worker_errors_reach_the_caller_and_name_the_file(tmp_path, multi_shard_
     lines = [json.dumps({"text": f"the king {i} " * 40}) for i in range(1000)]  # ~430 KB
     lines[900] = json.dumps({"body": "no text field here"})  # past the sample prep reads itself
     (tmp_path / "a.jsonl").write_text("\n".join(lines) + "\n")
-    with pytest.raises(ValueError, match=r"a\.jsonl: the line at byte \d+ has no string field 'text'"):
+    with pytest.raises(ValueError, match=r"a\.jsonl: line 901 \(byte \d+\): no string field 'text'"):
         _prepare([str(tmp_path / "a.jsonl")], str(tmp_path / "out"), num_workers=2, shard_size_mb=0.05,
                  validation_fraction=0, tokenizer=os.path.join(multi_shard_dir, "tokenizer.model"))
     assert any(name.endswith(".done") for name in os.listdir(tmp_path / "out"))  # other shards finished

@@ -5,7 +5,7 @@ from collections import Counter
 
 import pytest
 
-from tfbig import sources
+from tfbig.data import sources
 
 
 def _documents(spec, piece_bytes=1 << 20):
@@ -24,16 +24,16 @@ def test_line_ranges_give_every_line_to_exactly_one_piece(tmp_path, piece_bytes)
     assert docs == lines
 
 
-def test_jsonl_field_and_errors_name_file_and_offset(tmp_path):
+def test_jsonl_field_and_errors_name_file_line_and_offset(tmp_path):
     path = tmp_path / "a.jsonl"
     path.write_text("\n".join(json.dumps({"body": f"doc {i}\nline two", "id": i}) for i in range(5)) + "\n")
     docs, _ = _documents(sources.SourceSpec(inputs=(str(path),), jsonl_field="body"), 16)
     assert docs == [f"doc {i}\nline two" for i in range(5)]
-    with pytest.raises(ValueError, match=r"a\.jsonl.*byte 0.*'text'.*\['body', 'id'\]"):
+    with pytest.raises(ValueError, match=r"a\.jsonl: line 1 \(byte 0\).*'text'.*\['body', 'id'\]"):
         _documents(sources.SourceSpec(inputs=(str(path),)))
-    path.write_text('{"text": "ok"}\n{not json\n')
-    with pytest.raises(ValueError, match=r"a\.jsonl: invalid JSON in the line at byte 15"):
-        _documents(sources.SourceSpec(inputs=(str(path),)))
+    path.write_text('{"text": "ok"}\n{"text": "two"}\n{not json\n')
+    with pytest.raises(ValueError, match=r"a\.jsonl: line 3 \(byte 31\): invalid JSON"):
+        _documents(sources.SourceSpec(inputs=(str(path),)), piece_bytes=20)  # the bad line is in the 2nd piece
 
 
 def test_directory_glob_and_whole_file_documents(tmp_path):

@@ -5,8 +5,8 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from tfbig.data import make_dataset
-from tfbig.prepare import prepare
-from tfbig.tokenizer import Tokenizer
+from tfbig.data import prepare
+from tfbig.data import Tokenizer
 
 NUM_EXAMPLES = 40
 

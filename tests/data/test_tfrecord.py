@@ -2,7 +2,7 @@
 import numpy as np
 import tensorflow as tf
 
-from tfbig import tfrecord
+from tfbig.data import tfrecord
 
 
 def _tf_example(features: dict) -> bytes:

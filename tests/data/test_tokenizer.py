@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from tfbig.tokenizer import Tokenizer
+from tfbig.data import Tokenizer
 
 
 @pytest.fixture(scope="module")

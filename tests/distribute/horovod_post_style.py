@@ -21,7 +21,7 @@ import tensorflow as tf  # noqa: E402
 
 from tfbig import data  # noqa: E402
 from tfbig.distribute import horovod_keras as hk  # noqa: E402
-from tfbig.manifest import load_manifest  # noqa: E402
+from tfbig.data import load_manifest  # noqa: E402
 from tfbig.models.gpt import GPT, GPTConfig  # noqa: E402
 
 STEPS, BATCH_PER_RANK, SEQ = 6, 4, 16

@@ -14,7 +14,7 @@ import tensorflow as tf
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from test_trainer import assert_weights_close, make_cfg, weights  # noqa: E402
 
-from tfbig import sources  # noqa: E402
+from tfbig.data import sources  # noqa: E402
 from tfbig.distribute.base import accumulate_gradients  # noqa: E402
 from tfbig.pipeline.strategy import PipelineStrategy  # noqa: E402
 from tfbig.tasks.albert import AlbertTask  # noqa: E402
@@ -26,7 +26,7 @@ BATCH = 8
 @pytest.fixture(scope="module")
 def albert_data(tmp_path_factory):
     """tfbig-prep --format=albert of Macbeth's scenes: seq_length 32, vocab 400."""
-    from tfbig.prepare import prepare
+    from tfbig.data import prepare
 
     root = tmp_path_factory.mktemp("albert_text")
     play = next(p for p in sources.shakespeare_plays() if sources.play_name(p) == "macbeth")

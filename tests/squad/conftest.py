@@ -2,7 +2,7 @@
 import pytest
 
 from data_prep import shakespeare_qa
-from tfbig import sources
+from tfbig.data import sources
 
 TRAIN_PLAYS = ("macbeth",)
 DEV_PLAYS = ("twelfth-night",)
@@ -29,7 +29,7 @@ def qa_sets():
 @pytest.fixture(scope="session")
 def qa_tokenizer(tmp_path_factory):
     """A 600-piece tfbig tokenizer trained on the two plays."""
-    from tfbig.tokenizer import Tokenizer
+    from tfbig.data import Tokenizer
 
     texts = []
     for path in plays(TRAIN_PLAYS + DEV_PLAYS):

@@ -3,7 +3,7 @@ import json
 import re
 
 from data_prep import shakespeare_qa
-from tfbig import sources
+from tfbig.data import sources
 
 
 def questions(dataset):

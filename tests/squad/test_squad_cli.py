@@ -15,9 +15,9 @@ from tfbig.squad.cli import SquadOptions, fine_tune
 @pytest.fixture(scope="module")
 def pretrained_run(tmp_path_factory, qa_tokenizer, qa_play_paths):
     """A tfbig-train --model=albert run directory (tiny model, a few steps, seq 64)."""
-    from tfbig import sources
+    from tfbig.data import sources
     from tfbig.config import ExperimentConfig
-    from tfbig.prepare import prepare
+    from tfbig.data import prepare
     from tfbig.tasks import get_task
     from tfbig.trainer import Trainer
 

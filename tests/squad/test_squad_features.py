@@ -5,7 +5,7 @@ import sentencepiece as spm
 
 from tfbig.squad.features import (Example, char_span, convert_examples, examples_from_dataset,
                                   token_char_spans, windows)
-from tfbig.tokenizer import Tokenizer
+from tfbig.data import Tokenizer
 
 TRICKY = "  Naïve café —  ‘quoted’ text\twith tabs,\nnew lines\n\nand  DOUBLE  spaces ½."
 

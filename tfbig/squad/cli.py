@@ -78,7 +78,7 @@ def define_flags():
 def _model_config_and_tokenizer(options):
     from tfbig.models.albert import AlbertConfig
     from tfbig.squad.finetune import pretrained_config, read_model_dir
-    from tfbig.tokenizer import Tokenizer
+    from tfbig.data import Tokenizer
 
     saved = os.path.join(options.output_dir, "squad_config.json")
     if not options.train_file and os.path.isfile(saved):  # predict with a fine-tuned model

@@ -52,7 +52,7 @@ def read_model_dir(model_dir, saved, flag="--init_checkpoint"):
         from tfbig.wordpiece import WordPieceTokenizer
 
         return config, WordPieceTokenizer.from_run(model_dir, saved["tokenizer"])
-    from tfbig.tokenizer import Tokenizer
+    from tfbig.data import Tokenizer
 
     tokenizer = os.path.join(model_dir, "tokenizer.model")
     if not os.path.isfile(tokenizer):

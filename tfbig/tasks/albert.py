@@ -11,12 +11,11 @@ tokens and draws new token-level masks for every batch (stateless RNG keyed by t
 the batch number, so a resumed run draws the same masks).
 """
 import dataclasses
-import os
 
 import tensorflow as tf
 
-from tfbig import data, manifest as manifest_lib
-from tfbig.albert_data import MaskingOptions, MaskingVocab
+from tfbig import data
+from tfbig.data import MaskingOptions, MaskingVocab
 from tfbig.config import AlbertTrainConfig
 from tfbig.models.albert import AlbertConfig, AlbertForPretraining
 
@@ -36,7 +35,7 @@ class AlbertTask:
         self.train = train
         self.albert = albert or AlbertTrainConfig()
         self.data_dir = train.data_dir or self._prepare_default()
-        self.manifest = manifest_lib.load_manifest(self.data_dir)
+        self.manifest = data.open_manifest(self.data_dir)  # one directory or a mixture
         self.manifest.check(format=self.format)
         self.seq_length = train.seq_length or self.manifest.seq_length
         self.manifest.check(seq_length=self.seq_length)
@@ -52,12 +51,10 @@ class AlbertTask:
 
     def _prepare_default(self):
         """Prepare the embedded Shakespeare corpus in ALBERT format once (cached)."""
-        from tfbig import prepare
-
         seq_length = self.train.seq_length or 128
-        out = prepare.default_data_dir(seq_length=seq_length, vocab_size=8000) + "-albert"
-        return prepare.prepare_locked(out, seq_length=seq_length, format=self.format,
-                                      format_options=dataclasses.asdict(MaskingOptions()))
+        out = data.default_data_dir(seq_length=seq_length, vocab_size=8000) + "-albert"
+        return data.prepare_locked(out, seq_length=seq_length, format=self.format,
+                                   format_options=dataclasses.asdict(MaskingOptions()))
 
     def _model_config(self):
         t, a = self.train, self.albert
@@ -125,9 +122,7 @@ class AlbertTask:
         return {name: float(metrics[name]) for name in ("loss", *METRICS)}
 
     def tokenizer(self):
-        from tfbig.tokenizer import Tokenizer
-
-        return Tokenizer.load(os.path.join(self.data_dir, self.manifest.tokenizer))
+        return data.Tokenizer.load(self.manifest.tokenizer_path)
 
 
 class DynamicMasking:

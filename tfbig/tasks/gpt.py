@@ -7,7 +7,7 @@ import math
 
 import tensorflow as tf
 
-from tfbig import data, manifest as manifest_lib
+from tfbig import data
 from tfbig.models.gpt import GPT, GPTConfig
 
 
@@ -26,7 +26,7 @@ class GPTTask:
     def __init__(self, train):
         self.train = train
         self.data_dir = train.data_dir or self._prepare_default()
-        self.manifest = manifest_lib.load_manifest(self.data_dir)
+        self.manifest = data.open_manifest(self.data_dir)  # one directory or a mixture
         self.manifest.check(format=self.format)
         self.seq_length = train.seq_length or self.manifest.seq_length
         self.manifest.check(seq_length=self.seq_length)
@@ -35,13 +35,11 @@ class GPTTask:
 
     def _prepare_default(self):
         """Prepare the embedded Shakespeare corpus once for the preset's seq_length (cached)."""
-        from tfbig import prepare
-
         seq_length = self.train.seq_length or GPTConfig.from_preset(self.train.preset).seq_length
-        out = prepare.default_data_dir(seq_length, DEFAULT_VOCAB_SIZE)
+        out = data.default_data_dir(seq_length, DEFAULT_VOCAB_SIZE)
         # tfbig owns this cache: data made by an older recipe is rebuilt, not refused.
-        return prepare.prepare_locked(out, seq_length=seq_length, vocab_size=DEFAULT_VOCAB_SIZE,
-                                      overwrite=True)
+        return data.prepare_locked(out, seq_length=seq_length, vocab_size=DEFAULT_VOCAB_SIZE,
+                                   overwrite=True)
 
     def _model_config(self):
         t = self.train
@@ -90,6 +88,4 @@ class GPTTask:
                 "bits_per_byte": self.manifest.bits_per_byte(loss)}
 
     def tokenizer(self):
-        from tfbig.tokenizer import Tokenizer
-
-        return Tokenizer.load(self.manifest.tokenizer_path)
+        return data.Tokenizer.load(self.manifest.tokenizer_path)

@@ -1,11 +1,17 @@
-"""Where documents come from: text/Markdown/JSONL files, a TFDS dataset, or the embedded plays.
+"""Where documents come from: text/Markdown/JSONL files (plain or compressed), Wikipedia dumps,
+a TFDS dataset, or the embedded plays.
 
 The input is cut into `Piece`s: cheap references (a file, a byte range of a file, a range
 of TFDS examples, a play) that a worker process can re-read by itself. Shards are runs of
 pieces, so nothing but these small records crosses process boundaries.
 
 A byte-range piece owns the lines that *start* inside it, so ranges cut anywhere still
-give every line to exactly one piece.
+give every line to exactly one piece. A compressed file (.gz/.bz2/.xz/.zst) and a Wikipedia
+dump are one whole-file piece each, streamed (`tfbig.data.compression`).
+
+JSONL records may carry a group (`jsonl_group_field`, a dotted path such as the Pile's
+`meta.pile_set_name`): `jsonl_groups` keeps only the named groups, and the documents of the
+others are skipped and counted (`skipped["group:<name>"]`).
 
 Example:
     spec = SourceSpec(inputs=("corpus/*.txt",))
@@ -26,9 +32,14 @@ import re
 from collections import Counter
 from collections.abc import Iterator
 
+from tfbig.data import compression, wikipedia
+
 TEXT_SUFFIXES = (".txt", ".text", ".md", ".markdown")
 TFDS_PIECE_BYTES = 16 << 20  # opening a TFDS slice costs ~0.1 s: keep pieces large
 JSONL_SUFFIXES = (".jsonl",)
+WIKI_SUFFIXES = (".xml",)  # MediaWiki XML dumps, e.g. enwiki-...-pages-articles.xml.bz2
+_SUFFIXES = TEXT_SUFFIXES + JSONL_SUFFIXES + WIKI_SUFFIXES
+_WIKI_PART = re.compile(r"\.xml-p\d+p\d+$")  # the parts of a split dump: ...-pages-articles1.xml-p1p41242.bz2
 DEFAULT_VALIDATION_PLAYS = ("coriolanus", "henry-v", "twelfth-night")
 
 
@@ -39,11 +50,18 @@ class SourceSpec:
     inputs: tuple[str, ...] = ()  # files, directories or globs of .txt/.md/.jsonl
     doc_per_line: bool = False  # .txt/.md: each non-empty line is a document
     jsonl_field: str = "text"  # .jsonl: the field that holds the document text
+    jsonl_group_field: str = ""  # .jsonl: dotted path of a record's group, e.g. "meta.pile_set_name"
+    jsonl_groups: tuple[str, ...] = ()  # keep only these groups (empty: all); needs jsonl_group_field
     tfds_name: str = ""  # a TFDS dataset already on disk, e.g. "my_corpus:1.0.0"
     tfds_split: str = "train"  # the TFDS split to read
     tfds_validation_split: str = ""  # a TFDS split to validate on (else validation_fraction)
     tfds_text_key: str = "text"  # the TFDS feature that holds the text
     tfds_data_dir: str | None = None  # TFDS data_dir (default: TFDS's own)
+
+    def __post_init__(self):
+        if self.jsonl_groups and not self.jsonl_group_field:
+            raise ValueError(f"--jsonl_groups={','.join(self.jsonl_groups)} needs --jsonl_group_field (the "
+                             "dotted path of each record's group, e.g. meta.pile_set_name)")
 
     def describe(self) -> str:
         """One line for logs and the manifest."""
@@ -58,14 +76,16 @@ class Piece:
 
     kind: "text" (the file is one document), "lines" (byte range [start, stop), a line
     is a document), "jsonl" (same, a line's field is a document), "play" (a Markdown
-    play, a scene is a document) or "tfds" (examples [start, stop) of the split).
+    play, a scene is a document), "wiki" (a MediaWiki XML dump, an article is a document)
+    or "tfds" (examples [start, stop) of the split). A compressed file is read whole
+    (start=0, stop=its size on disk, size=estimated text bytes).
     """
 
     kind: str
     path: str
     start: int = 0
     stop: int = 0
-    size: int = 0  # source bytes (estimated for tfds)
+    size: int = 0  # source bytes (estimated for tfds and compressed files)
     stamp: str = ""  # changes when the underlying file changes (size, mtime)
 
 
@@ -109,25 +129,43 @@ def resolve_files(inputs: tuple[str, ...]) -> list[str]:
     for pattern in inputs:
         if os.path.isdir(pattern):
             found = sorted(os.path.join(root, name) for root, _, names in os.walk(pattern) for name in names
-                           if name.endswith(TEXT_SUFFIXES + JSONL_SUFFIXES))
+                           if _readable(name))
         elif os.path.isfile(pattern):
             found = [pattern]
         else:
             found = sorted(path for path in glob.glob(pattern, recursive=True) if os.path.isfile(path))
         if not found:
             raise ValueError(f"--input {pattern!r} matches no files; expected a file, a directory "
-                             f"holding {'/'.join(TEXT_SUFFIXES + JSONL_SUFFIXES)} files, or a glob")
+                             f"holding {'/'.join(_SUFFIXES)} files (plain or "
+                             f"{'/'.join(compression.CODECS)}), or a glob")
         files += found
     return files
 
 
+def _readable(name: str) -> bool:
+    """A document file, plain or compressed; x.jsonl.lz4 and the like are refused, not passed over."""
+    suffix = os.path.splitext(name)[1].lower()
+    if suffix in compression.UNSUPPORTED_SUFFIXES and not name[:-len(suffix)].endswith(_SUFFIXES):
+        return False
+    inner = compression.inner_name(name)
+    return inner.endswith(_SUFFIXES) or bool(_WIKI_PART.search(inner))
+
+
+def _kind(path: str, spec: SourceSpec) -> str:
+    name = compression.inner_name(path)
+    if name.endswith(JSONL_SUFFIXES):
+        return "jsonl"
+    if name.endswith(WIKI_SUFFIXES) or _WIKI_PART.search(name):
+        return "wiki"
+    return "lines" if spec.doc_per_line else "text"
+
+
 def _file_pieces(path: str, spec: SourceSpec, piece_bytes: int) -> list[Piece]:
-    size, stamp = os.path.getsize(path), _stamp(path)
-    if path.endswith(JSONL_SUFFIXES):
-        kind = "jsonl"
-    elif spec.doc_per_line:
-        kind = "lines"
-    else:
+    size, stamp, kind = os.path.getsize(path), _stamp(path), _kind(path, spec)
+    if compression.compression_suffix(path) or kind == "wiki":
+        text_bytes = compression.estimated_size(path) if compression.compression_suffix(path) else size
+        return [Piece(kind, path, 0, size, text_bytes, stamp)]
+    if kind == "text":
         return [Piece("text", path, 0, size, size, stamp)]
     return [Piece(kind, path, start, min(start + piece_bytes, size), min(piece_bytes, size - start), stamp)
             for start in range(0, size, piece_bytes)]
@@ -157,7 +195,8 @@ def split_pieces(pieces: list[Piece], validation_fraction: float,
     if count >= len(pieces):
         raise ValueError(f"--validation_fraction={validation_fraction} leaves no training data: the input "
                          f"has only {len(pieces)} piece(s) (a piece is a file, 1 MiB of lines, or 16 MiB of "
-                         "TFDS examples); give more input, set --validation_fraction=0 or --tfds_validation_split")
+                         "TFDS examples; a compressed file or a Wikipedia dump is one piece); give more input files, "
+                         "set --validation_fraction=0 or --tfds_validation_split")
     chosen = {int((k + 0.5) * len(pieces) / count) for k in range(count)}
     train = [p for i, p in enumerate(pieces) if i not in chosen]
     return train, [p for i, p in enumerate(pieces) if i in chosen]
@@ -174,27 +213,62 @@ def _split_plays(pieces: list[Piece], names: tuple[str, ...]) -> tuple[list[Piec
 # ---------------------------------------------------------------- reading
 
 
-def read_documents(piece: Piece, spec: SourceSpec, replaced: Counter) -> Iterator[str]:
-    """Documents of one piece. Undecodable bytes become U+FFFD and are counted per file in `replaced`."""
+def read_documents(piece: Piece, spec: SourceSpec, replaced: Counter, skipped: Counter | None = None) -> Iterator[str]:
+    """Documents of one piece. Undecodable bytes become U+FFFD and are counted per file in `replaced`;
+    documents left out (other JSONL groups, Wikipedia redirects and non-articles) are counted in `skipped`."""
+    for _, text in read_records(piece, spec, replaced, Counter() if skipped is None else skipped):
+        yield text
+
+
+def read_records(piece: Piece, spec: SourceSpec, replaced: Counter, skipped: Counter) -> Iterator[tuple[str, str]]:
+    """(group, document) pairs of one piece; the group is "" unless spec.jsonl_group_field is set."""
     if piece.kind == "text":
-        with open(piece.path, "rb") as file:
+        with _open(piece.path) as file:
             text = _decode(file.read(), piece.path, replaced)
         if text.strip():
-            yield text
+            yield "", text
     elif piece.kind == "play":
         with open(os.path.join(plays_root(), piece.path), "rb") as file:
-            yield from play_scenes(_decode(file.read(), piece.path, replaced))
+            yield from (("", scene) for scene in play_scenes(_decode(file.read(), piece.path, replaced)))
     elif piece.kind in ("lines", "jsonl"):
-        for offset, raw in _lines_in_range(piece.path, piece.start, piece.stop):
-            text = _decode(raw, piece.path, replaced).rstrip("\r\n")
-            if piece.kind == "jsonl" and text.strip():
-                text = _jsonl_text(text, piece.path, offset, spec.jsonl_field)
-            if text.strip():
-                yield text
+        yield from _line_records(piece, spec, replaced, skipped)
+    elif piece.kind == "wiki":
+        with _open(piece.path) as file:
+            yield from (("", text) for text in wikipedia.articles(file, piece.path, skipped))
     elif piece.kind == "tfds":
-        yield from _tfds_documents(piece, spec, replaced)
+        yield from (("", text) for text in _tfds_documents(piece, spec, replaced))
     else:
         raise ValueError(f"unknown piece kind {piece.kind!r}")
+
+
+def _open(path: str):
+    return compression.open_stream(path) if compression.compression_suffix(path) else open(path, "rb")
+
+
+def _line_records(piece: Piece, spec: SourceSpec, replaced: Counter, skipped: Counter) -> Iterator[tuple[str, str]]:
+    wanted = set(spec.jsonl_groups)
+    for offset, raw in _lines(piece):
+        text = _decode(raw, piece.path, replaced).rstrip("\r\n")
+        group = ""
+        if piece.kind == "jsonl" and text.strip():
+            group, text = _jsonl_record(text, piece, offset, spec)
+            if wanted and group not in wanted:
+                skipped[f"group:{group}"] += 1
+                continue
+        if text.strip():
+            yield group, text
+
+
+def _lines(piece: Piece) -> Iterator[tuple[int, bytes]]:
+    """(offset in the decompressed text, line) of a piece's lines."""
+    if not compression.compression_suffix(piece.path):
+        yield from _lines_in_range(piece.path, piece.start, piece.stop)
+        return
+    offset = 0
+    with compression.open_stream(piece.path) as stream:
+        for line in stream:
+            yield offset, line
+            offset += len(line)
 
 
 def _decode(raw: bytes, path: str, replaced: Counter) -> str:
@@ -219,16 +293,35 @@ def _lines_in_range(path: str, start: int, stop: int) -> Iterator[tuple[int, byt
             yield offset, line
 
 
-def _jsonl_text(line: str, path: str, offset: int, field: str) -> str:
+def _jsonl_record(line: str, piece: Piece, offset: int, spec: SourceSpec) -> tuple[str, str]:
+    """(group, text) of one JSONL line; errors name the file, the line number and its byte offset."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as error:
-        raise ValueError(f"{path}: invalid JSON in the line at byte {offset}: {error}") from error
+        raise ValueError(f"{_where(piece, offset)}: invalid JSON ({error}); each line of a .jsonl file must be "
+                         "one JSON object") from error
+    field = spec.jsonl_field
     if not isinstance(record, dict) or not isinstance(record.get(field), str):
         keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-        raise ValueError(f"{path}: the line at byte {offset} has no string field {field!r} "
-                         f"(found {keys}); set --jsonl_field")
-    return record[field]
+        raise ValueError(f"{_where(piece, offset)}: no string field {field!r} (found {keys}); set --jsonl_field")
+    if not spec.jsonl_group_field:
+        return "", record[field]
+    group = record
+    for key in spec.jsonl_group_field.split("."):
+        group = group.get(key) if isinstance(group, dict) else None
+    if not isinstance(group, str):
+        raise ValueError(f"{_where(piece, offset)}: no string at --jsonl_group_field={spec.jsonl_group_field!r} "
+                         f"(top-level fields {sorted(record)})")
+    return group, record[field]
+
+
+def _where(piece: Piece, offset: int) -> str:
+    """'file: line N (byte B)', B counted in the decompressed text; the line number is counted only here."""
+    line, left = 1, offset
+    with _open(piece.path) as file:
+        while left > 0 and (block := file.read(min(1 << 20, left))):
+            line, left = line + block.count(b"\n"), left - len(block)
+    return f"{piece.path}: line {line} (byte {offset})"
 
 
 # ---------------------------------------------------------------- embedded Shakespeare

@@ -22,8 +22,8 @@ from collections.abc import Iterator
 import numpy as np
 from absl import logging
 
-from tfbig import formats, sources, tfrecord
-from tfbig.tokenizer import Tokenizer
+from tfbig.data import formats, sources, tfrecord
+from tfbig.data.tokenizer import Tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +43,8 @@ class ShardJob:
     vocab_size: int
     seed: int = 0
     format_options: tuple[tuple[str, object], ...] = ()  # sorted (name, value) pairs
+    group: str = ""  # write only this JSONL group's documents (per-group shards); "" = all kept groups
+    count_skipped: bool = True  # count skipped documents (once per piece when groups share pieces)
 
     @property
     def options(self) -> dict:
@@ -51,8 +53,9 @@ class ShardJob:
 
     @property
     def file(self) -> str:
-        """Shard file name, e.g. train-00003-of-00008.tfrecord."""
-        return f"{self.split}-{self.index:05d}-of-{self.num_shards:05d}.tfrecord"
+        """Shard file name, e.g. train-00003-of-00008.tfrecord, or train-pile_cc-00003-of-00008.tfrecord."""
+        group = f"-{group_slug(self.group)}" if self.group else ""
+        return f"{self.split}{group}-{self.index:05d}-of-{self.num_shards:05d}.tfrecord"
 
     @property
     def path(self) -> str:
@@ -68,8 +71,14 @@ class ShardJob:
     def fingerprint(self) -> str:
         """Hash of everything that decides this shard's bytes."""
         content = {"file": self.file, "pieces": [dataclasses.astuple(p) for p in self.pieces],
-                   "spec": dataclasses.asdict(self.spec), "seed": self.seed, **self.config()}
+                   "spec": dataclasses.asdict(self.spec), "seed": self.seed, "group": self.group, **self.config()}
         return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
+
+
+def group_slug(group: str) -> str:
+    """A file-name-safe form of a group name: 'Pile-CC' -> 'pile-cc', 'Wikipedia (en)' -> 'wikipedia_en'."""
+    slug = "".join(c if c.isalnum() or c == "-" else "_" for c in group.lower()).strip("_")
+    return "_".join(part for part in slug.split("_") if part) or "group"
 
 
 def write_shards(jobs: list[ShardJob], num_workers: int) -> list[dict]:
@@ -121,8 +130,8 @@ def write_shard(job: ShardJob) -> dict:
     """Tokenize, pack and write one shard (temp file + rename), then its sidecar."""
     tokenizer, byte_lengths = _tokenizer(job.tokenizer_path, job.tokenizer_sha256)
     record_format = formats.get_format(job.format)
-    replaced = Counter()
-    documents = _tokenized(job, tokenizer, replaced)
+    replaced, skipped, groups = Counter(), Counter(), {}
+    documents = _tokenized(job, tokenizer, replaced, skipped, groups)
     records = tokens = source_bytes = 0
     with tfrecord.RecordWriter(job.path + ".tmp") as writer:
         for batch in record_format.make_examples(documents, job.seq_length, tokenizer, job.seed, **job.options):
@@ -133,16 +142,24 @@ def write_shard(job: ShardJob) -> dict:
     os.replace(job.path + ".tmp", job.path)
     done = {"file": job.file, "records": records, "tokens": tokens, "bytes": source_bytes,
             "sha256": writer.sha256.hexdigest(), "file_bytes": writer.num_bytes,
-            "replaced": dict(replaced), "fingerprint": job.fingerprint(), "config": job.config()}
+            "replaced": dict(replaced), "skipped": dict(skipped) if job.count_skipped else {}, "groups": groups,
+            "group": job.group, "fingerprint": job.fingerprint(), "config": job.config()}
     _write_json(job.path + ".done", done)
     logging.info("%s: %d records, %d tokens, %.1f MB", job.file, records, tokens, writer.num_bytes / 1e6)
     return done
 
 
-def _tokenized(job: ShardJob, tokenizer: Tokenizer, replaced: Counter) -> Iterator[list[int]]:
+def _tokenized(job: ShardJob, tokenizer: Tokenizer, replaced: Counter, skipped: Counter,
+               groups: dict) -> Iterator[list[int]]:
+    """Token ids of the job's documents; counts documents and their tokens per group in `groups`."""
     for piece in job.pieces:
-        for document in sources.read_documents(piece, job.spec, replaced):
-            yield tokenizer.encode(document)
+        for group, document in sources.read_records(piece, job.spec, replaced, skipped):
+            if job.group and group != job.group:
+                continue  # another group's shard holds it
+            ids = tokenizer.encode(document)
+            counts = groups.setdefault(group, {"documents": 0, "tokens": 0})
+            counts["documents"], counts["tokens"] = counts["documents"] + 1, counts["tokens"] + len(ids)
+            yield ids
 
 
 _TOKENIZERS: dict[tuple[str, str], tuple[Tokenizer, np.ndarray]] = {}

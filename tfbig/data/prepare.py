@@ -28,14 +28,14 @@ from collections import Counter
 import numpy as np
 from absl import logging
 
-from tfbig import formats, shards, sources, tfrecord
-from tfbig.manifest import MANIFEST_NAME, Manifest, ShardInfo, SplitInfo, load_manifest, write_manifest
-from tfbig.tokenizer import Tokenizer
+from tfbig.data import formats, shards, sources, tfrecord
+from tfbig.data.manifest import MANIFEST_NAME, Manifest, ShardInfo, SplitInfo, load_manifest, write_manifest
+from tfbig.data.tokenizer import Tokenizer
 
 TOKENIZER_NAME = "tokenizer.model"
 PIECE_BYTES = 1 << 20  # input granularity: shards are runs of pieces
 SAMPLE_BYTES = 256 << 10  # text tokenized up front to estimate shard sizes
-_SHARD_FILE = re.compile(r"^(train|validation)-\d{5}-of-\d{5}\.tfrecord(\.done|\.tmp)?$")
+_SHARD_FILE = re.compile(r"^(train|validation)(-[\w-]+)?-\d{5}-of-\d{5}\.tfrecord(?P<suffix>\.done|\.tmp)?$")
 
 
 def default_data_dir(seq_length: int, vocab_size: int = 8000) -> str:
@@ -60,26 +60,29 @@ def prepare_locked(output_dir: str, **kwargs) -> str:
 def prepare(inputs: list[str] | None = None, output_dir: str | None = None, seq_length: int = 1024,
             vocab_size: int = 8000, shard_size_mb: float = 1024, num_workers: int = 1, format: str = "gpt", *,
             tokenizer: str | None = None, doc_per_line: bool = False, jsonl_field: str = "text",
+            jsonl_group_field: str = "", jsonl_groups: tuple[str, ...] = (), shard_by_group: bool = False,
             tfds_name: str = "", tfds_split: str = "train", tfds_text_key: str = "text",
             tfds_data_dir: str | None = None, tfds_validation_split: str = "", validation_fraction: float = 0.01,
             validation_plays: tuple[str, ...] = sources.DEFAULT_VALIDATION_PLAYS,
             tokenizer_sample_mb: float = 512, overwrite: bool = False, seed: int = 0,
-            format_options: dict | None = None) -> Manifest:
+            format_options: dict | None = None, runner: str = "local", beam_options: tuple[str, ...] = ()) -> Manifest:
     """Prepare a data directory and return its manifest.
 
     Args:
-      inputs: files, directories or globs of .txt/.md/.jsonl; None (and no tfds_name)
-        means the embedded Shakespeare plays.
+      inputs: files, directories or globs of .txt/.md/.jsonl and Wikipedia .xml dumps, plain or
+        .gz/.bz2/.xz/.zst (streamed); None (and no tfds_name) means the embedded Shakespeare plays.
       output_dir: where shards, tokenizer.model and manifest.json go; None means
         `default_data_dir(seq_length, vocab_size)` for the embedded corpus.
       seq_length: tokens the model sees per example (records hold seq_length + 1).
       vocab_size: size of the tokenizer to train (checked against a given one).
       shard_size_mb: target size of one shard file, in MiB.
       num_workers: processes that tokenize and write shards.
-      format: record format, a key of `tfbig.formats.FORMATS`.
+      format: record format, a key of `tfbig.data.FORMATS`.
       tokenizer: an existing SentencePiece .model to use (copied next to the shards)
         instead of training one.
-      doc_per_line, jsonl_field, tfds_*: see `tfbig.sources.SourceSpec`.
+      doc_per_line, jsonl_field, jsonl_group_field, jsonl_groups, tfds_*: see `tfbig.data.SourceSpec`.
+      shard_by_group: each shard holds one of `jsonl_groups` (file names carry the group), so one
+        prep writes per-component shards (e.g. of the Pile); the manifest lists each shard's group.
       validation_fraction: share of input pieces (files, 1 MiB line ranges, TFDS example
         ranges) held out; unused with tfds_validation_split.
       validation_plays: embedded corpus only: plays held out for validation.
@@ -87,16 +90,26 @@ def prepare(inputs: list[str] | None = None, output_dir: str | None = None, seq_
       overwrite: replace a directory prepared with other settings instead of refusing.
       seed: tokenizer training seed (and the format's, if it uses randomness).
       format_options: keyword options of the record format (e.g. for "albert" the
-        `tfbig.albert_data.MaskingOptions` fields), recorded in the manifest.
+        `tfbig.data.MaskingOptions` fields), recorded in the manifest.
+      runner: "local" (num_workers processes on this host) or an Apache Beam runner ("direct",
+        "dataflow", "spark", "flink", "portable"; see `tfbig.data.beam`): the same shards and manifest.
+      beam_options: extra Beam pipeline options (e.g. "--project=p", "--region=r") for a Beam runner.
     """
-    spec = sources.SourceSpec(tuple(inputs or ()), doc_per_line, jsonl_field, tfds_name, tfds_split,
-                              tfds_validation_split, tfds_text_key, tfds_data_dir)
+    spec = sources.SourceSpec(tuple(inputs or ()), doc_per_line, jsonl_field, jsonl_group_field, tuple(jsonl_groups),
+                              tfds_name, tfds_split, tfds_validation_split, tfds_text_key, tfds_data_dir)
+    if shard_by_group and not jsonl_groups:
+        raise ValueError("--shard_by_group needs --jsonl_groups: the groups to write shards of (e.g. "
+                         "--jsonl_group_field=meta.pile_set_name --jsonl_groups=Pile-CC,Github)")
     output_dir = _output_dir(output_dir, spec, seq_length, vocab_size)
     record_format = formats.get_format(format)
     _check_positive(seq_length=seq_length, vocab_size=vocab_size, shard_size_mb=shard_size_mb, num_workers=num_workers)
+    if runner != "local":
+        from tfbig.data import beam
+
+        beam.runner_name(runner)  # an unknown runner is refused before any work
     train, validation = sources.plan_splits(spec, _piece_bytes(shard_size_mb), validation_fraction, validation_plays)
     settings = {"format": format, "seq_length": seq_length, "vocab_size": vocab_size, "seed": seed,
-                "shard_size_mb": shard_size_mb, "spec": dataclasses.asdict(spec)}
+                "shard_size_mb": shard_size_mb, "spec": dataclasses.asdict(spec), "shard_by_group": shard_by_group}
     if format_options:
         settings["format_options"] = dict(sorted(format_options.items()))
     os.makedirs(output_dir, exist_ok=True)
@@ -109,12 +122,20 @@ def prepare(inputs: list[str] | None = None, output_dir: str | None = None, seq_
     if manifest is not None:
         return manifest
     jobs = _plan_jobs(output_dir, spec, settings, {"train": train, "validation": validation}, tokenizer_sha)
-    results = shards.write_shards(jobs, num_workers)
+    results = _write(jobs, num_workers, runner, beam_options)
     manifest = _manifest(output_dir, settings, jobs, results, spec, key, record_format)
     write_manifest(manifest)
     _remove_stale_files(output_dir, manifest)
     _log_summary(manifest)
     return manifest
+
+
+def _write(jobs, num_workers: int, runner: str, beam_options: tuple[str, ...]) -> list[dict]:
+    if runner == "local":
+        return shards.write_shards(jobs, num_workers)
+    from tfbig.data import beam  # optional extra
+
+    return beam.write_shards(jobs, runner, num_workers, tuple(beam_options))
 
 
 def _output_dir(output_dir: str | None, spec: sources.SourceSpec, seq_length: int, vocab_size: int) -> str:
@@ -289,17 +310,31 @@ def _plan_jobs(output_dir, spec, settings, splits: dict, tokenizer_sha: str) -> 
     tokenizer_path = os.path.join(output_dir, TOKENIZER_NAME)
     ratio = _record_bytes_per_source_byte(splits["train"], spec, tokenizer_path, settings["seq_length"])
     target = settings["shard_size_mb"] * 2**20 / ratio  # source bytes per shard
+    # Per-group shards: every group's shards read the same runs of pieces and keep their own
+    # documents, so a group's shards are smaller than --shard_size_mb by its share of the text.
+    record_groups = spec.jsonl_groups if settings["shard_by_group"] else ("",)
     jobs = []
     for split, pieces in splits.items():
-        groups = _balanced_groups(pieces, target)
+        runs = _balanced_groups(pieces, target)
         text = sum(piece.size for piece in pieces)
-        logging.info("%s: %d shard(s) of ~%.1f MiB from %.1f MiB of text in %d piece(s)", split, len(groups),
-                     text / max(len(groups), 1) / target * settings["shard_size_mb"], text / 2**20, len(pieces))
-        jobs += [shards.ShardJob(split, index, len(groups), tuple(group), spec, output_dir, settings["format"],
+        logging.info("%s: %d shard(s) of ~%.1f MiB from %.1f MiB of text in %d piece(s)", split,
+                     len(runs) * len(record_groups), text / max(len(runs), 1) / target * settings["shard_size_mb"],
+                     text / 2**20, len(pieces))
+        jobs += [shards.ShardJob(split, index, len(runs), tuple(run), spec, output_dir, settings["format"],
                                  settings["seq_length"], tokenizer_path, tokenizer_sha, settings["vocab_size"],
-                                 settings["seed"], tuple(settings.get("format_options", {}).items()))
-                 for index, group in enumerate(groups)]
+                                 settings["seed"], tuple(settings.get("format_options", {}).items()),
+                                 group=group, count_skipped=group == record_groups[0])
+                 for group in record_groups for index, run in enumerate(runs)]
+    _check_group_names(record_groups)
     return jobs
+
+
+def _check_group_names(groups) -> None:
+    slugs = Counter(shards.group_slug(group) for group in groups)
+    clashes = sorted(group for group in groups if slugs[shards.group_slug(group)] > 1)
+    if clashes:
+        raise ValueError(f"--jsonl_groups {clashes} give the same shard file name "
+                         f"({shards.group_slug(clashes[0])}); --shard_by_group needs distinct names")
 
 
 def _record_bytes_per_source_byte(pieces, spec, tokenizer_path: str, seq_length: int) -> float:
@@ -337,9 +372,10 @@ def _manifest(output_dir, settings, jobs, results, spec, key, record_format) -> 
     tokenizer = Tokenizer.load(os.path.join(output_dir, TOKENIZER_NAME))
     splits = {}
     for split in ("train", "validation"):
-        infos = [ShardInfo(r["file"], r["records"], r["tokens"], r["bytes"], r["sha256"])
+        infos = [ShardInfo(r["file"], r["records"], r["tokens"], r["bytes"], r["sha256"], job.group)
                  for job, r in zip(jobs, results) if job.split == split]
         splits[split] = SplitInfo(tuple(infos))
+    counts = _group_counts(jobs, results)
     if not splits["train"].records:
         raise ValueError(f"input {spec.describe()} gave no training example of {settings['seq_length'] + 1} tokens; "
                          "give more text or a smaller --seq_length")
@@ -347,10 +383,27 @@ def _manifest(output_dir, settings, jobs, results, spec, key, record_format) -> 
     info = {"source": spec.describe(), "prep_key": key, "shard_size_mb": settings["shard_size_mb"],
             "replaced_chars": sum(replaced.values()), "replaced_chars_by_file": dict(replaced.most_common(100)),
             "features": record_format.features(settings["seq_length"], **settings.get("format_options", {})),
-            "format_options": settings.get("format_options", {})}
+            "format_options": settings.get("format_options", {}), **counts}
     info = json.loads(json.dumps(info))  # as load_manifest will see it
     return Manifest(output_dir, settings["format"], settings["seq_length"], tokenizer.vocab_size, TOKENIZER_NAME,
                     tokenizer.eos_id, tokenizer.pad_id, splits, shards.file_sha256(tokenizer.path), info)
+
+
+def _group_counts(jobs, results) -> dict:
+    """Per split: documents and their tokens per JSONL group, and skipped documents per reason."""
+    groups, skipped = {}, {}
+    for job, result in zip(jobs, results):
+        split_groups = groups.setdefault(job.split, {})
+        for group, counts in result.get("groups", {}).items():
+            total = split_groups.setdefault(group, {"documents": 0, "tokens": 0})
+            total["documents"] += counts["documents"]
+            total["tokens"] += counts["tokens"]
+        split_skipped = skipped.setdefault(job.split, Counter())
+        split_skipped.update(result.get("skipped", {}))
+    counts = {"skipped": {split: dict(sorted(c.items())) for split, c in skipped.items()}}
+    if any(group for split_groups in groups.values() for group in split_groups):
+        counts["groups"] = {split: dict(sorted(g.items())) for split, g in groups.items()}
+    return counts
 
 
 def _remove_stale_files(output_dir: str, manifest: Manifest) -> None:
@@ -360,7 +413,7 @@ def _remove_stale_files(output_dir: str, manifest: Manifest) -> None:
         match = _SHARD_FILE.match(name)
         if not match:
             continue
-        if match.group(2) == ".tmp" or name.removesuffix(match.group(2) or "") not in keep:
+        if match["suffix"] == ".tmp" or name.removesuffix(match["suffix"] or "") not in keep:
             os.remove(os.path.join(output_dir, name))
 
 
@@ -370,6 +423,9 @@ def _log_summary(manifest: Manifest) -> None:
                      split.records, split.tokens, split.bytes)
         if split.shards and not split.records:
             logging.warning("%s split has no complete record of seq_length + 1 tokens", name)
+    for split, reasons in manifest.info.get("skipped", {}).items():
+        for reason, count in reasons.items():
+            logging.info("%s: skipped %d document(s): %s", split, count, reason)
     for path, count in manifest.info["replaced_chars_by_file"].items():
         logging.warning("%s: %d undecodable byte sequence(s) replaced with U+FFFD", path, count)
     logging.info("wrote %s", manifest.path)

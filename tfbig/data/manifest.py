@@ -37,6 +37,7 @@ class ShardInfo:
     tokens: int
     bytes: int
     sha256: str
+    group: str = ""  # per-group shards (tfbig-prep --shard_by_group): the JSONL group it holds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +61,10 @@ class SplitInfo:
         """UTF-8 bytes of source text those tokens spell."""
         return sum(shard.bytes for shard in self.shards)
 
+    def of_group(self, group: str) -> "SplitInfo":
+        """The shards holding one JSONL group (made with --shard_by_group)."""
+        return SplitInfo(tuple(shard for shard in self.shards if shard.group == group))
+
     def __getitem__(self, key: str):
         """JSON-style access, as in manifest.json: split["tokens"] == split.tokens."""
         if key not in ("shards", "records", "tokens", "bytes"):
@@ -68,7 +73,8 @@ class SplitInfo:
 
     def to_json(self) -> dict:
         """The split as in manifest.json."""
-        shards = [dataclasses.asdict(shard) for shard in self.shards]
+        shards = [{key: value for key, value in dataclasses.asdict(shard).items() if key != "group" or value}
+                  for shard in self.shards]
         return {"shards": shards, "records": self.records, "tokens": self.tokens, "bytes": self.bytes}
 
 

@@ -15,10 +15,13 @@ Example:
     batch = next(iter(dataset))  # {"input_ids": int32 [8, 257]}
 """
 
+import functools
+
+import numpy as np
 import tensorflow as tf
 
-from tfbig import formats
-from tfbig.manifest import load_manifest
+from tfbig.data import formats, mixture
+from tfbig.data.manifest import load_manifest
 
 READ_BUFFER_BYTES = 8 << 20
 MAX_PARALLEL_FILES = 8
@@ -36,7 +39,9 @@ def make_dataset(data_dir: str, split: str, batch_size: int, *, format: str = "g
     """Batches of one split of a prepared data directory.
 
     Args:
-      data_dir: directory holding manifest.json (made by tfbig-prep / `prepare`).
+      data_dir: directory holding manifest.json (made by tfbig-prep / `prepare`), or a weighted
+        mixture of such directories ("a:0.6,b:0.4" or a mixture file, see `tfbig.data.mixture`):
+        its train split mixes the sources by weight, its validation split is all of theirs.
       split: "train" or "validation".
       batch_size: examples per batch this pipeline yields (for tf.distribute, the
         per-replica batch: `input_context.get_per_replica_batch_size(global_batch)`).
@@ -57,8 +62,24 @@ def make_dataset(data_dir: str, split: str, batch_size: int, *, format: str = "g
     Returns:
       A dataset of feature dicts; for "gpt": {"input_ids": int32 [batch_size, seq_length + 1]}.
     """
+    if mixture.is_mixture(data_dir):
+        return make_mixture_dataset(
+            data_dir, split, batch_size, format=format, seq_length=seq_length, vocab_size=vocab_size,
+            input_context=input_context, seed=seed, shuffle=shuffle, repeat=repeat, deterministic=deterministic,
+            skip_corrupt=skip_corrupt, skip_batches=skip_batches, drop_remainder=drop_remainder,
+            shuffle_buffer=shuffle_buffer)
     manifest = load_manifest(data_dir)
     manifest.check(format=format, seq_length=seq_length, vocab_size=vocab_size)
+    records = split_records(manifest, split, input_context, seed, shuffle, repeat, deterministic, skip_corrupt,
+                            shuffle_buffer)
+    if skip_batches:  # skipping records before batching equals skipping batches, unparsed
+        records = records.skip(skip_batches * batch_size)
+    return batched(records, manifest, format, batch_size, drop_remainder, deterministic or not shuffle)
+
+
+def split_records(manifest, split: str, input_context, seed: int, shuffle: bool, repeat: bool,
+                  deterministic: bool, skip_corrupt: bool, shuffle_buffer: int) -> tf.data.Dataset:
+    """Serialized records of one split for this input pipeline: sharded, shuffled, repeated."""
     shards = manifest.split(split).shards
     if not shards:
         raise ValueError(f"{manifest.path}: split {split!r} has no shards")
@@ -77,13 +98,54 @@ def make_dataset(data_dir: str, split: str, batch_size: int, *, format: str = "g
         records = records.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
     if repeat:
         records = records.repeat()
-    if skip_batches:  # skipping records before batching equals skipping batches, unparsed
-        records = records.skip(skip_batches * batch_size)
+    return records
+
+
+def batched(records: tf.data.Dataset, manifest, format: str, batch_size: int, drop_remainder: bool,
+            ordered: bool) -> tf.data.Dataset:
+    """Serialized records -> parsed feature batches, prefetched."""
     options = manifest.info.get("format_options", {})  # e.g. ALBERT's max_predictions_per_seq
     parse = _parser(formats.get_format(format).features(manifest.seq_length, **options))
     batches = records.batch(batch_size, drop_remainder=drop_remainder)
     batches = batches.map(parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=ordered)
     return batches.prefetch(tf.data.AUTOTUNE).with_options(_options(ordered))
+
+
+def make_mixture_dataset(spec: str, split: str, batch_size: int, *, format: str = "gpt", seq_length=None,
+                         vocab_size=None, input_context=None, seed: int = 0, shuffle: bool = True,
+                         repeat: bool = True, deterministic: bool = False, skip_corrupt: bool = False,
+                         skip_batches: int = 0, drop_remainder: bool = True, shuffle_buffer: int = 10_000):
+    """`make_dataset` for a mixture (same arguments): train mixes the sources by weight (`tfbig.data.mixture`)."""
+    manifest = mixture.mixture_manifest(spec)
+    manifest.check(format=format, seq_length=seq_length, vocab_size=vocab_size)
+    ordered = deterministic or not shuffle
+    read = functools.partial(split_records, input_context=input_context, seed=seed, shuffle=shuffle,
+                             deterministic=deterministic, skip_corrupt=skip_corrupt, shuffle_buffer=shuffle_buffer)
+    if split != "train":  # every source's split, one after another
+        records = read(manifest, split, repeat=repeat)
+        return batched(records.skip(skip_batches * batch_size), manifest, format, batch_size,
+                               drop_remainder, ordered)
+    if not repeat:
+        raise ValueError(f"--data_dir={spec!r}: a mixture's train split samples its sources forever; read it "
+                         "with repeat=True (or read one source's directory)")
+    sources = mixture.parse_mixture(spec)
+    start = skip_batches * batch_size
+    positions = mixture.source_counts(sources.probabilities, seed, start)  # where each source stopped
+    streams = [read(mixture.source_manifest(data_dir, group), "train", repeat=True).skip(int(position))
+               for data_dir, group, position in zip(sources.data_dirs, sources.groups, positions)]
+    choices = _choice_dataset(sources.probabilities, seed, start)
+    records = tf.data.Dataset.choose_from_datasets(streams, choices)
+    return batched(records, manifest, format, batch_size, drop_remainder, ordered)
+
+
+def _choice_dataset(probabilities: np.ndarray, seed: int, start: int):
+    """Source indices of examples start, start + 1, ... (the same sequence as `mixture.block_choices`)."""
+    def block(index):
+        choices = tf.numpy_function(lambda b: mixture.block_choices(probabilities, seed, int(b)), [index], tf.int64)
+        return tf.ensure_shape(choices, [mixture.CHOICE_BLOCK])
+
+    blocks = tf.data.Dataset.range(start // mixture.CHOICE_BLOCK, np.iinfo(np.int64).max).map(block)
+    return blocks.unbatch().skip(start % mixture.CHOICE_BLOCK)
 
 
 def count_records(data_dir: str, split: str) -> int:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
-from tfbig import albert_data
+from tfbig.data import albert
 
 ROWS_PER_BATCH = 512  # examples built, serialized and written together
 
@@ -71,8 +71,8 @@ def _rows(pieces: list[np.ndarray], width: int) -> tuple[np.ndarray, np.ndarray]
 
 FORMATS = {
     "gpt": Format(gpt_features, gpt_examples, token_feature="input_ids"),
-    # BERT/ALBERT pretraining features (sentence-order pairs, static masks): tfbig.albert_data.
-    "albert": Format(albert_data.albert_features, albert_data.albert_examples,
+    # BERT/ALBERT pretraining features (sentence-order pairs, static masks): tfbig.data.albert.
+    "albert": Format(albert.albert_features, albert.albert_examples,
                      token_feature="input_ids"),
 }
 
