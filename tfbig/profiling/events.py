@@ -22,15 +22,16 @@ def read_scalars(run_dir, splits=SPLITS):
 
     if not os.path.isdir(run_dir):
         raise FileNotFoundError(f"{run_dir}: no such run directory (a tfbig-train --model_dir)")
-    found = {}
+    found, text = {}, tf.string.as_datatype_enum
     for split in splits:
         values = {}
         for path in sorted(glob.glob(os.path.join(run_dir, split, "events.out.tfevents.*"))):
-            for event in tf.compat.v1.train.summary_iterator(path):
+            for record in tf.data.TFRecordDataset(path):  # event files are TFRecords
+                event = tf.compat.v1.Event.FromString(record.numpy())
                 for value in event.summary.value:
                     if value.HasField("simple_value"):
                         number = float(value.simple_value)
-                    elif value.HasField("tensor") and value.tensor.dtype != tf.string.as_datatype_enum:
+                    elif value.HasField("tensor") and value.tensor.dtype != text:
                         number = float(tf.make_ndarray(value.tensor))
                     else:  # text summaries (the generated samples)
                         continue
