@@ -39,6 +39,12 @@ base() {
     # the image's apt reads the same mirror; nothing cached is kept in the layer
     rm -rf "$ROOTFS"/var/cache/apt/archives/*.deb "$ROOTFS"/var/lib/apt/lists/*
   fi
+  # The base trusts what this host trusts: behind a TLS-inspecting proxy (as here) pip in the
+  # build fails with CERTIFICATE_VERIFY_FAILED without the host's local CAs.
+  if compgen -G "/usr/local/share/ca-certificates/*.crt" >/dev/null; then
+    cp /usr/local/share/ca-certificates/*.crt "$ROOTFS/usr/local/share/ca-certificates/"
+    chroot "$ROOTFS" update-ca-certificates >/dev/null
+  fi
   tar -C "$ROOTFS" -c . | engine import --change 'CMD ["/bin/bash"]' - "$BASE_IMAGE"
 }
 
