@@ -2,6 +2,7 @@
 traceback (nor TensorFlow's cuInit noise), while genuine bugs keep their traceback."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -30,6 +31,15 @@ def command(name, *args, timeout=300):
 def train_flags(data_dir, model_dir, **extra):
     return [f"--{k}={v}" for k, v in {**TINY, "data_dir": data_dir, "model_dir": model_dir,
                                       **extra}.items()]
+
+
+def test_the_last_line_of_a_run_says_steps_wall_time_and_bits_per_byte():
+    from tfbig.train import done_line
+
+    summary = {"step": 500, "eval": {"loss": 4.95, "bits_per_byte": 2.23571}}
+    assert done_line(summary, 601.4) == (
+        "done: step 500, 10 min 1 s wall in this process, validation bits per byte 2.2357")
+    assert done_line({"step": 3, "eval": {}}, 59.6) == "done: step 3, 1 min 0 s wall in this process"
 
 
 def test_train_help_lists_its_own_flags_by_section():
@@ -135,6 +145,7 @@ def test_run_without_validation_split_trains_and_a_damaged_resume_is_one_line(
                           f"evaluation (prepare the data with tfbig-prep "
                           f"--validation_fraction > 0 to evaluate)\n"), out
     assert "validation:" not in out and f"checkpoint: {model_dir}/ckpt-2" in out
+    assert re.fullmatch(r"done: step 2, 0 min \d+ s wall in this process", out.splitlines()[-1])
     assert "cuInit" not in err and "Traceback" not in err
     with open(model_dir / "ckpt-2.data-00000-of-00001", "r+b") as f:
         f.truncate(100)

@@ -8,6 +8,7 @@ Example:
 """
 import os
 import sys
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -22,6 +23,7 @@ PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM: schedulers (TFJob ExitCode policy) r
 
 
 def main(argv):
+    started = time.monotonic()
     if len(argv) > 1:
         raise UsageError(f"unexpected arguments {argv[1:]}; every option is a --flag")
     if flags.FLAGS.model == "albert" and not flags.FLAGS["optimizer"].present:
@@ -63,7 +65,17 @@ def main(argv):
                                min(trainer.cfg.train.sample_tokens, trainer.model.config.seq_length - 1),
                                seed=trainer.cfg.train.seed)
             print("sample:\n" + text)
+        print(done_line(summary, time.monotonic() - started))
     trainer.strategy.shutdown()
+
+
+def done_line(summary, seconds):
+    """The run's last line, one a user can paste: steps, this process's wall time (data
+    preparation included) and the validation bits per byte."""
+    minutes, rest = divmod(round(seconds), 60)
+    line = f"done: step {summary['step']}, {minutes} min {rest} s wall in this process"
+    bpb = summary["eval"].get("bits_per_byte") if summary["eval"] else None
+    return line + (f", validation bits per byte {bpb:.4f}" if bpb is not None else "")
 
 
 def _samples(trainer):
