@@ -68,6 +68,33 @@ def write_layout(directory, filename, layout):
     os.replace(path + ".tmp", path)
 
 
+def read_layout(model_dir, filename):
+    """The JSON layout MODEL_DIR/FILENAME of a sharded checkpoint, or None when it is absent
+    (the run did not use that layout)."""
+    path = os.path.join(model_dir, filename)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def consolidation_input(model_dir, out_dir, filename, what):
+    """The checks before consolidating run `model_dir` (layout `filename`, a run of `what`)
+    into a single-device checkpoint in `out_dir`; returns (layout, the run's config)."""
+    import tensorflow as tf
+    from tfbig import config as config_lib
+
+    layout = read_layout(model_dir, filename)
+    if layout is None:
+        raise ValueError(f"{model_dir} has no {filename}: it is not {what}")
+    if os.path.abspath(out_dir) == os.path.abspath(model_dir):
+        raise ValueError("the output directory must differ from the run's (it is only read)")
+    if tf.train.latest_checkpoint(out_dir):
+        raise ValueError(f"{out_dir} already holds a checkpoint; choose an empty directory")
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return layout, config_lib.from_dict(json.load(f))
+
+
 def slot_owners(optimizer):
     """{id(optimizer slot variable): path of the weight it belongs to} (Adam/LAMB m and v)."""
     inner = getattr(optimizer, "inner_optimizer", optimizer)  # under a LossScaleOptimizer

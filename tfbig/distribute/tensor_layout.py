@@ -12,14 +12,14 @@ rank saved.
     python -m tfbig.distribute.tensor_layout MODEL_DIR OUT_DIR   # consolidate
 """
 import dataclasses
-import json
 import os
 
 import numpy as np
 import tensorflow as tf
 
-from tfbig.checkpoint import (consolidation_main, piece_checkpoints, reader_key,
-                              slot_owners)
+from tfbig.checkpoint import read_layout as checkpoint_layout
+from tfbig.checkpoint import (consolidation_input, consolidation_main, piece_checkpoints,
+                              reader_key, slot_owners)
 from tfbig.distribute.base import Strategy
 
 LAYOUT_FILE = "tensor.json"
@@ -269,12 +269,12 @@ def _check_sequence_parallel(model, layers, seq_length, size):
 def read_layout(model_dir):
     """MODEL_DIR/tensor.json ({"tensor_parallel": T, "splits": {path: [axis, sections]}}) or
     None when the run was not tensor-parallel."""
-    path = os.path.join(model_dir, LAYOUT_FILE)
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        layout = json.load(f)
-    layout["splits"] = {p: tuple(v) for p, v in layout["splits"].items()}
+    return _with_tuples(checkpoint_layout(model_dir, LAYOUT_FILE))
+
+
+def _with_tuples(layout):
+    if layout is not None:
+        layout["splits"] = {p: tuple(v) for p, v in layout["splits"].items()}
     return layout
 
 
@@ -331,19 +331,12 @@ def consolidate(model_dir, out_dir, warn=print):
     """Write the newest checkpoint of tensor-parallel run `model_dir` as a single-device
     checkpoint in `out_dir` (weights, optimizer slots, step, input position): it resumes under
     any layout. `model_dir` is only read. Returns the checkpoint path written."""
-    from tfbig import config as config_lib
     from tfbig.trainer import Trainer
 
-    layout = read_layout(model_dir)
-    if layout is None:
-        raise ValueError(f"{model_dir} has no {LAYOUT_FILE}: it is not a tensor-parallel run")
-    if os.path.abspath(out_dir) == os.path.abspath(model_dir):
-        raise ValueError("the output directory must differ from the run's (it is only read)")
-    if tf.train.latest_checkpoint(out_dir):
-        raise ValueError(f"{out_dir} already holds a checkpoint; choose an empty directory")
+    layout, cfg = consolidation_input(model_dir, out_dir, LAYOUT_FILE,
+                                      "a tensor-parallel run")
+    layout = _with_tuples(layout)
     paths = rank_checkpoints(model_dir, layout, warn)
-    with open(os.path.join(model_dir, "config.json")) as f:
-        cfg = config_lib.from_dict(json.load(f))
     cfg.train.strategy = "single"
     cfg.parallel = type(cfg.parallel)()
     size = layout["tensor_parallel"]

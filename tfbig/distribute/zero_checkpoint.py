@@ -15,7 +15,6 @@ every saved slice, then cut for the new layout (any stage, any shard degree, 1 p
 many). `consolidate` writes a single-device checkpoint (`python -m tfbig.distribute.zero
 MODEL_DIR OUT_DIR`) that resumes without --zero_stage and that tfbig-generate/-export read.
 """
-import json
 import os
 import re
 import tempfile
@@ -23,7 +22,8 @@ import tempfile
 import numpy as np
 import tensorflow as tf
 
-from tfbig.checkpoint import consolidation_main, model_key, piece_dir
+from tfbig.checkpoint import consolidation_input, consolidation_main, model_key, piece_dir
+from tfbig.checkpoint import read_layout as checkpoint_layout
 
 LAYOUT_FILE = "zero.json"
 OBJECT_GRAPH = "_CHECKPOINTABLE_OBJECT_GRAPH"
@@ -32,11 +32,7 @@ SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
 
 def read_layout(model_dir):
     """MODEL_DIR/zero.json as a dict, or None when the run was not ZeRO-sharded."""
-    path = os.path.join(model_dir, LAYOUT_FILE)
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
+    return checkpoint_layout(model_dir, LAYOUT_FILE)
 
 
 def piece_paths(model_dir, layout, latest):
@@ -189,23 +185,15 @@ def assembled_weights(model_dir, model, warn=print):
 def consolidate(model_dir, out_dir, warn=print):
     """Write the newest checkpoint of ZeRO run `model_dir` as a single-device checkpoint in
     `out_dir` (weights, optimizer slots, step, input position). Returns its path."""
-    from tfbig import config as config_lib, integrity
+    from tfbig import integrity
     from tfbig.distribute.base import Strategy
     from tfbig.distribute.zero3 import Partition
     from tfbig.trainer import Trainer
 
-    layout = read_layout(model_dir)
-    if layout is None:
-        raise ValueError(f"{model_dir} has no {LAYOUT_FILE}: it is not a --zero_stage run")
-    if os.path.abspath(out_dir) == os.path.abspath(model_dir):
-        raise ValueError("the output directory must differ from the run's (it is only read)")
-    if tf.train.latest_checkpoint(out_dir):
-        raise ValueError(f"{out_dir} already holds a checkpoint; choose an empty directory")
+    layout, cfg = consolidation_input(model_dir, out_dir, LAYOUT_FILE, "a --zero_stage run")
     latest, _ = integrity.newest_intact(model_dir, warn, keep_damaged=True)
     if latest is None:
         raise FileNotFoundError(f"--model_dir={model_dir} has no checkpoint")
-    with open(os.path.join(model_dir, "config.json")) as f:
-        cfg = config_lib.from_dict(json.load(f))
     cfg.train.strategy, cfg.train.model_dir = "single", out_dir
     cfg.parallel = type(cfg.parallel)()
     os.makedirs(out_dir, exist_ok=True)

@@ -12,14 +12,15 @@ weight held by several stages (a tied or shared one) is read from its owner.
 
     python -m tfbig.pipeline.stage_checkpoint MODEL_DIR OUT_DIR   # consolidate
 """
-import json
 import os
 import re
 
 import numpy as np
 import tensorflow as tf
 
-from tfbig.checkpoint import consolidation_main, piece_checkpoints, reader_key, slot_owners
+from tfbig.checkpoint import (consolidation_input, consolidation_main, piece_checkpoints,
+                              reader_key, slot_owners)
+from tfbig.checkpoint import read_layout as checkpoint_layout
 from tfbig.distribute.base import Strategy
 
 LAYOUT_FILE = "pipeline.json"
@@ -35,11 +36,7 @@ def layout(layers, plan):
 
 def read_layout(model_dir):
     """MODEL_DIR/pipeline.json, or None when the run was not a cross-rank pipeline."""
-    path = os.path.join(model_dir, LAYOUT_FILE)
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
+    return checkpoint_layout(model_dir, LAYOUT_FILE)
 
 
 def check_resume(model_dir, num_stages):
@@ -105,19 +102,11 @@ class OfflineStage(Strategy):
 def consolidate(model_dir, out_dir, warn=print):
     """Write the newest checkpoint of cross-rank pipeline run `model_dir` as a single-device
     checkpoint in `out_dir`; `model_dir` is only read. Returns the checkpoint path."""
-    from tfbig import config as config_lib
     from tfbig.trainer import Trainer
 
-    saved = read_layout(model_dir)
-    if saved is None:
-        raise ValueError(f"{model_dir} has no {LAYOUT_FILE}: it is not a cross-rank pipeline run")
-    if os.path.abspath(out_dir) == os.path.abspath(model_dir):
-        raise ValueError("the output directory must differ from the run's (it is only read)")
-    if tf.train.latest_checkpoint(out_dir):
-        raise ValueError(f"{out_dir} already holds a checkpoint; choose an empty directory")
+    saved, cfg = consolidation_input(model_dir, out_dir, LAYOUT_FILE,
+                                     "a cross-rank pipeline run")
     paths = stage_checkpoints(model_dir, saved, warn)
-    with open(os.path.join(model_dir, "config.json")) as f:
-        cfg = config_lib.from_dict(json.load(f))
     pipeline, num_stages = cfg.pipeline, saved["pipeline_stages"]
     cfg.train.strategy = "single"  # the Horovod/pipeline sections' flags do not apply
     cfg.pipeline, cfg.horovod, cfg.parallel = (type(cfg.pipeline)(), type(cfg.horovod)(),
