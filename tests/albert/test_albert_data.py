@@ -153,10 +153,10 @@ def test_our_encoding_equals_tensorflows_example_parser(albert_tokenizer, scenes
         writer.write(tfrecord.encode_examples(batch))
     spec = {name: tf.io.FixedLenFeature([length], tf.int64 if dtype == "int64" else tf.float32)
             for name, (dtype, length) in albert_data.albert_features(64, 20).items()}
-    for index, record in enumerate(tf.data.TFRecordDataset(path)):
+    for i, record in enumerate(tf.data.TFRecordDataset(path)):
         parsed = tf.io.parse_single_example(record, spec)
         for name in albert_data.FEATURES:
-            np.testing.assert_array_equal(parsed[name].numpy(), batch[name][index])
+            np.testing.assert_array_equal(parsed[name].numpy(), batch[name][i])
 
 
 @pytest.fixture(scope="module")
@@ -208,8 +208,8 @@ def test_dynamic_masking_statistics_and_determinism(albert_data_dir, albert_toke
     dataset = data.make_dataset(albert_data_dir, "train", 64, format="albert", seq_length=64,
                                 shuffle=False, repeat=False)
     outputs = []
-    for index, batch in enumerate(dataset):
-        out = masking(batch, tf.constant([7, index], tf.int64))
+    for i, batch in enumerate(dataset):
+        out = masking(batch, tf.constant([7, i], tf.int64))
         np.testing.assert_array_equal(_restore(out).numpy(), _restore(batch).numpy())
         outputs.append({k: v.numpy() for k, v in out.items()})
     joined = {k: np.concatenate([o[k] for o in outputs]) for k in outputs[0]}
