@@ -8,6 +8,7 @@ optional keys:
     per_rank_model_dir  rank r trains in MODEL_DIR/rank{r} (hosts with local disks)
     interrupt_at        fit that many steps, then resume with a new Trainer
     poison_rank         that rank's loss is inf in the first step
+    untied              GPT without tied embeddings (its own output projection)
     steps               fit this many steps only
     seed_by_rank        seed + rank: different initial weights before the broadcast
     sigterm             {"rank", "step"}: that rank sends itself SIGTERM after logging that step
@@ -24,6 +25,7 @@ per-step train losses and grad norms, the learning rates of steps 0..3, final co
 OUT/NAME.rank{R}.pid. A run {"post_style": [DATA_DIR, MODEL_DIR, OUT_DIR]} runs
 horovod_post_style.main instead. Runs share one launch: each start of TensorFlow costs seconds.
 """
+import dataclasses
 import json
 import os
 import signal
@@ -71,8 +73,16 @@ class PoisonedTask(GPTTask):
         return loss * self.poison, {k: v * self.poison for k, v in metrics.items()}
 
 
+class UntiedTask(GPTTask):
+    """GPT with its own output projection (tie_embeddings off): no CLI flag sets it."""
+
+    def _model_config(self):
+        return dataclasses.replace(super()._model_config(), tie_embeddings=False)
+
+
 def make_trainer(run, cfg, strategy, logger):
     task = PoisonedTask(cfg.train) if run.get("poison_rank") is not None else None
+    task = UntiedTask(cfg.train) if run.get("untied") else task
     return Trainer(cfg, strategy=strategy, task=task, logger=logger)
 
 

@@ -1,11 +1,12 @@
-"""ZeRO stages 1-2 with MiCS partition groups (`--zero_stage`, `--shard_degree`) through one real
+"""ZeRO stages 1-3 with MiCS partition groups (`--zero_stage`, `--shard_degree`) through one real
 `horovodrun -np 4 --gloo` launch, against the single-device run on the same global batch.
 
 Scenarios (tests/distribute/horovod_worker.py plans; HOROVOD_DYNAMIC_PROCESS_SETS=1 lets one
 process build several rank grids): stage 1, 2 and 3 at shard degree 2 (2 partition groups of 2,
 the 2-hop sync) and 4 (one group, plain ZeRO), with accumulation and clipping active, AdamW and
-LAMB, ALBERT, per-variable gradients of the first batch, resumes from the per-slice
-checkpoints, and an fp16 step made non-finite on one rank only.
+LAMB, ALBERT (with LAMB under stage 3), bf16 and an untied GPT under stage 3, per-variable
+gradients of the first batch, resumes from the per-slice checkpoints, and an fp16 step made
+non-finite on one rank only (then trained as the single-device mixed run).
 """
 import json
 import math
@@ -23,11 +24,12 @@ from test_horovod import (ALBERT, ROOT, WORKER, horovodrun, listed, load,  # noq
                           read, run_entry)
 from test_trainer import ReplicasTask, make_cfg, weights  # noqa: E402
 
-from horovod_worker import RecordingLogger  # noqa: E402
+from horovod_worker import PoisonedTask, RecordingLogger, UntiedTask  # noqa: E402
 from tfbig import config as config_lib  # noqa: E402
 from tfbig.config import ParallelConfig  # noqa: E402
 from tfbig.distribute import zero_checkpoint  # noqa: E402
 from tfbig.distribute.horovod import build_mesh  # noqa: E402
+from tfbig.optim import loss_scale  # noqa: E402
 from tfbig.tasks import get_task  # noqa: E402
 from tfbig.trainer import Trainer  # noqa: E402
 
@@ -47,10 +49,18 @@ SCENARIOS = {  # name: (zero_stage, shard_degree, data, train options, worker op
     "z3_d2": (3, 2, "gpt_data", {}, {"first_gradients": True}),
     "z3_d4_lamb_resumed": (3, 4, "gpt_data", LAMB, {"first_gradients": True,
                                                     "interrupt_at": 2}),
-    "z3_d2_albert": (3, 2, "albert_data", ALBERT, {"first_gradients": True}),
+    # ALBERT's shared block with LAMB: the trust ratio's norms over all slices of a variable
+    "z3_d2_albert_lamb": (3, 2, "albert_data", {**ALBERT, **LAMB}, {"first_gradients": True}),
+    # bf16 compute on stage 3, and a GPT with its own output projection (tie_embeddings off)
+    "z3_d4_bf16_untied": (3, 4, "gpt_data", {"precision": "mixed_bfloat16"},
+                          {"first_gradients": True, "untied": True}),
 }
 EQUAL_TO_ONE_DEVICE = ["z1_d2", "z2_d4_lamb", "z2_d2_albert", "z1_d4_resumed", "z3_d2",
-                       "z3_d4_lamb_resumed", "z3_d2_albert"]
+                       "z3_d4_lamb_resumed", "z3_d2_albert_lamb", "z3_d4_bf16_untied"]
+# Tolerances against the single-device run: fp32 tight; bf16 compute rounds the activations
+# of a micro-batch of 2 (here) vs 8 (single device) sequences and sums the gradients in a
+# different order, each to 8 bits of mantissa: (losses rtol, weights and gradients atol).
+TOLERANCE = {"z3_d4_bf16_untied": (1e-2, 1e-2)}
 
 
 def zero_cfg(data_dir, model_dir, stage, degree, **train):
@@ -77,13 +87,13 @@ def runs(gpt_data, albert_data, tmp_path_factory):
     return root, out
 
 
-def reference(data_dir, model_dir, **train):
+def reference(data_dir, model_dir, task=None, **train):
     """The single-device run on the examples the 4 ranks read together, and the averaged
-    gradients of its first batch."""
+    gradients of its first batch. task: a task class (default: the config's)."""
     cfg = make_cfg(data_dir, model_dir, **{**TRAIN, **train})
     logger = RecordingLogger(cfg.train.model_dir, True, cfg.train.max_steps)
-    trainer = Trainer(cfg, task=ReplicasTask(cfg.train, RANKS, get_task(cfg.train, cfg)),
-                      logger=logger)
+    inner = task(cfg.train) if task else get_task(cfg.train, cfg)
+    trainer = Trainer(cfg, task=ReplicasTask(cfg.train, RANKS, inner), logger=logger)
     trainer.initial = weights(trainer)
     _, grads, _ = trainer.forward_backward(next(trainer._train_iterator()))
     trainer.fit()
@@ -97,21 +107,26 @@ def test_sharded_ranks_equal_one_process_on_the_same_data(runs, request, tmp_pat
     _, out = runs
     _, _, data, train, opts = SCENARIOS[name]
     ranks = [load(out, name, r) for r in range(RANKS)]
-    single, losses, grads = reference(request.getfixturevalue(data), tmp_path, **train)
+    single, losses, grads = reference(request.getfixturevalue(data), tmp_path,
+                                      task=UntiedTask if opts.get("untied") else None, **train)
+    loss_rtol, atol = TOLERANCE.get(name, (1e-5, None))
     first = ranks[0]
+    if opts.get("untied"):  # the output projection (hidden, vocab) is a variable of its own
+        assert [w.shape for w in single.model.trainable_variables if "head" in w.path] == [
+            (single.task.model_config.hidden_size, single.task.model_config.vocab_size)]
     if opts.get("first_gradients"):  # per variable, gathered from the reduce-scattered slices
         assert len(listed(first, "gradients")) == len(grads)
         for ours, theirs in zip(listed(first, "gradients"), grads):
-            np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-7)
+            np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=atol or 1e-7)
     assert len(listed(first, "initial")) == len(single.initial)
     for ours, theirs in zip(listed(first, "initial"), single.initial):
         np.testing.assert_array_equal(ours, theirs)  # the same initialisation, bit for bit
     assert np.all(first["grad_norms"] > TRAIN["grad_clip_norm"])  # clipping is active
-    np.testing.assert_allclose(first["losses"], losses, rtol=1e-5)
+    np.testing.assert_allclose(first["losses"], losses, rtol=loss_rtol)
     # the global norm is over all slices: it equals the single device's
     assert first["step"] == TRAIN["max_steps"]
     for ours, theirs in zip(listed(first, "w"), weights(single)):
-        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=atol or 1e-6)
     for other in ranks[1:]:  # every rank gathers the same full parameters
         for a, b in zip(listed(first, "w"), listed(other, "w")):
             np.testing.assert_array_equal(a, b)
@@ -175,6 +190,33 @@ def test_a_non_finite_slice_on_one_rank_skips_the_step_on_all(runs):
             np.testing.assert_array_equal(before, after)  # the poisoned step changed nothing
     for a, b in zip(listed(ranks[0], "w"), listed(ranks[3], "w")):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.multiproc
+def test_fp16_stage_3_trains_as_the_single_device_mixed_run(runs, gpt_data, tmp_path):
+    """mixed_float16 with dynamic loss scaling, stage 3 at degree 2: the poisoned first step
+    (skipped everywhere) and the 3 steps after it follow the single-device mixed run on the
+    same batches, poisoned alike. fp16 activations of 2 vs 8 sequences per micro-batch and
+    another summation order: losses within rtol 1e-3, weights within atol 2e-3 (measured:
+    losses inside 1e-3, one weight of 4096 off by 1.1e-3, the rest inside 1e-3)."""
+    _, out = runs
+    ours = load(out, "z3_d2_fp16_skip", 0)
+    cfg = make_cfg(gpt_data, tmp_path, **{**TRAIN, **SCENARIOS["z3_d2_fp16_skip"][3]})
+    logger = RecordingLogger(cfg.train.model_dir, True, cfg.train.max_steps)
+    task = PoisonedTask(cfg.train)
+    single = Trainer(cfg, task=ReplicasTask(cfg.train, RANKS, task), logger=logger)
+    task.poison.assign(float("inf"))
+    single.fit(steps=1)
+    assert float(loss_scale(single.optimizer)) == float(ours["scale_after_poison"])
+    task.poison.assign(1.0)
+    single.fit()
+    assert int(single.nonfinite_steps.numpy()) == int(ours["nonfinite_steps"]) == 1
+    losses = np.array([logger.losses[s][0] for s in sorted(logger.losses)])
+    assert not np.isfinite(losses[0]) and np.all(np.isfinite(losses[1:]))
+    np.testing.assert_allclose(ours["losses"], losses, rtol=1e-3)
+    for a, b in zip(listed(ours, "w"), weights(single)):
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=2e-3)
+    assert np.abs(listed(ours, "w")[0] - listed(ours, "initial")[0]).max() > 1e-2  # it trained
 
 
 @pytest.mark.parametrize("options, world, message", [
@@ -299,6 +341,27 @@ def test_generate_reads_a_stage_3_checkpoint(runs):
     model, _ = load_model(str(root / "z3_d4_lamb_resumed"))
     for ours, theirs in zip(weights_of(model), listed(load(out, "z3_d4_lamb_resumed", 0), "w")):
         np.testing.assert_array_equal(ours, theirs)
+
+
+@pytest.mark.multiproc
+def test_export_reads_a_stage_3_checkpoint(runs, tmp_path):
+    """tfbig-export straight from the per-rank slices (no consolidation first): the SavedModel
+    computes the logits of the model built from the run's final weights."""
+    import tensorflow as tf
+
+    from tfbig.export import export
+    from tfbig.generate import load_model
+
+    root, out = runs
+    model, _ = load_model(str(root / "z3_d4_bf16_untied"))
+    final = listed(load(out, "z3_d4_bf16_untied", 0), "w")
+    for ours, theirs in zip(weights_of(model), final):
+        np.testing.assert_array_equal(ours, theirs)
+    loaded = tf.saved_model.load(export(str(root / "z3_d4_bf16_untied"),
+                                        str(tmp_path / "saved")))
+    ids = tf.constant([[1, 5, 9, 2, 7]], tf.int32)
+    logits = loaded.signatures["serving_default"](token_ids=ids)["logits"]
+    np.testing.assert_allclose(logits, model(ids, training=False), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.multiproc
