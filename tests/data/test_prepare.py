@@ -2,6 +2,7 @@
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -232,3 +233,20 @@ def test_killed_run_resumes_to_identical_output(tmp_path):
     assert resumed == prepare(None, str(tmp_path / "clean"), 64, 1000, 0.03).to_json()
     assert {n: os.stat(os.path.join(killed, n[:-5])).st_mtime_ns for n in survivors} == survivors
     assert not [n for n in os.listdir(killed) if n.endswith(".tmp")]
+
+
+def test_embedded_cache_from_an_older_recipe_is_rebuilt_a_users_directory_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("TFBIG_CACHE", str(tmp_path / "cache"))
+    manifest = prepare(seq_length=32, vocab_size=600)
+    path = os.path.join(manifest.data_dir, "manifest.json")
+    with open(path) as f:
+        content = json.load(f)
+    content["info"]["prep_key"] = "made-by-an-older-tfbig"
+    with open(path, "w") as f:
+        json.dump(content, f)
+    users = str(tmp_path / "mine")
+    shutil.copytree(manifest.data_dir, users)
+    with pytest.raises(ValueError, match="choose another --output_dir or pass --overwrite"):
+        prepare(None, users, seq_length=32, vocab_size=600)
+    rebuilt = prepare(seq_length=32, vocab_size=600)  # tfbig's own cache: rebuilt, no flag
+    assert rebuilt.info["prep_key"] == manifest.info["prep_key"]

@@ -101,6 +101,9 @@ def prepare(inputs: list[str] | None = None, output_dir: str | None = None, seq_
         raise ValueError("--shard_by_group needs --jsonl_groups: the groups to write shards of (e.g. "
                          "--jsonl_group_field=meta.pile_set_name --jsonl_groups=Pile-CC,Github)")
     output_dir = _output_dir(output_dir, spec, seq_length, vocab_size)
+    # tfbig owns its cache of the embedded corpus: data there from an older recipe is rebuilt,
+    # not refused (a user's own --output_dir still needs --overwrite)
+    overwrite = overwrite or _in_embedded_cache(output_dir, spec)
     record_format = formats.get_format(format)
     _check_positive(seq_length=seq_length, vocab_size=vocab_size, shard_size_mb=shard_size_mb, num_workers=num_workers)
     if runner != "local":
@@ -136,6 +139,14 @@ def _write(jobs, num_workers: int, runner: str, beam_options: tuple[str, ...]) -
     from tfbig.data import beam  # optional extra
 
     return beam.write_shards(jobs, runner, num_workers, tuple(beam_options))
+
+
+def _in_embedded_cache(output_dir: str, spec: sources.SourceSpec) -> bool:
+    """Whether output_dir is a directory of tfbig's embedded-corpus cache (default_data_dir)."""
+    cache = os.path.dirname(default_data_dir(1, 1))
+    return (not spec.inputs and not spec.tfds_name
+            and os.path.dirname(os.path.abspath(output_dir)) == os.path.abspath(cache)
+            and os.path.basename(output_dir.rstrip("/")).startswith("shakespeare-"))
 
 
 def _output_dir(output_dir: str | None, spec: sources.SourceSpec, seq_length: int, vocab_size: int) -> str:
