@@ -84,6 +84,7 @@ def last_execution(out):
     return final
 
 
+@pytest.mark.slow
 @pytest.mark.multiproc
 def test_rank_killed_and_replaced_run_matches_the_uninterrupted_one(gpt_data, tmp_path):
     out = tmp_path / "out"

@@ -319,6 +319,7 @@ def cli_flags(gpt_data, model_dir, **train):
     return [f"--{k}={v}" for k, v in values.items()]
 
 
+@pytest.mark.slow
 @pytest.mark.multiproc
 def test_tfbig_train_under_the_local_launch_script(gpt_data, tmp_path):
     model_dir = tmp_path / "run"

@@ -143,7 +143,7 @@ ALBERT = dict(model="albert", seq_length=32, optimizer="lamb", weight_decay=0.01
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("model", ["gpt", "albert"])
+@pytest.mark.parametrize("model", ["gpt", pytest.param("albert", marks=pytest.mark.slow)])
 def test_two_workers_equal_one_process_on_the_same_data(model, gpt_data, albert_data, tmp_path):
     data, train = (gpt_data, EQUIVALENCE) if model == "gpt" else (albert_data,
                                                                   {**EQUIVALENCE, **ALBERT})
@@ -190,6 +190,7 @@ def test_mixed_float16_with_xla_on_two_workers(gpt_data, tmp_path):
 PREEMPTION = {**EQUIVALENCE, "max_steps": 1000, "xla": False}
 
 
+@pytest.mark.slow
 @pytest.mark.multiproc
 def test_sigterm_saves_on_every_worker_and_a_restart_resumes_there(gpt_data, tmp_path):
     cfg = make_cfg(gpt_data, tmp_path / "run", strategy="multiworker", **PREEMPTION)

@@ -42,7 +42,8 @@ def forward_backward(task, model, batch, jit_compile=True):
     return fn, float(loss), [g.numpy() for g in grads], after
 
 
-@pytest.mark.parametrize("model,offload", [("gpt", False), ("gpt", True), ("albert", False)])
+@pytest.mark.parametrize("model,offload", [("gpt", False), ("gpt", True),
+                                           pytest.param("albert", False, marks=pytest.mark.slow)])
 def test_gradients_equal_the_plain_model(gpt_data, albert_data, tmp_path, model, offload):
     data = gpt_data if model == "gpt" else albert_data
     extra = dict(seq_length=32, preset="tiny") if model == "albert" else {}

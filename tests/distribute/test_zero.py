@@ -216,7 +216,8 @@ def test_fp16_stage_3_trains_as_the_single_device_mixed_run(runs, gpt_data, tmp_
     np.testing.assert_allclose(ours["losses"], losses, rtol=1e-3)
     for a, b in zip(listed(ours, "w"), weights(single)):
         np.testing.assert_allclose(a, b, rtol=1e-3, atol=2e-3)
-    assert np.abs(listed(ours, "w")[0] - listed(ours, "initial")[0]).max() > 1e-2  # it trained
+    # it trained: the weights moved more than twice the tolerance they are compared at
+    assert np.abs(listed(ours, "w")[0] - listed(ours, "initial")[0]).max() > 2 * 2e-3
 
 
 @pytest.mark.parametrize("options, world, message", [
