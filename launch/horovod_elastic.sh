@@ -5,7 +5,7 @@
 # goes on with the world it has. Over Gloo; hosts other than this one need passwordless ssh.
 #
 #   launch/horovod_elastic.sh MIN_NP MAX_NP DISCOVERY_SCRIPT [tfbig-train flags...]
-#   launch/horovod_elastic.sh 1 4 ./discover_hosts.sh --preset=125m --batch_size=512 --model_dir=/shared/runs/125m
+#   launch/horovod_elastic.sh 1 4 ./discover_hosts.sh --preset=125m --batch_size=512 --max_steps=100000 --model_dir=/shared/runs/125m
 #
 # --batch_size stays the global batch whatever the world: it must be divisible by every world
 # size in MIN_NP..MAX_NP times --grad_accum_steps.

@@ -49,8 +49,8 @@ def test_train_help_lists_its_own_flags_by_section():
     for section in ("train:", "pipeline:", "profile:", "albert:", "multiworker:", "horovod:",
                     "parallel:"):
         assert f"\n{section}\n" in out, section
-    assert ("  --max_steps=int\n      Optimizer steps to train for (in total, across resumes). "
-            "(default: 500)\n") in out
+    assert ("  --max_steps=int\n      Optimizer steps to train for, in total across resumes (0: "
+            "as many as fit in\n      --time_budget_minutes). (default: 0)\n") in out
     assert "  --xla  (or --noxla)\n" in out
     assert "Try --helpfull" not in out and "--logtostderr" not in out  # absl's own flags
     assert out.index("\ntrain:\n") < out.index("  --max_steps=int") < out.index("\npipeline:\n")

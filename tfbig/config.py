@@ -34,7 +34,14 @@ class TrainConfig:
                               "Empty: prepare the embedded Shakespeare corpus once (cached).")
     model_dir: str = field("runs/gpt-small", "Run directory: checkpoints, config.json, "
                                              "TensorBoard events. An existing checkpoint resumes.")
-    max_steps: int = field(500, "Optimizer steps to train for (in total, across resumes).")
+    max_steps: int = field(0, "Optimizer steps to train for, in total across resumes (0: as "
+                              "many as fit in --time_budget_minutes).")
+    time_budget_minutes: float = field(9.0, "With --max_steps=0: wall minutes for the whole "
+                                            "command, from its start to its last line "
+                                            "(preparation, compilation, the final evaluation "
+                                            "and sample included). The step count is fixed "
+                                            "once, from the speed of the first steps, and kept "
+                                            "in MODEL_DIR/config.json for a resume.")
     batch_size: int = field(32, "Global batch size in sequences per optimizer step, over all "
                                 "data-parallel replicas and accumulation steps.")
     seq_length: int = field(0, "Tokens per training sequence (0: the data's seq_length).")
@@ -221,6 +228,11 @@ def check_applicable(cfg):
             raise ValueError(f"--{flag}={value} has no effect with --{key}={chosen}; it applies "
                              f"to --{key}={' or '.join(allowed)}")
     _check_pipeline_flags(cfg)
+    budget_default = TrainConfig.__dataclass_fields__["time_budget_minutes"].default
+    if cfg.train.max_steps and cfg.train.time_budget_minutes != budget_default:
+        raise ValueError(f"--time_budget_minutes={cfg.train.time_budget_minutes:g} has no effect "
+                         f"with --max_steps={cfg.train.max_steps}; it applies to --max_steps=0 "
+                         f"(as many steps as fit in the budget). Give one of the two")
     if cfg.pipeline.offload_activations and not cfg.pipeline.activation_checkpointing:
         raise ValueError("--offload_activations needs --activation_checkpointing: only the "
                          "block inputs it keeps for the recompute are offloaded")

@@ -47,7 +47,10 @@ class RunLogger:
         """One progress line: bar, step, loss, learning rate, grad norm, tokens/s."""
         if not self.enabled:
             return
-        parts = [f"{_bar(step / self.max_steps)} step {step}/{self.max_steps}"]
+        if self.max_steps:
+            parts = [f"{_bar(step / self.max_steps)} step {step}/{self.max_steps}"]
+        else:  # a time-budgeted run before its step count is fixed
+            parts = [f"{_bar(0)} step {step}/?"]
         for key, fmt in (("loss", "loss {:.4f}"), ("learning_rate", "lr {:.2e}"),
                          ("grad_norm", "gnorm {:.3f}"), ("tokens_per_sec", "{:,.0f} tok/s"),
                          ("mfu", "MFU {:.1%}"), ("time_fraction/input", "input wait {:.0%}"),
@@ -58,7 +61,7 @@ class RunLogger:
                 parts.append(fmt.format(values[key]))
         line = " | ".join(parts)
         if self.interactive:
-            self.stream.write("\r" + line + ("\n" if step >= self.max_steps else ""))
+            self.stream.write("\r" + line + ("\n" if self.max_steps and step >= self.max_steps else ""))
         else:
             self.stream.write(line + "\n")
         self.stream.flush()

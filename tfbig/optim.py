@@ -138,6 +138,13 @@ def loss_scale(optimizer):
     return ops.convert_to_tensor(1.0)
 
 
+def set_total_steps(optimizer, total_steps):
+    """Give the optimizer's schedule its length (a time-budgeted run fixes it after a few
+    steps of warmup, whose rates do not depend on it); steps traced before keep the old one."""
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    inner._learning_rate.total_steps = total_steps
+
+
 def learning_rate(optimizer, step):
     """The learning rate of update number `step` (0-based)."""
     inner = getattr(optimizer, "inner_optimizer", optimizer)

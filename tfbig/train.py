@@ -42,7 +42,7 @@ def main(argv):
 
     cfg = config_lib.from_flags(flags.FLAGS)
     try:
-        trainer = Trainer(cfg)
+        trainer = Trainer(cfg, started=started)  # a time budget counts from here
         if trainer.strategy.is_chief and _samples(trainer):
             preflight.check_tokenizer(trainer.task)  # needed for the sample at the end
         summary = trainer.fit()

@@ -6,21 +6,24 @@ One optimizer step = `grad_accum_steps` micro-batches per data-parallel replica:
     unscale, clip by global norm, apply (skip if not finite) -> optimizer.apply
 """
 import dataclasses
+import functools
 import json
 import math
 import os
 import shutil
+import time
 
 import keras
 import tensorflow as tf
 from tensorflow.python.framework import config as op_config
 
+from tfbig import budget as budget_lib
 from tfbig import config as config_lib
 from tfbig import data, integrity, preflight
 from tfbig.checkpoint import rng_variables
 from tfbig.distribute import get_strategy
 from tfbig.logs import RunLogger
-from tfbig.optim import learning_rate, loss_scale
+from tfbig.optim import learning_rate, loss_scale, set_total_steps
 from tfbig.profiling.profiler import RunProfiler
 from tfbig.tasks import get_task
 
@@ -56,10 +59,19 @@ class Trainer:
         summary = Trainer(cfg).fit()   # {"step": 100, "loss": ..., "eval": {...}}
     """
 
-    def __init__(self, cfg, strategy=None, task=None, logger=None):
+    def __init__(self, cfg, strategy=None, task=None, logger=None, started=None):
         self.cfg = cfg
         t = cfg.train
+        # --max_steps=0: the time budget counts from `started` (time.monotonic(); the
+        # command's start) or from here; the step count is fixed early in fit (tfbig.budget).
+        self.started = time.monotonic() if started is None else started
         config_lib.check_applicable(cfg)
+        budget_lib.check(cfg)
+        # A budgeted run that already fixed its step count continues that schedule.
+        self.budget = None if t.max_steps else budget_lib.saved(t.model_dir,
+                                                                t.time_budget_minutes)
+        if self.budget:
+            t.max_steps = self.budget.max_steps
         set_precision(t.precision)
         keras.utils.set_random_seed(t.seed)
         # Process-wide: set it both ways so a deterministic run does not leak into the next.
@@ -152,11 +164,18 @@ class Trainer:
                     f"--model_dir={self.cfg.train.model_dir} holds a checkpoint of a different "
                     f"model; (saved, requested) per field: {diff}. Use another --model_dir.")
         if self.strategy.is_chief:
-            config_lib.save_json(self.cfg, path, extra={
-                "model_config": model_config, "resolved_data_dir": self.task.data_dir,
-                "model_format": self.task.format})
+            self._save_config()
             shutil.copyfile(self.task.manifest.tokenizer_path,
                             os.path.join(self.cfg.train.model_dir, "tokenizer.model"))
+
+    def _save_config(self):
+        """MODEL_DIR/config.json: the flags, the model's config and what was resolved."""
+        extra = {"model_config": dataclasses.asdict(self.task.model_config),
+                 "resolved_data_dir": self.task.data_dir, "model_format": self.task.format}
+        if self.budget:
+            extra["budget"] = dataclasses.asdict(self.budget)
+        config_lib.save_json(self.cfg, os.path.join(self.cfg.train.model_dir, "config.json"),
+                             extra=extra)
 
     def _restore(self):
         """Restore the newest intact checkpoint (tfbig.integrity); damaged ones are named."""
@@ -247,24 +266,31 @@ class Trainer:
                                             t.grad_accum_steps)
         iterator = self._train_iterator()
         step = int(self.step.numpy())
-        stop = t.max_steps if steps is None else min(t.max_steps, step + steps)
+        limit = math.inf if steps is None else step + steps
+        timing = self._calibration(step)  # {step: clock} while the budget is measured
+        end = min(limit, t.max_steps or math.inf)
         last = {}
-        while step < stop:
+        while step < end:
             with self.profiler.phase("input"):
                 batch = next(iterator)
             step += 1
-            log = step % t.log_every == 0 or step == stop
+            log = step % t.log_every == 0 or step == end
             with self.profiler.phase("compute"):
                 out = self._train_step(batch)
-                if log:  # wait for device work still queued (GPUs run ahead of Python)
+                if log or step in timing:  # wait for device work queued (GPUs run ahead)
                     out = {k: v.numpy() for k, v in out.items()}
+            if step in timing:
+                timing[step] = time.monotonic()
+                if step == max(timing):
+                    self._fix_budget(step, timing)
+                    end = min(limit, t.max_steps)
             self.profiler.step_done(step, out.pop("communication_seconds"))
             if log:
                 self._check_finite(step)
                 last = self._log_train(step, out, self.profiler.interval())
-            if t.eval_every and step % t.eval_every == 0 and step < stop:
+            if t.eval_every and step % t.eval_every == 0 and step < end:
                 self._report_eval(step)
-            if step % t.checkpoint_every == 0 and step < stop:
+            if step % t.checkpoint_every == 0 and step < end:
                 self._check_finite(step)
                 with self.profiler.phase("checkpoint"):
                     self.save()
@@ -276,6 +302,42 @@ class Trainer:
                    "eval": self._report_eval(step)}
         self.logger.flush()
         return summary
+
+    # ---- --max_steps=0: as many steps as fit in --time_budget_minutes (tfbig.budget) ----------
+    def _calibration(self, step):
+        """{step: None} of the steps whose end times fix the budget ({} with a step count)."""
+        t = self.cfg.train
+        if t.max_steps:
+            return {}
+        first, last = step + 2, step + budget_lib.CALIBRATION_STEPS  # 2 steps compile/warm
+        if last > t.warmup_steps:
+            raise ValueError(
+                f"--model_dir={t.model_dir} holds a checkpoint at step {step} but no step count "
+                f"for --time_budget_minutes={t.time_budget_minutes:g} (config.json); measuring "
+                f"it now would end after the learning-rate warmup ({t.warmup_steps} steps). "
+                f"Give --max_steps")
+        return dict.fromkeys(range(first, last + 1))
+
+    def _fix_budget(self, step, timing):
+        """Fix --max_steps from the timed steps (the slowest process's figures), set the
+        schedule's length and retrace the step with it; record it in config.json."""
+        t = self.cfg.train
+        first, last = min(timing), max(timing)
+        per_step, elapsed = self.strategy.max_over_processes(
+            [(timing[last] - timing[first]) / (last - first), time.monotonic() - self.started])
+        finish = budget_lib.finish_seconds(per_step, self.eval_batches, t.grad_accum_steps)
+        total = budget_lib.steps_within(t.time_budget_minutes * 60, elapsed, per_step, finish,
+                                        step)
+        self.budget = budget_lib.Budget(t.time_budget_minutes, total, per_step, elapsed, finish)
+        t.max_steps = self.logger.max_steps = total
+        set_total_steps(self.optimizer, total)
+        # The traced step holds the schedule's old length: trace it again (the compiled
+        # forward/backward is reused).
+        self._train_step = tf.function(functools.partial(Trainer._train_step.python_function,
+                                                         self))
+        if self.strategy.is_chief:
+            self._save_config()
+        self.logger.info(self.budget.describe())
 
     def _stop_preempted(self, step, last):
         self._check_finite(step)

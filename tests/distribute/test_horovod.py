@@ -124,6 +124,8 @@ def runs(gpt_data, albert_data, tmp_path_factory):
         run_entry("albert", horovod_cfg(albert_data, root / "albert", **ALBERT), out),
         run_entry("recompute", recompute_cfg(horovod_cfg(gpt_data, root / "recompute",
                                                          grad_accum_steps=2)), out),
+        run_entry("budget", horovod_cfg(gpt_data, root / "budget", max_steps=0,
+                                        time_budget_minutes=5.0, warmup_steps=10), out, steps=10),
     ]
     os.makedirs(out)
     with open(root / "plan.json", "w") as f:
@@ -215,6 +217,15 @@ def test_only_rank_0_writes_files(runs):
 
 
 @pytest.mark.multiproc
+def test_a_time_budget_gives_every_rank_the_same_step_count(runs):
+    # Each rank times its own steps; the count comes from the slowest figures of all ranks.
+    ranks = runs["budget"]
+    with open(runs.root / "budget" / "config.json") as f:
+        record = json.load(f)["budget"]
+    assert ranks[0]["max_steps"] == ranks[1]["max_steps"] == record["max_steps"] > 10
+    assert ranks[0]["step"] == ranks[1]["step"] == 10
+
+
 def test_scale_lr_multiplies_the_learning_rate_by_the_number_of_processes(runs):
     scaled, _ = runs["fp16_skip"]  # --scale_lr, and the learning rate schedule of "plain"
     plain, _ = runs["plain"]

@@ -184,6 +184,10 @@ class Strategy:
         """One optimizer update of the model's `variables` with the averaged `grads`."""
         optimizer.apply(grads, variables)
 
+    def max_over_processes(self, values):
+        """The largest of each float over all processes (a collective: all must call it)."""
+        return [float(v) for v in values]
+
     def broadcast_variables(self, variables):
         """Make every replica's copy of `variables` equal to the chief's."""
 

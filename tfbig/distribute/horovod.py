@@ -147,6 +147,10 @@ class HorovodStrategy(Strategy):
     def all_reduce_mean(self, values):
         return horovod_keras.average_values(values, self.process_set)
 
+    def max_over_processes(self, values):
+        # Every rank of the job, whatever its place in the grid.
+        return [float(v) for v in hvd.allreduce(tf.constant(values, tf.float64), op=hvd.Max)]
+
     def broadcast_variables(self, variables):
         # Horovod: every process starts from the first process's model and optimizer state
         # (root_rank is a global rank, also with a process set).

@@ -221,6 +221,9 @@ class MultiWorker(Strategy):
         local = tf.constant(1.0 if super().should_stop() else 0.0)
         return self._all_workers_min_max(local)[1] > 0
 
+    def max_over_processes(self, values):
+        return [self._all_workers_min_max(value)[1] for value in values]
+
     def shutdown(self):
         """Leave together: a worker that exits while another still works (the chief writing
         a sample) is reported by the coordination service as crashed."""

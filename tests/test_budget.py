@@ -1,0 +1,87 @@
+"""--max_steps=0: as many steps as fit in --time_budget_minutes (tfbig.budget)."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from tfbig import budget
+from tfbig.config import ExperimentConfig, check_applicable
+from tfbig.optim import WarmupDecay, learning_rate
+from tfbig.trainer import Trainer
+
+from test_trainer import make_cfg, weights
+
+
+def test_steps_within_counts_what_is_left_after_the_finish():
+    # 60 s budget, 20 s spent, 10 s for the end: 30 s left at 0.5 s/step -> 60 more steps.
+    assert budget.steps_within(60.0, 20.0, 0.5, 10.0, done=8) == 68
+    assert budget.steps_within(60.0, 20.0, 0.7, 10.0, done=8) == 8 + 42  # floor(30 / 0.7)
+    with pytest.raises(ValueError, match=r"--time_budget_minutes=1 is used up: 55 s went to "
+                                         r"preparation, compilation and 8 steps"):
+        budget.steps_within(60.0, 55.0, 0.5, 10.0, done=8)
+
+
+def test_finish_counts_the_validation_forwards():
+    # 30 validation micro-batches, forward a third of a 0.6 s step of 2 micro-batches.
+    assert budget.finish_seconds(0.6, 30, 2) == pytest.approx(30 * 0.1 + budget.FINISH_SECONDS)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(warmup_steps=4), "needs --warmup_steps >= 8 (got 4)"),
+    (dict(time_budget_minutes=0.0), "--max_steps=0 trains for --time_budget_minutes, which is 0"),
+    (dict(max_steps=-1), "--max_steps=-1: expected a step count"),
+])
+def test_refused_budgets_name_the_flag(change, message):
+    cfg = ExperimentConfig()
+    for key, value in change.items():
+        setattr(cfg.train, key, value)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        budget.check(cfg)
+
+
+def test_refused_with_elastic_and_beside_a_step_count():
+    cfg = ExperimentConfig()
+    cfg.train.strategy, cfg.horovod.elastic = "horovod", True
+    with pytest.raises(ValueError, match="--max_steps=0 \\(time budget\\) with --elastic"):
+        budget.check(cfg)
+    cfg = ExperimentConfig()
+    cfg.train.max_steps, cfg.train.time_budget_minutes = 100, 5.0
+    with pytest.raises(ValueError, match="--time_budget_minutes=5 has no effect with "
+                                         "--max_steps=100"):
+        check_applicable(cfg)
+
+
+def test_budgeted_run_fixes_its_steps_and_equals_an_explicit_run_of_that_count(gpt_data, tmp_path):
+    # The budget's count is whatever this machine's speed gives; the run must then be the
+    # run --max_steps=<count> would be: the same rates, the same weights, step for step.
+    cfg = make_cfg(gpt_data, tmp_path / "budget", max_steps=0, time_budget_minutes=5.0,
+                   warmup_steps=10, log_every=1000)
+    trainer = Trainer(cfg)
+    trainer.fit(steps=12)  # fixed at step 8, inside the warmup
+    with open(tmp_path / "budget" / "config.json") as f:
+        saved = json.load(f)
+    total = saved["budget"]["max_steps"]
+    assert total > 12 and saved["train"]["max_steps"] == total == trainer.cfg.train.max_steps
+    record = budget.Budget(**saved["budget"])
+    assert total == budget.steps_within(300.0, record.elapsed_seconds, record.seconds_per_step,
+                                        record.finish_seconds, 8)
+    schedule = WarmupDecay(3e-3, 10, total)
+    for step in (0, 9, 11, total // 2, total - 1):
+        assert float(learning_rate(trainer.optimizer, step)) == pytest.approx(
+            float(schedule(step)), rel=1e-6)
+
+    explicit = Trainer(make_cfg(gpt_data, tmp_path / "explicit", max_steps=total,
+                                warmup_steps=10, log_every=1000))
+    explicit.fit(steps=12)
+    for a, b in zip(weights(trainer), weights(explicit)):
+        np.testing.assert_array_equal(a, b)
+
+    # A new process on the same directory continues the recorded count (no new measurement),
+    # even when this machine is now much slower than the budget assumed.
+    resumed = Trainer(make_cfg(gpt_data, tmp_path / "budget", max_steps=0,
+                               time_budget_minutes=5.0, warmup_steps=10, log_every=1000),
+                      started=0.0)
+    assert resumed.cfg.train.max_steps == total and int(resumed.step.numpy()) == 12
+    assert resumed.fit(steps=2)["step"] == 14
+    assert os.path.exists(tmp_path / "budget" / "ckpt-14.index")

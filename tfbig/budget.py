@@ -1,0 +1,93 @@
+"""A run that fits in a time budget: `--max_steps=0` trains as many steps as fit in
+`--time_budget_minutes` of wall time, counted from the start of the command.
+
+The step count is fixed once, early, from the measured speed of the run itself:
+  1. steps 1-2 compile and warm up; steps 3..CALIBRATION_STEPS are timed;
+  2. every process takes the slowest figures of all (so all agree on one number);
+  3. max_steps = steps done + (budget - elapsed - finish) / seconds per step, where `finish`
+     is the end of the run after the last step: the validation pass (its batches at a third
+     of a micro-step's time each: the forward only) and FINISH_SECONDS for the last
+     checkpoint, the sample and the summary.
+The calibration steps run inside the learning-rate warmup, whose rates do not depend on the
+total, so the first steps are the ones an explicit `--max_steps` of the same count would take.
+The count is written to MODEL_DIR/config.json (`budget`); a resumed run reads it back and
+continues the same schedule exactly, even on a machine of another speed.
+
+Example:
+    tfbig-train                               # the main job: 9 minutes from start to sample
+    tfbig-train --time_budget_minutes=30      # half an hour
+    tfbig-train --max_steps=500               # exactly 500 steps, no budget
+"""
+import dataclasses
+import json
+import math
+import os
+
+CALIBRATION_STEPS = 8  # steps 1-2 compile; 3..8 are timed
+FINISH_SECONDS = 5.0  # the last checkpoint, the sample text and the summary
+
+
+@dataclasses.dataclass
+class Budget:
+    """What fixed a budgeted run's step count (kept in config.json)."""
+
+    minutes: float
+    max_steps: int
+    seconds_per_step: float
+    elapsed_seconds: float  # from the command's start to the end of calibration
+    finish_seconds: float
+
+    def describe(self):
+        return (f"time budget {self.minutes:g} min: {self.max_steps} steps at "
+                f"{self.seconds_per_step:.3f} s/step (measured), {self.elapsed_seconds:.0f} s "
+                f"spent before, {self.finish_seconds:.0f} s kept for the end of the run")
+
+
+def check(cfg):
+    """Refuse budget settings that cannot work, before anything is built (errors name flags)."""
+    train = cfg.train
+    if train.max_steps < 0:
+        raise ValueError(f"--max_steps={train.max_steps}: expected a step count, or 0 for as "
+                         f"many steps as fit in --time_budget_minutes")
+    if train.max_steps:
+        return
+    if train.time_budget_minutes <= 0:
+        raise ValueError(f"--max_steps=0 trains for --time_budget_minutes, which is "
+                         f"{train.time_budget_minutes}; give a positive budget or --max_steps")
+    if cfg.horovod.elastic:
+        raise ValueError("--max_steps=0 (time budget) with --elastic: ranks that join later "
+                         "could not take part in fixing the step count; give --max_steps")
+    if train.warmup_steps < CALIBRATION_STEPS:
+        raise ValueError(f"--max_steps=0 (time budget) measures the speed during the learning-"
+                         f"rate warmup, which needs --warmup_steps >= {CALIBRATION_STEPS} (got "
+                         f"{train.warmup_steps}); raise it or give --max_steps")
+
+
+def steps_within(budget_seconds, elapsed_seconds, seconds_per_step, finish_seconds, done):
+    """The run's step count: the `done` steps plus those that fit in what is left."""
+    left = budget_seconds - elapsed_seconds - finish_seconds
+    total = done + max(0, math.floor(left / seconds_per_step))
+    if total <= done:
+        raise ValueError(
+            f"--time_budget_minutes={budget_seconds / 60:g} is used up: {elapsed_seconds:.0f} s "
+            f"went to preparation, compilation and {done} steps, and the end of the run needs "
+            f"{finish_seconds:.0f} s more; raise --time_budget_minutes or give --max_steps")
+    return total
+
+
+def finish_seconds(seconds_per_step, eval_batches, grad_accum_steps):
+    """Time after the last step: the validation pass (a forward is a third of a micro-step)
+    and FINISH_SECONDS for the checkpoint, sample and summary."""
+    return eval_batches * seconds_per_step / (3.0 * grad_accum_steps) + FINISH_SECONDS
+
+
+def saved(model_dir, minutes):
+    """The Budget recorded in MODEL_DIR/config.json for this budget, or None."""
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        record = json.load(f).get("budget")
+    if not record or record.get("minutes") != minutes:
+        return None
+    return Budget(**record)
