@@ -85,3 +85,13 @@ def test_budgeted_run_fixes_its_steps_and_equals_an_explicit_run_of_that_count(g
     assert resumed.cfg.train.max_steps == total and int(resumed.step.numpy()) == 12
     assert resumed.fit(steps=2)["step"] == 14
     assert os.path.exists(tmp_path / "budget" / "ckpt-14.index")
+
+
+def test_tf_distribute_agrees_through_its_all_workers_collective():
+    # MultiWorker and Mirrored share the collective; here one process, all of its replicas.
+    from tfbig.distribute import get_strategy
+
+    cfg = ExperimentConfig()
+    cfg.train.strategy = "mirrored"
+    strategy = get_strategy("mirrored", cfg)
+    assert strategy.max_over_processes([0.25, 41.5]) == [0.25, 41.5]
