@@ -243,6 +243,21 @@ def test_export_of_a_sentencepiece_run_says_the_tokenizer_is_not_gpt2s(reference
         assert json.load(file)["eos_token_id"] == sentencepiece.eos_id
 
 
+@pytest.mark.slow
+def test_savedmodel_export_of_a_converted_gpt2_carries_its_bpe(reference, tmp_path):
+    """tfbig-export (SavedModel for serving) of a converted GPT-2: the BPE files are its assets
+    and the serving signature gives keras-hub's logits."""
+    import tensorflow as tf
+
+    from tfbig.export import export
+
+    exported = export(str(_hf_run(reference)), str(tmp_path / "savedmodel"))
+    assert sorted(os.listdir(os.path.join(exported, "assets"))) == ["merges.txt", "vocab.json"]
+    logits = tf.saved_model.load(exported).signatures["serving_default"](
+        token_ids=tf.constant(reference["inputs"]["token_ids"]))["logits"]
+    np.testing.assert_allclose(logits.numpy(), reference["logits"], atol=1e-5, rtol=1e-5)
+
+
 def _hf_run(reference):
     run = reference["root"] / "from_hf"
     if not run.exists():

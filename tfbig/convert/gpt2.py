@@ -243,6 +243,7 @@ def export(source_dir, output_dir):
     from safetensors.numpy import save_file
 
     from tfbig.checkpoint import model_variables
+    from tfbig.data.bpe import ByteLevelBPE
     from tfbig.data.tokenizer import for_run
     from tfbig.generate import load_model
 
@@ -261,12 +262,9 @@ def export(source_dir, output_dir):
     tokenizer = for_run(source_dir)
     with open(os.path.join(output_dir, "config.json"), "w") as file:
         json.dump(hf_config(config, tokenizer.eos_id), file, indent=1)
-    with open(os.path.join(source_dir, "config.json")) as file:
-        entry = json.load(file).get("tokenizer")
-    if isinstance(entry, dict) and entry.get("kind") == TOKENIZER["kind"]:
-        for name in ("vocab_file", "merges_file"):
-            shutil.copyfile(os.path.join(source_dir, entry[name]),
-                            os.path.join(output_dir, TOKENIZER[name]))
+    if isinstance(tokenizer, ByteLevelBPE):
+        for name, original in tokenizer.files().items():
+            shutil.copyfile(original, os.path.join(output_dir, name))
         return path, "tokenizer: vocab.json + merges.txt (GPT-2's byte-level BPE)"
     shutil.copyfile(tokenizer.path, os.path.join(output_dir, "tokenizer.model"))
     return path, ("tokenizer: NOT GPT-2's. This run was trained with tfbig's SentencePiece "

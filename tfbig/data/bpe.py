@@ -36,10 +36,11 @@ def _byte_of_char():
 class ByteLevelBPE:
     """A loaded GPT-2 vocabulary and merge list with the ids the rest of tfbig needs."""
 
-    def __init__(self, backend, vocab, path):
+    def __init__(self, backend, vocab, path, merges_path):
         self.backend = backend  # tokenizers.Tokenizer
         self.vocab = vocab  # {token string: id}
         self.path = path  # the vocab.json
+        self.merges_path = merges_path
 
     @classmethod
     def load(cls, vocab_file: str, merges_file: str) -> "ByteLevelBPE":
@@ -65,7 +66,11 @@ class ByteLevelBPE:
         backend.decoder = decoders.ByteLevel()
         if END_OF_TEXT in vocab:
             backend.add_special_tokens([END_OF_TEXT])
-        return cls(backend, vocab, vocab_file)
+        return cls(backend, vocab, vocab_file, merges_file)
+
+    def files(self) -> dict:
+        """{file name: path} of what this tokenizer is loaded from (to copy it elsewhere)."""
+        return {"vocab.json": self.path, "merges.txt": self.merges_path}
 
     @property
     def vocab_size(self) -> int:

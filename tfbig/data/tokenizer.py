@@ -89,6 +89,10 @@ class Tokenizer:
             file.write(model.getvalue())
         return cls.load(path)
 
+    def files(self) -> dict:
+        """{file name: path} of what this tokenizer is loaded from (to copy it elsewhere)."""
+        return {"tokenizer.model": self.path}
+
     @property
     def vocab_size(self) -> int:
         """Number of ids, including special and byte tokens."""
