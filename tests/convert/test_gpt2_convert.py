@@ -258,6 +258,25 @@ def test_savedmodel_export_of_a_converted_gpt2_carries_its_bpe(reference, tmp_pa
     np.testing.assert_allclose(logits.numpy(), reference["logits"], atol=1e-5, rtol=1e-5)
 
 
+def test_tfbig_train_refuses_a_converted_run_and_leaves_it_intact(reference, gpt_data,
+                                                                  tmp_path):
+    """tfbig-train has no --init_checkpoint for GPT: pointed at a converted run as --model_dir
+    it would overwrite the run's config.json (and so its tokenizer entry); it refuses instead."""
+    from tfbig.config import ExperimentConfig
+    from tfbig.trainer import Trainer
+
+    run = tmp_path / "run"
+    shutil.copytree(_hf_run(reference), run)
+    before = (run / "config.json").read_text()
+    cfg = ExperimentConfig()
+    for key, value in dict(data_dir=gpt_data, model_dir=str(run), preset="tiny", seq_length=16,
+                           batch_size=8, max_steps=1, xla=False, sample_tokens=0).items():
+        setattr(cfg.train, key, value)
+    with pytest.raises(ValueError, match=r"run is a tfbig-convert run directory \(huggingface:"):
+        Trainer(cfg)
+    assert (run / "config.json").read_text() == before
+
+
 def _hf_run(reference):
     run = reference["root"] / "from_hf"
     if not run.exists():
