@@ -12,6 +12,7 @@ which is not what GPT-2 was trained with. The ids are compared with the TensorFl
 Odd sizes (hidden 36, 3 heads of 12, 2 layers, n_positions 40, a ~300-token BPE vocabulary
 trained here) exercise the head splits of the fused c_attn.
 """
+import dataclasses
 import json
 import os
 import shutil
@@ -241,6 +242,15 @@ def test_export_of_a_sentencepiece_run_says_the_tokenizer_is_not_gpt2s(reference
         "config.json", "model.safetensors", "tokenizer.model"]
     with open(tmp_path / "out" / "config.json") as file:
         assert json.load(file)["eos_token_id"] == sentencepiece.eos_id
+    # a post-LN tfbig GPT has no GPT-2 equivalent
+    post_ln = str(tmp_path / "post_ln")
+    run_dir.write_run(post_ln, dataclasses.replace(config, pre_layer_norm=False),
+                      {k: v for k, v in weights.items() if not k.startswith("final_norm")},
+                      {"vocab_file": "tokenizer.model"}, {"tokenizer.model": sentencepiece.path},
+                      "tfbig-train", "gpt")
+    with pytest.raises(UsageError, match=r"post_ln: pre_layer_norm=False \(post-LN\); a "
+                                         r"Hugging Face GPT-2 is pre-LN"):
+        _convert(post_ln, tmp_path / "post_ln_out", to="huggingface")
 
 
 @pytest.mark.slow

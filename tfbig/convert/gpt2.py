@@ -256,10 +256,10 @@ def export(source_dir, output_dir):
     tensors = {("" if key == HEAD[0] else "transformer.") + hf:
                np.ascontiguousarray(weights[key].T if key == HEAD[0] else weights[key])
                for key, hf in names(config).items()}
+    tokenizer = for_run(source_dir)
     os.makedirs(output_dir, exist_ok=True)
     path = os.path.join(output_dir, "model.safetensors")
     save_file(tensors, path, metadata={"format": "pt"})
-    tokenizer = for_run(source_dir)
     with open(os.path.join(output_dir, "config.json"), "w") as file:
         json.dump(hf_config(config, tokenizer.eos_id), file, indent=1)
     if isinstance(tokenizer, ByteLevelBPE):
