@@ -14,6 +14,7 @@ setup(
         "sentencepiece>=0.2",
         "psutil>=5.9",
         "safetensors>=0.4",
+        "tokenizers>=0.19",
         "zstandard>=0.22",
         "mwparserfromhell>=0.6",
     ],

@@ -3,7 +3,8 @@
 The SavedModel has two signatures:
   serving_default(token_ids int32 (B, T)) -> {"logits": float32 (B, T, V)}
   next_token_logits(token_ids int32 (B, T)) -> {"logits": float32 (B, V)}   (last position)
-and carries the tokenizer as an asset (`assets/tokenizer.model`).
+and carries the tokenizer as an asset (`assets/tokenizer.model`; a GPT-2 converted by
+tfbig-convert carries `assets/vocab.json` + `assets/merges.txt`).
 
 Example:
     tfbig-export --model_dir=runs/gpt-small --export_dir=/tmp/gpt_savedmodel
@@ -42,14 +43,17 @@ def export(model_dir, export_dir):
     if os.path.exists(export_dir):
         raise FileExistsError(f"--export_dir={export_dir} exists; choose a new directory "
                               f"(nothing is overwritten)")
-    model, tokenizer_path = load_model(model_dir)
+    from tfbig.data.tokenizer import for_run
+
+    model, _ = load_model(model_dir)
     module = _Exported(model)
     tmp = export_dir.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tf.saved_model.save(module, tmp, signatures={
         "serving_default": module.serve, "next_token_logits": module.next_token_logits})
     os.makedirs(os.path.join(tmp, "assets"), exist_ok=True)
-    shutil.copyfile(tokenizer_path, os.path.join(tmp, "assets", "tokenizer.model"))
+    for name, path in for_run(model_dir).files().items():  # SentencePiece or GPT-2's BPE
+        shutil.copyfile(path, os.path.join(tmp, "assets", name))
     os.replace(tmp, export_dir)
     return export_dir
 

@@ -146,10 +146,10 @@ def sample_text(model, tokenizer, prompt, max_new_tokens, temperature=0.8, top_k
 def main(argv):
     if len(argv) > 1:
         raise UsageError(f"unexpected arguments {argv[1:]}; the prompt goes in --prompt")
-    from tfbig.data import Tokenizer
+    from tfbig.data.tokenizer import for_run
 
-    model, tokenizer_path = load_model(FLAGS.model_dir)
-    text = sample_text(model, Tokenizer.load(tokenizer_path), FLAGS.prompt,
+    model, _ = load_model(FLAGS.model_dir)
+    text = sample_text(model, for_run(FLAGS.model_dir), FLAGS.prompt,
                        FLAGS.max_new_tokens, FLAGS.temperature, FLAGS.top_k, FLAGS.top_p,
                        FLAGS.seed)
     print(text)

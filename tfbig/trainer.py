@@ -157,7 +157,14 @@ class Trainer:
         model_config = dataclasses.asdict(self.task.model_config)
         if os.path.exists(path):
             with open(path) as f:
-                saved = json.load(f).get("model_config", {})
+                saved = json.load(f)
+            if "converted_from" in saved:  # its config.json and tokenizer would be overwritten
+                raise ValueError(
+                    f"--model_dir={self.cfg.train.model_dir} is a tfbig-convert run directory "
+                    f"({saved['converted_from']}); tfbig-train does not continue a converted "
+                    "model. Use another --model_dir (the converted one stays for tfbig-generate, "
+                    "tfbig-squad/tfbig-classify --init_checkpoint and the export).")
+            saved = saved.get("model_config", {})
             diff = {k: (saved.get(k), v) for k, v in model_config.items() if saved.get(k) != v}
             if diff and tf.train.latest_checkpoint(self.cfg.train.model_dir):
                 raise ValueError(

@@ -1,16 +1,19 @@
-"""`tfbig-convert`: published BERT and ALBERT checkpoints into tfbig run directories, and
-tfbig BERT/ALBERT runs back out to Hugging Face directories.
+"""`tfbig-convert`: published BERT, ALBERT and GPT-2 checkpoints into tfbig run directories,
+and tfbig BERT/ALBERT/GPT runs back out to Hugging Face directories.
 
     tfbig-convert --source=bert-base-uncased/ --output_dir=runs/bert-base        # HF directory
     tfbig-convert --source=uncased_L-12_H-768_A-12/ --output_dir=runs/bert-base  # Google TF1
     tfbig-convert --source=keras_hub_preset/ --output_dir=runs/bert-base         # keras-hub
     tfbig-convert --source=albert_base/ --output_dir=runs/albert-base  # model.ckpt, HF, keras-hub
+    tfbig-convert --source=gpt2/ --output_dir=runs/gpt2     # HF GPT-2 or a keras-hub preset
     tfbig-convert --source=runs/bert-base --to=huggingface --output_dir=hf/      # export
 
 The source format and family are detected from its files (--format to force a format). The run
-directory holds config.json (model_format "bert" or "albert"), the tokenizer (vocab.txt, or
-ALBERT's SentencePiece model as tokenizer.model) and a checkpoint any tfbig model of that family
-restores its backbone from (tfbig.convert.run_dir.restore_backbone). Nothing is downloaded.
+directory holds config.json (model_format "bert", "albert" or "gpt"), the tokenizer (vocab.txt,
+ALBERT's SentencePiece model as tokenizer.model, GPT-2's vocab.json + merges.txt) and a
+checkpoint any tfbig model of that family restores its backbone from
+(tfbig.convert.run_dir.restore_backbone; tfbig-generate --model_dir for a GPT-2). Nothing is
+downloaded.
 """
 import dataclasses
 import os
@@ -27,12 +30,12 @@ from tfbig.errors import UsageError  # noqa: E402
 class ConvertOptions:
     """What to convert, from which format, to where."""
 
-    source: str = field("", "Directory to read: a published BERT (--to=tfbig) or a tfbig BERT "
-                            "run directory (--to=huggingface).")
+    source: str = field("", "Directory to read: a published BERT, ALBERT or GPT-2 (--to=tfbig) "
+                            "or a tfbig BERT/ALBERT/GPT run directory (--to=huggingface).")
     output_dir: str = field("", "Directory to write (must not hold a checkpoint yet).")
     to: str = field("tfbig", "tfbig: import --source into a tfbig run directory; huggingface: "
-                             "export a tfbig BERT/ALBERT run as config.json + model.safetensors "
-                             "+ its tokenizer.")
+                             "export a tfbig BERT/ALBERT/GPT run as config.json + "
+                             "model.safetensors + its tokenizer.")
     format: str = field("auto", "Format of --source for --to=tfbig: auto (from its files) | "
                                 "huggingface | keras_hub | google.")
     lowercase: str = field("auto", "Does the WordPiece tokenizer lowercase (and strip accents): "
@@ -58,6 +61,12 @@ def convert(options):
     from tfbig.convert import bert_names, run_dir, sources
 
     published = sources.read(options.source, options.format, lowercase)
+    if published.family == "gpt":
+        if lowercase is not None:
+            raise UsageError(f"--lowercase={options.lowercase}: applies to BERT's WordPiece "
+                             f"vocabulary; {options.source} is a GPT-2 (byte-level BPE)")
+        from tfbig.convert import gpt2
+        return gpt2.write_run(options.output_dir, published)
     if published.family == "albert" and lowercase is not None:
         raise UsageError(f"--lowercase={options.lowercase}: applies to BERT's WordPiece "
                          f"vocabulary; {options.source} is an ALBERT (its SentencePiece model "

@@ -1,4 +1,5 @@
-"""A tfbig BERT or ALBERT run directory -> a Hugging Face directory.
+"""A tfbig BERT, ALBERT or GPT run directory -> a Hugging Face directory (GPT: GPT-2's
+layout, tfbig.convert.gpt2.export).
 
     config.json (model_type "bert"; hidden_act "gelu_new", the tanh GELU, or "gelu", the erf
     form, as the model computes),
@@ -31,10 +32,15 @@ def export(source_dir, output_dir):
     """Write the Hugging Face directory; returns the path of model.safetensors."""
     from safetensors.numpy import save_file
 
-    config, saved = run_dir.read_config(source_dir, families=("bert", "albert"))
+    config, saved = run_dir.read_config(source_dir, families=("bert", "albert", "gpt"))
     if os.path.exists(os.path.join(output_dir, "model.safetensors")):
         raise UsageError(f"--output_dir={output_dir} already holds a model.safetensors; choose "
                          "an empty directory")
+    if saved["model_format"] == "gpt":
+        from tfbig.convert import gpt2
+        path, note = gpt2.export(source_dir, output_dir)
+        print(note)
+        return path
     weights = run_dir.read_weights(source_dir)
     if saved["model_format"] == "albert":
         return _export_albert(source_dir, output_dir, config, weights)

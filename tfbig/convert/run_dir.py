@@ -3,7 +3,8 @@
     OUTPUT_DIR/config.json   {"model_format": "bert", "model_config": {...BertConfig},
                               "tokenizer": {"vocab_file": "vocab.txt", "lowercase": ...},
                               "converted_from": "<format>:<path>"}
-    OUTPUT_DIR/vocab.txt     the WordPiece vocabulary
+    OUTPUT_DIR/vocab.txt     the WordPiece vocabulary (ALBERT: tokenizer.model; GPT-2:
+                             vocab.json + merges.txt, "tokenizer": {"kind": "byte_level_bpe"})
     OUTPUT_DIR/ckpt-0.*      tf.train.Checkpoint(model={tfbig key: variable}): the trainer's
                              layout, so `tf.train.latest_checkpoint(OUTPUT_DIR)` and
                              `--init_checkpoint=OUTPUT_DIR` find it
@@ -20,12 +21,21 @@ import tensorflow as tf
 
 from tfbig.checkpoint import model_variables
 from tfbig.errors import UsageError
-from tfbig.models.configs import AlbertConfig, BertConfig
+from tfbig.models.configs import AlbertConfig, BertConfig, GPTConfig
 
 
 def write(output_dir, config, weights, vocab_file, lowercase, source, family="bert"):
     """Write the run directory; refuses one that already holds a checkpoint. An ALBERT run
     gets its SentencePiece model as tokenizer.model, where tfbig-train runs keep theirs."""
+    tokenizer = {"bert": {"vocab_file": "vocab.txt", "lowercase": lowercase},
+                 "albert": {"vocab_file": "tokenizer.model"}}[family]
+    return write_run(output_dir, config, weights, tokenizer,
+                     {tokenizer["vocab_file"]: vocab_file}, source, family)
+
+
+def write_run(output_dir, config, weights, tokenizer, files, source, family):
+    """The run directory of any family: the checkpoint, `files` ({name in the run: path to copy},
+    the tokenizer's) and config.json with the `tokenizer` entry that says how to read them."""
     if tf.train.latest_checkpoint(output_dir):
         raise UsageError(f"--output_dir={output_dir} already holds a checkpoint; choose an "
                          "empty directory")
@@ -34,9 +44,8 @@ def write(output_dir, config, weights, vocab_file, lowercase, source, family="be
     manager = tf.train.CheckpointManager(tf.train.Checkpoint(model=variables), output_dir,
                                          max_to_keep=1)
     path = manager.save(checkpoint_number=0)
-    tokenizer = {"bert": {"vocab_file": "vocab.txt", "lowercase": lowercase},
-                 "albert": {"vocab_file": "tokenizer.model"}}[family]
-    shutil.copyfile(vocab_file, os.path.join(output_dir, tokenizer["vocab_file"]))
+    for name, original in files.items():
+        shutil.copyfile(original, os.path.join(output_dir, name))
     with open(os.path.join(output_dir, "config.json"), "w") as file:
         json.dump({"model_format": family, "model_config": dataclasses.asdict(config),
                    "tokenizer": tokenizer, "converted_from": source}, file, indent=1)
@@ -54,7 +63,8 @@ def read_config(run_dir, families=("bert",)):
     if saved.get("model_format") not in families:
         raise UsageError(f"{path}: model_format={saved.get('model_format')!r}; expected one of "
                          f"{list(families)}")
-    config_class = {"bert": BertConfig, "albert": AlbertConfig}[saved["model_format"]]
+    config_class = {"bert": BertConfig, "albert": AlbertConfig,
+                    "gpt": GPTConfig}[saved["model_format"]]
     return config_class(**saved["model_config"]), saved
 
 

@@ -9,6 +9,8 @@
     ALBERT       the same three: config.json (model_type "albert") + model.safetensors +
                  spiece.model; keras_hub>AlbertBackbone presets (vocabulary.spm); Google's
                  albert_config.json + model.ckpt.* + 30k-clean.model (tfbig.convert.albert)
+    GPT-2        config.json (model_type "gpt2") + model.safetensors + vocab.json + merges.txt;
+                 keras_hub>GPT2Backbone presets (tfbig.convert.gpt2, a PublishedGPT2)
 
 Each reader returns a `Published`: the BertConfig, the weights under the Google TF1 names (the
 pivot of tfbig.convert.bert_names), the vocabulary file and whether the tokenizer lowercases.
@@ -151,9 +153,12 @@ def read_huggingface(directory):
     raw = _json(config_file)
     if raw.get("model_type") == "albert":
         return read_albert_huggingface(directory, raw)
+    if raw.get("model_type") == "gpt2":
+        from tfbig.convert import gpt2
+        return gpt2.read_huggingface(directory, raw)
     if raw.get("model_type") != "bert":
         raise UsageError(f"{config_file}: model_type={raw.get('model_type')!r}; tfbig-convert "
-                         "reads BERT and ALBERT (model_type 'bert' or 'albert')")
+                         "reads BERT, ALBERT and GPT-2 (model_type 'bert', 'albert' or 'gpt2')")
     weights_file = _safetensors_file(directory)
     from safetensors.numpy import load_file
 
@@ -174,9 +179,12 @@ def read_keras_hub(directory):
     raw = _json(config_file)
     if raw.get("registered_name") == "keras_hub>AlbertBackbone":
         return read_albert_keras_hub(directory, raw)
+    if raw.get("registered_name") == "keras_hub>GPT2Backbone":
+        from tfbig.convert import gpt2
+        return gpt2.read_keras_hub(directory, raw)
     if raw.get("registered_name") != "keras_hub>BertBackbone":
         raise UsageError(f"{config_file}: a {raw.get('registered_name')!r} preset; tfbig-convert "
-                         "reads keras_hub>BertBackbone and keras_hub>AlbertBackbone presets")
+                         "reads keras_hub>BertBackbone, AlbertBackbone and GPT2Backbone presets")
     import keras_hub
 
     backbone = keras_hub.models.BertBackbone.from_preset(directory)

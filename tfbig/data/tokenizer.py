@@ -89,6 +89,10 @@ class Tokenizer:
             file.write(model.getvalue())
         return cls.load(path)
 
+    def files(self) -> dict:
+        """{file name: path} of what this tokenizer is loaded from (to copy it elsewhere)."""
+        return {"tokenizer.model": self.path}
+
     @property
     def vocab_size(self) -> int:
         """Number of ids, including special and byte tokens."""
@@ -140,3 +144,25 @@ def _training_lines(texts: Iterable[str]):
         for line in text.split("\n"):
             if line.strip():
                 yield line.encode()[:MAX_SENTENCE_BYTES].decode(errors="ignore")
+
+
+def for_run(model_dir: str):
+    """The tokenizer a run directory carries: GPT-2's byte-level BPE (vocab.json + merges.txt,
+    tfbig.data.bpe) when its config.json says {"tokenizer": {"kind": "byte_level_bpe", ...}}
+    (a tfbig-convert of a GPT-2), else the SentencePiece tokenizer.model tfbig-train copies
+    there. Both answer the same calls (encode, decode, eos_id, vocab_size...)."""
+    import json
+    import os
+
+    path = os.path.join(model_dir, "config.json")
+    saved = {}
+    if os.path.isfile(path):
+        with open(path) as file:
+            saved = json.load(file)
+    entry = saved.get("tokenizer")
+    if isinstance(entry, dict) and entry.get("kind") == "byte_level_bpe":
+        from tfbig.data.bpe import ByteLevelBPE
+
+        return ByteLevelBPE.load(os.path.join(model_dir, entry["vocab_file"]),
+                                 os.path.join(model_dir, entry["merges_file"]))
+    return Tokenizer.load(os.path.join(model_dir, "tokenizer.model"))
