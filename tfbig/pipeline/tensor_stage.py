@@ -89,7 +89,8 @@ class TensorPipeline(CrossRankPipeline):
                 f"tensor rank t holds attention heads t*{heads}..(t+1)*{heads}-1, 1/{size} of "
                 f"the MLP width, vocabulary rows t*{rows}..(t+1)*{rows}-1 (the tied copy on "
                 f"the last stage too); LayerNorms, position table and row-parallel biases "
-                f"replicated; tensor rank t of stage k sends to tensor rank t of stage k+1")
+                f"replicated (the params and memory above are a stage's before the split); "
+                f"tensor rank t of stage k sends to tensor rank t of stage k+1")
 
     def make_stage(self, jit_compile):
         # Horovod ops have no XLA kernels: the collectives sit inside the stage's function.
