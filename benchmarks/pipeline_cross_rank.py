@@ -2,12 +2,15 @@
 against the schedule's (K - 1) / (M + K - 1), for several numbers of micro-batches M.
 
     python benchmarks/pipeline_cross_rank.py          # K=2 ranks, M=4 and 8, 1F1B
+    python benchmarks/pipeline_cross_rank.py --tensor_parallel=2   # each stage on 2 ranks
 
 One `horovodrun -np K --gloo` launch (one data-parallel replica, one thread per rank, no XLA)
-times every micro-batch count in turn. Each rank records the wall-clock [start, end] of each of
-its forward and backward ops inside the step (tf.timestamp around them; the ranks share this
-host's clock). Per step, the window is first start to last end over all ranks; a rank's idle
-share is 1 - (its busy time) / window, the measured bubble the mean over ranks (median step).
+times every micro-batch count in turn (with --tensor_parallel=T, K x T ranks: each stage split
+over T, its tensor collectives inside its ops' busy time). Each rank records the wall-clock
+[start, end] of each of its forward and backward ops inside the step (tf.timestamp around
+them; the ranks share this host's clock). Per step, the window is first start to last end over
+all ranks; a rank's idle share is 1 - (its busy time) / window, the measured bubble the mean
+over ranks (median step).
 `timeline_bubble` is what the schedule's timeline gives with each stage's measured forward and
 backward times and free communication: the gap between it and the measured bubble is the
 exchange's cost (and, on a busy 2-core machine, the ranks' waits for a core). One JSON line,
@@ -23,8 +26,10 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+# Dynamic process sets: each micro-batch count builds its own strategy (with --tensor_parallel
+# its tensor and pipeline groups are sets below the world) in the one launch.
 ENV = {"TF_NUM_INTRAOP_THREADS": "1", "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
-       "PYTHONPATH": ROOT}
+       "PYTHONPATH": ROOT, "HOROVOD_DYNAMIC_PROCESS_SETS": "1"}
 
 
 def worker(plan_path, warmup, steps):
@@ -58,7 +63,8 @@ def bubble(ranks, schedule, num_stages, num_micro):
     """(measured bubble, timeline bubble from the measured op times) of the median step."""
     from tfbig.pipeline import schedules
 
-    measured, forward, backward = [], [[] for _ in ranks], [[] for _ in ranks]
+    measured = []
+    forward, backward = [[] for _ in range(num_stages)], [[] for _ in range(num_stages)]
     for step in range(len(ranks[0]["stamps"])):
         ops = [r["stamps"][step] for r in ranks]
         window = max(e for rank in ops for _, e in rank) - min(s for rank in ops for s, _ in rank)
@@ -88,6 +94,7 @@ def config_for(args, num_micro, root):
     t.model_dir = os.path.join(root, f"m{num_micro}")
     cfg.pipeline.pipeline_stages, cfg.pipeline.num_microbatches = args.stages, num_micro
     cfg.pipeline.schedule = args.schedule
+    cfg.parallel.tensor_parallel = args.tensor_parallel
     cfg.profile.monitor_interval_ms = 0
     return config_lib.to_dict(cfg)
 
@@ -103,6 +110,7 @@ def main():
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--microbatches", default="4,8")
     parser.add_argument("--schedule", default="1f1b")
+    parser.add_argument("--tensor_parallel", type=int, default=1, help="ranks per stage")
     parser.add_argument("--micro_batch", type=int, default=4, help="sequences per micro-batch")
     parser.add_argument("--seq_length", type=int, default=64)
     parser.add_argument("--hidden_size", type=int, default=128)
@@ -120,18 +128,18 @@ def main():
                 for m in counts]
         with open(os.path.join(root, "plan.json"), "w") as f:
             json.dump(plan, f)
-        k = args.stages
-        command = [os.path.join(os.path.dirname(sys.executable), "horovodrun"), "-np", str(k),
-                   "-H", f"localhost:{k}", "--gloo", sys.executable, os.path.abspath(__file__),
-                   "--worker", os.path.join(root, "plan.json"), str(args.warmup),
-                   str(args.steps)]
+        k, world = args.stages, args.stages * args.tensor_parallel
+        command = [os.path.join(os.path.dirname(sys.executable), "horovodrun"), "-np",
+                   str(world), "-H", f"localhost:{world}", "--gloo", sys.executable,
+                   os.path.abspath(__file__), "--worker", os.path.join(root, "plan.json"),
+                   str(args.warmup), str(args.steps)]
         done = subprocess.run(command, env={**os.environ, **ENV}, cwd=ROOT, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         if done.returncode:
-            sys.exit(f"the horovodrun launch failed:\n{done.stdout[-4000:]}")
+            sys.exit(f"the horovodrun launch failed:\n{done.stdout[-12000:]}")
         for m, entry in zip(counts, plan):
             ranks = []
-            for r in range(k):
+            for r in range(world):
                 with open(f"{entry['out']}.rank{r}") as f:
                     ranks.append(json.load(f))
             if os.environ.get("BENCH_RAW"):
@@ -145,6 +153,7 @@ def main():
                 "forward_ms_per_stage": [round(1e3 * t, 2) for t in fwd],
                 "backward_ms_per_stage": [round(1e3 * t, 2) for t in bwd]}
     print(json.dumps({"benchmark": "pipeline_cross_rank", "stages": args.stages,
+                      "tensor_parallel": args.tensor_parallel,
                       "schedule": args.schedule, "micro_batch": args.micro_batch,
                       "seq_length": args.seq_length, "hidden_size": args.hidden_size,
                       "num_layers": args.num_layers, "results": results,

@@ -87,3 +87,13 @@ def test_describe_lists_every_rank():
     text = Mesh.build(4, tensor=2).describe()
     assert "data 2 x pipeline 1 x tensor 2" in text
     assert "rank 3: data 1 pipeline 0 tensor 1" in text
+
+
+def test_model_groups_hold_one_copy_of_the_model_each():
+    mesh = Mesh.build(8, tensor=2, pipeline=2)  # data 2: two copies of the model
+    assert mesh.groups("model") == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert all(g in mesh.process_set_ranks() for g in mesh.groups("model"))
+    spread = Mesh.build(8, tensor=2, pipeline=2, placement="spread")
+    assert spread.groups("model") == [(0, 2, 4, 6), (1, 3, 5, 7)]
+    pipeline_only = Mesh.build(4, pipeline=2)  # no tensor axis: the pipeline groups
+    assert pipeline_only.groups("model") == pipeline_only.groups("pipeline")

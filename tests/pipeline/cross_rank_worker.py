@@ -8,8 +8,9 @@ PLAN_JSON is a list of runs {"name", "config" (tfbig.config.to_dict), "out"} wit
     interrupt_at     fit that many steps, then resume with a new Trainer
 Each rank writes OUT/NAME.rank{R}.npz: the paths of the weights it holds (`paths`), whether it
 owns each (`owned`), their final values w0.. and first-batch gradients g0.., the per-step train
-losses and grad norms, its stage and data index, the bytes of weights it holds and the full
-model's, and the evaluation loss.
+losses and grad norms, its stage, data and tensor index and the tensor degree, the tensor
+splits of the weights it holds (JSON {path: [axis, sections]}, empty without
+--tensor_parallel), the bytes of weights it holds and the full model's, the evaluation loss.
 """
 import json
 import math
@@ -57,6 +58,10 @@ def train(run):
     arrays["losses"] = np.array([logger.losses[s][0] for s in steps])
     arrays["grad_norms"] = np.array([logger.losses[s][1] for s in steps])
     arrays["stage"], arrays["data"] = strategy.stage_index, strategy.rank
+    arrays["tensor"] = strategy.mesh.coords["tensor"]  # with --tensor_parallel: its slices
+    arrays["tensor_parallel"] = strategy.mesh.mesh.tensor
+    splits = getattr(strategy, "splits", {})
+    arrays["splits"] = json.dumps({path: list(piece) for path, piece in splits.items()})
     arrays["held_bytes"] = nbytes(trainer.model.variables)
     arrays["model_bytes"] = sum(math.prod(v.shape) * 4 for v in strategy.built.model.model
                                 .variables if "seed_generator" not in v.path)

@@ -159,8 +159,6 @@ def cfg_with(**flags):
 @pytest.mark.parametrize("flags, world, message", [
     (dict(pipeline_stages=3), 4, "--pipeline_stages=3 x --tensor_parallel=1 = 3 does not "
                                  "divide 4"),
-    (dict(pipeline_stages=2, tensor_parallel=2), 4, "--pipeline_stages=2 with "
-                                                    "--tensor_parallel=2 is not supported"),
     (dict(pipeline_stages=2, zero_stage=1), 4, "--pipeline_stages=2 with --zero_stage=1"),
     (dict(pipeline_stages=2, elastic=True), 4, "--pipeline_stages=2 with --elastic=True"),
     (dict(pipeline_stages=2, sequence_parallel=True), 2, "with --sequence_parallel=True"),

@@ -155,8 +155,10 @@ def horovod_backend(cfg=None):
     tensor = getattr(parallel, "tensor_parallel", 1)
     if cfg is not None and pipeline_stages(cfg) > 1:
         from tfbig.pipeline.cross_rank import CrossRankPipeline
+        from tfbig.pipeline.tensor_stage import TensorPipeline
 
-        return CrossRankPipeline(cfg)  # refuses what it does not combine with (--elastic...)
+        # Both refuse what they do not combine with (--elastic...).
+        return TensorPipeline(cfg) if tensor > 1 else CrossRankPipeline(cfg)
     if horovod is not None and horovod.elastic:
         return ElasticHorovodStrategy(cfg)  # refuses --tensor_parallel (check_elastic)
     if tensor > 1:

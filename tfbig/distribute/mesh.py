@@ -124,10 +124,14 @@ class Mesh:
         """The ranks that differ from `rank` only along `axis`, in axis order.
 
         axis: 'data', 'pipeline', 'tensor', or the sharded-DP groups 'partition' (the
-        shard_degree ranks sharing one sharded copy of the state) and 'replica' (the ranks
-        holding the same shard in each partition group).
+        shard_degree ranks sharing one sharded copy of the state), 'replica' (the ranks
+        holding the same shard in each partition group) and 'model' (pipeline x tensor: the
+        ranks holding one copy of the model between them, sorted; global norms sum over it).
         """
         c = self.coords(rank)
+        if axis == "model":
+            return tuple(sorted(self.rank_of(c["data"], p, t) for p in range(self.pipeline)
+                                for t in range(self.tensor)))
         if axis in ("partition", "replica"):
             first, position = divmod(c["data"], self.shard_degree)
             indices = (range(first * self.shard_degree, (first + 1) * self.shard_degree)
@@ -162,7 +166,7 @@ class Mesh:
 
     def process_set_ranks(self):
         """Every group of two or more ranks below the whole world, once (for hvd.init)."""
-        axes = ("data", "pipeline", "tensor", "partition", "replica")
+        axes = ("data", "pipeline", "tensor", "partition", "replica", "model")
         found = {g for axis in axes for g in self.groups(axis) if 1 < len(g) < self.size}
         # Adjacent pipeline stages exchange activations on a two-rank set of their own.
         found |= {pair for g in self.groups("pipeline") for pair in zip(g, g[1:])

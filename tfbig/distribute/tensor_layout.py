@@ -197,18 +197,26 @@ def split_model(task, group, wrap=None):
     local_seeds = [v for v in local.variables if "seed_generator" in v.path]
     full_values = {v.path: v for v in full.variables if "seed_generator" not in v.path}
     for v in local.variables:
-        if "seed_generator" in v.path:
+        if "seed_generator" in v.path or not _held(v):
             continue
         value = full_values[v.path].numpy()
         if v.path in splits:
             value = take_slice(value, *splits[v.path], group.rank, group.size)
         v.assign(value)
     for source, v in zip(full_seeds, local_seeds, strict=True):
+        if not _held(v):
+            continue
         value = source.numpy()
         if id(v) in own_masks:
             value = value + np.asarray(group.rank, value.dtype)  # this rank's heads' masks
         v.assign(value)
     return local, splits
+
+
+def _held(variable):
+    """False for a weight another pipeline stage holds (an empty placeholder on this rank:
+    tfbig.pipeline.stage_model.hold_only); True otherwise."""
+    return tuple(variable.value.shape) == tuple(variable.shape)
 
 
 def own_mask_states(model, group):
@@ -330,8 +338,13 @@ class OfflineSlice(Strategy):
 def consolidate(model_dir, out_dir, warn=print):
     """Write the newest checkpoint of tensor-parallel run `model_dir` as a single-device
     checkpoint in `out_dir` (weights, optimizer slots, step, input position): it resumes under
-    any layout. `model_dir` is only read. Returns the checkpoint path written."""
+    any layout. `model_dir` is only read. Returns the checkpoint path written. A run with
+    pipeline stages too (pipeline.json) is consolidated by tfbig.pipeline.stage_checkpoint."""
+    from tfbig.pipeline import stage_checkpoint
     from tfbig.trainer import Trainer
+
+    if read_layout(model_dir) is None and stage_checkpoint.read_layout(model_dir) is not None:
+        return stage_checkpoint.consolidate(model_dir, out_dir, warn)  # TP x PP
 
     layout, cfg = consolidation_input(model_dir, out_dir, LAYOUT_FILE,
                                       "a tensor-parallel run")

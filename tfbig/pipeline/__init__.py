@@ -10,4 +10,5 @@
     cross_rank.py  --strategy=horovod --pipeline_stages=K: one stage per Horovod rank
     transport.py   activations and gradients between stage ranks (hvd.alltoall on pairs)
     stage_model.py a model built holding one stage; stage_checkpoint.py its checkpoints
+    tensor_stage.py  + --tensor_parallel=T: each stage split over T ranks (the 3D layout)
 """

@@ -17,8 +17,10 @@ tfbig.pipeline.transport). One optimizer step, per rank:
                           weights used by several stages (tied/shared) get their gradient
                           parts summed over the pipeline group
     all_reduce_gradients  the stage's gradients averaged over its data group (the ranks holding
-                          the same stage), then one all-reduce of 3 scalars over the pipeline
-                          group: the squared gradient norm (each weight counted on its owner),
+                          the same stage), then one all-reduce of 3 scalars over the model
+                          group (pipeline x tensor): the squared gradient norm (each weight
+                          counted on its owner; a tensor-split one on every tensor rank, a
+                          replicated one on tensor rank 0),
                           the count of non-finite entries and the SIGTERM flag. A non-finite
                           gradient on any stage makes every stage's gradients non-finite, so
                           with fp16 loss scaling every stage skips the step and lowers its scale
@@ -31,7 +33,8 @@ which weight). Resuming needs the same --pipeline_stages; tfbig.pipeline.stage_c
 assembles the single-device model (tfbig-generate/export read it) or writes a single-device
 checkpoint: python -m tfbig.pipeline.stage_checkpoint MODEL_DIR OUT_DIR.
 
-Not built (refused before training): --tensor_parallel, --zero_stage, --shard_degree,
+With --tensor_parallel=T each stage is also split over T ranks (tfbig.pipeline.tensor_stage).
+Not built (refused before training): --zero_stage, --shard_degree,
 --sequence_parallel, --elastic, --offload_activations with --pipeline_stages > 1, and
 --model=albert (its first cross-rank step hung in the one test launch; GPT only for now).
 
@@ -58,8 +61,7 @@ from tfbig.pipeline.strategy import microbatch_size, split_microbatches
 from tfbig.pipeline.transport import StageLink, boundary_specs, runtime_zero, unfoldable
 
 # (config section, flag, is it set?) of what is not built with stages on different ranks.
-REFUSED = (("parallel", "tensor_parallel", lambda v: v != 1),
-           ("parallel", "zero_stage", lambda v: v != 0),
+REFUSED = (("parallel", "zero_stage", lambda v: v != 0),
            ("parallel", "shard_degree", lambda v: v != 0),
            ("parallel", "sequence_parallel", bool),
            ("horovod", "elastic", bool),
@@ -67,7 +69,9 @@ REFUSED = (("parallel", "tensor_parallel", lambda v: v != 1),
 
 
 def pipeline_mesh(cfg, world_size):
-    """The data x pipeline grid of a cross-rank pipeline run; refuses what is not built."""
+    """The data x pipeline x tensor grid of a cross-rank pipeline run (with
+    --tensor_parallel=T each stage is split over T ranks: tfbig.pipeline.tensor_stage);
+    refuses what is not built."""
     stages = pipeline_stages(cfg)
     for section, flag, is_set in REFUSED:
         value = getattr(getattr(cfg, section), flag)
@@ -81,7 +85,8 @@ def pipeline_mesh(cfg, world_size):
                          f"--strategy=pipeline, stages on the devices of each process)")
     if cfg.pipeline.num_microbatches < 1:
         raise ValueError(f"--num_microbatches={cfg.pipeline.num_microbatches}: expected >= 1")
-    return Mesh.build(world_size, pipeline=stages, placement=cfg.parallel.placement)
+    return Mesh.build(world_size, tensor=cfg.parallel.tensor_parallel, pipeline=stages,
+                      placement=cfg.parallel.placement)
 
 
 def stage_plan(task, pipeline, num_stages):
@@ -121,8 +126,14 @@ def _stamped(run, inputs, stamps, stage):
     with tf.control_dependencies([start]):
         inputs = tf.nest.map_structure(lambda t: t if t is None else tf.identity(t), inputs)
     out = run(inputs)
-    with tf.control_dependencies([t for t in tf.nest.flatten(out) if t is not None]
-                                 + list(stage.gradient_sums.values())):
+    # A control dependency on a function call's output waits, once Grappler inlines the call,
+    # only for the function's stateful ops, not its math (the forwards then measured ~0 ms):
+    # the end waits for a value read from every output instead.
+    produced = [t for t in tf.nest.flatten(out) if t is not None] + list(
+        stage.gradient_sums.values())
+    ready = tf.add_n([tf.constant(0.0)] + [
+        tf.reduce_sum(tf.cast(tf.reshape(t, [-1])[:1], tf.float32)) for t in produced])
+    with tf.control_dependencies([ready]):
         stamps.append(tf.stack([start, tf.timestamp()]))
     return out
 
@@ -164,6 +175,7 @@ class CrossRankPipeline(HorovodStrategy):
         self.num_stages = self.mesh.mesh.pipeline
         self.stage_index = self.mesh.coords["pipeline"]
         self.pipeline_set = self.mesh.process_set("pipeline")
+        self.model_set = self.mesh.process_set("model")  # global norms: pipeline x tensor
         self.ops = schedules.get_schedule(self.pipeline.schedule)(
             self.num_stages, self.pipeline.num_microbatches)[self.stage_index]
         self.device = "/GPU:0" if tf.config.list_physical_devices("GPU") else "/device:CPU:0"
@@ -180,12 +192,15 @@ class CrossRankPipeline(HorovodStrategy):
         self.specs, self.plan = stage_plan(task, self.pipeline, self.num_stages)
         micro = microbatch_size(self.cfg.train.batch_size // self.num_replicas,
                                 self.pipeline.num_microbatches)
-        self.built = build_stage_model(task, self.plan, self.specs, self.stage_index,
-                                       self.device)
+        self.built = self.build_stage(task)
         self.task = task
         if self.is_chief:
             print(self.describe(micro * task.seq_length), flush=True)
         return self.built.model
+
+    def build_stage(self, task):
+        """BuiltStage of this rank's stage (the placeholders and ownership of its weights)."""
+        return build_stage_model(task, self.plan, self.specs, self.stage_index, self.device)
 
     def describe(self, micro_batch_tokens):
         """The rank grid, the schedule and which ranks hold which layers."""
@@ -193,8 +208,9 @@ class CrossRankPipeline(HorovodStrategy):
         memory = [partition_lib.estimate_memory(
             stage, p.schedule, self.num_stages, p.num_microbatches, micro_batch_tokens,
             p.activation_checkpointing) for stage in self.plan]
-        holders = [",".join(str(r) for r in self.mesh.mesh.group(
-            "data", self.mesh.mesh.rank_of(pipeline=s.index))) for s in self.plan]
+        grid = self.mesh.mesh
+        holders = [",".join(str(r) for r in range(grid.size)
+                            if grid.coords(r)["pipeline"] == s.index) for s in self.plan]
         return (f"{self.mesh.mesh.describe()}\n"
                 f"pipeline across ranks: {self.num_stages} stages, --schedule={p.schedule}, "
                 f"{p.num_microbatches} micro-batches of {micro_batch_tokens} tokens, "
@@ -223,7 +239,7 @@ class CrossRankPipeline(HorovodStrategy):
 
     def _forward_backward(self, variables, scale_loss, jit_compile, timed):
         self._scale_loss = scale_loss
-        self._counted = [id(v) in self.built.owned for v in variables]
+        self._counted = [self.counts(v) for v in variables]
         stage, link = self.make_stage(jit_compile), StageLink(
             self.mesh, self.stage_index, self.num_stages, "train")
         self.stage = stage  # for inspection: peak_live
@@ -317,12 +333,17 @@ class CrossRankPipeline(HorovodStrategy):
         local = tf.stack([tf.add_n(squares) if squares else tf.constant(0.0),
                           tf.add_n(bad) if bad else tf.constant(0.0),
                           self._stop_agreed.read_value()])
-        total = hvd.allreduce(local, op=hvd.Sum, process_set=self.pipeline_set,
+        total = hvd.allreduce(local, op=hvd.Sum, process_set=self.model_set,
                               name="pipeline.train.norm", ignore_name_scope=True)
         self._stop_agreed.assign(total[2])
         poison = tf.where(total[1] > 0, float("nan"), 0.0)  # every stage skips, or none
         self._norm = tf.sqrt(total[0]) + poison
         return [g + poison for g in grads]
+
+    def counts(self, variable):
+        """Whether this rank counts `variable`'s gradient in global norms: on its owner stage
+        only (a tied copy on another stage is not counted twice)."""
+        return id(variable) in self.built.owned
 
     def global_norm(self, grads):
         return self._norm  # from all_reduce_gradients: the whole model's, every stage
@@ -330,10 +351,10 @@ class CrossRankPipeline(HorovodStrategy):
     def build_optimizer(self, train, variables):
         from tfbig.optim import build_optimizer
 
-        counted = [id(v) in self.built.owned for v in variables]
+        counted = [self.counts(v) for v in variables]
 
         def sum_over_stages(x):  # Horovod: the clipping norm's squares over the stages
-            return hvd.allreduce(x, op=hvd.Sum, process_set=self.pipeline_set,
+            return hvd.allreduce(x, op=hvd.Sum, process_set=self.model_set,
                                  name="pipeline.train.clip", ignore_name_scope=True)
 
         return self.prepare_optimizer(build_optimizer(

@@ -3,7 +3,10 @@
 Each stage rank of data replica 0 saves the variables it holds (stage 0 in MODEL_DIR, stage k in
 MODEL_DIR/pipeline/stage-k, tfbig.checkpoint.piece_dir) and the chief writes
 MODEL_DIR/pipeline.json: the number of stages and the layers and weights each stage owns. A
-weight held by several stages (a tied or shared one) is read from its owner.
+weight held by several stages (a tied or shared one) is read from its owner. With
+--tensor_parallel=T (tfbig.pipeline.tensor_stage) stage k's tensor rank t saves in
+piece_dir(STAGE_DIR, "tensor", t) and the layout also holds "tensor_parallel" and "splits"
+(weight path -> [axis, sections]); a split weight is joined from its owner stage's T pieces.
 
     assembled_weights(model_dir, model)   {path: array} of the single-device model
                                           (tfbig-generate and tfbig-export read it)
@@ -19,19 +22,34 @@ import numpy as np
 import tensorflow as tf
 
 from tfbig.checkpoint import (consolidation_input, consolidation_main, piece_checkpoints,
-                              reader_key, slot_owners)
+                              piece_dir, reader_key, slot_owners)
 from tfbig.checkpoint import read_layout as checkpoint_layout
 from tfbig.distribute.base import Strategy
+from tfbig.distribute.tensor_layout import TensorGroup, join_slices
 
 LAYOUT_FILE = "pipeline.json"
 
 
-def layout(layers, plan):
-    """The JSON layout: {"pipeline_stages": K, "stages": [{"layers", "weights"}, ...]}."""
-    return {"pipeline_stages": len(plan), "stages": [
+def layout(layers, plan, splits=None, tensor_parallel=1):
+    """The JSON layout: {"pipeline_stages": K, "stages": [{"layers", "weights"}, ...]}, and
+    with tensor_parallel T > 1 "tensor_parallel": T, "splits": {path: [axis, sections]}."""
+    out = {"pipeline_stages": len(plan), "stages": [
         {"layers": [layer.name for layer in layers[s.start:s.stop]],
          "weights": sorted(v.path for layer in layers[s.start:s.stop] for m in layer.modules
                            for v in m.trainable_variables)} for s in plan]}
+    if tensor_parallel > 1:
+        out.update(tensor_parallel=tensor_parallel,
+                   splits={path: list(piece) for path, piece in sorted(splits.items())})
+    return out
+
+
+def tensor_degree(saved):
+    """The --tensor_parallel of a saved layout (1 for a pipeline-only run)."""
+    return saved.get("tensor_parallel", 1)
+
+
+def _splits(saved):
+    return {path: tuple(piece) for path, piece in saved.get("splits", {}).items()}
 
 
 def read_layout(model_dir):
@@ -39,13 +57,16 @@ def read_layout(model_dir):
     return checkpoint_layout(model_dir, LAYOUT_FILE)
 
 
-def check_resume(model_dir, num_stages):
+def check_resume(model_dir, num_stages, tensor_parallel=1):
     """Refuse to resume a checkpoint of another layout (errors say what to do)."""
     saved = read_layout(model_dir)
-    if saved is not None and saved["pipeline_stages"] != num_stages:
+    if saved is not None and (saved["pipeline_stages"], tensor_degree(saved)) != (
+            num_stages, tensor_parallel):
         raise ValueError(f"--model_dir={model_dir} was written with --pipeline_stages="
-                         f"{saved['pipeline_stages']}; this run has {num_stages}. Resume with "
-                         f"the same number, or write a single-device checkpoint first: "
+                         f"{saved['pipeline_stages']} --tensor_parallel={tensor_degree(saved)}; "
+                         f"this run has --pipeline_stages={num_stages} --tensor_parallel="
+                         f"{tensor_parallel}. Resume with the same layout, or write a "
+                         f"single-device checkpoint first: "
                          f"python -m tfbig.pipeline.stage_checkpoint {model_dir} OUT_DIR")
     if saved is None and tf.train.latest_checkpoint(model_dir):
         raise ValueError(f"--model_dir={model_dir} holds a checkpoint without pipeline stages "
@@ -58,28 +79,53 @@ def stage_checkpoints(model_dir, saved, warn=print):
     return piece_checkpoints(model_dir, "pipeline", saved["pipeline_stages"], warn)
 
 
+def piece_paths(model_dir, saved, warn=print):
+    """[[checkpoint of stage k, tensor rank t for each t] for each k], all of one number."""
+    out = []
+    for stage, path in enumerate(stage_checkpoints(model_dir, saved, warn)):
+        stage_dir, name = piece_dir(model_dir, "pipeline", stage), os.path.basename(path)
+        pieces = [path]
+        for rank in range(1, tensor_degree(saved)):
+            piece = os.path.join(piece_dir(stage_dir, "tensor", rank), name)
+            if not os.path.exists(piece + ".index"):
+                raise FileNotFoundError(f"{piece}: tensor rank {rank} of stage {stage} of "
+                                        f"{path} is missing; every rank of the first replica "
+                                        f"saves its own")
+            pieces.append(piece)
+        out.append(pieces)
+    return out
+
+
 def assembled_weights(model_dir, model, warn=print):
     """{variable path: array} of `model`'s weights from the newest checkpoint of a cross-rank
-    pipeline run, each read from the stage that owns it."""
+    pipeline run, each read from the stage that owns it (a tensor-split one joined from that
+    stage's tensor ranks)."""
     saved = read_layout(model_dir)
-    readers = [tf.train.load_checkpoint(p) for p in stage_checkpoints(model_dir, saved, warn)]
+    readers = [[tf.train.load_checkpoint(p) for p in stage]
+               for stage in piece_paths(model_dir, saved, warn)]
     owner = {path: s for s, stage in enumerate(saved["stages"]) for path in stage["weights"]}
+    splits = _splits(saved)
     out = {}
     for v in model.variables:
         if "seed_generator" in v.path:
             continue
-        out[v.path] = readers[owner.get(v.path, 0)].get_tensor(reader_key(model, v))
+        stage, key = readers[owner.get(v.path, 0)], reader_key(model, v)
+        piece = splits.get(v.path)
+        out[v.path] = (stage[0].get_tensor(key) if piece is None else
+                       join_slices([r.get_tensor(key) for r in stage], *piece))
     return out
 
 
 class OfflineStage(Strategy):
     """One stage of a cross-rank pipeline run, built and restored in a plain process."""
 
-    def __init__(self, cfg, pipeline, stage_index, num_stages, restore_path):
+    def __init__(self, cfg, pipeline, stage_index, num_stages, restore_path, tensor_rank=0,
+                 tensor_parallel=1):
         super().__init__(cfg)
         self.pipeline = pipeline  # the run's PipelineConfig (its stage boundaries)
         self.stage_index, self.num_stages = stage_index, num_stages
         self.restore_path = restore_path
+        self.group = TensorGroup(None, tensor_rank, tensor_parallel)
 
     @property
     def is_chief(self):
@@ -88,8 +134,12 @@ class OfflineStage(Strategy):
     def build_model(self, task):
         from tfbig.pipeline.cross_rank import stage_plan
         from tfbig.pipeline.stage_model import build_stage_model
+        from tfbig.pipeline.tensor_stage import build_tensor_stage
 
         specs, plan = stage_plan(task, self.pipeline, self.num_stages)
+        if self.group.size > 1:  # this tensor rank's slices, no collectives
+            return build_tensor_stage(task, plan, specs, self.stage_index, "/device:CPU:0",
+                                      self.group)[0].model
         return build_stage_model(task, plan, specs, self.stage_index, "/device:CPU:0").model
 
     def restore_dir(self, model_dir):
@@ -106,28 +156,39 @@ def consolidate(model_dir, out_dir, warn=print):
 
     saved, cfg = consolidation_input(model_dir, out_dir, LAYOUT_FILE,
                                      "a cross-rank pipeline run")
-    paths = stage_checkpoints(model_dir, saved, warn)
-    pipeline, num_stages = cfg.pipeline, saved["pipeline_stages"]
+    paths = piece_paths(model_dir, saved, warn)
+    pipeline, num_stages, size = cfg.pipeline, saved["pipeline_stages"], tensor_degree(saved)
     cfg.train.strategy = "single"  # the Horovod/pipeline sections' flags do not apply
     cfg.pipeline, cfg.horovod, cfg.parallel = (type(cfg.pipeline)(), type(cfg.horovod)(),
                                                type(cfg.parallel)())
-    states = []
-    for stage, path in enumerate(paths):
-        cfg.train.model_dir = model_dir
-        trainer = Trainer(cfg, strategy=OfflineStage(cfg, pipeline, stage, num_stages, path))
-        if trainer.restored_from is None or \
-                os.path.basename(trainer.restored_from) != os.path.basename(path):
-            raise ValueError(f"could not restore {path} (found {trainer.restored_from})")
-        states.append(_named_state(trainer))
+    states = [[_restored_state(cfg, model_dir, OfflineStage(
+        cfg, pipeline, stage, num_stages, path, rank, size)) for rank, path in enumerate(pieces)]
+        for stage, pieces in enumerate(paths)]
     owner = {path: s for s, stage in enumerate(saved["stages"]) for path in stage["weights"]}
+    splits = _splits(saved)
     cfg.train.model_dir = out_dir
     os.makedirs(out_dir, exist_ok=True)
     full = Trainer(cfg)
     slots = slot_owners(full.optimizer)
     for name, variable in _named_variables(full).items():
-        stage = owner.get(slots.get(id(variable), name), 0)
-        variable.assign(states[stage][name])
+        weight = slots.get(id(variable), name)  # an optimizer slot: the weight it belongs to
+        stage, piece = states[owner.get(weight, 0)], splits.get(weight)
+        variable.assign(stage[0][name] if piece is None else
+                        join_slices([ranks[name] for ranks in stage], *piece))
     return full.save()
+
+
+def _restored_state(cfg, model_dir, offline):
+    """The named state of one piece (stage, tensor rank) restored through `offline`."""
+    from tfbig.trainer import Trainer
+
+    cfg.train.model_dir = model_dir
+    trainer = Trainer(cfg, strategy=offline)
+    path = offline.restore_path
+    if trainer.restored_from is None or \
+            os.path.basename(trainer.restored_from) != os.path.basename(path):
+        raise ValueError(f"could not restore {path} (found {trainer.restored_from})")
+    return _named_state(trainer)
 
 
 def _named_variables(trainer):

@@ -89,12 +89,14 @@ class BuiltStage:
     shared: list  # trainable weights used by more than one stage (the same list on all ranks)
 
 
-def build_stage_model(task, plan, specs, stage_index, device):
-    """Build `task`'s model holding only stage `stage_index` of `plan` (on `device`)."""
+def build_stage_model(task, plan, specs, stage_index, device, build=None):
+    """Build `task`'s model holding only stage `stage_index` of `plan` (on `device`).
+    `build()` makes the model (default `task.build_model`; a tensor-parallel stage passes
+    one building its tensor rank's slices: tfbig.pipeline.tensor_stage)."""
     every, mine = held_scopes(specs, plan, stage_index)
     placeholders = set()
     with tf.device(device), hold_only(every, mine, placeholders):
-        model = task.build_model()
+        model = (build or task.build_model)()
     layers = layer_sequence(model)
     names = [layer.name for layer in layers]
     if names != [spec.name for spec in specs]:

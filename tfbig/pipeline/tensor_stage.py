@@ -1,0 +1,116 @@
+"""Tensor parallelism inside pipeline stages on different ranks: `--strategy=horovod
+--pipeline_stages=K --tensor_parallel=T` (GPT), the full data x pipeline x tensor grid.
+
+World = D x K x T ranks (tfbig.distribute.mesh; `--placement=cluster` keeps the T ranks of a
+stage adjacent, on one host). The rank at (data d, pipeline k, tensor t):
+
+    builds      stage k only (tfbig.pipeline.stage_model: other stages' weights are empty
+                placeholders), its layers tensor-split by the plan of tfbig.distribute
+                .tensor_layout (`split_model`, slice t): heads, MLP columns/rows and
+                vocabulary rows, with the conjugate collectives over the stage's tensor group
+                (tfbig.distribute.tensor_parallel)
+    exchanges   activations forward / gradients back with tensor rank t of stages k-1 and k+1
+                (its pipeline group). A stage boundary is a block output: after the
+                row-parallel all-reduce it is replicated over the tensor group, and so is its
+                gradient (the next stage's column-parallel entry all-reduces it backward), so
+                each tensor rank sends its own copy to its twin: T independent point-to-point
+                links, no extra collective, the same bytes per link as without tensor
+                parallelism
+    loss        on the last stage, the vocabulary-parallel cross-entropy (no rank forms full
+                (batch, seq, vocab) logits); GPT's tied token table is vocabulary-split on
+                stage 0 and its copy on the last stage is split the same way, so the copy's
+                gradient (summed over the pipeline group: same tensor rank, same slice) is
+                exactly slice t of the table's gradient
+    gradients   averaged over the data group (the D ranks holding the same slice of the same
+                stage); the global norm, non-finite count and stop flag go in one all-reduce
+                over the model group (pipeline x tensor): a split weight counted by every
+                tensor rank (its slice), a replicated one (LayerNorms, position table,
+                row-parallel biases) by tensor rank 0 only, a tied copy only on its owner
+
+Checkpoints: each rank of data replica 0 writes what it holds, stage k tensor rank t in
+piece_dir(piece_dir(MODEL_DIR, "pipeline", k), "tensor", t) (MODEL_DIR for 0/0,
+MODEL_DIR/pipeline/stage-k/tensor/rank-t in general); MODEL_DIR/pipeline.json records the
+stages and the tensor splits. `python -m tfbig.pipeline.stage_checkpoint MODEL_DIR OUT_DIR` (or
+tfbig.distribute.tensor_layout) writes a single-device checkpoint; tfbig-generate/export read
+the pieces directly. Resuming needs the same --pipeline_stages and --tensor_parallel.
+
+Not built (refused before training): --sequence_parallel with stages on ranks, ALBERT.
+
+Example (2 stages x 2 tensor ranks x 2 replicas):
+    horovodrun -np 8 -H localhost:8 --gloo tfbig-train --strategy=horovod \\
+        --pipeline_stages=2 --tensor_parallel=2 --num_microbatches=4 --schedule=1f1b
+"""
+from tfbig.checkpoint import piece_dir, write_layout
+from tfbig.distribute.tensor_layout import TensorGroup, split_model
+from tfbig.distribute.tensor_parallel import (_wrap, vocab_parallel_argmax,
+                                              vocab_parallel_cross_entropy)
+from tfbig.pipeline import stage_checkpoint
+from tfbig.pipeline.cross_rank import CrossRankPipeline
+from tfbig.pipeline.stage_model import build_stage_model
+
+
+def build_tensor_stage(task, plan, specs, stage_index, device, group, wrap=None):
+    """(BuiltStage, {path: (axis, sections)}) of stage `stage_index`, tensor rank
+    `group.rank`: only this stage's weights exist, each split one holding its slice.
+    `wrap` inserts the collectives (None: an offline copy, for reading checkpoints)."""
+    splits = {}
+
+    def build():
+        model, found = split_model(task, group, wrap=wrap)
+        splits.update(found)
+        return model
+
+    return build_stage_model(task, plan, specs, stage_index, device, build=build), splits
+
+
+class TensorPipeline(CrossRankPipeline):
+    """Data x pipeline x tensor: one tensor slice of one stage per rank (module docstring)."""
+
+    def __init__(self, cfg, mesh=None):
+        super().__init__(cfg, mesh)
+        self.group = TensorGroup(self.mesh.process_set("tensor"), self.mesh.coords["tensor"],
+                                 self.mesh.mesh.tensor)
+        self.splits = {}
+
+    def build_stage(self, task):
+        built, self.splits = build_tensor_stage(task, self.plan, self.specs, self.stage_index,
+                                                self.device, self.group, wrap=_wrap)
+        task.vocab_cross_entropy = lambda labels, logits: vocab_parallel_cross_entropy(
+            labels, logits, self.group)
+        task.vocab_argmax = lambda logits, output_type: vocab_parallel_argmax(
+            logits, self.group, output_type)
+        return built
+
+    def describe(self, micro_batch_tokens):
+        size, config = self.group.size, self.task.model_config
+        heads, rows = config.num_heads // size, config.vocab_size // size
+        return (super().describe(micro_batch_tokens) + "\n"
+                f"tensor parallel inside each stage: groups {self.mesh.mesh.groups('tensor')}; "
+                f"tensor rank t holds attention heads t*{heads}..(t+1)*{heads}-1, 1/{size} of "
+                f"the MLP width, vocabulary rows t*{rows}..(t+1)*{rows}-1 (the tied copy on "
+                f"the last stage too); LayerNorms, position table and row-parallel biases "
+                f"replicated (the params and memory above are a stage's before the split); "
+                f"tensor rank t of stage k sends to tensor rank t of stage k+1")
+
+    def make_stage(self, jit_compile):
+        # Horovod ops have no XLA kernels: the collectives sit inside the stage's function.
+        return super().make_stage(False)
+
+    def counts(self, variable):
+        """Split weights count their slice on every tensor rank, replicated ones count once
+        (tensor rank 0); both only on the owner stage."""
+        return super().counts(variable) and (variable.path in self.splits
+                                             or self.group.rank == 0)
+
+    # ---- checkpoints: stage k, tensor rank t of data replica 0 writes its slices ------------
+    def _stage_dir(self, model_dir):
+        return piece_dir(super()._stage_dir(model_dir), "tensor", self.group.rank)
+
+    def restore_dir(self, model_dir):
+        stage_checkpoint.check_resume(model_dir, self.num_stages, self.group.size)
+        return self._stage_dir(model_dir)
+
+    def after_checkpoint(self, directory):
+        if self.is_chief:
+            write_layout(directory, stage_checkpoint.LAYOUT_FILE, stage_checkpoint.layout(
+                self.built.layers, self.plan, self.splits, self.group.size))
