@@ -356,6 +356,11 @@ def consolidate(model_dir, out_dir, warn=print):
 
     layout, cfg = consolidation_input(model_dir, out_dir, LAYOUT_FILE,
                                       "a tensor-parallel run")
+    if os.path.exists(os.path.join(model_dir, "zero.json")):  # tfbig.distribute.tensor_zero
+        raise ValueError(f"{model_dir} was written with --tensor_parallel and --zero_stage=1 "
+                         f"(zero.json): its optimizer slots are sliced over data ranks too, "
+                         f"which this consolidation does not join; resume it with the same "
+                         f"flags (tfbig-generate and tfbig-export read its weights)")
     layout = _with_tuples(layout)
     paths = rank_checkpoints(model_dir, layout, warn)
     cfg.train.strategy = "single"
