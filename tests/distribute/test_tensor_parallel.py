@@ -88,7 +88,8 @@ def runs(gpt_data, albert_data, tmp_path_factory):
     with open(root / "plan.json", "w") as f:
         json.dump(plan, f)
     command = ["-np", str(RANKS), "-H", f"localhost:{RANKS}"]
-    code = horovodrun([WORKER, str(root / "plan.json")], root / "log.txt",
+    # 11 layouts in one launch: past test_horovod's 8-minute default on a loaded 2-core machine
+    code = horovodrun([WORKER, str(root / "plan.json")], root / "log.txt", timeout=1200,
                       env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"}, ranks=command)
     assert code == 0, read(root / "log.txt")[-6000:]
     return root, out
