@@ -49,7 +49,7 @@ def no_decay_variables(variables):
 
 
 def build_optimizer(train, variables, no_decay=None, sum_over_shards=None, replicated=None,
-                    adapt=None):
+                    adapt=None, sum_replicated=None):
     """The optimizer for TrainConfig `train`, wrapped in a LossScaleOptimizer for fp16.
 
     Weight decay skips `no_decay` (default: `no_decay_variables(variables)`); clipping is by
@@ -58,7 +58,8 @@ def build_optimizer(train, variables, no_decay=None, sum_over_shards=None, repli
     sums a tensor over the ranks holding the other slices: global-norm clipping and LAMB's
     per-layer trust ratio then see whole variables. `replicated` (booleans in the order of
     `variables`; tensor parallelism) marks variables every rank holds whole: their squares
-    are counted once, outside `sum_over_shards`. `adapt(cls) -> cls` lets a backend change the
+    are counted once, outside `sum_over_shards` (through `sum_replicated` if given: ZeRO slices
+    of replicated tensor-parallel variables). `adapt(cls) -> cls` lets a backend change the
     optimizer class (the cross-rank pipeline's global norm over stages).
     """
     if train.optimizer not in OPTIMIZERS:
@@ -67,7 +68,7 @@ def build_optimizer(train, variables, no_decay=None, sum_over_shards=None, repli
                            train.lr_schedule, train.min_lr_ratio)
     cls = keras.optimizers.AdamW if train.optimizer == "adamw" else keras.optimizers.Lamb
     if sum_over_shards is not None:
-        cls = sharded_class(cls, sum_over_shards, replicated)
+        cls = sharded_class(cls, sum_over_shards, replicated, sum_replicated)
     if adapt is not None:
         cls = adapt(cls)
     optimizer = cls(learning_rate=schedule, weight_decay=train.weight_decay,
@@ -81,9 +82,11 @@ def build_optimizer(train, variables, no_decay=None, sum_over_shards=None, repli
     return optimizer
 
 
-def sharded_class(cls, sum_over_shards, replicated=None):
+def sharded_class(cls, sum_over_shards, replicated=None, sum_replicated=None):
     """`cls` (AdamW or Lamb) for variables that are slices: norms are summed over slices
-    (except those of the variables `replicated` marks, in the order of the optimizer's)."""
+    (except those of the variables `replicated` marks, in the order of the optimizer's: those
+    through `sum_replicated`, default none)."""
+    sum_replicated = sum_replicated or (lambda x: x)
 
     def whole(index):
         return replicated is not None and replicated[index]
@@ -96,7 +99,7 @@ def sharded_class(cls, sum_over_shards, replicated=None):
             squares = sum_over_shards(ops.sum(ops.stack(sliced)))
             kept = [ops.sum(ops.square(g)) for i, g in enumerate(grads) if whole(i)]
             if kept:
-                squares = squares + ops.sum(ops.stack(kept))
+                squares = squares + sum_replicated(ops.sum(ops.stack(kept)))
             norm = ops.sqrt(squares)  # the same formula as keras' clip_by_global_norm
             scale = self.global_clipnorm * ops.minimum(1.0 / norm, 1.0 / self.global_clipnorm)
             return [g * (scale + (norm - norm)) for g in grads]
@@ -121,6 +124,8 @@ def sharded_class(cls, sum_over_shards, replicated=None):
                                      ops.sum(ops.power(update, 2))])
                 if not whole(self._get_variable_index(variable)):
                     squares = sum_over_shards(squares)
+                else:
+                    squares = sum_replicated(squares)
                 w_norm, g_norm = ops.sqrt(squares[0]), ops.sqrt(squares[1])
                 ratio = ops.where(ops.greater(w_norm, 0),
                                   ops.where(ops.greater(g_norm, 0), (w_norm / g_norm), 1.0),

@@ -148,7 +148,7 @@ class ElasticHorovodStrategy(HorovodStrategy):
 
 def horovod_backend(cfg=None):
     """--strategy=horovod: pipeline stages on ranks with --pipeline_stages > 1, elastic with
-    --elastic, tensor-parallel with --tensor_parallel,
+    --elastic, tensor-parallel with --tensor_parallel (with ZeRO-1 if --zero_stage=1),
     ZeRO-sharded with --zero_stage, else the fixed-world HorovodStrategy."""
     horovod = getattr(cfg, "horovod", None)
     parallel = getattr(cfg, "parallel", None)
@@ -161,6 +161,10 @@ def horovod_backend(cfg=None):
         return TensorPipeline(cfg) if tensor > 1 else CrossRankPipeline(cfg)
     if horovod is not None and horovod.elastic:
         return ElasticHorovodStrategy(cfg)  # refuses --tensor_parallel (check_elastic)
+    if tensor > 1 and getattr(parallel, "zero_stage", 0):
+        from tfbig.distribute.tensor_zero import TensorZeroStrategy
+
+        return TensorZeroStrategy(cfg)  # --zero_stage=1 (build_mesh refuses 2 and 3)
     if tensor > 1:
         from tfbig.distribute.tensor_parallel import TensorParallelStrategy
 

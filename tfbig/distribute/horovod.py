@@ -39,10 +39,11 @@ def build_mesh(parallel, world_size):
         raise ValueError(f"--sequence_parallel needs --tensor_parallel >= 2 (it splits the "
                          f"tensor group's replicated regions along the sequence); got "
                          f"--tensor_parallel={parallel.tensor_parallel}")
-    if parallel.tensor_parallel > 1 and parallel.zero_stage:
+    if parallel.tensor_parallel > 1 and parallel.zero_stage > 1:
         raise ValueError(f"--tensor_parallel={parallel.tensor_parallel} with --zero_stage="
-                         f"{parallel.zero_stage} is not supported by --strategy=horovod yet; "
-                         f"use one of them")
+                         f"{parallel.zero_stage} is not supported by --strategy=horovod yet "
+                         f"(stages 2 and 3 with tensor parallelism are not built); use "
+                         f"--zero_stage=1 (optimizer slots sharded) or no --tensor_parallel")
     if parallel.shard_degree and not parallel.zero_stage:
         raise ValueError(f"--shard_degree={parallel.shard_degree} needs --zero_stage=1, 2 or 3 "
                          f"(it sizes the groups the model state is sharded over)")

@@ -35,13 +35,21 @@ class Split:
     vocabulary projection: copied into the region after this layer), vocab_bias (a head's
     per-token bias: its `vocab_size` entries split like the vocabulary), own_mask (a dropout
     inside a split region: its seed-generator state is offset by the tensor rank). With
-    --sequence_parallel two more act: positions (the position table's output: each rank keeps
-    the rows of its sequence chunk) and sequence_mask (a dropout of the LayerNorm/dropout
-    region: each rank holds other positions, so it draws its own mask like own_mask; without
-    sequence parallelism the region is replicated and the mask shared)."""
+    --sequence_parallel more act: positions (the position table's output: each rank keeps
+    the rows of its sequence chunk), segments (the segment table's (B, T, C) output: the same
+    along axis 1), sequence_mask (a dropout of the LayerNorm/dropout region: each rank holds
+    other positions, so it draws its own mask like own_mask; without sequence parallelism the
+    region is replicated and the mask shared), sequence_output (a backbone whose sequence
+    output leaves the split region: gathered whole, its gradient cut back to the chunk) and
+    sequence_first (a layer reading position 0 of the chunk, ALBERT's pooler: tensor rank 0's,
+    which holds the [CLS] token, goes to every rank). `sequence=False` marks a layer of the
+    replicated region after the backbone (ALBERT's heads read the [CLS] token and masked
+    positions anywhere in the sequence): it sees the whole sequence on every rank, so its
+    replicated weights' gradients are complete there, not summed over the group."""
 
     kind: str
     sections: int = 1
+    sequence: bool = True  # in the region split along the sequence by --sequence_parallel
 
 
 # Attribute paths below the model ("*" matches every element of a list).
@@ -70,10 +78,24 @@ ALBERT_PLAN = (  # the shared blocks are split once; every call of one uses the 
     ("backbone.groups.*.ffn.fc", Split("column")),
     ("backbone.groups.*.ffn.proj", Split("row")),
     ("backbone.embedding.word", Split("vocab")),
-    ("mlm_head", Split("vocab_bias")),
-    ("mlm_head.norm", Split("vocab_input")),
+    ("mlm_head", Split("vocab_bias", sequence=False)),
+    ("mlm_head.norm", Split("vocab_input", sequence=False)),
+    ("backbone.embedding.position", Split("positions")),
+    ("backbone.embedding.segment", Split("segments")),
+    ("backbone.embedding.drop", Split("sequence_mask")),
+    ("backbone.groups.*.drop", Split("sequence_mask")),
+    ("backbone", Split("sequence_output")),
+    ("backbone.pooler", Split("sequence_first", sequence=False)),
+    ("mlm_head.dense", Split("whole_sequence", sequence=False)),
+    ("sop_head", Split("whole_sequence", sequence=False)),
 )
 PLANS = {"GPT": GPT_PLAN, "AlbertForPretraining": ALBERT_PLAN}
+
+
+def whole_sequence_paths(model):
+    """Paths of the weights of layers outside the sequence-split region (`sequence=False`)."""
+    return {v.path for pattern, split in plan_for(model) if not split.sequence
+            for layer in _resolve(model, pattern) for v in layer.trainable_variables}
 
 
 def plan_for(model):
@@ -264,9 +286,8 @@ def restore_from_single_device(trainer, path, group, splits):
 def _check_sequence_parallel(model, layers, seq_length, size):
     if not any(split.kind == "positions" for _, split in layers):
         raise ValueError(f"--sequence_parallel: no sequence-parallel plan for "
-                         f"{type(model).__name__} (its heads read the [CLS] token and masked "
-                         f"positions across the whole sequence); GPT has one. Run it without "
-                         f"--sequence_parallel")
+                         f"{type(model).__name__}; GPT and ALBERT pretraining have one. Run "
+                         f"it without --sequence_parallel")
     if seq_length % size:
         raise ValueError(f"--sequence_parallel with --tensor_parallel={size}: the sequence "
                          f"length {seq_length} must be a multiple of {size} (each rank holds "
@@ -348,6 +369,11 @@ def consolidate(model_dir, out_dir, warn=print):
 
     layout, cfg = consolidation_input(model_dir, out_dir, LAYOUT_FILE,
                                       "a tensor-parallel run")
+    if os.path.exists(os.path.join(model_dir, "zero.json")):  # tfbig.distribute.tensor_zero
+        raise ValueError(f"{model_dir} was written with --tensor_parallel and --zero_stage=1 "
+                         f"(zero.json): its optimizer slots are sliced over data ranks too, "
+                         f"which this consolidation does not join; resume it with the same "
+                         f"flags (tfbig-generate and tfbig-export read its weights)")
     layout = _with_tuples(layout)
     paths = rank_checkpoints(model_dir, layout, warn)
     cfg.train.strategy = "single"

@@ -54,7 +54,8 @@ from tfbig.distribute import recompute
 from tfbig.distribute.horovod import HorovodStrategy
 from tfbig.distribute.horovod_keras import hvd
 from tfbig.distribute.tensor_layout import (LAYOUT_FILE, TensorGroup, join_slices,
-                                            restore_from_single_device, split_model)
+                                            restore_from_single_device, split_model,
+                                            whole_sequence_paths)
 
 
 # ---- the conjugate collectives (Megatron's mappings) -----------------------------------------
@@ -122,6 +123,29 @@ def scatter_sequence(x, process_set):
     return scatter(x)
 
 
+def gather_whole_sequence(x, group):
+    """(B, T/t, C) chunks -> (B, T, C) forward, for a replicated region after the split one
+    (its gradient is complete on every rank): backward each rank keeps its chunk's rows."""
+    chunk = x.shape[1]
+    rows = tf.range(group.rank * chunk, (group.rank + 1) * chunk)
+
+    @tf.custom_gradient
+    def gather(x):
+        y = _on_sequence_axis(lambda t: hvd.allgather(t, process_set=group.process_set), x)
+        # Horovod leaves the gathered axis' length unknown: it is the chunks' sum.
+        y = tf.ensure_shape(y, [x.shape[0], chunk * group.size] + list(x.shape[2:]))
+        return y, lambda dy: tf.gather(dy, rows, axis=1)
+
+    return gather(x)
+
+
+def from_first_rank(x, group):
+    """Tensor rank 0's `x` on every rank forward (the others' are dropped); backward the
+    (replicated) gradient goes to rank 0's `x` only."""
+    keep = tf.cast(group.rank == 0, x.dtype)
+    return reduce_from_region(x * keep, group.process_set)
+
+
 def sequence_chunk(x, group, axis=0):
     """This rank's equal chunk of `x` along `axis` (no communication)."""
     length = x.shape[axis]
@@ -155,7 +179,8 @@ def vocab_parallel_cross_entropy(labels, logits, group):
 def _wrap(layer, split, group):
     kind, ps = split.kind, group.process_set
     call = layer.call
-    if group.sequence_parallel:  # into the split region: all-gather; out of it: reduce-scatter
+    if group.sequence_parallel and split.sequence:
+        # into the split region: all-gather; out of it: reduce-scatter
         enter, leave = gather_sequence, scatter_sequence
     else:  # into it: identity (all-reduce backward); out of it: all-reduce
         enter, leave = copy_to_region, reduce_from_region
@@ -179,6 +204,16 @@ def _wrap(layer, split, group):
         layer.call = lambda *args, **kwargs: enter(call(*args, **kwargs), ps)
     elif kind == "positions" and group.sequence_parallel:
         layer.call = lambda *args, **kwargs: sequence_chunk(call(*args, **kwargs), group)
+    elif kind == "segments" and group.sequence_parallel:
+        layer.call = lambda *args, **kwargs: sequence_chunk(call(*args, **kwargs), group, 1)
+    elif kind == "sequence_output" and group.sequence_parallel:
+        def whole_call(*args, **kwargs):
+            sequence, *rest = call(*args, **kwargs)
+            return (gather_whole_sequence(sequence, group), *rest)
+
+        layer.call = whole_call
+    elif kind == "sequence_first" and group.sequence_parallel:
+        layer.call = lambda x, *args, **kwargs: call(from_first_rank(x, group), *args, **kwargs)
 
 
 
@@ -245,16 +280,25 @@ class TensorParallelStrategy(HorovodStrategy):
 
     def all_reduce_gradients(self, grads):
         """Sequence parallelism: each rank's replicated weights (LayerNorms, position rows,
-        row-parallel biases) saw only its chunk of the positions, so their gradients are summed
-        over the tensor group first (one grouped all-reduce); then averaged over data."""
-        if self.group.sequence_parallel:
-            replicated = [i for i, v in enumerate(self._trainable) if v.path not in self.splits]
-            summed = hvd.grouped_allreduce([tf.convert_to_tensor(grads[i]) for i in replicated],
-                                           op=hvd.Sum, process_set=self.group.process_set)
-            grads = list(grads)
-            for i, g in zip(replicated, summed):
-                grads[i] = g
-        return super().all_reduce_gradients(grads)
+        row-parallel biases, ALBERT's embedding projection) saw only its chunk of the
+        positions, so their gradients are summed over the tensor group first (one grouped
+        all-reduce); then averaged over data. Weights after the split region (ALBERT's heads)
+        saw the whole sequence: theirs are not summed."""
+        return super().all_reduce_gradients(self._sequence_sums(grads))
+
+    def _sequence_sums(self, grads):
+        """`grads` with the sequence-split replicated weights' summed over the tensor group."""
+        if not self.group.sequence_parallel:
+            return grads
+        whole = whole_sequence_paths(self._model)  # ALBERT's heads: complete already
+        replicated = [i for i, v in enumerate(self._trainable)
+                      if v.path not in self.splits and v.path not in whole]
+        summed = hvd.grouped_allreduce([tf.convert_to_tensor(grads[i]) for i in replicated],
+                                       op=hvd.Sum, process_set=self.group.process_set)
+        grads = list(grads)
+        for i, g in zip(replicated, summed):
+            grads[i] = g
+        return grads
 
     def make_forward_backward(self, loss_fn, variables, scale_loss, jit_compile):
         # Horovod ops have no XLA kernels: the collectives sit inside the forward/backward.

@@ -124,8 +124,9 @@ class ZeroStrategy(HorovodStrategy):
         self._shard_of.update({id(v): s for v, s in zip(variables, self.shards)})
         excluded = {id(v) for v in no_decay_variables(variables)}
         self.optimizer = build_optimizer(
-            train, self.shards, sum_over_shards=self._sum_over_partition,
-            no_decay=[s for s, v in zip(self.shards, variables) if id(v) in excluded])
+            train, self.shards, no_decay=[s for s, v in zip(self.shards, variables)
+                                          if id(v) in excluded],
+            **self._norm_options(variables))
         inner = getattr(self.optimizer, "inner_optimizer", self.optimizer)
         self._slot_ids = {id(v) for v in list(inner._momentums) + list(inner._velocities)}
         return self.optimizer
@@ -134,6 +135,10 @@ class ZeroStrategy(HorovodStrategy):
         if self.stage < 3:
             return self._own_slice(variable)
         return zero3.initial_slice(variable, self._initialisers[id(variable)], self.partition)
+
+    def _norm_options(self, variables):
+        """How the optimizer's norms see whole variables (tensor_zero adds the tensor group)."""
+        return dict(sum_over_shards=self._sum_over_partition)
 
     def _sum_over_partition(self, value):
         if self.partition_set is None:

@@ -33,10 +33,10 @@ which weight). Resuming needs the same --pipeline_stages; tfbig.pipeline.stage_c
 assembles the single-device model (tfbig-generate/export read it) or writes a single-device
 checkpoint: python -m tfbig.pipeline.stage_checkpoint MODEL_DIR OUT_DIR.
 
-With --tensor_parallel=T each stage is also split over T ranks (tfbig.pipeline.tensor_stage).
-Not built (refused before training): --zero_stage, --shard_degree,
---sequence_parallel, --elastic, --offload_activations with --pipeline_stages > 1, and
---model=albert (its first cross-rank step hung in the one test launch; GPT only for now).
+With --tensor_parallel=T each stage is also split over T ranks (tfbig.pipeline.tensor_stage;
+GPT only). Not built (refused before training): --zero_stage, --shard_degree,
+--sequence_parallel, --elastic, --offload_activations with --pipeline_stages > 1. GPT and
+ALBERT (its shared block and tied word table are weights used by several stages).
 
 Example (2 stages x 2 data-parallel replicas):
     horovodrun -np 4 -H localhost:4 --gloo tfbig-train --strategy=horovod --pipeline_stages=2 \\
@@ -79,10 +79,6 @@ def pipeline_mesh(cfg, world_size):
             raise ValueError(f"--pipeline_stages={stages} with --{flag}={value} is not "
                              f"supported by --strategy=horovod yet (stages on different ranks "
                              f"are built for plain data parallelism); drop one of the two")
-    if cfg.train.model != "gpt":  # ALBERT's cross-rank run hung in its first step
-        raise ValueError(f"--pipeline_stages={stages} with --strategy=horovod is built for "
-                         f"--model=gpt; --model={cfg.train.model} is not supported yet (use "
-                         f"--strategy=pipeline, stages on the devices of each process)")
     if cfg.pipeline.num_microbatches < 1:
         raise ValueError(f"--num_microbatches={cfg.pipeline.num_microbatches}: expected >= 1")
     return Mesh.build(world_size, tensor=cfg.parallel.tensor_parallel, pipeline=stages,
@@ -263,8 +259,8 @@ class CrossRankPipeline(HorovodStrategy):
 
     def _share_metrics(self, results, metric_spec, tag, link, summed=0.0):
         """The last stage's mean (loss, metrics) on every stage of the replica. The metrics,
-        which the trainer reads, carry the zeros (`link.sends_done()`, `summed`) that make
-        every send and the shared-gradient sum run on every rank."""
+        which the trainer reads, carry the zeros (`link.exchanges_done()`, `summed`) that make
+        every exchange and the shared-gradient sum run on every rank."""
         if results:
             scale = 1.0 / len(results)
             ordered = [results[m] for m in sorted(results)]
@@ -276,7 +272,7 @@ class CrossRankPipeline(HorovodStrategy):
         keys = sorted(metrics)
         flat = tf.stack([tf.cast(loss, tf.float32)] + [tf.cast(metrics[k], tf.float32)
                                                        for k in keys])
-        flat = flat + link.sends_done() + summed
+        flat = flat + link.exchanges_done() + summed
         # Horovod: the last stage's values to every stage (the others add zeros).
         total = hvd.allreduce(unfoldable(flat, link.zero), op=hvd.Sum,
                               process_set=self.pipeline_set,

@@ -96,7 +96,7 @@ class StageLink:
     def __init__(self, mesh, stage_index, num_stages, tag):
         self.stage_index = stage_index
         self.tag = tag
-        self.sent = []
+        self.exchanged = []
         group = mesh.mesh.group("pipeline", mesh.rank)  # global ranks of stages 0..K-1
         self.ranks = group
         self.previous = self._pair(mesh, group, stage_index - 1) if stage_index > 0 else None
@@ -112,13 +112,16 @@ class StageLink:
 
     def begin(self, zero):
         """Start a new trace: forget the sends of the previous one; `zero`: runtime_zero."""
-        self.sent, self.zero, self._count = [], zero, 0
+        self.exchanged, self.zero, self._count = [], zero, 0
 
-    def sends_done(self):
-        """A float32 zero computed from every send of this trace. Add it to an output: Grappler
-        drops a Horovod op (not marked stateful) whose result nothing reads, and control
-        dependencies on one, so a send must feed the function's outputs with data."""
-        return tf.add_n(self.sent) if self.sent else tf.constant(0.0)
+    def exchanges_done(self):
+        """A float32 zero computed from every send and receive of this trace. Add it to an
+        output: Grappler drops a Horovod op (not marked stateful) whose result nothing reads,
+        and control dependencies on one. A send must feed the outputs with data, and so must
+        a receive whose tensor the stage does not read (ALBERT's last stage receives the
+        model inputs riding with the activation but reads its own copy of the batch): were it
+        dropped, the matching send would wait for it forever."""
+        return tf.add_n(self.exchanged) if self.exchanged else tf.constant(0.0)
 
     def _name(self, direction, boundary, microbatch, leaf):
         return f"pipeline.{self.tag}.{direction}.b{boundary}.m{microbatch}.{leaf}"
@@ -131,7 +134,7 @@ class StageLink:
             splits = tf.constant([0, 0], tf.int32) + tf.one_hot(peer, 2, dtype=tf.int32)
             sent, _ = hvd.alltoall(row, splits=splits, name=name, ignore_name_scope=True,
                                    process_set=process_set)
-            self.sent.append(tf.cast(tf.size(sent), tf.float32))  # 0, known at run time
+            self.exchanged.append(tf.cast(tf.size(sent), tf.float32))  # 0, known at run time
 
     def _receive(self, pair, specs, names):
         process_set, _ = pair
@@ -144,6 +147,7 @@ class StageLink:
             # Horovod: nothing sent; the peer's rows arrive (the matching send, by name).
             row, _ = hvd.alltoall(empty, splits=tf.constant([0, 0], tf.int32), name=name,
                                   ignore_name_scope=True, process_set=process_set)
+            self.exchanged.append(tf.cast(tf.size(row) - size, tf.float32))  # 0 at run time
             if spec.dtype == tf.bfloat16:
                 row = tf.bitcast(row, tf.bfloat16)
             out.append(tf.reshape(row, spec.shape))

@@ -1,0 +1,119 @@
+"""Tensor parallelism with ZeRO stage 1: `--tensor_parallel=T --zero_stage=1 [--shard_degree=N]`.
+
+The rank grid (tfbig.distribute.mesh) is data D x tensor T. Each tensor rank holds its slices of
+the split layers (tfbig.distribute.tensor_parallel) and the replicated ones whole; ZeRO-1
+(tfbig.distribute.zero) then shards the optimizer state of *those* variables over the partition
+group of that tensor rank (the N data-parallel ranks with the same tensor index): rank (d, t)
+keeps a float32 master slice and the optimizer slots of slice d mod N of every variable tensor
+rank t holds. Per rank, with P_t the parameters tensor rank t holds (split ones at 1/T) and
+S_t = sum over its variables of ceil(n / N): 4 P_t (its parameters) + 4 S_t (master slices)
++ 8 S_t (AdamW/LAMB m and v).
+
+One optimizer step: the tensor-parallel forward/backward (its collectives over the tensor
+group; --sequence_parallel sums the replicated weights' partial gradients over it), then ZeRO's
+reduce-scatter over the partition group and all-reduce over the replica group, the optimizer on
+the slices, and an all-gather over the partition group. Norms (clipping, the logged gradient
+norm, LAMB's trust ratio) sum the slices' squares over the partition group, and the split
+variables' also over the tensor group: replicated variables are counted once.
+
+Checkpoints: each rank of the first replica group writes its slices (tensor rank t, partition
+position j: MODEL_DIR[/tensor/rank-t][/zero/shard-j]); MODEL_DIR holds tensor.json and zero.json.
+A run resumes with the same --tensor_parallel, --zero_stage=1 and --shard_degree; other layouts
+are refused (no re-sharding across tensor ranks).
+
+Not built (refused by tfbig.distribute.horovod.build_mesh): --zero_stage=2 or 3 with
+--tensor_parallel.
+
+Example:
+    horovodrun -np 4 -H localhost:4 --gloo tfbig-train --strategy=horovod \\
+        --tensor_parallel=2 --zero_stage=1
+"""
+import tensorflow as tf
+
+from tfbig.checkpoint import piece_dir, write_layout
+from tfbig.distribute import zero_checkpoint
+from tfbig.distribute.tensor_layout import LAYOUT_FILE as TENSOR_LAYOUT
+from tfbig.distribute.tensor_layout import read_layout as read_tensor_layout
+from tfbig.distribute.tensor_parallel import TensorParallelStrategy
+from tfbig.distribute.zero import ZeroStrategy
+
+
+class TensorZeroStrategy(ZeroStrategy, TensorParallelStrategy):
+    """ZeRO-1 over each tensor rank's partition group (see the module docstring).
+
+    Method order: ZeroStrategy's, which reach TensorParallelStrategy's through super() (the
+    split model, its forward/backward); the norms, gradient sync, gathering and checkpoints
+    that need both are here."""
+
+    # ---- norms: slices over the partition group, split variables over the tensor group too -
+    def _is_split(self, variables):
+        return [v.path in self.splits for v in variables]
+
+    def _norm_options(self, variables):
+        split = self._is_split(variables)
+        return dict(sum_over_shards=lambda x: self._sum_split_squares(
+            self._sum_over_partition(x)), replicated=[not s for s in split],
+            sum_replicated=self._sum_over_partition)
+
+    def global_norm(self, grads):
+        split = self._is_split(self.model_variables)
+        squares = [[tf.reduce_sum(tf.square(g)) for g, s in zip(grads, split) if s == kind]
+                   for kind in (True, False)]
+        sums = tf.stack([tf.add_n(s) if s else tf.constant(0.0) for s in squares])
+        sums = self._sum_over_partition(sums)  # one all-reduce for both kinds
+        return tf.sqrt(self._sum_split_squares(sums[0]) + sums[1])
+
+    # ---- gradients -----------------------------------------------------------------------
+    def all_reduce_gradients(self, grads):
+        """--sequence_parallel's sums over the tensor group, then ZeRO's 2-hop sync."""
+        return ZeroStrategy.all_reduce_gradients(self, self._sequence_sums(grads))
+
+    def gather_full(self, variables, values=None):
+        """Full arrays of the model's variables (or of gradient slices `values`): the slices
+        gathered over the partition group, then the tensor ranks' pieces joined."""
+        if values is not None:
+            values = self.partition.gather(values, [v.shape for v in variables])
+        return TensorParallelStrategy.gather_full(self, variables, values)
+
+    # ---- checkpoints: one directory per (tensor rank, partition position) ---------------
+    def _piece_dir(self, model_dir):
+        return piece_dir(piece_dir(model_dir, "tensor", self.group.rank), "zero",
+                         self.shard_index)
+
+    def checkpoint_dir(self, model_dir):
+        return self._piece_dir(model_dir) if self.replica_index == 0 else None
+
+    def restore_dir(self, model_dir):
+        self._check_saved(model_dir)
+        return self._piece_dir(model_dir)
+
+    def restore(self, trainer, path):
+        return trainer.checkpoint.restore(path).assert_existing_objects_matched()
+
+    def _check_saved(self, model_dir):
+        """Refuse a checkpoint of another layout (this backend does not re-shard)."""
+        tensor = read_tensor_layout(model_dir)
+        zero = zero_checkpoint.read_layout(model_dir)
+        if tensor is None and zero is None:
+            if tf.train.latest_checkpoint(model_dir):
+                raise ValueError(self._other_layout(model_dir, "a checkpoint without "
+                                                               "--tensor_parallel/--zero_stage"))
+            return
+        saved_tensor = tensor["tensor_parallel"] if tensor else 1
+        saved_zero = (zero["zero_stage"], zero["shard_degree"]) if zero else (0, 1)
+        if (saved_tensor, *saved_zero) != (self.group.size, 1, self.num_shards):
+            raise ValueError(self._other_layout(
+                model_dir, f"a checkpoint of --tensor_parallel={saved_tensor} --zero_stage="
+                           f"{saved_zero[0]} --shard_degree={saved_zero[1]}"))
+
+    def _other_layout(self, model_dir, saved):
+        return (f"--model_dir={model_dir} holds {saved}; --tensor_parallel={self.group.size} "
+                f"--zero_stage=1 --shard_degree={self.num_shards} resumes only its own layout "
+                f"(re-sharding across tensor ranks is not built): use a new --model_dir or "
+                f"the flags it was written with")
+
+    def after_checkpoint(self, directory):
+        if self.is_chief:
+            write_layout(directory, TENSOR_LAYOUT, TensorParallelStrategy._layout(self))
+            write_layout(directory, zero_checkpoint.LAYOUT_FILE, ZeroStrategy._layout(self))
+
