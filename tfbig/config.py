@@ -23,7 +23,7 @@ def field(default, help):  # noqa: A002 - mirrors absl's argument name
 class TrainConfig:
     """What to train, on what data, for how long, and how."""
 
-    model: str = field("gpt", "Model family to train: gpt | albert.")
+    model: str = field("gpt", "Model family to train: gpt | albert | bert.")
     preset: str = field("small", "Model size preset (see tfbig.models.gpt.GPT_PRESETS).")
     num_layers: int = field(0, "Override the preset's number of layers (0 keeps the preset).")
     hidden_size: int = field(0, "Override the preset's hidden size (0 keeps the preset).")
@@ -94,10 +94,10 @@ class AlbertTrainConfig:
     embedding_size: int = field(0, "ALBERT: override the preset's embedding size E (0 keeps it).")
     num_groups: int = field(0, "ALBERT: override the preset's number of shared layer groups "
                                "(0 keeps it).")
-    dynamic_masking: bool = field(False, "ALBERT: draw fresh token-level masks (80/10/10) for "
+    dynamic_masking: bool = field(False, "ALBERT and BERT: draw fresh token-level masks (80/10/10) for "
                                          "every batch in the input pipeline instead of using "
                                          "the masks stored in the shards.")
-    dynamic_masked_lm_prob: float = field(0.15, "ALBERT, with --dynamic_masking: share of "
+    dynamic_masked_lm_prob: float = field(0.15, "ALBERT and BERT, with --dynamic_masking: share of "
                                                 "tokens to predict (at most the shards' "
                                                 "max_predictions_per_seq).")
 
@@ -204,6 +204,8 @@ def _applicability():
                                   (ParallelConfig, "strategy", ("horovod",)),
                                   (AlbertTrainConfig, "model", ("albert",))):
         rules.update({f.name: (key, allowed) for f in dataclasses.fields(section)})
+    for flag in ("dynamic_masking", "dynamic_masked_lm_prob"):  # BERT reads them too
+        rules[flag] = ("model", ("albert", "bert"))
     # Read by every backend (tfbig.distribute.recompute), though they live in PipelineConfig.
     rules.pop("activation_checkpointing")
     rules["offload_activations"] = ("strategy", ("single", "horovod", "multiworker", "mirrored"))
