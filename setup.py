@@ -12,6 +12,7 @@ setup(
         "tensorflow==2.20.*",
         "absl-py>=1.4",
         "sentencepiece>=0.2",
+        "tokenizers>=0.20",
         "psutil>=5.9",
         "safetensors>=0.4",
         "zstandard>=0.22",

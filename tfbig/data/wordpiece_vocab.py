@@ -29,8 +29,6 @@ import os
 from collections.abc import Iterable
 
 import numpy as np
-from tokenizers import Tokenizer as _Rust
-from tokenizers import models, normalizers, pre_tokenizers, trainers
 
 SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
@@ -55,6 +53,8 @@ class WordPieceVocab:
             raise ValueError(f"{path}: no {missing} in the vocabulary; a BERT vocab.txt has "
                              f"{list(SPECIALS)}")
         self.lowercase = not any(c.isupper() for p in pieces if not is_special(p) for c in p)
+        from tokenizers import Tokenizer as _Rust, models, pre_tokenizers
+
         self._rust = _Rust(models.WordPiece(self._ids, unk_token="[UNK]",
                                             max_input_chars_per_word=100))
         self._rust.normalizer = _normalizer(self.lowercase)
@@ -74,6 +74,8 @@ class WordPieceVocab:
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int, path: str) -> "WordPieceVocab":
         """Train an uncased vocabulary of exactly `vocab_size` pieces on `texts`, write `path`."""
+        from tokenizers import Tokenizer as _Rust, models, pre_tokenizers, trainers
+
         rust = _Rust(models.WordPiece(unk_token="[UNK]"))
         rust.normalizer = _normalizer(lowercase=True)
         rust.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
@@ -143,6 +145,8 @@ class WordPieceVocab:
 
 
 def _normalizer(lowercase: bool):
+    from tokenizers import normalizers
+
     bert = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True,
                                       strip_accents=lowercase, lowercase=lowercase)
     # Uncased: NFKC first ("…" -> "..."), as tensorflow-text's case folding does.
