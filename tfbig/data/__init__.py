@@ -8,7 +8,7 @@ The public surface. Preparation (no TensorFlow import, so prep worker processes 
     Tokenizer                                    SentencePiece BPE with eos/pad
     WordPieceVocab, load_tokenizer               BERT's WordPiece vocab.txt (--format=bert)
     Manifest, SplitInfo, ShardInfo, load_manifest, write_manifest, MANIFEST_NAME
-    Format, FORMATS, get_format                  record formats ("gpt", "albert")
+    Format, FORMATS, get_format                  record formats ("gpt", "albert", "bert")
     MaskingOptions, MaskingVocab                 ALBERT pairs and masks
     index_shards                                 a manifest for shards written by other tools
 
