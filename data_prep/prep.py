@@ -4,6 +4,8 @@
     tfbig-prep --input='corpus/**/*.txt' --output_dir=/data/c --seq_length=1024 --vocab_size=32000 --num_workers=8
     tfbig-prep --input=web.jsonl --jsonl_field=text --output_dir=/data/web --tokenizer=spm.model --vocab_size=32000
     tfbig-prep --format=albert --seq_length=128 --output_dir=/data/albert   # ALBERT pairs + masks
+    tfbig-prep --format=bert --seq_length=128 --vocab_size=30522 --output_dir=/data/bert  # BERT: NSP + WWM
+    tfbig-prep --format=bert --tokenizer=uncased_L-12_H-768_A-12/vocab.txt --output_dir=/data/bert
     tfbig-prep --format=albert --index_shards='bert/*.tfrecord' --index_validation_shards=dev.tfrecord \
         --tokenizer=sp.model --output_dir=/data/bert   # shards of create_pretraining_data.py, as they are
     tfbig-prep --input='pile/train/*.jsonl.zst' --jsonl_group_field=meta.pile_set_name \
@@ -23,7 +25,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # console script: no C++ INF
 from absl import flags, logging  # noqa: E402
 
 from tfbig import cli  # noqa: E402
-from tfbig.data import DEFAULT_VALIDATION_PLAYS, FORMATS, Tokenizer, index_shards, prepare  # noqa: E402
+from tfbig.data.bert import BERT_MASKING  # noqa: E402
+from tfbig.data import DEFAULT_VALIDATION_PLAYS, FORMATS, index_shards, load_tokenizer, prepare  # noqa: E402
 from tfbig.errors import UsageError  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -36,8 +39,9 @@ flags.DEFINE_enum("format", "gpt", sorted(FORMATS), "Record format of the shards
 flags.DEFINE_integer("seq_length", 1024, "Tokens per training example; each record holds seq_length + 1.")
 flags.DEFINE_integer("vocab_size", 8000, "Vocabulary size of the tokenizer to train; with --tokenizer it "
                      "defaults to that tokenizer's size (and must match it if given).")
-flags.DEFINE_string("tokenizer", None, "Existing SentencePiece .model file to use instead of training one; "
-                    "it is copied next to the shards.")
+flags.DEFINE_string("tokenizer", None, "Existing SentencePiece .model file (with --format=bert: a WordPiece "
+                    "vocab.txt, cased if it has upper-case pieces) to use instead of training one; it is "
+                    "copied next to the shards.")
 flags.DEFINE_float("shard_size_mb", 1024, "Target size of one shard file in MiB.")
 flags.DEFINE_integer("num_workers", 1, "Processes that tokenize and write shards in parallel (with "
                      "--runner=direct: the DirectRunner's worker processes).")
@@ -69,14 +73,15 @@ flags.DEFINE_list("validation_plays", list(DEFAULT_VALIDATION_PLAYS), "Embedded 
 flags.DEFINE_float("tokenizer_sample_mb", 512, "At most this much training text (MiB) trains the tokenizer.")
 flags.DEFINE_bool("overwrite", False, "Replace a directory prepared with other settings instead of refusing.")
 flags.DEFINE_integer("seed", 0, "Seed for tokenizer training (and ALBERT pairs and masks).")
-# --format=albert only (tfbig.data.MaskingOptions); recorded in the manifest.
+# --format=albert and --format=bert (tfbig.data.MaskingOptions); recorded in the manifest.
 flags.DEFINE_integer("max_predictions_per_seq", 20, "ALBERT: at most this many masked-LM "
                      "predictions per sequence.")
 flags.DEFINE_float("masked_lm_prob", 0.15, "ALBERT: share of tokens to predict (80% [MASK], 10% "
                    "random, 10% kept).")
 flags.DEFINE_integer("max_ngram", 3, "ALBERT: mask spans of 1..n tokens (or words), weighted 1/n; "
-                     "1 = single tokens.")
-flags.DEFINE_bool("whole_word_masking", False, "ALBERT: mask whole words (all pieces of a word).")
+                     "1 = single tokens (the default of --format=bert).")
+flags.DEFINE_bool("whole_word_masking", False, "ALBERT: mask whole words (all pieces of a word; for "
+                  "--format=bert a piece and its ## continuations, on by default).")
 flags.DEFINE_integer("dupe_factor", 1, "ALBERT: times each document is used, with other pairs and "
                      "masks (or train with --dynamic_masking).")
 flags.DEFINE_float("short_seq_prob", 0.1, "ALBERT: share of documents packed to a random shorter "
@@ -118,7 +123,7 @@ def _shard_files(flag):
 def _vocab_size() -> int:
     """--vocab_size, or the size of --tokenizer when only that is given."""
     if FLAGS.tokenizer and not FLAGS["vocab_size"].present:
-        return Tokenizer.load(FLAGS.tokenizer).vocab_size
+        return load_tokenizer(FLAGS.tokenizer).vocab_size
     return FLAGS.vocab_size
 
 
@@ -134,7 +139,17 @@ def _prepare_from_flags():
         validation_fraction=FLAGS.validation_fraction, validation_plays=tuple(FLAGS.validation_plays),
         tokenizer_sample_mb=FLAGS.tokenizer_sample_mb, overwrite=FLAGS.overwrite, seed=FLAGS.seed,
         runner=FLAGS.runner, beam_options=tuple(FLAGS.beam_options or ()),
-        format_options={name: FLAGS[name].value for name in _ALBERT_OPTIONS} if FLAGS.format == "albert" else None)
+        format_options=_format_options())
+
+
+def _format_options():
+    """The masking flags of --format=albert|bert (bert's own defaults where a flag is not given)."""
+    if FLAGS.format not in ("albert", "bert"):
+        return None
+    options = {name: FLAGS[name].value for name in _ALBERT_OPTIONS}
+    if FLAGS.format == "bert":
+        options.update({name: value for name, value in BERT_MASKING.items() if not FLAGS[name].present})
+    return options
 
 
 def run() -> None:
@@ -142,7 +157,7 @@ def run() -> None:
     logging.set_verbosity(logging.INFO)
     albert = list(_ALBERT_OPTIONS) + ["index_shards", "index_validation_shards"]
     cli.run_app("tfbig-prep", main, __doc__, [("prep", cli.own_flags(exclude=albert)),
-                                              ("albert (--format=albert)", albert)])
+                                              ("albert and bert (--format=albert|bert)", albert)])
 
 
 if __name__ == "__main__":

@@ -68,3 +68,22 @@ def albert_data(tmp_path_factory):
             format_options={"max_predictions_per_seq": 2, "short_seq_prob": 0.0,
                             "dupe_factor": 2})
     return out
+
+
+@pytest.fixture(scope="session")
+def bert_data(tmp_path_factory):
+    """A tiny prepared BERT dataset (WordPiece vocab trained on it, NSP pairs, seq 32).
+
+    Every sequence has exactly 2 single-token predictions (masked_lm_prob 0.5 of at least 5
+    tokens, capped at 2), so each replica's MLM mean equals the global one (see albert_data)."""
+    from tfbig.data import prepare
+
+    root = tmp_path_factory.mktemp("bert_data")
+    corpus = _synthetic_corpus(str(root / "text"))
+    out = str(root / "shards")
+    prepare([corpus], out, seq_length=32, vocab_size=320, shard_size_mb=0.01,
+            validation_fraction=0.2, format="bert",
+            format_options={"max_predictions_per_seq": 2, "masked_lm_prob": 0.5,
+                            "whole_word_masking": False, "short_seq_prob": 0.0,
+                            "dupe_factor": 2})
+    return out

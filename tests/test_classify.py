@@ -83,3 +83,40 @@ def test_bad_columns_and_labels_name_the_file(bert_run, tmp_path):
         fine_tune(ClassifyOptions(init_checkpoint=str(bert_run / "run"), train_file=str(train),
                                   eval_file=str(dev), output_dir=str(tmp_path / "o"),
                                   max_seq_length=24, max_steps=1, train_batch_size=4))
+
+
+@pytest.mark.slow  # one horovodrun launch: ~25 s idle
+@pytest.mark.multiproc
+def test_two_horovod_processes_equal_one_on_the_same_global_batches(bert_run, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    import tensorflow as tf
+
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in _rows(64, 2)))
+    common = dict(init_checkpoint=str(bert_run / "run"), train_file=str(train),
+                  max_seq_length=24, train_batch_size=8, learning_rate=3e-3, max_steps=4)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    flags = [f"--{k}={v}" for k, v in common.items()]
+    command = [os.path.join(os.path.dirname(sys.executable), "horovodrun"), "-np", "2", "-H",
+               "localhost:2", "--gloo", sys.executable, "-m", "tfbig.classify",
+               "--strategy=horovod", f"--output_dir={tmp_path / 'hvd'}", *flags]
+    done = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": root, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    for rank in (0, 1):  # two processes, each training on its half of every global batch
+        assert f"4 steps on 2 process(es) (rank {rank})" in done.stdout + done.stderr
+    fine_tune(ClassifyOptions(output_dir=str(tmp_path / "one"), **common))
+    losses = [json.loads((tmp_path / run / "train_losses.json").read_text())
+              for run in ("hvd", "one")]
+    assert len(losses[0]) == 4 and losses[0][0] != losses[0][-1]
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
+    readers = [tf.train.load_checkpoint(str(tmp_path / run / "finetuned"))
+               for run in ("hvd", "one")]
+    keys = [k for k in readers[1].get_variable_to_shape_map() if k.startswith("model/")]
+    assert len(keys) > 30
+    for key in keys:
+        ours, theirs = readers[0].get_tensor(key), readers[1].get_tensor(key)
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6, err_msg=key)

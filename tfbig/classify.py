@@ -11,7 +11,13 @@ column, sorted. Features: [CLS] a [SEP] b [SEP], the longer text cut first to fi
 --max_seq_length. Loss: cross-entropy of BertClassifier's logits on the pooled [CLS]; AdamW
 with linear warmup and decay (as tfbig-squad). Writes eval_results.json (accuracy, F1: of the
 second label for two classes, macro-averaged otherwise), predictions.jsonl, labels.json and
-the fine-tuned checkpoint. One process.
+the fine-tuned checkpoint, and train_losses.json (the loss of each step).
+
+Under Horovod (--strategy=horovod, started by horovodrun) every process reads its share of each
+global batch of --train_batch_size and gradients are averaged (the tfbig.distribute Strategy
+surface): the run equals one process on the same global batches. The chief writes the files.
+
+    horovodrun -np 2 -H localhost:2 --gloo tfbig-classify --strategy=horovod ...
 """
 import csv
 import dataclasses
@@ -46,6 +52,8 @@ class ClassifyOptions:
     warmup_proportion: float = field(0.1, "Share of steps of linear warmup.")
     weight_decay: float = field(0.01, "AdamW weight decay (not on LayerNorm, biases).")
     seed: int = field(0, "Seed for the classifier head, dropout and data order.")
+    strategy: str = field("single", "single (one process) | horovod (one process per device, "
+                                    "started by horovodrun; --train_batch_size is global).")
 
 
 def read_examples(path, options):
@@ -105,10 +113,19 @@ def fine_tune(options):
 
     from tfbig.config import TrainConfig
     from tfbig.convert import run_dir
+    from tfbig.distribute import get_strategy
     from tfbig.models.bert import BertClassifier
     from tfbig.optim import build_optimizer
     from tfbig.squad.finetune import pretrained_config
 
+    if options.strategy not in ("single", "horovod"):
+        raise UsageError(f"--strategy={options.strategy!r}: tfbig-classify runs on single | "
+                         "horovod")
+    strategy = get_strategy(options.strategy)
+    replicas, rank = strategy.num_replicas, strategy.rank
+    if options.train_batch_size % replicas:
+        raise UsageError(f"--train_batch_size={options.train_batch_size} is not divisible by "
+                         f"the {replicas} processes")
     config, tokenizer = pretrained_config(options.init_checkpoint)
     if type(config).__name__ != "BertConfig":
         raise UsageError(f"--init_checkpoint={options.init_checkpoint}: tfbig-classify "
@@ -131,6 +148,7 @@ def fine_tune(options):
                            grad_clip_norm=1.0)
     variables = model.trainable_variables
     optimizer = build_optimizer(settings, variables)
+    strategy.broadcast_variables(model.variables)  # Horovod: every process starts from rank 0
 
     @tf.function
     def step(batch):
@@ -138,14 +156,33 @@ def fine_tune(options):
             logits = model(batch, training=True)["logits"]
             loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
                 batch["labels"], logits))
-        optimizer.apply(tape.gradient(loss, variables), variables)
-        return loss
+        # Horovod: average the gradients and the loss over processes (equal shares)
+        optimizer.apply(strategy.all_reduce_gradients(tape.gradient(loss, variables)),
+                        variables)
+        return strategy.all_reduce_mean(loss)
 
+    share = options.train_batch_size // replicas  # this process's rows of each global batch
     batches = iter(tf.data.Dataset.from_tensor_slices(data).shuffle(
-        len(train), seed=options.seed).repeat().batch(options.train_batch_size, True))
+        len(train), seed=options.seed).repeat().batch(options.train_batch_size, True).map(
+        lambda batch: {k: v[rank * share:(rank + 1) * share] for k, v in batch.items()}))
     losses = [float(step(next(batches))) for _ in range(steps)]
-    print(f"{steps} steps, loss {losses[0]:.4f} -> {np.mean(losses[-10:]):.4f}")
+    print(f"{steps} steps on {replicas} process(es) (rank {rank}), loss {losses[0]:.4f} -> "
+          f"{np.mean(losses[-10:]):.4f}")
+    result = _write_outputs(model, tokenizer, options, label_ids, names, losses) \
+        if strategy.is_chief else {}
+    strategy.shutdown()  # Horovod: wait for the chief's files, then stop
+    return result
+
+
+def _write_outputs(model, tokenizer, options, label_ids, names, losses):
+    """The chief's files: losses, checkpoint, labels, and the scores of --eval_file."""
+    import tensorflow as tf
+
+    from tfbig.convert import run_dir
+
     os.makedirs(options.output_dir, exist_ok=True)
+    with open(os.path.join(options.output_dir, "train_losses.json"), "w") as file:
+        json.dump(losses, file)
     tf.train.Checkpoint(model=run_dir.model_variables(model)).write(
         os.path.join(options.output_dir, "finetuned"))
     with open(os.path.join(options.output_dir, "labels.json"), "w") as file:

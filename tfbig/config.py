@@ -23,7 +23,7 @@ def field(default, help):  # noqa: A002 - mirrors absl's argument name
 class TrainConfig:
     """What to train, on what data, for how long, and how."""
 
-    model: str = field("gpt", "Model family to train: gpt | albert.")
+    model: str = field("gpt", "Model family to train: gpt | albert | bert.")
     preset: str = field("small", "Model size preset (see tfbig.models.gpt.GPT_PRESETS).")
     num_layers: int = field(0, "Override the preset's number of layers (0 keeps the preset).")
     hidden_size: int = field(0, "Override the preset's hidden size (0 keeps the preset).")
@@ -101,10 +101,10 @@ class AlbertTrainConfig:
     embedding_size: int = field(0, "ALBERT: override the preset's embedding size E (0 keeps it).")
     num_groups: int = field(0, "ALBERT: override the preset's number of shared layer groups "
                                "(0 keeps it).")
-    dynamic_masking: bool = field(False, "ALBERT: draw fresh token-level masks (80/10/10) for "
+    dynamic_masking: bool = field(False, "ALBERT and BERT: draw fresh token-level masks (80/10/10) for "
                                          "every batch in the input pipeline instead of using "
                                          "the masks stored in the shards.")
-    dynamic_masked_lm_prob: float = field(0.15, "ALBERT, with --dynamic_masking: share of "
+    dynamic_masked_lm_prob: float = field(0.15, "ALBERT and BERT, with --dynamic_masking: share of "
                                                 "tokens to predict (at most the shards' "
                                                 "max_predictions_per_seq).")
 
@@ -211,6 +211,8 @@ def _applicability():
                                   (ParallelConfig, "strategy", ("horovod",)),
                                   (AlbertTrainConfig, "model", ("albert",))):
         rules.update({f.name: (key, allowed) for f in dataclasses.fields(section)})
+    for flag in ("dynamic_masking", "dynamic_masked_lm_prob"):  # BERT reads them too
+        rules[flag] = ("model", ("albert", "bert"))
     # Read by every backend (tfbig.distribute.recompute), though they live in PipelineConfig.
     rules.pop("activation_checkpointing")
     rules["offload_activations"] = ("strategy", ("single", "horovod", "multiworker", "mirrored"))
@@ -233,9 +235,29 @@ def check_applicable(cfg):
         raise ValueError(f"--time_budget_minutes={cfg.train.time_budget_minutes:g} has no effect "
                          f"with --max_steps={cfg.train.max_steps}; it applies to --max_steps=0 "
                          f"(as many steps as fit in the budget). Give one of the two")
+    _check_bert_layouts(cfg)
     if cfg.pipeline.offload_activations and not cfg.pipeline.activation_checkpointing:
         raise ValueError("--offload_activations needs --activation_checkpointing: only the "
                          "block inputs it keeps for the recompute are offloaded")
+
+
+def _check_bert_layouts(cfg):
+    """--model=bert trains data-parallel (single, horovod with --zero_stage 0-2, multiworker,
+    mirrored); the layouts that need a per-model plan have none for BERT yet."""
+    if cfg.train.model != "bert":
+        return
+    used = {"--strategy=pipeline": cfg.train.strategy == "pipeline",
+            f"--pipeline_stages={cfg.pipeline.pipeline_stages}":
+                cfg.train.strategy == "horovod" and pipeline_stages(cfg) > 1,
+            f"--tensor_parallel={cfg.parallel.tensor_parallel}": cfg.parallel.tensor_parallel > 1,
+            "--zero_stage=3": cfg.parallel.zero_stage == 3,
+            "--activation_checkpointing": cfg.pipeline.activation_checkpointing}
+    for flag, chosen in used.items():
+        if chosen:
+            raise ValueError(f"--model=bert with {flag} is not supported yet (BERT has no "
+                             "pipeline cut, tensor-parallel plan, ZeRO-3 gather plan or "
+                             "recompute wrapper); train BERT with --strategy=single, horovod "
+                             "(--zero_stage 0-2), multiworker or mirrored")
 
 
 def pipeline_stages(cfg):

@@ -39,6 +39,8 @@ EQUIVALENCE = dict(max_steps=4, batch_size=8, grad_clip_norm=0.5, dropout=0.0)
 # ALBERT (MLM + SOP, LAMB as its recipe) on the same loop; shards of seq_length 32.
 ALBERT = dict(model="albert", seq_length=32, optimizer="lamb", learning_rate=1e-2,
               weight_decay=0.01, epsilon=1e-6)
+# BERT (MLM + NSP, AdamW) on the same loop; shards of seq_length 32 (conftest's bert_data).
+BERT = dict(model="bert", seq_length=32, learning_rate=1e-2, weight_decay=0.01, epsilon=1e-6)
 
 
 
@@ -104,7 +106,7 @@ class Runs:
 
 
 @pytest.fixture(scope="module")
-def runs(gpt_data, albert_data, tmp_path_factory):
+def runs(gpt_data, albert_data, bert_data, tmp_path_factory):
     root = tmp_path_factory.mktemp("horovod")
     out = root / "out"
     plan = [
@@ -122,6 +124,7 @@ def runs(gpt_data, albert_data, tmp_path_factory):
         run_entry("preempted", horovod_cfg(gpt_data, root / "preempted", max_steps=6), out,
                   sigterm={"rank": 1, "step": 2}),
         run_entry("albert", horovod_cfg(albert_data, root / "albert", **ALBERT), out),
+        run_entry("bert", horovod_cfg(bert_data, root / "bert", **BERT), out),
         run_entry("recompute", recompute_cfg(horovod_cfg(gpt_data, root / "recompute",
                                                          grad_accum_steps=2)), out),
         run_entry("budget", horovod_cfg(gpt_data, root / "budget", max_steps=0,
@@ -159,7 +162,7 @@ def timeline_counts(path):
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", ["plain", "accum", "resumed", "fp16_allreduce", "fp16_skip",
-                                  "preempted", "albert", "recompute"])
+                                  "preempted", "albert", "bert", "recompute"])
 def test_ranks_end_with_bit_identical_weights_and_optimizer_state(runs, name):
     first, second = runs[name]
     assert first["num_replicas"] == 2 and first["step"] == second["step"] > 0
@@ -175,7 +178,8 @@ def test_ranks_end_with_bit_identical_weights_and_optimizer_state(runs, name):
                                              ("accum", "gpt_data", {"grad_accum_steps": 2}),
                                              # checkpointed ranks vs a plain single device
                                              ("recompute", "gpt_data", {"grad_accum_steps": 2}),
-                                             ("albert", "albert_data", ALBERT)])
+                                             ("albert", "albert_data", ALBERT),
+                                             ("bert", "bert_data", BERT)])
 def test_two_ranks_equal_one_process_on_the_same_data(runs, request, tmp_path, name, data, train):
     first, _ = runs[name]
     single, losses = reference(request.getfixturevalue(data), tmp_path, **train)

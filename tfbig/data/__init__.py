@@ -6,8 +6,9 @@ The public surface. Preparation (no TensorFlow import, so prep worker processes 
     SourceSpec, Piece, DEFAULT_VALIDATION_PLAYS  what is read (files, compressed files, Wikipedia dumps,
                                                  TFDS, plays)
     Tokenizer                                    SentencePiece BPE with eos/pad
+    WordPieceVocab, load_tokenizer               BERT's WordPiece vocab.txt (--format=bert)
     Manifest, SplitInfo, ShardInfo, load_manifest, write_manifest, MANIFEST_NAME
-    Format, FORMATS, get_format                  record formats ("gpt", "albert")
+    Format, FORMATS, get_format                  record formats ("gpt", "albert", "bert")
     MaskingOptions, MaskingVocab                 ALBERT pairs and masks
     index_shards                                 a manifest for shards written by other tools
 
@@ -33,7 +34,8 @@ from tfbig.data.manifest import (MANIFEST_NAME, Manifest, ShardInfo, SplitInfo, 
 from tfbig.data.mixture import Mixture, is_mixture, open_manifest, parse_mixture, source_counts, source_tokens
 from tfbig.data.prepare import default_data_dir, prepare, prepare_locked
 from tfbig.data.sources import DEFAULT_VALIDATION_PLAYS, Piece, SourceSpec
-from tfbig.data.tokenizer import Tokenizer
+from tfbig.data.tokenizer import Tokenizer, load_tokenizer
+from tfbig.data.wordpiece_vocab import WordPieceVocab
 
 # Reading needs TensorFlow: imported when first used, so `import tfbig.data` in a prep worker stays light.
 _LAZY = {"make_dataset": "dataset", "count_records": "dataset", "MAX_PARALLEL_FILES": "dataset"}
@@ -48,7 +50,7 @@ def __getattr__(name: str):
 
 
 __all__ = ["DEFAULT_VALIDATION_PLAYS", "FORMATS", "MANIFEST_NAME", "Format", "Manifest", "MaskingOptions",
-           "MaskingVocab", "Mixture", "Piece", "ShardInfo", "SourceSpec", "SplitInfo", "Tokenizer",
+           "MaskingVocab", "Mixture", "Piece", "ShardInfo", "SourceSpec", "SplitInfo", "Tokenizer", "WordPieceVocab", "load_tokenizer",
            "default_data_dir", "get_format", "index_shards", "is_mixture", "load_manifest", "open_manifest",
            "parse_mixture", "prepare", "prepare_locked", "source_counts", "source_tokens", "write_manifest",
            *_LAZY]

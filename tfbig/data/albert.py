@@ -35,6 +35,8 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
+from tfbig.data.wordpiece_vocab import is_special
+
 FEATURES = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids",
             "masked_lm_weights", "next_sentence_labels")
 SHUFFLE_ROWS = 4096  # instances shuffled together before they are written
@@ -80,7 +82,10 @@ class MaskingVocab:
 
     @classmethod
     def from_tokenizer(cls, tokenizer):
-        """Tables for a `tfbig.data.Tokenizer` (or any SentencePiece model with the pieces)."""
+        """Tables for a `tfbig.data.Tokenizer` (or any SentencePiece model with the pieces),
+        or a `WordPieceVocab` (see from_wordpiece)."""
+        if not hasattr(tokenizer, "processor"):
+            return cls.from_wordpiece(tokenizer)
         sp = tokenizer.processor
         size = sp.GetPieceSize()
         special = np.array([sp.IsControl(i) or sp.IsUnknown(i) for i in range(size)])
@@ -95,6 +100,16 @@ class MaskingVocab:
         return cls(tokenizer.piece_id("[CLS]"), tokenizer.piece_id("[SEP]"),
                    tokenizer.piece_id("[MASK]"), newline if ends[newline] else -1,
                    np.flatnonzero(~(special | byte)), starts, ends)
+
+    @classmethod
+    def from_wordpiece(cls, vocab):
+        """Tables for a tfbig.data.WordPieceVocab: a word is a piece and its "##" pieces;
+        [SEP] ends each line (newline_id); specials are never a random replacement."""
+        special = np.array([is_special(piece) for piece in vocab.pieces])
+        starts = np.array([not piece.startswith("##") for piece in vocab.pieces]) | special
+        sep = vocab.piece_id("[SEP]")
+        return cls(vocab.piece_id("[CLS]"), sep, vocab.piece_id("[MASK]"), sep,
+                   np.flatnonzero(~special), starts, special.copy())
 
     def word_starts(self, tokens):
         """Boolean (len,) array: token i begins a word."""

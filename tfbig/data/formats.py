@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
-from tfbig.data import albert
+from tfbig.data import albert, bert
 
 ROWS_PER_BATCH = 512  # examples built, serialized and written together
 
@@ -74,6 +74,8 @@ FORMATS = {
     # BERT/ALBERT pretraining features (sentence-order pairs, static masks): tfbig.data.albert.
     "albert": Format(albert.albert_features, albert.albert_examples,
                      token_feature="input_ids"),
+    # The same features from WordPiece ids, next-sentence pairs: tfbig.data.bert.
+    "bert": Format(bert.bert_features, bert.bert_examples, token_feature="input_ids"),
 }
 
 

@@ -30,9 +30,16 @@ from absl import logging
 
 from tfbig.data import formats, shards, sources, tfrecord
 from tfbig.data.manifest import MANIFEST_NAME, Manifest, ShardInfo, SplitInfo, load_manifest, write_manifest
-from tfbig.data.tokenizer import Tokenizer
+from tfbig.data.tokenizer import Tokenizer, load_tokenizer
+from tfbig.data.wordpiece_vocab import WordPieceVocab
 
 TOKENIZER_NAME = "tokenizer.model"
+WORDPIECE_NAME = "vocab.txt"  # --format=bert: a WordPiece vocabulary (tfbig.data.WordPieceVocab)
+
+
+def tokenizer_name(format: str) -> str:
+    """File name of the tokenizer next to the shards of `format`."""
+    return WORDPIECE_NAME if format == "bert" else TOKENIZER_NAME
 PIECE_BYTES = 1 << 20  # input granularity: shards are runs of pieces
 SAMPLE_BYTES = 256 << 10  # text tokenized up front to estimate shard sizes
 _SHARD_FILE = re.compile(r"^(train|validation)(-[\w-]+)?-\d{5}-of-\d{5}\.tfrecord(?P<suffix>\.done|\.tmp)?$")
@@ -119,7 +126,7 @@ def prepare(inputs: list[str] | None = None, output_dir: str | None = None, seq_
     existing = _existing_config(output_dir)
     _refuse_conflicts(output_dir, existing, {"format": format, "seq_length": seq_length}, overwrite)
     tokenizer_sha = _tokenizer_step(output_dir, tokenizer, train, spec, vocab_size, seed,
-                                    tokenizer_sample_mb, existing, overwrite)
+                                    tokenizer_sample_mb, existing, overwrite, format)
     key = _prep_key(settings, train, validation, tokenizer_sha)
     manifest = _finished(output_dir, key, overwrite)
     if manifest is not None:
@@ -206,10 +213,12 @@ def _refuse_conflicts(output_dir: str, existing: dict, requested: dict, overwrit
 # ---------------------------------------------------------------- tokenizer
 
 
-def _tokenizer_step(output_dir, tokenizer_file, train, spec, vocab_size, seed, sample_mb, existing, overwrite) -> str:
-    """Put tokenizer.model in output_dir (copy, reuse or train); return its sha256."""
-    target = os.path.join(output_dir, TOKENIZER_NAME)
+def _tokenizer_step(output_dir, tokenizer_file, train, spec, vocab_size, seed, sample_mb, existing, overwrite,
+                    format="gpt") -> str:
+    """Put tokenizer.model (vocab.txt for bert) in output_dir (copy, reuse or train); return its sha256."""
+    target = os.path.join(output_dir, tokenizer_name(format))
     if tokenizer_file:
+        _check_tokenizer_kind(tokenizer_file, format)
         sha = _checked_tokenizer_sha(tokenizer_file, vocab_size)
         if not overwrite and existing.get("tokenizer_sha256", (sha,))[0] != sha:
             raise ValueError(f"{output_dir} holds shards made with a tokenizer of sha256 "
@@ -220,7 +229,8 @@ def _tokenizer_step(output_dir, tokenizer_file, train, spec, vocab_size, seed, s
             shutil.copyfile(tokenizer_file, target + ".tmp")
             os.replace(target + ".tmp", target)
         return sha
-    recipe = {"vocab_size": vocab_size, "seed": seed, "sample_mb": sample_mb, "model_type": "bpe",
+    recipe = {"vocab_size": vocab_size, "seed": seed, "sample_mb": sample_mb,
+              "model_type": "wordpiece" if format == "bert" else "bpe",
               "trained_on": _pieces_key(train), "spec": dataclasses.asdict(spec)}
     reused = _reusable_tokenizer(target, recipe)
     if reused:
@@ -234,8 +244,14 @@ def _tokenizer_step(output_dir, tokenizer_file, train, spec, vocab_size, seed, s
     return _train_tokenizer(target, recipe, train, spec, vocab_size, seed, sample_mb)
 
 
+def _check_tokenizer_kind(source: str, format: str) -> None:
+    if (format == "bert") != source.endswith(".txt"):
+        expected = "a WordPiece vocab.txt" if format == "bert" else "a SentencePiece .model file"
+        raise ValueError(f"--tokenizer={source}: --format={format} needs {expected}")
+
+
 def _checked_tokenizer_sha(source: str, vocab_size: int) -> str:
-    loaded = Tokenizer.load(source)
+    loaded = load_tokenizer(source)
     if loaded.vocab_size != vocab_size:
         raise ValueError(f"--tokenizer={source} has vocab_size={loaded.vocab_size} but --vocab_size={vocab_size}; "
                          "make them agree")
@@ -259,9 +275,13 @@ def _reusable_tokenizer(target: str, recipe: dict) -> str | None:
 
 def _train_tokenizer(target, recipe, train, spec, vocab_size, seed, sample_mb) -> str:
     texts = (doc for piece in _sample(train, sample_mb * 2**20) for doc in sources.read_documents(piece, spec, Counter()))
-    logging.info("training a %d-token BPE tokenizer on up to %.0f MB of %s", vocab_size, sample_mb, spec.describe())
-    Tokenizer.train(texts, vocab_size, target + ".training", seed=seed)
-    os.replace(target + ".training.model", target)
+    kind = recipe["model_type"]
+    logging.info("training a %d-token %s tokenizer on up to %.0f MB of %s", vocab_size, kind, sample_mb, spec.describe())
+    if kind == "wordpiece":
+        WordPieceVocab.train(texts, vocab_size, target)
+    else:
+        Tokenizer.train(texts, vocab_size, target + ".training", seed=seed)
+        os.replace(target + ".training.model", target)
     sha = shards.file_sha256(target)
     shards._write_json(target + ".json", {"recipe": recipe, "sha256": sha})
     return sha
@@ -318,7 +338,7 @@ def _shards_intact(manifest: Manifest) -> bool:
 
 
 def _plan_jobs(output_dir, spec, settings, splits: dict, tokenizer_sha: str) -> list[shards.ShardJob]:
-    tokenizer_path = os.path.join(output_dir, TOKENIZER_NAME)
+    tokenizer_path = os.path.join(output_dir, tokenizer_name(settings["format"]))
     ratio = _record_bytes_per_source_byte(splits["train"], spec, tokenizer_path, settings["seq_length"])
     target = settings["shard_size_mb"] * 2**20 / ratio  # source bytes per shard
     # Per-group shards: every group's shards read the same runs of pieces and keep their own
@@ -350,7 +370,7 @@ def _check_group_names(groups) -> None:
 
 def _record_bytes_per_source_byte(pieces, spec, tokenizer_path: str, seq_length: int) -> float:
     """Estimate shard bytes per byte of source text by tokenizing a small sample."""
-    tokenizer, text_bytes, ids = Tokenizer.load(tokenizer_path), 0, []
+    tokenizer, text_bytes, ids = load_tokenizer(tokenizer_path), 0, []
     for piece in pieces:
         for document in sources.read_documents(piece, spec, Counter()):
             ids += tokenizer.encode(document)
@@ -380,7 +400,8 @@ def _balanced_groups(pieces: list[sources.Piece], target: float) -> list[list[so
 
 
 def _manifest(output_dir, settings, jobs, results, spec, key, record_format) -> Manifest:
-    tokenizer = Tokenizer.load(os.path.join(output_dir, TOKENIZER_NAME))
+    name = tokenizer_name(settings["format"])
+    tokenizer = load_tokenizer(os.path.join(output_dir, name))
     splits = {}
     for split in ("train", "validation"):
         infos = [ShardInfo(r["file"], r["records"], r["tokens"], r["bytes"], r["sha256"], job.group)
@@ -396,7 +417,7 @@ def _manifest(output_dir, settings, jobs, results, spec, key, record_format) -> 
             "features": record_format.features(settings["seq_length"], **settings.get("format_options", {})),
             "format_options": settings.get("format_options", {}), **counts}
     info = json.loads(json.dumps(info))  # as load_manifest will see it
-    return Manifest(output_dir, settings["format"], settings["seq_length"], tokenizer.vocab_size, TOKENIZER_NAME,
+    return Manifest(output_dir, settings["format"], settings["seq_length"], tokenizer.vocab_size, name,
                     tokenizer.eos_id, tokenizer.pad_id, splits, shards.file_sha256(tokenizer.path), info)
 
 

@@ -23,7 +23,7 @@ import numpy as np
 from absl import logging
 
 from tfbig.data import formats, sources, tfrecord
-from tfbig.data.tokenizer import Tokenizer
+from tfbig.data.tokenizer import Tokenizer, load_tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,7 +168,7 @@ _TOKENIZERS: dict[tuple[str, str], tuple[Tokenizer, np.ndarray]] = {}
 def _tokenizer(path: str, sha256: str) -> tuple[Tokenizer, np.ndarray]:
     """Per-process cache: a worker loads the tokenizer once, not once per shard."""
     if (path, sha256) not in _TOKENIZERS:
-        tokenizer = Tokenizer.load(path)
+        tokenizer = load_tokenizer(path)
         _TOKENIZERS[path, sha256] = tokenizer, tokenizer.piece_byte_lengths()
     return _TOKENIZERS[path, sha256]
 

@@ -138,6 +138,16 @@ class Tokenizer:
         return lengths
 
 
+def load_tokenizer(path: str):
+    """A prep tokenizer from its file: a WordPiece vocab.txt (tfbig.data.WordPieceVocab, for
+    --format=bert) or a SentencePiece .model (Tokenizer)."""
+    if path.endswith(".txt"):
+        from tfbig.data.wordpiece_vocab import WordPieceVocab
+
+        return WordPieceVocab.load(path)
+    return Tokenizer.load(path)
+
+
 def _training_lines(texts: Iterable[str]):
     """Non-empty lines of each text, cut to what SentencePiece accepts."""
     for text in texts:

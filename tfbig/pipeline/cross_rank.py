@@ -79,6 +79,11 @@ def pipeline_mesh(cfg, world_size):
             raise ValueError(f"--pipeline_stages={stages} with --{flag}={value} is not "
                              f"supported by --strategy=horovod yet (stages on different ranks "
                              f"are built for plain data parallelism); drop one of the two")
+    if cfg.parallel.tensor_parallel > 1 and cfg.train.model != "gpt":
+        raise ValueError(f"--pipeline_stages={stages} with --tensor_parallel="
+                         f"{cfg.parallel.tensor_parallel} (tfbig.pipeline.tensor_stage) is built "
+                         f"for --model=gpt; --model={cfg.train.model} is not supported yet: drop "
+                         f"one of the two")
     if cfg.pipeline.num_microbatches < 1:
         raise ValueError(f"--num_microbatches={cfg.pipeline.num_microbatches}: expected >= 1")
     return Mesh.build(world_size, tensor=cfg.parallel.tensor_parallel, pipeline=stages,

@@ -65,6 +65,8 @@ class SquadOptions:
     seed: int = field(0, "Seed for the span head, dropout and data order.")
     xla: bool = field(True, "Compile the training and prediction steps with XLA.")
     log_every: int = field(50, "Log the training loss every N steps.")
+    strategy: str = field("single", "single (one process) | horovod (one process per device, "
+                                    "started by horovodrun; --train_batch_size is global).")
 
 
 def define_flags():
@@ -134,6 +136,14 @@ def fine_tune(options):
 
     from tfbig.squad import finetune
 
+    from tfbig.distribute import get_strategy
+
+    if options.strategy not in ("single", "horovod"):
+        raise ValueError(f"--strategy={options.strategy!r}: tfbig-squad runs on single | horovod")
+    if options.strategy == "horovod" and not options.train_file:
+        raise ValueError("--strategy=horovod needs a --train_file (prediction runs in one "
+                         "process)")
+    strategy = get_strategy(options.strategy)
     config, tokenizer = _model_config_and_tokenizer(options)
     os.makedirs(options.output_dir, exist_ok=True)
     checkpoint_prefix = os.path.join(options.output_dir, "finetuned")
@@ -141,9 +151,17 @@ def fine_tune(options):
         init = None if options.random_init else options.init_checkpoint or None
         model = finetune.build_model(config, init, seed=options.seed)
         _, features, _ = _read(options.train_file, options.version, tokenizer, options)
-        finetune.train(model, features, options.train_batch_size, options.num_train_epochs,
-                       options.learning_rate, options.warmup_proportion, options.weight_decay,
-                       options.max_steps, options.seed, options.xla, options.log_every)
+        losses = finetune.train(
+            model, features, options.train_batch_size, options.num_train_epochs,
+            options.learning_rate, options.warmup_proportion, options.weight_decay,
+            options.max_steps, options.seed, options.xla, options.log_every,
+            log=print if strategy.is_chief else None, strategy=strategy)
+        print(f"{len(losses)} steps on {strategy.num_replicas} process(es) (rank "
+              f"{strategy.rank})")
+        if not strategy.is_chief:
+            strategy.shutdown()  # Horovod: wait for the chief, then stop
+            return {}
+        _write_json(options.output_dir, "train_losses.json", losses)
         finetune.save_model(model, checkpoint_prefix)
         _write_json(options.output_dir, "squad_config.json",
                     {"model_format": finetune.family_of(config),
@@ -157,9 +175,9 @@ def fine_tune(options):
             raise ValueError(f"no --train_file and no fine-tuned model in --output_dir="
                              f"{options.output_dir}; give a --train_file")
         finetune.restore_model(model, checkpoint_prefix)
-    if not options.predict_file:
-        return {}
-    return predict_and_score(model, tokenizer, options)
+    scores = predict_and_score(model, tokenizer, options) if options.predict_file else {}
+    strategy.shutdown()  # Horovod: the chief is done; every process stops together
+    return scores
 
 
 def predict_and_score(model, tokenizer, options):

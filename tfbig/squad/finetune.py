@@ -122,14 +122,23 @@ def span_loss(outputs, batch):
 
 def train(model, features, batch_size=32, num_epochs=2.0, learning_rate=5e-5,
           warmup_fraction=0.1, weight_decay=0.01, max_steps=0, seed=0, xla=True,
-          log_every=50, log=print):
+          log_every=50, log=print, strategy=None):
     """Fine-tune `model` on training `features`; returns the list of per-step losses.
 
-    Steps = num_epochs x features / batch_size (or max_steps if > 0).
+    Steps = num_epochs x features / batch_size (or max_steps if > 0). `strategy` (a
+    tfbig.distribute Strategy, e.g. Horovod's): each process trains on its share of every
+    global batch of `batch_size`, gradients and losses averaged over processes.
     """
+    from tfbig.distribute.base import Strategy
+
+    strategy = strategy or Strategy()
+    replicas, rank = strategy.num_replicas, strategy.rank
     if len(features) < batch_size:
         raise ValueError(f"--train_batch_size={batch_size} is above the {len(features)} "
                          "training features")
+    if batch_size % replicas:
+        raise ValueError(f"--train_batch_size={batch_size} is not divisible by the {replicas} "
+                         "processes")
     steps = max_steps or max(1, math.ceil(num_epochs * len(features) / batch_size))
     settings = TrainConfig(optimizer="adamw", learning_rate=learning_rate, max_steps=steps,
                            warmup_steps=int(warmup_fraction * steps), lr_schedule="linear",
@@ -138,6 +147,7 @@ def train(model, features, batch_size=32, num_epochs=2.0, learning_rate=5e-5,
     unused = {id(v) for v in model.backbone.pooler.weights}  # the span head reads tokens only
     variables = [v for v in model.trainable_variables if id(v) not in unused]
     optimizer = build_optimizer(settings, variables)
+    strategy.broadcast_variables(model.variables)  # Horovod: every process starts from rank 0
 
     @tf.function(jit_compile=xla)
     def forward_backward(batch):
@@ -148,11 +158,15 @@ def train(model, features, batch_size=32, num_epochs=2.0, learning_rate=5e-5,
     @tf.function
     def step(batch):
         loss, grads = forward_backward(batch)
-        optimizer.apply(grads, variables)
-        return loss
+        grads = [tf.convert_to_tensor(g) for g in grads]  # dense word-table gradient
+        # Horovod: average the gradients and the loss over processes (outside XLA)
+        optimizer.apply(strategy.all_reduce_gradients(grads), variables)
+        return strategy.all_reduce_mean(loss)
 
     names = INPUTS + ("start_positions", "end_positions")
-    batches = iter(_dataset(features, names, batch_size, seed=seed, repeat=True))
+    share = batch_size // replicas  # this process's rows of each global batch
+    batches = iter(_dataset(features, names, batch_size, seed=seed, repeat=True).map(
+        lambda batch: {k: v[rank * share:(rank + 1) * share] for k, v in batch.items()}))
     losses, start = [], time.perf_counter()
     for index in range(steps):
         losses.append(float(step(next(batches))))

@@ -5,18 +5,20 @@ import importlib
 TASKS = {
     "gpt": "tfbig.tasks.gpt:GPTTask",
     "albert": "tfbig.tasks.albert:AlbertTask",
+    "bert": "tfbig.tasks.bert:BertTask",
 }
 
 
 def get_task(train, experiment=None):
     """The task for TrainConfig `train` (its `model` field picks the family).
 
-    A family with its own ExperimentConfig section (the field named like --model, e.g.
-    `albert`) gets that section as a second argument when `experiment` is given.
+    A family with its own ExperimentConfig section (the task's `config_section`, else the
+    field named like --model, e.g. `albert`; BERT reads ALBERT's masking section) gets that
+    section as a second argument when `experiment` is given.
     """
     if train.model not in TASKS:
         raise ValueError(f"--model={train.model!r}: expected one of {sorted(TASKS)}")
     module, cls = TASKS[train.model].split(":")
     task_class = getattr(importlib.import_module(module), cls)
-    section = getattr(experiment, train.model, None)
+    section = getattr(experiment, getattr(task_class, "config_section", train.model), None)
     return task_class(train) if section is None else task_class(train, section)

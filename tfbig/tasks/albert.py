@@ -1,176 +1,30 @@
 """ALBERT pretraining as a task: masked-LM + sentence-order prediction on "albert" shards.
 
-A single-replica view, like tasks.gpt: the data directory, the model, batches and the loss.
-Loss = masked-LM cross-entropy (mean over real predictions, `masked_lm_weights`) + SOP
-cross-entropy (mean over sequences). Metrics: mlm_loss, sop_loss, mlm_accuracy, sop_accuracy.
+The shared masked-LM task (data, dynamic masking, loss, metrics) is tfbig.tasks.masked_lm;
+ALBERT adds its model and its section (--embedding_size, --num_groups). Metrics: mlm_loss,
+sop_loss, mlm_accuracy, sop_accuracy.
 
 Shards are the standard BERT/ALBERT pretraining format (tfbig-prep --format=albert, or shards
 of tf-models-official's create_pretraining_data.py indexed with tfbig-prep --index_shards).
-Their masks are static; with --dynamic_masking the input pipeline restores the original
-tokens and draws new token-level masks for every batch (stateless RNG keyed by the seed and
-the batch number, so a resumed run draws the same masks).
 """
-import dataclasses
-
-import tensorflow as tf
-
-from tfbig import data
-from tfbig.data import MaskingOptions, MaskingVocab
-from tfbig.config import AlbertTrainConfig
 from tfbig.models.albert import AlbertConfig, AlbertForPretraining
+from tfbig.tasks.masked_lm import DynamicMasking, MaskedLMTask, _restore  # noqa: F401
 
 METRICS = ("mlm_loss", "sop_loss", "mlm_accuracy", "sop_accuracy")
 
 
-class AlbertTask:
+class AlbertTask(MaskedLMTask):
     """ALBERT pretraining (MLM + SOP) on fixed-length "albert" records of seq_length tokens."""
 
     format = "albert"
-    # Over the vocabulary: a backend that splits it over ranks (tensor parallelism) sets its own.
-    vocab_cross_entropy = staticmethod(tf.nn.sparse_softmax_cross_entropy_with_logits)
-    vocab_argmax = staticmethod(lambda logits, output_type: tf.argmax(
-        logits, -1, output_type=output_type))
-
-    def __init__(self, train, albert=None):
-        self.train = train
-        self.albert = albert or AlbertTrainConfig()
-        self.data_dir = train.data_dir or self._prepare_default()
-        self.manifest = data.open_manifest(self.data_dir)  # one directory or a mixture
-        self.manifest.check(format=self.format)
-        self.seq_length = train.seq_length or self.manifest.seq_length
-        self.manifest.check(seq_length=self.seq_length)
-        options = self.manifest.info.get("format_options", {})
-        self.max_predictions_per_seq = int(options.get("max_predictions_per_seq", 20))
-        self.model_config = self._model_config()
-        self.model_config.check_inputs(self.seq_length, self.manifest.vocab_size)
-        self._masking = None
-        if self.albert.dynamic_masking:
-            self._masking = DynamicMasking(MaskingVocab.from_tokenizer(self.tokenizer()),
-                                           self.albert.dynamic_masked_lm_prob,
-                                           self.max_predictions_per_seq)
-
-    def _prepare_default(self):
-        """Prepare the embedded Shakespeare corpus in ALBERT format once (cached)."""
-        seq_length = self.train.seq_length or 128
-        out = data.default_data_dir(seq_length=seq_length, vocab_size=8000) + "-albert"
-        return data.prepare_locked(out, seq_length=seq_length, format=self.format,
-                                   format_options=dataclasses.asdict(MaskingOptions()))
+    pair = "sop"
+    model_name = "albert"
+    _model_class = AlbertForPretraining
 
     def _model_config(self):
         t, a = self.train, self.albert
         preset = AlbertConfig.from_preset(t.preset)
         return AlbertConfig.from_preset(
             t.preset, vocab_size=self.manifest.vocab_size,
-            seq_length=max(self.seq_length, preset.seq_length),
-            num_layers=t.num_layers or None, hidden_size=t.hidden_size or None,
-            num_heads=t.num_heads or None, dropout=t.dropout if t.dropout >= 0 else None,
+            seq_length=max(self.seq_length, preset.seq_length), **self._overrides(),
             embedding_size=a.embedding_size or None, num_groups=a.num_groups or None)
-
-    def build_model(self):
-        """The model, built (variables created) so it can be checkpointed and counted."""
-        model = AlbertForPretraining(self.model_config, name="albert")
-        model.build()
-        return model
-
-    def dataset(self, split, batch_size, input_context=None, *, seed=0, repeat=True,
-                shuffle=True, skip_batches=0):
-        """Batches of the seven standard features, int32 (float32 weights), for one pipeline."""
-        batches = data.make_dataset(
-            self.data_dir, split, batch_size, format=self.format, seq_length=self.seq_length,
-            vocab_size=self.model_config.vocab_size, input_context=input_context, seed=seed,
-            shuffle=shuffle, repeat=repeat, deterministic=self.train.deterministic,
-            skip_corrupt=self.train.skip_corrupt, skip_batches=skip_batches)
-        if self._masking is None or split != "train":
-            return batches
-        key = seed * 65536 + getattr(input_context, "input_pipeline_id", 0)
-        masking = self._masking
-        return batches.enumerate(start=skip_batches).map(
-            lambda index, batch: masking(batch, tf.stack([tf.constant(key, tf.int64), index])),
-            num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-
-    def flops_per_token(self):
-        """Model training FLOPs per token at this task's seq_length (for MFU)."""
-        return self.model_config.flops_per_token(self.seq_length)
-
-    def model_inputs(self, batch):
-        return {name: batch[name] for name in ("input_ids", "segment_ids", "input_mask",
-                                               "masked_lm_positions")}
-
-    def loss_from_outputs(self, outputs, batch):
-        """MLM + SOP loss in float32, and the metrics to average."""
-        ids, weights = batch["masked_lm_ids"], tf.cast(batch["masked_lm_weights"], tf.float32)
-        logits = tf.cast(outputs["mlm_logits"], tf.float32)  # (B, P, V)
-        losses = self.vocab_cross_entropy(ids, logits)  # (B, P)
-        count = tf.reduce_sum(weights) + 1e-5
-        mlm_loss = tf.reduce_sum(losses * weights) / count
-        hits = tf.cast(tf.equal(self.vocab_argmax(logits, ids.dtype), ids), tf.float32)
-        labels = batch["next_sentence_labels"][:, 0]
-        sop_logits = tf.cast(outputs["sop_logits"], tf.float32)
-        sop_loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels,
-                                                                                 sop_logits))
-        sop_hits = tf.equal(tf.argmax(sop_logits, -1, output_type=labels.dtype), labels)
-        loss = mlm_loss + sop_loss
-        return loss, {"loss": loss, "mlm_loss": mlm_loss, "sop_loss": sop_loss,
-                      "mlm_accuracy": tf.reduce_sum(hits * weights) / count,
-                      "sop_accuracy": tf.reduce_mean(tf.cast(sop_hits, tf.float32))}
-
-    def loss(self, model, batch, training=False):
-        return self.loss_from_outputs(model(self.model_inputs(batch), training=training), batch)
-
-    def eval_summary(self, metrics):
-        """Validation loss, MLM and SOP losses and accuracies (floats)."""
-        return {name: float(metrics[name]) for name in ("loss", *METRICS)}
-
-    def tokenizer(self):
-        return data.Tokenizer.load(self.manifest.tokenizer_path)
-
-
-class DynamicMasking:
-    """Re-mask a batch of standard ALBERT features: restore the original tokens, then choose
-    round(masked_lm_prob x length) positions (at most max_predictions) among the real,
-    non-special tokens and corrupt them 80% [MASK] / 10% random / 10% kept. Token level."""
-
-    def __init__(self, vocab, masked_lm_prob, max_predictions):
-        if not 0.0 < masked_lm_prob < 1.0:
-            raise ValueError(f"--dynamic_masked_lm_prob={masked_lm_prob}: expected 0 < p < 1")
-        self.masked_lm_prob = masked_lm_prob
-        self.max_predictions = max_predictions
-        self.cls_id, self.sep_id, self.mask_id = vocab.cls_id, vocab.sep_id, vocab.mask_id
-        self.replacement_ids = tf.constant(vocab.replacement_ids, tf.int32)
-
-    def __call__(self, batch, seed):
-        """batch: a dict of (B, ...) features; seed: int64 (2,) stateless RNG seed."""
-        ids = _restore(batch)  # (B, T)
-        real = tf.cast(batch["input_mask"], tf.bool)
-        candidate = real & tf.not_equal(ids, self.cls_id) & tf.not_equal(ids, self.sep_id)
-        seeds = tf.random.experimental.stateless_split(seed, 3)  # (3, 2)
-        scores = tf.where(candidate, tf.random.stateless_uniform(tf.shape(ids), seeds[0]), -1.0)
-        top_scores, positions = tf.math.top_k(scores, self.max_predictions)  # (B, P)
-        length = tf.reduce_sum(tf.cast(real, tf.float32), axis=1, keepdims=True)
-        wanted = tf.maximum(1.0, tf.round(length * self.masked_lm_prob))
-        keep = (tf.range(self.max_predictions, dtype=tf.float32)[None] < wanted) & (top_scores >= 0)
-        positions = tf.sort(tf.where(keep, positions, tf.shape(ids)[1]), axis=1)  # real first
-        keep = positions < tf.shape(ids)[1]
-        positions = tf.where(keep, positions, 0)
-        labels = tf.where(keep, tf.gather(ids, positions, batch_dims=1), 0)
-        action = tf.random.stateless_uniform(tf.shape(positions), seeds[1])
-        random_ids = tf.gather(self.replacement_ids, tf.random.stateless_uniform(
-            tf.shape(positions), seeds[2], maxval=tf.size(self.replacement_ids), dtype=tf.int32))
-        new = tf.where(action < 0.8, self.mask_id, tf.where(action < 0.9, random_ids, labels))
-        weights = tf.cast(keep, tf.float32)
-        return {**batch, "input_ids": _scatter(ids, positions, new, weights),
-                "masked_lm_positions": positions, "masked_lm_ids": labels,
-                "masked_lm_weights": weights}
-
-
-def _scatter(ids, positions, values, weights):
-    """ids with ids[b, positions[b, p]] = values[b, p] wherever weights[b, p] > 0."""
-    hit = tf.one_hot(positions, tf.shape(ids)[1]) * weights[..., None]  # (B, P, T)
-    placed = tf.einsum("bpt,bp->bt", hit, tf.cast(values, tf.float32))
-    return tf.where(tf.reduce_sum(hit, axis=1) > 0, tf.cast(placed, ids.dtype), ids)
-
-
-def _restore(batch):
-    """The unmasked input_ids: the stored labels put back at their positions."""
-    return _scatter(batch["input_ids"], batch["masked_lm_positions"], batch["masked_lm_ids"],
-                    tf.cast(batch["masked_lm_weights"], tf.float32))

@@ -1,0 +1,113 @@
+"""BERT pretraining examples: next-sentence pairs and whole-word masking, in numpy.
+
+Format "bert" writes the same seven standard features as format "albert" (tfbig.data.albert,
+the names and types of tf-models-official's create_pretraining_data.py) from WordPiece ids
+(tfbig.data.wordpiece_vocab); next_sentence_labels is 1 when B is a random segment.
+
+Recipe (Devlin et al. 2018, following google-research/bert's create_pretraining_data.py):
+a document's lines are its sentences (segments). Consecutive segments fill a chunk of about
+seq_length - 3 tokens (10% of documents use a random shorter target); A is the chunk's first
+k >= 1 segments. Half the time (always for a one-segment chunk) B is a run of segments from
+another document, drawn uniformly, starting at a random segment, as long as A leaves room
+for, and the chunk's unused segments go back to be read again; otherwise B is the rest of
+the chunk. The pair is truncated to seq_length - 3 tokens. Documents are read in windows
+of DOCUMENTS_PER_WINDOW (the random next document comes from the same window; a window of a
+single document gives only actual-next pairs). Masking is tfbig.data.albert's: round(15%),
+at most max_predictions_per_seq, 80/10/10; whole words (a word is a piece and its "##"
+continuations) with whole_word_masking, the default of --format=bert.
+
+Example:
+    batches = bert_examples(documents, 128, vocab, seed=0)  # {feature: (N, width)}
+"""
+import zlib
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+
+from tfbig.data.albert import (MaskingOptions, MaskingVocab, _batches, _truncate_pair,
+                               albert_features, make_instance, split_segments)
+
+DOCUMENTS_PER_WINDOW = 1000  # documents a random next segment is drawn from
+BERT_MASKING = {"max_ngram": 1, "whole_word_masking": True}  # defaults over MaskingOptions
+
+bert_features = albert_features  # the same seven features
+
+
+def document_segments(ids, sep_id):
+    """A document's sentences from its WordPiece ids (each line ends with [SEP])."""
+    return [segment[:-1] if segment[-1] == sep_id else segment
+            for segment in split_segments(ids, sep_id) if len(segment) > 1 or segment[0] != sep_id]
+
+
+def next_sentence_pairs(documents, index, max_num_tokens, rng, short_seq_prob=0.1):
+    """Yield (tokens_a, tokens_b, is_random_next) from documents[index] (lists of segments)."""
+    segments = documents[index]
+    target = max_num_tokens
+    if rng.random() < short_seq_prob:
+        target = int(rng.integers(2, max_num_tokens + 1))
+    chunk, length, i = [], 0, 0
+    while i < len(segments):
+        chunk.append(segments[i])
+        length += len(segments[i])
+        if i == len(segments) - 1 or length >= target:
+            a_end = int(rng.integers(1, len(chunk))) if len(chunk) >= 2 else 1
+            a = np.concatenate(chunk[:a_end])
+            random_next = len(documents) > 1 and (len(chunk) == 1 or rng.random() < 0.5)
+            if random_next:
+                b = _random_segments(documents, index, target - len(a), rng)
+                i -= len(chunk) - a_end  # the unused segments are read again
+            else:
+                b = np.concatenate(chunk[a_end:]) if a_end < len(chunk) else a[:0]
+            if len(a) and len(b):
+                yield (*_truncate_pair(a, b, max_num_tokens, rng), int(random_next))
+            chunk, length = [], 0
+        i += 1
+
+
+def _random_segments(documents, index, target_length, rng):
+    """Segments of a uniformly drawn other document, from a random start, >= target_length."""
+    other = int(rng.integers(len(documents) - 1))
+    other += other >= index
+    segments = documents[other]
+    tokens, start = [], int(rng.integers(len(segments)))
+    for segment in segments[start:]:
+        tokens.append(segment)
+        if sum(map(len, tokens)) >= target_length:
+            break
+    return np.concatenate(tokens)
+
+
+def bert_examples(documents: Iterable[list[int]], seq_length: int, tokenizer, seed: int = 0,
+                  rows_per_batch: int = 512, **options) -> Iterator[dict[str, np.ndarray]]:
+    """Batches of {feature: (N, length)} arrays from WordPiece-encoded documents (one shard).
+
+    `options` are MaskingOptions fields (BERT_MASKING where not given). The random stream is seeded by `seed` and the first
+    document, so each shard differs and a rerun is identical.
+    """
+    options = MaskingOptions(**{**BERT_MASKING, **options})
+    if seq_length < 5:
+        raise ValueError(f"--seq_length={seq_length}: a BERT pair needs at least 5 tokens")
+    vocab = MaskingVocab.from_tokenizer(tokenizer)
+    rng, window = None, []
+    for ids in documents:
+        if rng is None:
+            rng = np.random.default_rng([seed, zlib.crc32(np.asarray(ids, np.int64).tobytes())])
+        segments = document_segments(ids, vocab.sep_id)
+        if segments:
+            window.append(segments)
+        if len(window) >= DOCUMENTS_PER_WINDOW:
+            yield from _window_examples(window, rng, vocab, options, seq_length, rows_per_batch)
+            window = []
+    if window:
+        yield from _window_examples(window, rng, vocab, options, seq_length, rows_per_batch)
+
+
+def _window_examples(window, rng, vocab, options, seq_length, rows_per_batch):
+    instances = []
+    for _ in range(options.dupe_factor):
+        for index in range(len(window)):
+            for a, b, label in next_sentence_pairs(window, index, seq_length - 3, rng,
+                                                   options.short_seq_prob):
+                instances.append(make_instance(a, b, label, rng, vocab, options, seq_length))
+    if instances:
+        yield from _batches(instances, rng, rows_per_batch)
