@@ -21,7 +21,7 @@ optional keys:
     mlm_argmax          save the task's argmax of the masked-LM logits on one batch and that
                         of the assembled single-device model (argmax_ours, argmax_full)
 Each rank writes OUT/NAME.rank{R}.npz (trainable weights w0.., optimizer variables o0..,
-per-step train losses and grad norms, the learning rates of steps 0..3, final counters) and
+per-step train losses, grad norms and fp16 loss scales, the learning rates of steps 0..3, final counters) and
 OUT/NAME.rank{R}.pid. A run {"post_style": [DATA_DIR, MODEL_DIR, OUT_DIR]} runs
 horovod_post_style.main instead. Runs share one launch: each start of TensorFlow costs seconds.
 """
@@ -51,11 +51,14 @@ class RecordingLogger(RunLogger):
     def __init__(self, *args, sigterm_at=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.losses = {}
+        self.loss_scales = {}  # mixed_float16 only: the scale each step's loss was scaled by
         self.sigterm_at = sigterm_at
 
     def scalars(self, split, step, values):
         if split == "train":
             self.losses[step] = (values["loss"], values["grad_norm"])
+            if "loss_scale" in values:
+                self.loss_scales[step] = values["loss_scale"]
             if step == self.sigterm_at:  # as a scheduler preempting this one process would
                 os.kill(os.getpid(), signal.SIGTERM)
         super().scalars(split, step, values)
@@ -201,6 +204,7 @@ def save(run, rank, trainer, logger, summary, extra):
     arrays["loss_steps"] = np.array(steps)
     arrays["losses"] = np.array([logger.losses[s][0] for s in steps])
     arrays["grad_norms"] = np.array([logger.losses[s][1] for s in steps])
+    arrays["loss_scales"] = np.array([logger.loss_scales.get(s, np.nan) for s in steps])
     arrays["learning_rates"] = np.array([float(learning_rate(trainer.optimizer, s))
                                          for s in range(4)])
     arrays["step"] = int(trainer.step.numpy())
@@ -208,6 +212,7 @@ def save(run, rank, trainer, logger, summary, extra):
     arrays["nonfinite_steps"] = int(trainer.nonfinite_steps.numpy())
     arrays["loss_scale"] = float(loss_scale(trainer.optimizer))
     arrays["num_replicas"] = trainer.strategy.num_replicas
+    arrays["precision"] = trainer.cfg.train.precision
     seeds = [v for v in trainer.model.variables if "seed_generator" in v.path]
     arrays["seed_own"] = np.array([id(v) in own_mask_states(trainer) for v in seeds], bool)
     arrays.update({f"seed{i}": np.asarray(v.numpy()) for i, v in enumerate(seeds)})
