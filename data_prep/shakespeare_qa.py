@@ -9,7 +9,10 @@ one line of a speech (speakers are drawn first, so answers spread over a context
 and the answer is the speaker's name as it appears in the context, at the head of that speech.
 The v2.0 files add unanswerable questions (one per two answerable ones, rounded up), quoting
 a line of the same scene that is not in the context. Quoted lines are at least 4 words and
-occur once in their context.
+occur once in their context. --continuations_per_context adds questions whose answer is the
+rest of a line, after the only occurrence of its quoted first half:
+
+    How does the line 'Nay, answer me: ...' go on?   ->  stand, and unfold yourself.
 Dev uses the plays tfbig-prep holds out for validation (tfbig.data.DEFAULT_VALIDATION_PLAYS),
 so neither pretraining nor fine-tuning has read a dev context. Deterministic for a given seed.
 
@@ -247,6 +250,9 @@ flags.DEFINE_integer("continuations_per_context", CONTINUATIONS,
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    if FLAGS.continuations_per_context < 0:
+        raise app.UsageError(f"--continuations_per_context={FLAGS.continuations_per_context}: "
+                             "expected 0 or more questions per context")
     paths = write_all(FLAGS.output_dir, FLAGS.seed, FLAGS.max_chars, FLAGS.questions_per_context,
                       FLAGS.continuations_per_context)
     for (version, split), path in sorted(paths.items()):
