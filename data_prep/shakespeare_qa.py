@@ -13,6 +13,7 @@ occur once in their context. --continuations_per_context adds questions whose an
 rest of a line, after the only occurrence of its quoted first half:
 
     How does the line 'Nay, answer me: ...' go on?   ->  stand, and unfold yourself.
+
 Dev uses the plays tfbig-prep holds out for validation (tfbig.data.DEFAULT_VALIDATION_PLAYS),
 so neither pretraining nor fine-tuning has read a dev context. Deterministic for a given seed.
 
