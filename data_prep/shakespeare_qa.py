@@ -9,7 +9,11 @@ one line of a speech (speakers are drawn first, so answers spread over a context
 and the answer is the speaker's name as it appears in the context, at the head of that speech.
 The v2.0 files add unanswerable questions (one per two answerable ones, rounded up), quoting
 a line of the same scene that is not in the context. Quoted lines are at least 4 words and
-occur once in their context.
+occur once in their context. --continuations_per_context adds questions whose answer is the
+rest of a line, after the only occurrence of its quoted first half:
+
+    How does the line 'Nay, answer me: ...' go on?   ->  stand, and unfold yourself.
+
 Dev uses the plays tfbig-prep holds out for validation (tfbig.data.DEFAULT_VALIDATION_PLAYS),
 so neither pretraining nor fine-tuning has read a dev context. Deterministic for a given seed.
 
@@ -27,6 +31,7 @@ from absl import app, flags
 from tfbig.data import sources
 
 MIN_WORDS = 4  # a shorter quote ("Ay, my lord.") is rarely unique enough to ask about
+CONTINUATIONS = 0  # "how does the line go on" questions per context
 MIN_SPEAKERS = 2  # a context with one speaker would make "who" a trivial question
 _SPEAKER = re.compile(r"^[A-Z][A-Z'. -]*[A-Z.]$")  # BERNARDO, FIRST CITIZEN, LADY MACBETH
 
@@ -92,6 +97,32 @@ def question(line):
     return f"Who says: '{line}'?"
 
 
+def continuation(head):
+    return f"How does the line '{head} ...' go on?"
+
+
+def split_line(line):
+    """(head, rest) of a quotable line: the first half of its words and the rest, or None
+    for a line too short to split into two parts of at least MIN_WORDS // 2 + 1 words."""
+    words = line.split()
+    half = len(words) // 2
+    if min(half, len(words) - half) < MIN_WORDS // 2 + 1:
+        return None
+    head = " ".join(words[:half])
+    return head, line[line.index(words[half], len(head)):]
+
+
+def continuation_questions(context, blocks):
+    """Every (head, rest, rest offset) whose line can be asked to be continued in `context`."""
+    found = []
+    for line, _, _ in answerable_questions(context, blocks):
+        parts = split_line(line)
+        if parts and context.count(parts[0]) == 1:
+            start = context.index(line) + line.index(parts[1], len(parts[0]))
+            found.append((parts[0], parts[1], start))
+    return found
+
+
 def _spread(candidates, count, rng):
     """`count` candidates by different speakers where possible: speaker first, then a line."""
     by_speaker = {}
@@ -103,7 +134,26 @@ def _spread(candidates, count, rng):
         if speakers else []
 
 
-def _paragraph(context, blocks, scene_lines, rng, prefix, num_questions, with_impossible):
+def _continuations(context, blocks, scene_lines, rng, prefix, count, with_impossible):
+    """Up to `count` "how does the line go on" questions (v2.0: one unanswerable per two)."""
+    candidates = continuation_questions(context, blocks)
+    qas = []
+    for i, (head, rest, start) in enumerate(rng.sample(candidates, min(count, len(candidates)))):
+        assert context[start:start + len(rest)] == rest
+        qa = {"id": f"{prefix}-k{i}", "question": continuation(head),
+              "answers": [{"text": rest, "answer_start": start}]}
+        qas.append({**qa, "is_impossible": False} if with_impossible else qa)
+    if with_impossible and qas:
+        heads = sorted({parts[0] for parts in map(split_line, scene_lines)
+                        if parts and parts[0] not in context})
+        for i, head in enumerate(rng.sample(heads, min(-(-len(qas) // 2), len(heads)))):
+            qas.append({"id": f"{prefix}-m{i}", "question": continuation(head), "answers": [],
+                        "is_impossible": True})
+    return qas
+
+
+def _paragraph(context, blocks, scene_lines, rng, prefix, num_questions, with_impossible,
+               num_continuations=0):
     candidates = answerable_questions(context, blocks)
     chosen = list(dict.fromkeys(_spread(candidates, num_questions, rng)))  # no repeats
     qas = []
@@ -117,10 +167,14 @@ def _paragraph(context, blocks, scene_lines, rng, prefix, num_questions, with_im
         for i, line in enumerate(rng.sample(outside, min(-(-len(qas) // 2), len(outside)))):
             qas.append({"id": f"{prefix}-n{i}", "question": question(line), "answers": [],
                         "is_impossible": True})
+    if num_continuations:
+        qas += _continuations(context, blocks, scene_lines, rng, prefix, num_continuations,
+                              with_impossible)
     return {"context": context, "qas": qas} if qas else None
 
 
-def build(plays, version, seed=0, max_chars=300, questions_per_context=2):
+def build(plays, version, seed=0, max_chars=300, questions_per_context=2,
+          continuations_per_context=CONTINUATIONS):
     """A SQuAD-format dict for `plays` (paths of Markdown plays) and version "1.1" or "2.0".
 
     v2.0 has the same answerable questions as v1.1 (same seed) plus one unanswerable
@@ -140,7 +194,8 @@ def build(plays, version, seed=0, max_chars=300, questions_per_context=2):
             for c, (context, blocks) in enumerate(contexts(scene, max_chars)):
                 rng = random.Random(f"{seed}-{name}-{s}-{c}")  # independent of other contexts
                 paragraph = _paragraph(context, blocks, scene_lines, rng, f"{name}-s{s}-c{c}",
-                                       questions_per_context, version == "2.0")
+                                       questions_per_context, version == "2.0",
+                                       continuations_per_context)
                 if paragraph:
                     paragraphs.append(paragraph)
         data.append({"title": name, "paragraphs": paragraphs})
@@ -154,7 +209,8 @@ def split_plays(validation=sources.DEFAULT_VALIDATION_PLAYS):
     return [p for p in plays if p not in dev], dev
 
 
-def write_all(output_dir, seed=0, max_chars=300, questions_per_context=2):
+def write_all(output_dir, seed=0, max_chars=300, questions_per_context=2,
+              continuations_per_context=CONTINUATIONS):
     """Write the four files; returns {(version, split): path}."""
     os.makedirs(output_dir, exist_ok=True)
     train, dev = split_plays()
@@ -162,7 +218,8 @@ def write_all(output_dir, seed=0, max_chars=300, questions_per_context=2):
     for version in ("1.1", "2.0"):
         for split, plays in (("train", train), ("dev", dev)):
             path = os.path.join(output_dir, f"shakespeare-qa-v{version}-{split}.json")
-            content = build(plays, version, seed, max_chars, questions_per_context)
+            content = build(plays, version, seed, max_chars, questions_per_context,
+                            continuations_per_context)
             with open(path + ".tmp", "w", encoding="utf-8") as file:
                 json.dump(content, file, ensure_ascii=False)
             os.replace(path + ".tmp", path)
@@ -186,10 +243,19 @@ flags.DEFINE_integer("questions_per_context", 2, "Answerable questions per conte
                                                   "one unanswerable per two, rounded up).")
 
 
+flags.DEFINE_integer("continuations_per_context", CONTINUATIONS,
+                     "'How does the line ... go on?' questions per context (answer: the rest "
+                     "of a quoted half line; v2.0 adds one unanswerable per two).")
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
-    paths = write_all(FLAGS.output_dir, FLAGS.seed, FLAGS.max_chars, FLAGS.questions_per_context)
+    if FLAGS.continuations_per_context < 0:
+        raise app.UsageError(f"--continuations_per_context={FLAGS.continuations_per_context}: "
+                             "expected 0 or more questions per context")
+    paths = write_all(FLAGS.output_dir, FLAGS.seed, FLAGS.max_chars, FLAGS.questions_per_context,
+                      FLAGS.continuations_per_context)
     for (version, split), path in sorted(paths.items()):
         with open(path, encoding="utf-8") as file:
             answerable, impossible = count_questions(json.load(file))

@@ -86,3 +86,32 @@ def test_writes_squad_files_the_reader_accepts(tmp_path, monkeypatch, qa_play_pa
         assert found == version and len(examples) > 150
         with open(path, encoding="utf-8") as file:
             assert json.load(file)["version"] == f"v{version}"
+
+
+def test_continuation_questions_answer_the_rest_of_a_quoted_line(qa_play_paths):
+    """--continuations_per_context adds "How does the line '<first half> ...' go on?": the
+    answer is the rest of that line, right after the only occurrence of its first half; v2.0's
+    unanswerable ones quote the first half of a line of the same scene outside the context. The
+    "who says" questions are the same as without them."""
+    dev_play = qa_play_paths[1]
+    plain = shakespeare_qa.build(dev_play, "2.0")
+    mixed = shakespeare_qa.build(dev_play, "2.0", continuations_per_context=1)
+    plain_ids = {qa["id"]: qa for _, qa in questions(plain)}
+    answered, unanswerable = 0, 0
+    for context, qa in questions(mixed):
+        if qa["id"] in plain_ids:
+            assert qa == plain_ids.pop(qa["id"])
+            continue
+        head = re.fullmatch(r"How does the line '(.*) \.\.\.' go on\?", qa["question"]).group(1)
+        if not qa["answers"]:
+            assert head not in context and qa["is_impossible"]
+            unanswerable += 1
+            continue
+        (answer,) = qa["answers"]
+        start = answer["answer_start"]
+        assert context[start:start + len(answer["text"])] == answer["text"]
+        assert context.count(head) == 1
+        line = context[context.index(head):].split("\n")[0]
+        assert line == f"{head} {answer['text']}" and len(answer["text"].split()) >= 3
+        answered += 1
+    assert not plain_ids and answered > 150 and answered / 2 <= unanswerable <= answered
