@@ -11,7 +11,7 @@ import tensorflow as tf
 from tfbig import data
 from tfbig.data import albert as albert_data, index, tfrecord
 from tfbig.data import MaskingOptions, MaskingVocab
-from tfbig.tasks.albert import DynamicMasking, _restore
+from tfbig.tasks.masked_lm import DynamicMasking, _restore
 
 
 def instances(tokenizer, scenes, seq_length=128, **options):

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from tfbig.convert import ConvertOptions, convert, gpt2, run_dir
+from tfbig.convert import ConvertOptions, convert, run_dir
 from tfbig.data.bpe import ByteLevelBPE
 from tfbig.data.tokenizer import Tokenizer, for_run
 from tfbig.errors import UsageError

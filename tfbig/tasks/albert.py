@@ -8,7 +8,7 @@ Shards are the standard BERT/ALBERT pretraining format (tfbig-prep --format=albe
 of tf-models-official's create_pretraining_data.py indexed with tfbig-prep --index_shards).
 """
 from tfbig.models.albert import AlbertConfig, AlbertForPretraining
-from tfbig.tasks.masked_lm import DynamicMasking, MaskedLMTask, _restore  # noqa: F401
+from tfbig.tasks.masked_lm import MaskedLMTask
 
 METRICS = ("mlm_loss", "sop_loss", "mlm_accuracy", "sop_accuracy")
 
