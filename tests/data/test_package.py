@@ -25,7 +25,8 @@ def _tfbig_imports(module: str) -> set[str]:
 def test_module_imports_form_no_cycle():
     modules = [name[:-3] for name in os.listdir(PACKAGE) if name.endswith(".py") and name != "__init__.py"]
     graph = {module: _tfbig_imports(module) & set(modules) for module in modules}
-    assert not graph["albert"], graph  # the ALBERT record builder is a leaf: the old circle is gone
+    # The ALBERT record builder reads no shard writer (the old albert -> shards -> formats circle).
+    assert not graph["albert"] & {"shards", "formats", "prepare", "index"}, graph
     visiting, done = set(), set()
 
     def visit(module, path):
