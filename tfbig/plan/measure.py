@@ -44,7 +44,7 @@ def measure_step(model, batch_size, xla=True, steps=0):
     step(ids)  # compiles and creates the optimizer slots
     held = {"model_state": sum(v.numpy().nbytes for v in net.variables + optimizer.variables)}
     peaks = []
-    for _ in range(3):  # the order independent ops run in moves the peak by up to ~15% here
+    for _ in range(5):  # the order independent ops run in moves the peak by up to ~15% here
         before = tf.config.experimental.get_memory_info("CPU:0")["current"]
         tf.config.experimental.reset_memory_stats("CPU:0")
         step(ids)
