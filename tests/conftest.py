@@ -37,6 +37,31 @@ def _synthetic_corpus(directory, num_docs=60, seed=0):
     return directory
 
 
+PLAYS = ("hamlet", "macbeth", "othello", "twelfth-night")  # twelfth-night: a validation play
+
+
+@pytest.fixture(scope="session")
+def scenes():
+    """Scenes of a few embedded plays, as tfbig-prep's documents."""
+    from tfbig.data import sources
+
+    texts = []
+    for path in sources.shakespeare_plays():
+        if sources.play_name(path) in PLAYS:
+            with open(path, encoding="utf-8") as file:
+                texts += sources.play_scenes(file.read())
+    return texts
+
+
+@pytest.fixture(scope="session")
+def scene_files(tmp_path_factory, scenes):
+    """The scenes as text files, one per scene (a file is a document for tfbig-prep)."""
+    root = tmp_path_factory.mktemp("scenes")
+    for index, scene in enumerate(scenes):
+        (root / f"scene{index:03d}.txt").write_text(scene, encoding="utf-8")
+    return root
+
+
 @pytest.fixture(scope="session")
 def gpt_data(tmp_path_factory):
     """A tiny prepared GPT dataset: real TFRecord shards, manifest and tokenizer (seq 16)."""

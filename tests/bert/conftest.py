@@ -1,35 +1,16 @@
 """Fixtures for BERT pretraining tests: a WordPiece vocabulary and a "bert" data directory."""
 import pytest
 
-from tfbig.data import sources
-
-PLAYS = ("hamlet", "macbeth", "othello", "twelfth-night")  # twelfth-night: a validation play
-
-
-def play_scenes(names=PLAYS):
-    """Scenes of a few embedded plays, as tfbig-prep's documents."""
-    texts = []
-    for path in sources.shakespeare_plays():
-        if sources.play_name(path) in names:
-            with open(path, encoding="utf-8") as file:
-                texts += sources.play_scenes(file.read())
-    return texts
-
 
 @pytest.fixture(scope="session")
-def bert_scenes():
-    return play_scenes()
-
-
-@pytest.fixture(scope="session")
-def bert_vocab(tmp_path_factory, bert_scenes):
+def bert_vocab(tmp_path_factory, scenes):
     """A 1000-piece uncased WordPiece vocabulary trained on four plays."""
     from tfbig.data import WordPieceVocab
 
-    return WordPieceVocab.train(bert_scenes, 1000, str(tmp_path_factory.mktemp("wp") / "vocab.txt"))
+    return WordPieceVocab.train(scenes, 1000, str(tmp_path_factory.mktemp("wp") / "vocab.txt"))
 
 
-def prepare_bert(out, vocab, scenes_dir=None, **options):
+def _prepare_bert(out, vocab, scenes_dir=None, **options):
     from tfbig.data import prepare
 
     return prepare([str(scenes_dir)], str(out), seq_length=64, vocab_size=1000, shard_size_mb=0.2,
@@ -38,16 +19,14 @@ def prepare_bert(out, vocab, scenes_dir=None, **options):
 
 
 @pytest.fixture(scope="session")
-def bert_scene_files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("bert_text")
-    for index, scene in enumerate(play_scenes()):  # a file is a document: one per scene
-        (root / f"scene{index:03d}.txt").write_text(scene, encoding="utf-8")
-    return root
+def prepare_bert():
+    """tfbig-prep --format=bert of a directory of scenes with `vocab`: (out, vocab, dir)."""
+    return _prepare_bert
 
 
 @pytest.fixture(scope="session")
-def bert_data_dir(tmp_path_factory, bert_vocab, bert_scene_files):
+def bert_data_dir(tmp_path_factory, bert_vocab, scene_files):
     """tfbig-prep --format=bert of four plays: seq_length 64, 12 predictions, whole words."""
     out = tmp_path_factory.mktemp("bert_data")
-    prepare_bert(out, bert_vocab, bert_scene_files)
+    _prepare_bert(out, bert_vocab, scene_files)
     return str(out)

@@ -9,7 +9,6 @@ from tfbig.data import WordPieceVocab, bert as bert_data, load_tokenizer
 from tfbig.data import MaskingVocab
 from tfbig.wordpiece import WordPieceTokenizer
 
-from conftest import prepare_bert
 
 ODD_TEXT = "Héllo, WORLD! 東京は… naïve café — «quote» [SEP] x² 3.14 don't"
 
@@ -18,11 +17,11 @@ def binomial_bound(p, n):
     return 4 * np.sqrt(p * (1 - p) / n)
 
 
-def test_vocab_encodes_as_tensorflow_text_does(bert_vocab, bert_scenes):
+def test_vocab_encodes_as_tensorflow_text_does(bert_vocab, scenes):
     import tensorflow as tf
 
     reference = WordPieceTokenizer(bert_vocab.path, lowercase=True)._tokenizer
-    lines = [line for scene in bert_scenes[:3] for line in scene.split("\n") if line.strip()]
+    lines = [line for scene in scenes[:3] for line in scene.split("\n") if line.strip()]
     lines = lines[:300] + [ODD_TEXT]
     expected = reference.tokenize(tf.constant(lines)).merge_dims(1, 2).to_list()  # one TF call
     assert len(lines) > 200
@@ -98,8 +97,8 @@ def instances(vocab, scenes, seq_length=128, **options):
     return {name: np.concatenate([b[name] for b in batches]) for name in batches[0]}
 
 
-def test_whole_word_masks_at_15_percent_80_10_10(bert_vocab, bert_scenes):
-    batch = instances(bert_vocab, bert_scenes, max_predictions_per_seq=20)
+def test_whole_word_masks_at_15_percent_80_10_10(bert_vocab, scenes):
+    batch = instances(bert_vocab, scenes, max_predictions_per_seq=20)
     tables = MaskingVocab.from_tokenizer(bert_vocab)
     rows, slots = np.nonzero(batch["masked_lm_weights"] > 0)
     positions, labels = batch["masked_lm_positions"][rows, slots], batch["masked_lm_ids"][rows, slots]
@@ -129,9 +128,9 @@ def test_whole_word_masks_at_15_percent_80_10_10(bert_vocab, bert_scenes):
     assert abs(labels_nsp.mean() - 0.5) < 0.1  # 10% short targets: some forced random pairs
 
 
-def test_prepared_shards_are_deterministic_and_read_back(bert_data_dir, bert_vocab,
-                                                         bert_scene_files, tmp_path):
-    again = prepare_bert(tmp_path / "again", bert_vocab, bert_scene_files)
+def test_prepared_shards_are_deterministic_and_read_back(bert_data_dir, bert_vocab, prepare_bert,
+                                                         scene_files, tmp_path):
+    again = prepare_bert(tmp_path / "again", bert_vocab, scene_files)
     first = json.loads(open(f"{bert_data_dir}/manifest.json").read())
     assert first["format"] == "bert" and first["tokenizer"] == "vocab.txt"
     shas = [[s["sha256"] for s in m["splits"]["train"]["shards"]]
@@ -149,9 +148,10 @@ def test_prepared_shards_are_deterministic_and_read_back(bert_data_dir, bert_voc
     assert batch["next_sentence_labels"].dtype == tf.int32
 
 
-def test_prep_refuses_a_tokenizer_of_the_other_kind(bert_scene_files, albert_like_model, tmp_path):
+def test_prep_refuses_a_tokenizer_of_the_other_kind(scene_files, albert_like_model, prepare_bert,
+                                                    tmp_path):
     with pytest.raises(ValueError, match="--format=bert needs a WordPiece vocab.txt"):
-        prepare_bert(tmp_path / "x", albert_like_model, bert_scene_files)
+        prepare_bert(tmp_path / "x", albert_like_model, scene_files)
 
 
 @pytest.fixture
