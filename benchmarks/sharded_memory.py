@@ -13,7 +13,9 @@ measured bytes (stages 1-2: 4P + 12S, stage 3: 12S, plain DP: 12P; S = sum of ce
 variable; gradients are transient tensors, not counted), the full single-process state 16P
 for the RSS comparison, step time relative to plain DP measured in the same run, the load
 average and the CPU model. One-thread processes, no XLA (the ZeRO collectives sit between TF
-ops; see tfbig/distribute/zero.py).
+ops; see tfbig/distribute/zero.py). A layout whose launch fails stops the run with the last
+lines of its ranks' output (Horovod/Gloo errors included); without `dp` in --layouts there is
+no step_time_vs_dp.
 """
 import argparse
 import json
@@ -30,6 +32,7 @@ LAYOUTS = {"dp": (0, 0), "zero1_d2": (1, 2), "zero1_d4": (1, 4), "zero2_d2": (2,
            "zero2_d4": (2, 4), "zero3_d2": (3, 2), "zero3_d4": (3, 4)}
 ENV = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1", "OMP_NUM_THREADS": "1",
        "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": ROOT}
+LOG_TAIL = 60  # lines of a failed launch's output printed
 
 
 def worker(config_path, out_path, warmup, steps):
@@ -82,8 +85,15 @@ def launch(args, name, stage, degree, root):
     command = [os.path.join(os.path.dirname(sys.executable), "horovodrun"), "-np", "4", "-H",
                "localhost:4", "--gloo", sys.executable, os.path.abspath(__file__), "--worker",
                config_path, out, str(args.warmup), str(args.steps)]
-    subprocess.run(command, check=True, env={**os.environ, **ENV}, cwd=ROOT,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = os.path.join(root, f"{name}.log")
+    with open(log, "w") as f:
+        code = subprocess.run(command, env={**os.environ, **ENV}, cwd=ROOT, stdout=f,
+                              stderr=subprocess.STDOUT).returncode
+    if code:  # the ranks' own errors (e.g. a Gloo timeout), before the directory goes away
+        with open(log) as f:
+            tail = f.read().splitlines()[-LOG_TAIL:]
+        raise SystemExit(f"layout {name} failed (horovodrun exit {code}); last {len(tail)} "
+                         f"lines of its output:\n" + "\n".join(tail))
     with open(f"{out}.rank0") as f:
         return json.load(f)
 
@@ -98,7 +108,8 @@ def main():
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--layouts", default=",".join(LAYOUTS),
-                        help="comma-separated subset of " + ",".join(LAYOUTS) + " (dp first)")
+                        help="comma-separated subset of " + ",".join(LAYOUTS) + " (step_time_vs_dp "
+                        "needs dp among them)")
     parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -107,9 +118,10 @@ def main():
     with tempfile.TemporaryDirectory() as root:
         results = {name: launch(args, name, *LAYOUTS[name], root)
                    for name in args.layouts.split(",")}
-    dp = results["dp"]["step_seconds"]
+    dp = results["dp"]["step_seconds"] if "dp" in results else None
     for figures in results.values():
-        figures["step_time_vs_dp"] = round(figures["step_seconds"] / dp, 3)
+        if dp:  # a subset without dp (e.g. --layouts=zero3_d2) reports no ratio
+            figures["step_time_vs_dp"] = round(figures["step_seconds"] / dp, 3)
         figures["state_vs_closed_form"] = round(figures["state_total"] /
                                                 figures["closed_form"], 4)
     print(json.dumps({"benchmark": "sharded_memory", "ranks": 4, "preset": args.preset,
