@@ -6,11 +6,16 @@
 PLAN_JSON is a list of runs {"name", "config" (tfbig.config.to_dict), "out"} with optional
     first_gradients  save the averaged gradients of the first batch (no update)
     interrupt_at     fit that many steps, then resume with a new Trainer
+    poison           GPT whose loss is inf on one rank in the first step (the last stage's
+                     rank of the last data and tensor index): saves the held weights before
+                     (initial0..) and after it (after_poison0..), the loss scale after it
 Each rank writes OUT/NAME.rank{R}.npz: the paths of the weights it holds (`paths`), whether it
 owns each (`owned`), their final values w0.. and first-batch gradients g0.., the per-step train
 losses and grad norms, its stage, data and tensor index and the tensor degree, the tensor
 splits of the weights it holds (JSON {path: [axis, sections]}, empty without
---tensor_parallel), the bytes of weights it holds and the full model's, the evaluation loss.
+--tensor_parallel), the bytes of weights it holds and the full model's, the evaluation loss,
+the skipped (non-finite) steps, the fp16 loss scale of every step and at the end, and with
+--tensor_parallel the shape of the activation stage 0 sends (`sent_shape`).
 """
 import json
 import math
@@ -23,11 +28,34 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import horovod.tensorflow as hvd  # noqa: E402
 import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
 
 from horovod_worker import RecordingLogger  # noqa: E402
 from tfbig import config as config_lib  # noqa: E402
 from tfbig.distribute import get_strategy  # noqa: E402
+from tfbig.optim import loss_scale  # noqa: E402
+from tfbig.tasks.gpt import GPTTask  # noqa: E402
 from tfbig.trainer import Trainer  # noqa: E402
+
+
+class PoisonedStageTask(GPTTask):
+    """GPT whose loss is multiplied by `poison` where a pipeline's last stage computes it
+    (loss_from_outputs; inf on one rank forces a non-finite step)."""
+
+    def __init__(self, train):
+        super().__init__(train)
+        self.poison = tf.Variable(1.0, trainable=False)
+
+    def loss_from_outputs(self, logits, batch):
+        loss, metrics = super().loss_from_outputs(logits, batch)
+        return loss * self.poison, {k: v * self.poison for k, v in metrics.items()}
+
+
+def poisoned_here(strategy):
+    """Whether this rank is the one whose first step is poisoned: the last of everything."""
+    grid, coords = strategy.mesh.mesh, strategy.mesh.coords
+    return (coords["pipeline"], coords["tensor"], coords["data"]) == (
+        grid.pipeline - 1, grid.tensor - 1, grid.data - 1)
 
 
 def nbytes(variables):
@@ -39,12 +67,23 @@ def train(run):
     strategy = get_strategy("horovod", cfg)
     rank = hvd.rank()
     logger = RecordingLogger(cfg.train.model_dir, strategy.is_chief, cfg.train.max_steps)
-    trainer = Trainer(cfg, strategy=strategy, logger=logger)
+    task = PoisonedStageTask(cfg.train) if run.get("poison") else None
+    trainer = Trainer(cfg, strategy=strategy, task=task, logger=logger)
     arrays = {}
     if run.get("first_gradients"):
         _, grads, _ = trainer.forward_backward(next(trainer._train_iterator()))
         grads = strategy.all_reduce_gradients(grads)
         arrays.update({f"g{i}": np.asarray(g) for i, g in enumerate(grads)})
+    if run.get("poison"):
+        arrays.update({f"initial{i}": v.numpy()
+                       for i, v in enumerate(trainer.model.trainable_variables)})
+        if poisoned_here(strategy):
+            task.poison.assign(float("inf"))
+        trainer.fit(steps=1)
+        task.poison.assign(1.0)
+        arrays.update({f"after_poison{i}": v.numpy()
+                       for i, v in enumerate(trainer.model.trainable_variables)})
+        arrays["scale_after_poison"] = float(loss_scale(trainer.optimizer))
     if run.get("interrupt_at"):
         trainer.fit(steps=run["interrupt_at"])
         trainer = Trainer(cfg, strategy=strategy, logger=logger)  # resumes from its stage
@@ -67,6 +106,12 @@ def train(run):
                                 .variables if "seed_generator" not in v.path)
     arrays["step"] = int(trainer.step.numpy())
     arrays["eval_loss"] = summary["eval"].get("loss", np.nan)
+    sent = getattr(strategy, "sent", None)  # tensor-parallel stages: the activation's spec
+    if sent:
+        arrays["sent_shape"] = np.array(tf.nest.flatten(sent[0])[0].shape.as_list())
+    arrays["nonfinite_steps"] = int(trainer.nonfinite_steps.numpy())
+    arrays["loss_scales"] = np.array([logger.loss_scales.get(s, np.nan) for s in steps])
+    arrays["loss_scale"] = float(loss_scale(trainer.optimizer))
     os.makedirs(run["out"], exist_ok=True)
     np.savez(os.path.join(run["out"], f"{run['name']}.rank{rank}.npz"), **arrays)
 

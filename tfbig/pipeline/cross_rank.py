@@ -34,9 +34,9 @@ assembles the single-device model (tfbig-generate/export read it) or writes a si
 checkpoint: python -m tfbig.pipeline.stage_checkpoint MODEL_DIR OUT_DIR.
 
 With --tensor_parallel=T each stage is also split over T ranks (tfbig.pipeline.tensor_stage;
-GPT only). Not built (refused before training): --zero_stage, --shard_degree,
---sequence_parallel, --elastic, --offload_activations with --pipeline_stages > 1. GPT and
-ALBERT (its shared block and tied word table are weights used by several stages).
+GPT and ALBERT; --sequence_parallel for GPT). Not built (refused before training):
+--zero_stage, --shard_degree, --elastic, --offload_activations with --pipeline_stages > 1.
+GPT and ALBERT (its shared block and tied word table are weights used by several stages).
 
 Example (2 stages x 2 data-parallel replicas):
     horovodrun -np 4 -H localhost:4 --gloo tfbig-train --strategy=horovod --pipeline_stages=2 \\
@@ -63,7 +63,6 @@ from tfbig.pipeline.transport import StageLink, boundary_specs, runtime_zero, un
 # (config section, flag, is it set?) of what is not built with stages on different ranks.
 REFUSED = (("parallel", "zero_stage", lambda v: v != 0),
            ("parallel", "shard_degree", lambda v: v != 0),
-           ("parallel", "sequence_parallel", bool),
            ("horovod", "elastic", bool),
            ("pipeline", "offload_activations", bool))
 
@@ -79,11 +78,13 @@ def pipeline_mesh(cfg, world_size):
             raise ValueError(f"--pipeline_stages={stages} with --{flag}={value} is not "
                              f"supported by --strategy=horovod yet (stages on different ranks "
                              f"are built for plain data parallelism); drop one of the two")
-    if cfg.parallel.tensor_parallel > 1 and cfg.train.model != "gpt":
-        raise ValueError(f"--pipeline_stages={stages} with --tensor_parallel="
-                         f"{cfg.parallel.tensor_parallel} (tfbig.pipeline.tensor_stage) is built "
-                         f"for --model=gpt; --model={cfg.train.model} is not supported yet: drop "
-                         f"one of the two")
+    parallel = cfg.parallel
+    if parallel.sequence_parallel and (parallel.tensor_parallel < 2 or cfg.train.model != "gpt"):
+        raise ValueError(f"--pipeline_stages={stages} with --sequence_parallel=True is built for "
+                         f"--model=gpt with --tensor_parallel >= 2 (each stage's LayerNorm and "
+                         f"dropout regions split along the sequence over its tensor group); "
+                         f"this run has --model={cfg.train.model} --tensor_parallel="
+                         f"{parallel.tensor_parallel}: drop --sequence_parallel")
     if cfg.pipeline.num_microbatches < 1:
         raise ValueError(f"--num_microbatches={cfg.pipeline.num_microbatches}: expected >= 1")
     return Mesh.build(world_size, tensor=cfg.parallel.tensor_parallel, pipeline=stages,
@@ -359,7 +360,13 @@ class CrossRankPipeline(HorovodStrategy):
                                  name="pipeline.train.clip", ignore_name_scope=True)
 
         return self.prepare_optimizer(build_optimizer(
-            train, variables, adapt=lambda cls: clipping_class(cls, sum_over_stages, counted)))
+            train, variables, adapt=lambda cls: clipping_class(cls, sum_over_stages, counted),
+            **self.norm_options(variables)))
+
+    def norm_options(self, variables):
+        """More build_optimizer options for LAMB's per-variable norms (none: every weight a
+        rank holds is whole; a tensor-parallel stage sums its slices')."""
+        return {}
 
     # ---- checkpoints: each stage rank of data replica 0 writes its stage -------------------
     @property

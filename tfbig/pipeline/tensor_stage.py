@@ -1,5 +1,6 @@
 """Tensor parallelism inside pipeline stages on different ranks: `--strategy=horovod
---pipeline_stages=K --tensor_parallel=T` (GPT), the full data x pipeline x tensor grid.
+--pipeline_stages=K --tensor_parallel=T` (GPT and ALBERT), the full data x pipeline x tensor
+grid.
 
 World = D x K x T ranks (tfbig.distribute.mesh; `--placement=cluster` keeps the T ranks of a
 stage adjacent, on one host). The rank at (data d, pipeline k, tensor t):
@@ -20,12 +21,20 @@ stage adjacent, on one host). The rank at (data d, pipeline k, tensor t):
                 (batch, seq, vocab) logits); GPT's tied token table is vocabulary-split on
                 stage 0 and its copy on the last stage is split the same way, so the copy's
                 gradient (summed over the pipeline group: same tensor rank, same slice) is
-                exactly slice t of the table's gradient
+                exactly slice t of the table's gradient. ALBERT alike: its word table
+                (tied to the MLM head) and the MLM bias vocabulary-split, the factorised
+                embedding projection replicated (its input, the embedding sum, is replicated
+                after the word table's all-reduce); a shared block run by layers on several
+                stages is held by each of them, split by the same plan, so tensor rank t of
+                every stage holds slice t and the gradient parts summed over the pipeline
+                group are slice t of the block's one gradient
     gradients   averaged over the data group (the D ranks holding the same slice of the same
                 stage); the global norm, non-finite count and stop flag go in one all-reduce
                 over the model group (pipeline x tensor): a split weight counted by every
                 tensor rank (its slice), a replicated one (LayerNorms, position table,
-                row-parallel biases) by tensor rank 0 only, a tied copy only on its owner
+                row-parallel biases) by tensor rank 0 only, a tied copy only on its owner;
+                LAMB's trust ratio of a split weight takes its norms summed over the tensor
+                group (the whole weight's)
 
 Checkpoints: each rank of data replica 0 writes what it holds, stage k tensor rank t in
 piece_dir(piece_dir(MODEL_DIR, "pipeline", k), "tensor", t) (MODEL_DIR for 0/0,
@@ -34,15 +43,26 @@ stages and the tensor splits. `python -m tfbig.pipeline.stage_checkpoint MODEL_D
 tfbig.distribute.tensor_layout) writes a single-device checkpoint; tfbig-generate/export read
 the pieces directly. Resuming needs the same --pipeline_stages and --tensor_parallel.
 
-Not built (refused before training): --sequence_parallel with stages on ranks, ALBERT.
+--sequence_parallel (GPT): inside each stage the LayerNorm/dropout regions are split along
+the sequence over the tensor group (reduce-scatter/all-gather instead of all-reduce, as with
+--tensor_parallel alone), so a block output is this rank's chunk of the positions and tensor
+rank t sends chunk t to its twin (1/T of the bytes per link); the replicated weights'
+gradients (LayerNorms, position table, row-parallel biases: each rank saw its chunk) are
+summed over the tensor group before the data average. Not built (refused before training):
+--sequence_parallel with ALBERT stages on ranks (its heads read the [CLS] token and masked
+positions of the whole sequence; the pipeline's heads layer would need the gathered
+sequence).
 
 Example (2 stages x 2 tensor ranks x 2 replicas):
     horovodrun -np 8 -H localhost:8 --gloo tfbig-train --strategy=horovod \\
         --pipeline_stages=2 --tensor_parallel=2 --num_microbatches=4 --schedule=1f1b
 """
+import tensorflow as tf
+
 from tfbig.checkpoint import piece_dir, write_layout
+from tfbig.distribute.horovod_keras import hvd
 from tfbig.distribute.tensor_layout import TensorGroup, split_model
-from tfbig.distribute.tensor_parallel import (_wrap, vocab_parallel_argmax,
+from tfbig.distribute.tensor_parallel import (_all_reduce_sum, _wrap, vocab_parallel_argmax,
                                               vocab_parallel_cross_entropy)
 from tfbig.pipeline import stage_checkpoint
 from tfbig.pipeline.cross_rank import CrossRankPipeline
@@ -69,8 +89,9 @@ class TensorPipeline(CrossRankPipeline):
     def __init__(self, cfg, mesh=None):
         super().__init__(cfg, mesh)
         self.group = TensorGroup(self.mesh.process_set("tensor"), self.mesh.coords["tensor"],
-                                 self.mesh.mesh.tensor)
+                                 self.mesh.mesh.tensor, cfg.parallel.sequence_parallel)
         self.splits = {}
+        self._replicated = []  # per trained variable: held whole by every tensor rank
 
     def build_stage(self, task):
         built, self.splits = build_tensor_stage(task, self.plan, self.specs, self.stage_index,
@@ -90,17 +111,53 @@ class TensorPipeline(CrossRankPipeline):
                 f"the MLP width, vocabulary rows t*{rows}..(t+1)*{rows}-1 (the tied copy on "
                 f"the last stage too); LayerNorms, position table and row-parallel biases "
                 f"replicated (the params and memory above are a stage's before the split); "
-                f"tensor rank t of stage k sends to tensor rank t of stage k+1")
+                f"tensor rank t of stage k sends to tensor rank t of stage k+1"
+                + (f"; sequence parallel: the LayerNorm/dropout regions hold positions "
+                   f"t*T/{size}.. on tensor rank t, and so does what it sends"
+                   if self.group.sequence_parallel else ""))
 
     def make_stage(self, jit_compile):
         # Horovod ops have no XLA kernels: the collectives sit inside the stage's function.
         return super().make_stage(False)
+
+    def _specs(self, micro_batch):
+        specs, metric_spec = super()._specs(micro_batch)
+        self.sent = specs  # for inspection: what stage k < K-1 sends (a chunk with SP)
+        return specs, metric_spec
+
+    def _forward_backward(self, variables, scale_loss, jit_compile, timed):
+        self._replicated = [v.path not in self.splits for v in variables]
+        return super()._forward_backward(variables, scale_loss, jit_compile, timed)
+
+    def all_reduce_gradients(self, grads):
+        """Sequence parallelism: the replicated weights' gradients summed over the tensor
+        group first (each rank saw its chunk of the positions); then as without."""
+        return super().all_reduce_gradients(self._sequence_sums(grads))
+
+    def _sequence_sums(self, grads):
+        index = [i for i, whole in enumerate(self._replicated) if whole]
+        if not (self.group.sequence_parallel and index):
+            return grads
+        # Horovod: one grouped all-reduce over the stage's tensor group.
+        summed = hvd.grouped_allreduce([tf.convert_to_tensor(grads[i]) for i in index],
+                                       op=hvd.Sum, process_set=self.group.process_set,
+                                       name="pipeline.train.sequence", ignore_name_scope=True)
+        grads = list(grads)
+        for i, g in zip(index, summed):
+            grads[i] = g
+        return grads
 
     def counts(self, variable):
         """Split weights count their slice on every tensor rank, replicated ones count once
         (tensor rank 0); both only on the owner stage."""
         return super().counts(variable) and (variable.path in self.splits
                                              or self.group.rank == 0)
+
+    def norm_options(self, variables):
+        """LAMB's per-variable weight and update norms: a split weight's squares summed over
+        the tensor group (Horovod), a replicated one's as they are."""
+        return {"sum_over_shards": lambda x: _all_reduce_sum(x, self.group.process_set),
+                "replicated": [v.path not in self.splits for v in variables]}
 
     # ---- checkpoints: stage k, tensor rank t of data replica 0 writes its slices ------------
     def _stage_dir(self, model_dir):
