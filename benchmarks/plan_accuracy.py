@@ -108,7 +108,8 @@ def cross_rank_rows():
         horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
         subprocess.run([horovodrun, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable,
                         worker, os.path.join(out, "cases.json"), out], check=True,
-                       env={**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"},
+                       env={**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2",
+                            "HOROVOD_DYNAMIC_PROCESS_SETS": "1"},  # a strategy per layout
                        stdout=subprocess.DEVNULL)
         rows = {}
         for name, layout in layouts.items():
