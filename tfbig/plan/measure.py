@@ -4,7 +4,10 @@ The step is the trainer's single-replica step: forward and backward of the next-
 (XLA-compiled or not) and the optimizer's apply (tfbig.optim: AdamW with its two slots). Held
 bytes are read, not modelled: the model state is the bytes of the variables (weights and
 optimizer slots), the step peak is the CPU allocator's peak during a step above what was
-allocated before it (the least of 3 steps: the executor's thread interleaving moves it). This module imports TensorFlow; the rest of tfbig.plan does not.
+allocated before it (the least of 5 steps: the executor's thread interleaving moves it). Pipeline
+stages: `pipeline_step` (in this process, or this rank's stage under horovodrun), `stage_alone`
+(one in-process stage's schedule column: its own peak), `planned_stage_peak` (the plan's). This
+module imports TensorFlow; the rest of tfbig.plan does not.
 
 Example:
     measure_step(dict(hidden_size=128, num_layers=2, num_heads=4, seq_length=128,
