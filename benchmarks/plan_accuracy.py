@@ -1,24 +1,28 @@
 """tfbig.plan against this machine: bytes held and tokens/s measured beside the plan's figures.
 
-    python benchmarks/plan_accuracy.py
+    python benchmarks/plan_accuracy.py [--cross_rank] [--parts=memory,pipeline,speed]
 
 Rows (each a ratio measured / planned, 1.0 = exact):
     memory    peak bytes of one fp32 training step of a single-device GPT (model state + the CPU
               allocator's peak during the step), without and with XLA
-    pipeline  the transient peak of one forward/backward of a 2-stage pipeline on two logical
-              CPU devices (gradients + activations; one shared allocator: measured is both
-              stages together, planned is the sum of the two stages' peaks), GPipe and 1F1B at 4
-              and 8 micro-batches
+    pipeline  the transient peak (gradients, activations, send/receive buffers) of one
+              forward/backward of a 2-stage pipeline, per stage and whole, GPipe and 1F1B at 4
+              and 8 micro-batches, with and without activation checkpointing: in one process
+              (stages on logical CPU devices sharing one allocator, so each stage's column of
+              the schedule is also run alone) and, with --cross_rank, one stage per Horovod
+              rank (each its own allocator)
     speed     tokens/s of the `small` preset (batch 16, seq 256, fp32, XLA) against the plan on
               this CPU (its matmul peak and memory bandwidth probed first)
 Prints one JSON line last, with the load average and the CPU model.
 """
 import argparse
+import dataclasses
 import json
 import os
 import platform
 import subprocess
 import sys
+import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -29,13 +33,17 @@ import tensorflow as tf  # noqa: E402
 from tfbig.pipeline.devices import configure_cpu_devices  # noqa: E402
 from tfbig.plan import estimate, hardware, models, search  # noqa: E402
 from tfbig.plan.local import local_device  # noqa: E402
-from tfbig.plan.measure import measure_step  # noqa: E402
+from tfbig.plan.measure import (allocator_peak, measure_step, pipeline_step,  # noqa: E402
+                                planned_stage_peak, stage_alone, stage_layers)
 
 CPU = hardware.Device("cpu", 1e11, 2 ** 40, 1e10, 1e10, 1.0, 0.0)  # memory terms only
 SINGLE = {"h128": dict(hidden_size=128, num_layers=2, num_heads=4, seq_length=128,
                        vocab_size=2048),
           "h256": dict(hidden_size=256, num_layers=4, num_heads=4, seq_length=256,
                        vocab_size=8000)}
+# tests/plan/test_memory.py's pipeline model: megabytes per stage and micro-batch
+PIPELINE = dict(hidden_size=128, num_layers=4, num_heads=2, seq_length=128, vocab_size=2048)
+PIPELINE_MICRO_BATCH = 4
 
 
 def shape(fields):
@@ -43,10 +51,10 @@ def shape(fields):
     return models.shape_of(cfg, "gpt", cfg.seq_length)
 
 
-def planned(fields, layout, micro_batch, kinds, stages=(True,)):
-    """Planned bytes of `kinds`, summed over the stages (first: False, last: True)."""
-    return sum(sum(estimate.memory(shape(fields), layout, micro_batch, "fp32", CPU,
-                                   last=last)[k] for k in kinds) for last in stages)
+def planned(fields, layout, micro_batch, kinds):
+    """Planned bytes of `kinds` (a single device)."""
+    return sum(estimate.memory(shape(fields), layout, micro_batch, "fp32", CPU)[k]
+               for k in kinds)
 
 
 def memory_rows():
@@ -62,25 +70,56 @@ def memory_rows():
 
 
 def pipeline_rows():
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    import pipeline_bubble
-
-    args = argparse.Namespace(micro_batch=4, seq_length=128, hidden_size=128, num_layers=4,
-                              vocab_size=2048, xla=False)
-    fields = dict(hidden_size=128, num_layers=4, num_heads=2, seq_length=128, vocab_size=2048)
+    """measured / planned transient bytes of each stage of a 2-stage in-process pipeline (each
+    stage's column of the schedule run alone: all stages share one CPU allocator) and of the
+    whole pipeline (against the sum of the stages), GPipe and 1F1B at 4 and 8 micro-batches,
+    with and without activation checkpointing."""
     rows = {}
     for schedule in ("gpipe", "1f1b"):
         for m in (4, 8):
-            _, _, step = pipeline_bubble.make_pipeline(args, 2, m, schedule)
-            step()
-            before = tf.config.experimental.get_memory_info("CPU:0")["current"]
-            tf.config.experimental.reset_memory_stats("CPU:0")
-            step()
-            transient = tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
-            layout = estimate.Layout(pipeline=2, num_microbatches=m, schedule=schedule)
-            both = planned(fields, layout, args.micro_batch, ("gradients", "activations"),
-                           stages=(False, True))
-            rows[f"{schedule}_m{m}"] = round(transient / both, 3)
+            for ckpt in (False, True):
+                layout = estimate.Layout(pipeline=2, num_microbatches=m, schedule=schedule,
+                                         activation_checkpointing=ckpt)
+                strategy, step = pipeline_step(PIPELINE, PIPELINE_MICRO_BATCH, layout)
+                layout = dataclasses.replace(layout, stage_layers=stage_layers(strategy.plan))
+                planned = [planned_stage_peak(PIPELINE, PIPELINE_MICRO_BATCH, layout, k)
+                           for k in range(2)]
+                held = [allocator_peak(stage_alone(strategy, k, PIPELINE_MICRO_BATCH))
+                        for k in range(2)]
+                row = {f"stage{k}": round(h / p, 3) for k, (h, p) in enumerate(zip(held,
+                                                                                 planned))}
+                row["whole"] = round(allocator_peak(step) / sum(planned), 3)
+                rows[f"{schedule}_m{m}{'_ckpt' if ckpt else ''}"] = row
+    return rows
+
+
+def cross_rank_rows():
+    """measured / planned transient bytes per stage rank of the cross-rank pipeline
+    (--strategy=horovod --pipeline_stages=2, one horovodrun launch of 2 ranks)."""
+    worker = os.path.join(ROOT, "tests", "plan", "pipeline_peak_worker.py")
+    layouts = {f"{s}_m{m}{'_ckpt' if ckpt else ''}": estimate.Layout(
+        pipeline=2, num_microbatches=m, schedule=s, activation_checkpointing=ckpt)
+        for s in ("gpipe", "1f1b") for m in (4, 8) for ckpt in (False, True)}
+    with tempfile.TemporaryDirectory() as out:
+        cases = [{"name": name, "model": PIPELINE, "micro_batch": PIPELINE_MICRO_BATCH,
+                  "layout": dataclasses.asdict(layout)} for name, layout in layouts.items()]
+        with open(os.path.join(out, "cases.json"), "w") as f:
+            json.dump(cases, f)
+        horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+        subprocess.run([horovodrun, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable,
+                        worker, os.path.join(out, "cases.json"), out], check=True,
+                       env={**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2",
+                            "HOROVOD_DYNAMIC_PROCESS_SETS": "1"},  # a strategy per layout
+                       stdout=subprocess.DEVNULL)
+        rows = {}
+        for name, layout in layouts.items():
+            for rank in (0, 1):
+                with open(os.path.join(out, f"{name}.rank{rank}.json")) as f:
+                    record = json.load(f)
+                planned = planned_stage_peak(PIPELINE, PIPELINE_MICRO_BATCH, dataclasses.replace(
+                    layout, stage_layers=tuple(record["stage_layers"])), record["stage"])
+                rows.setdefault(name, {})[f"stage{record['stage']}"] = round(
+                    record["peak"] / planned, 3)
     return rows
 
 
@@ -98,13 +137,24 @@ def speed_row():
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cross_rank", action="store_true",
+                        help="also the cross-rank pipeline's stage ranks (one horovodrun launch)")
+    parser.add_argument("--parts", default="memory,pipeline,speed")
+    args = parser.parse_args()
+    parts = args.parts.split(",")
     configure_cpu_devices(2)
-    result = {"benchmark": "plan_accuracy", "memory": memory_rows(),
-              "pipeline": pipeline_rows(), "speed": speed_row(),
-              "load_average": os.getloadavg(),
-              "cpu": subprocess.run("lscpu | grep 'Model name'", shell=True, text=True,
-                                    capture_output=True).stdout.split(":")[-1].strip()
-              or platform.processor()}
+    result = {"benchmark": "plan_accuracy"}
+    for name, rows in (("memory", memory_rows), ("pipeline", pipeline_rows),
+                       ("speed", speed_row)):
+        if name in parts:
+            result[name] = rows()
+    if args.cross_rank:
+        result["cross_rank"] = cross_rank_rows()
+    result["load_average"] = os.getloadavg()
+    result["cpu"] = subprocess.run("lscpu | grep 'Model name'", shell=True, text=True,
+                                   capture_output=True).stdout.split(":")[-1].strip() or (
+        platform.processor())
     print(json.dumps(result))
 
 

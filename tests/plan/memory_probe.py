@@ -27,7 +27,7 @@ def predicted(case):
     """The plan's bytes for the case: model state and the step's transient peak."""
     cfg = models.model_config("gpt", "tiny", **case.model)
     shape = models.shape_of(cfg, "gpt", cfg.seq_length)
-    mem = estimate.memory(shape, case.layout, case.micro_batch, "fp32", CPU, last=True)
+    mem = estimate.memory(shape, case.layout, case.micro_batch, "fp32", CPU)
     return {"model_state": mem["parameters"] + mem["optimizer"],
             "step_peak": mem["gradients"] + mem["activations"]}
 
@@ -47,6 +47,5 @@ def predicted_rank_state(record):
     cfg = cls(**record["model_config"])
     shape = models.shape_of(cfg, "gpt", cfg.seq_length)
     layout = rank_layout(record["layout"], record["world_size"])
-    mem = estimate.memory(shape, layout, 1, "fp32", CPU,
-                          last=record["stage"] == layout.pipeline - 1 > 0)
+    mem = estimate.memory(shape, layout, 1, "fp32", CPU, stage=record["stage"])
     return mem["parameters"] + mem["optimizer"]

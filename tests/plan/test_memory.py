@@ -102,13 +102,12 @@ def horovod_cases(data_dir, root):
     return cases
 
 
-@pytest.mark.multiproc
-def test_horovod_rank_model_state_within_10_percent(gpt_data, tmp_path):
-    cases = horovod_cases(gpt_data, tmp_path)
+def launch(worker, cases, tmp_path, ranks=2):
+    """`horovodrun -np ranks --gloo python worker cases.json tmp_path`; fails with its log."""
     with open(tmp_path / "cases.json", "w") as f:
         json.dump(cases, f)
-    command = [HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable,
-               os.path.join(HERE, "horovod_memory_worker.py"), str(tmp_path / "cases.json"),
+    command = [HOROVODRUN, "-np", str(ranks), "-H", f"localhost:{ranks}", "--gloo",
+               sys.executable, os.path.join(HERE, worker), str(tmp_path / "cases.json"),
                str(tmp_path)]
     env = {**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}
     with open(tmp_path / "log.txt", "w") as log:
@@ -120,6 +119,12 @@ def test_horovod_rank_model_state_within_10_percent(gpt_data, tmp_path):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, (tmp_path / "log.txt").read_text()[-3000:]
+
+
+@pytest.mark.multiproc
+def test_horovod_rank_model_state_within_10_percent(gpt_data, tmp_path):
+    cases = horovod_cases(gpt_data, tmp_path)
+    launch("horovod_memory_worker.py", cases, tmp_path)
     for case in cases:
         for rank in (0, 1):
             with open(tmp_path / f"{case['name']}.rank{rank}.json") as f:
@@ -127,3 +132,4 @@ def test_horovod_rank_model_state_within_10_percent(gpt_data, tmp_path):
             assert record["world_size"] == 2
             assert record["model_state"] == pytest.approx(predicted_rank_state(record),
                                                           rel=0.10), (case["name"], rank)
+

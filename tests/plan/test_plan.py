@@ -193,3 +193,36 @@ def test_albert_shared_layers_are_held_by_every_stage():
     # GPT's last stage: its quarter of the blocks, the final norm and the tied table's copy
     assert estimate.stage_params(gpt, estimate.Layout(pipeline=4), last=True) == (
         gpt.block_params / 4 + 2 * 2048 + 50257 * 2048)
+
+
+def test_pipeline_activations_follow_the_schedule_per_stage():
+    """Stage k of K holds all M micro-batches under GPipe, min(K - k, M) under 1F1B; its
+    layers are those of the partition it is given; with checkpointing a pipeline stage keeps
+    its input per micro-batch in flight and recomputes all its layers for one."""
+    shape = cli.shape_from_flags({**{k: v[1] for k, v in cli.FLAGS_SPEC.items()},
+                                  "preset": "1.3b"})
+    device = hardware.gpu("A100-80GB", "mixed_bfloat16")
+    tokens, precision = shape.seq_length, "mixed_bfloat16"
+    per_layer = estimate.layer_activation_bytes(shape, estimate.Layout(), precision) * tokens
+    working = estimate.backward_working_bytes(shape, estimate.Layout(), precision) * tokens
+    for schedule in ("gpipe", "1f1b"):
+        layout = estimate.Layout(pipeline=4, num_microbatches=8, schedule=schedule)
+        for k in range(3):  # the last stage also keeps the loss's vocabulary-sized tensors
+            live = 8 if schedule == "gpipe" else 4 - k
+            assert estimate.activation_memory(shape, layout, 1, precision, k) == pytest.approx(
+                live * 6 * per_layer + working)
+    uneven = estimate.Layout(pipeline=2, num_microbatches=4, stage_layers=(16, 8))
+    assert estimate.activation_memory(shape, uneven, 1, precision, 0) == pytest.approx(
+        2 * 16 * per_layer + working)
+    assert estimate.stage_params(shape, uneven, stage=0) == pytest.approx(
+        16 * shape.layer_params + shape.first_params)
+    ckpt = estimate.Layout(pipeline=4, num_microbatches=8, activation_checkpointing=True)
+    kept = estimate.stage_input_bytes(shape, ckpt, precision, 1) * tokens
+    assert kept == 2 * shape.hidden_size * tokens
+    assert estimate.activation_memory(shape, ckpt, 1, precision, 1) == pytest.approx(
+        3 * kept + 6 * per_layer + working)
+    stage, worst = estimate.peak_stage_memory(shape, estimate.Layout(
+        pipeline=4, num_microbatches=8, schedule="gpipe"), 1, precision, device)
+    assert stage == 3  # GPipe: every stage holds all 8; the last also the logits' tensors
+    assert worst == estimate.memory(shape, estimate.Layout(
+        pipeline=4, num_microbatches=8, schedule="gpipe"), 1, precision, device, stage=3)

@@ -62,6 +62,9 @@ class Layout:
     activation_checkpointing: bool = False
     sequence_parallel: bool = False
     schedule: str = "1f1b"
+    # transformer layers on each pipeline stage; () = num_layers / pipeline on every stage (what
+    # the search lays out; a run with its own --stage_boundaries passes its partition)
+    stage_layers: tuple = ()
 
     @property
     def gpus(self):
@@ -84,14 +87,25 @@ def _act_bytes(precision):
     return 4 if precision == "fp32" else 2
 
 
-def stage_params(shape, layout, last):
+def layers_on(shape, layout, stage):
+    """Transformer layers pipeline stage `stage` runs (all of them without stages)."""
+    if layout.stage_layers:
+        return layout.stage_layers[stage]
+    return shape.num_layers // layout.pipeline
+
+
+def stage_params(shape, layout, last=False, stage=None):
     """Weights one GPU holds before ZeRO: its layers (ALBERT: every shared block), plus, with
     stages, the embedding on the first stage and the final norm and output matrix on the last
-    (a tied token table is held by both), over T."""
-    layers = shape.block_params if shape.shared_layers else shape.block_params / layout.pipeline
+    (a tied token table is held by both), over T. `stage`: its index (default: the first or,
+    with `last`, the last)."""
+    stage = (layout.pipeline - 1 if last else 0) if stage is None else stage
+    layers = shape.block_params if shape.shared_layers else (
+        shape.block_params * layers_on(shape, layout, stage) / shape.num_layers)
     ends = shape.params - shape.block_params
     if layout.pipeline > 1:
-        ends = shape.last_params if last else shape.first_params
+        ends = (shape.first_params if stage == 0 else 0) + (
+            shape.last_params if stage == layout.pipeline - 1 else 0)
     return (layers + ends) / layout.tensor
 
 
@@ -122,32 +136,57 @@ def backward_working_bytes(shape, layout, precision):
     return 8 * shape.hidden_size / layout.tensor * _act_bytes(precision)
 
 
-def activation_memory(shape, layout, micro_batch, precision, last=False):
-    """Bytes of activations a GPU holds at its peak, on the first stage or the last."""
+def live_microbatches(layout, stage):
+    """Micro-batches whose saved activations pipeline stage `stage` holds at its peak. GPipe
+    runs every forward before the first backward: all M. 1F1B (PipeDream-Flush) starts stage
+    k's first backward after K - k forwards and then alternates one forward, one backward: at
+    most K - k (tfbig.pipeline.schedules). Without stages the micro-batches of gradient
+    accumulation run one after the other: one."""
+    k, m = layout.pipeline, layout.num_microbatches
+    if k == 1:
+        return 1
+    return m if layout.schedule == "gpipe" else min(k - stage, m)
+
+
+def stage_input_bytes(shape, layout, precision, stage):
+    """Bytes per token of a stage's input: the previous stage's output activation (stage 0
+    reads token ids from the batch the step was given, already held)."""
+    if stage == 0:
+        return 0.0
+    return _act_bytes(precision) * shape.hidden_size / (
+        layout.tensor if layout.sequence_parallel else 1)
+
+
+def activation_memory(shape, layout, micro_batch, precision, stage=0):
+    """Bytes of activations pipeline stage `stage` (0 without stages) holds at its peak."""
     tokens = micro_batch * shape.seq_length
-    layers = shape.num_layers // layout.pipeline
+    last = stage == layout.pipeline - 1
+    layers = layers_on(shape, layout, stage)
     per_layer = layer_activation_bytes(shape, layout, precision)
-    k, m, gpipe = layout.pipeline, layout.num_microbatches, layout.schedule == "gpipe"
-    live = 1 if k == 1 else (m if gpipe else (1 if last else min(k, m)))
+    live = live_microbatches(layout, stage)
     working = backward_working_bytes(shape, layout, precision) * tokens
-    if layout.activation_checkpointing:  # layer inputs, and one layer being recomputed
-        kept = _act_bytes(precision) * shape.hidden_size / (
-            layout.tensor if layout.sequence_parallel else 1)
-        held = (live * layers * kept + per_layer) * tokens + working
-    else:
-        held = live * layers * per_layer * tokens + working
-    if last:
-        held += (m if gpipe and k > 1 else 1) * head_bytes(shape, layout, precision) * tokens
-    return held
+    head = head_bytes(shape, layout, precision) * tokens if last else 0.0
+    if not layout.activation_checkpointing:
+        return live * (layers * per_layer * tokens + head) + working
+    if layout.pipeline > 1:
+        # tfbig's pipeline stage keeps only its input per micro-batch in flight and recomputes
+        # the whole stage's forward in the backward of one (tfbig.pipeline.stages)
+        kept = stage_input_bytes(shape, layout, precision, stage)
+        return live * kept * tokens + layers * per_layer * tokens + head + working
+    # without stages each block is recomputed (tfbig.distribute.recompute): block inputs, and
+    # one block's full set while it is recomputed
+    kept = _act_bytes(precision) * shape.hidden_size / (
+        layout.tensor if layout.sequence_parallel else 1)
+    return (layers * kept + per_layer) * tokens + head + working
 
 
-def memory(shape, layout, micro_batch, precision, device, last=False):
-    """Bytes per GPU by kind, on the first stage (`last=False`) or the last.
+def memory(shape, layout, micro_batch, precision, device, stage=0):
+    """Bytes per GPU by kind on pipeline stage `stage` (0 without stages).
 
     ZeRO over a partition group of g: stage 1 slices the optimizer state (moments and a
     float32 master copy: 12 bytes per parameter / g), stage 2 also the gradients, stage 3 the
     parameters too."""
-    params = stage_params(shape, layout, last)
+    params = stage_params(shape, layout, stage=stage)
     g, z = layout.partition, layout.zero_stage
     boundary = micro_batch * shape.seq_length * shape.hidden_size * _act_bytes(precision)
     comm = ((hardware.FUSION_BUFFER_BYTES if layout.data > 1 else 0)
@@ -159,8 +198,18 @@ def memory(shape, layout, micro_batch, precision, device, last=False):
             # updates (tfbig/distribute/zero.py), the full weights being kept beside it; with
             # ZeRO 3 that slice is the parameters themselves
             "optimizer": (8 * params / g) if z >= 3 else (12 * params / g) if z else 8 * params,
-            "activations": activation_memory(shape, layout, micro_batch, precision, last),
+            "activations": activation_memory(shape, layout, micro_batch, precision, stage),
             "communication": comm, "reserve": device.reserve_bytes}
+
+
+def peak_stage_memory(shape, layout, micro_batch, precision, device):
+    """(stage, memory by kind) of the pipeline stage holding the most: the first (the most
+    micro-batches in flight under 1F1B, the embedding) or the last (the output matrix and the
+    loss's vocabulary-sized tensors); a middle stage holds no more than the first."""
+    stages = sorted({0, layout.pipeline - 1}) if not layout.stage_layers else range(
+        layout.pipeline)
+    return max(((k, memory(shape, layout, micro_batch, precision, device, k)) for k in stages),
+               key=lambda item: sum(item[1].values()))
 
 
 def step_time(shape, layout, micro_batch, precision, cluster):

@@ -4,7 +4,10 @@ The step is the trainer's single-replica step: forward and backward of the next-
 (XLA-compiled or not) and the optimizer's apply (tfbig.optim: AdamW with its two slots). Held
 bytes are read, not modelled: the model state is the bytes of the variables (weights and
 optimizer slots), the step peak is the CPU allocator's peak during a step above what was
-allocated before it (the least of 3 steps: the executor's thread interleaving moves it). This module imports TensorFlow; the rest of tfbig.plan does not.
+allocated before it (the least of 5 steps: the executor's thread interleaving moves it). Pipeline
+stages: `pipeline_step` (in this process, or this rank's stage under horovodrun), `stage_alone`
+(one in-process stage's schedule column: its own peak), `planned_stage_peak` (the plan's). This
+module imports TensorFlow; the rest of tfbig.plan does not.
 
 Example:
     measure_step(dict(hidden_size=128, num_layers=2, num_heads=4, seq_length=128,
@@ -58,3 +61,115 @@ def measure_step(model, batch_size, xla=True, steps=0):
         held["tokens_per_sec"] = steps * batch_size * config.seq_length / (
             time.perf_counter() - start)
     return held
+
+
+def allocator_peak(run, repeats=5):
+    """Least over `repeats` calls of `run()` of the CPU allocator's peak above the bytes held
+    before the call (the order independent ops run in moves the peak; the least is what the
+    step needs in its tightest observed order)."""
+    import tensorflow as tf
+
+    run()  # traces, and creates whatever persists across steps
+    peaks = []
+    for _ in range(repeats):
+        before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        run()
+        peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"] - before)
+    return min(peaks)
+
+
+def pipeline_step(model, micro_batch, layout, boundaries="", cross_rank=False):
+    """(strategy, step) of one forward/backward (no optimizer apply) of a GPT over random
+    tokens, cut into `layout.pipeline` stages running `layout.schedule` over
+    `layout.num_microbatches` micro-batches: every stage in this process on logical CPU devices
+    (--strategy=pipeline), or only this rank's stage (`cross_rank`: under horovodrun,
+    --strategy=horovod --pipeline_stages=K). `boundaries`: --stage_boundaries."""
+    import tensorflow as tf
+
+    from tfbig.config import ExperimentConfig
+    from tfbig.models.gpt import GPTConfig
+    from tfbig.tasks.gpt import GPTTask
+
+    class RandomTokens(GPTTask):
+        def __init__(self, model_config):  # noqa: D107 - the task's model and loss, no data
+            self.model_config, self.seq_length = model_config, model_config.seq_length
+
+    cfg = ExperimentConfig()
+    cfg.train.batch_size = micro_batch * layout.num_microbatches
+    cfg.train.strategy = "horovod" if cross_rank else "pipeline"
+    p = cfg.pipeline
+    p.pipeline_stages, p.num_microbatches, p.schedule = (layout.pipeline,
+                                                         layout.num_microbatches,
+                                                         layout.schedule)
+    p.activation_checkpointing, p.stage_boundaries = layout.activation_checkpointing, boundaries
+    if cross_rank:
+        from tfbig.pipeline.cross_rank import CrossRankPipeline as Backend
+    else:
+        from tfbig.pipeline.strategy import PipelineStrategy as Backend
+    strategy = Backend(cfg)
+    if not cross_rank:
+        strategy.cfg = None  # no plan table printed
+    config = GPTConfig.from_preset("tiny", **model)
+    net = strategy.build_model(RandomTokens(config))
+    step = strategy.make_forward_backward(None, net.trainable_variables, lambda loss: loss,
+                                          False)
+    ids = tf.random.uniform([1, cfg.train.batch_size, config.seq_length + 1], 0,
+                            config.vocab_size, tf.int32, seed=1)
+    return strategy, lambda: step({"input_ids": ids})[0].numpy()
+
+
+def stage_layers(plan):
+    """Transformer blocks on each stage of a pipeline partition (tfbig.pipeline.partition's
+    StagePlans of a GPT): the plan's `Layout.stage_layers` for that partition."""
+    return tuple(sum(name.startswith("block_") for name in s.layer_names) for s in plan)
+
+
+def stage_alone(strategy, index, micro_batch):
+    """A step running only stage `index` of an in-process `pipeline_step` strategy: its
+    column of the schedule, on its device, the activation it receives (forward) and the
+    gradient of its output (backward) created just before the op that reads them, as a
+    receive from a neighbour on another device would. What it allocates is that stage's own
+    peak, which the one shared CPU allocator of the whole in-process pipeline cannot show."""
+    import tensorflow as tf
+
+    from tfbig.pipeline.strategy import split_microbatches
+
+    stage = strategy.make_stages(False)[index]
+    ops, num_micro = strategy.ops[index], strategy.options.num_microbatches
+    config = strategy.task.model_config
+    shape = [micro_batch, config.seq_length, config.hidden_size]  # a GPT stage boundary
+
+    def arriving():
+        with tf.device(stage.device):  # filled once the stage's previous op is done
+            return tf.fill(shape, stage._after_previous(tf.constant(0.5)))
+
+    def column(batch):
+        micro_batches = split_microbatches(batch, num_micro, batch_axes=2)
+        stage.begin_step(lambda loss: loss, num_micro)
+        for op in ops:
+            m = op.microbatch
+            if op.kind == "F":
+                stage.forward(m, micro_batches[m] if stage.is_first else arriving(),
+                              micro_batches[m])
+            else:
+                stage.backward(m, None if stage.is_last else [arriving()])
+        return list(stage.gradient_sums.values())  # the step's outputs, as the pipeline's
+
+    run = tf.function(column, autograph=False)
+    ids = tf.random.uniform([1, micro_batch * num_micro, config.seq_length + 1], 0,
+                            config.vocab_size, tf.int32, seed=1)
+    return lambda: len(run({"input_ids": ids}))
+
+
+def planned_stage_peak(model, micro_batch, layout, stage=0):
+    """The plan's bytes a forward/backward step allocates above the model state on pipeline
+    stage `stage` of a tiny-preset GPT with the `model` fields overridden (fp32): the stage's
+    gradients, activations and pipeline send/receive buffers."""
+    from tfbig.plan import estimate, hardware, models
+
+    cfg = models.model_config("gpt", "tiny", **model)
+    shape = models.shape_of(cfg, "gpt", cfg.seq_length)
+    device = hardware.Device("cpu", 1e11, 2 ** 40, 1e10, 1e10, 1.0, 0.0)  # memory terms only
+    mem = estimate.memory(shape, layout, micro_batch, "fp32", device, stage=stage)
+    return mem["gradients"] + mem["activations"] + mem["communication"]

@@ -61,9 +61,8 @@ def layout_from_config(cfg):
 def evaluate(shape, layout, batch_size, precision, cluster, token_budget):
     """The Estimate of one valid layout."""
     micro_batch = batch_size // (layout.data * layout.num_microbatches)
-    first = estimate.memory(shape, layout, micro_batch, precision, cluster.device)
-    last = estimate.memory(shape, layout, micro_batch, precision, cluster.device, last=True)
-    worst = max(first, last, key=lambda m: sum(m.values()))
+    _, worst = estimate.peak_stage_memory(shape, layout, micro_batch, precision,
+                                          cluster.device)
     total = sum(worst.values())
     time = estimate.step_time(shape, layout, micro_batch, precision, cluster)
     step = sum(time.values())
