@@ -284,7 +284,7 @@ def define_flags(flag_values=None):
     """Define one absl flag per config field (name = field name, help = field doc)."""
     from absl import flags
 
-    flag_values = flag_values or flags.FLAGS
+    flag_values = flags.FLAGS if flag_values is None else flag_values  # an empty one is falsy
     definers = {bool: flags.DEFINE_bool, int: flags.DEFINE_integer,
                 float: flags.DEFINE_float, str: flags.DEFINE_string}
     for section in SECTIONS.values():
@@ -298,7 +298,7 @@ def from_flags(flag_values=None):
     """Build an ExperimentConfig from parsed absl flags."""
     from absl import flags
 
-    flag_values = flag_values or flags.FLAGS
+    flag_values = flags.FLAGS if flag_values is None else flag_values  # an empty one is falsy
     return ExperimentConfig(**{
         name: section(**{f.name: flag_values[f.name].value for f in dataclasses.fields(section)})
         for name, section in SECTIONS.items()})

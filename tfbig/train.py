@@ -15,6 +15,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from absl import flags  # noqa: E402
 
 from tfbig import config as config_lib  # noqa: E402
+from tfbig import recipes  # noqa: E402
 from tfbig.errors import UsageError  # noqa: E402
 
 config_lib.define_flags()
@@ -26,8 +27,7 @@ def main(argv):
     started = time.monotonic()
     if len(argv) > 1:
         raise UsageError(f"unexpected arguments {argv[1:]}; every option is a --flag")
-    if flags.FLAGS.model == "albert" and not flags.FLAGS["optimizer"].present:
-        flags.FLAGS.optimizer = "lamb"  # ALBERT's recipe (Lan et al. 2019); GPT keeps adamw
+    recipes.apply(flags.FLAGS)  # e.g. LAMB for ALBERT, the main job's schedule for gpt/small
     if flags.FLAGS.plan_only:  # before any data or model is built
         from tfbig.plan.local import training_plan
 
@@ -109,7 +109,7 @@ def help_sections():
 def run():
     from tfbig import cli
 
-    cli.run_app("tfbig-train", main, __doc__, help_sections())
+    cli.run_app("tfbig-train", main, __doc__ + "\n" + recipes.describe(), help_sections())
 
 
 if __name__ == "__main__":
