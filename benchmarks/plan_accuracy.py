@@ -28,8 +28,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import tensorflow as tf  # noqa: E402
-
 from tfbig.pipeline.devices import configure_cpu_devices  # noqa: E402
 from tfbig.plan import estimate, hardware, models, search  # noqa: E402
 from tfbig.plan.local import local_device  # noqa: E402
