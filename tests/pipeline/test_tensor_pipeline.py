@@ -181,6 +181,8 @@ def test_tp_pp_pieces_consolidate_into_the_single_device_model(gpt_data, pp2_tp2
      "--pipeline_stages=2 with --sequence_parallel=True is not supported"),
     (dict(pipeline_stages=2, tensor_parallel=2, model="albert"), 4,
      "--model=albert is not supported yet"),
+    (dict(pipeline_stages=2, tensor_parallel=2, model="bert"), 4,
+     "--model=bert is not supported yet"),
 ])
 def test_bad_tp_pp_layouts_are_refused(flags, world, message):
     with pytest.raises(ValueError, match=message):

@@ -35,8 +35,8 @@ checkpoint: python -m tfbig.pipeline.stage_checkpoint MODEL_DIR OUT_DIR.
 
 With --tensor_parallel=T each stage is also split over T ranks (tfbig.pipeline.tensor_stage;
 GPT only). Not built (refused before training): --zero_stage, --shard_degree,
---sequence_parallel, --elastic, --offload_activations with --pipeline_stages > 1. GPT and
-ALBERT (its shared block and tied word table are weights used by several stages).
+--sequence_parallel, --elastic, --offload_activations with --pipeline_stages > 1. GPT, ALBERT
+(its shared block and tied word table are weights used by several stages) and BERT.
 
 Example (2 stages x 2 data-parallel replicas):
     horovodrun -np 4 -H localhost:4 --gloo tfbig-train --strategy=horovod --pipeline_stages=2 \\
