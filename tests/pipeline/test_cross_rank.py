@@ -48,8 +48,8 @@ SCENARIOS = {  # name: (stages, pipeline options, train options, worker options)
     # each stage's blocks recomputed in the backward
     "bert_pp2_dp2_1f1b_recompute": (2, dict(schedule="1f1b", num_microbatches=2,
                                             activation_checkpointing=True),
-                                    dict(model="bert", seq_length=32, learning_rate=1e-2,
-                                         weight_decay=0.01, epsilon=1e-6),
+                                    dict(model="bert", seq_length=32, weight_decay=0.01,
+                                         epsilon=1e-6),
                                     {"first_gradients": True}),
 }
 
