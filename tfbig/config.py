@@ -235,29 +235,9 @@ def check_applicable(cfg):
         raise ValueError(f"--time_budget_minutes={cfg.train.time_budget_minutes:g} has no effect "
                          f"with --max_steps={cfg.train.max_steps}; it applies to --max_steps=0 "
                          f"(as many steps as fit in the budget). Give one of the two")
-    _check_bert_layouts(cfg)
     if cfg.pipeline.offload_activations and not cfg.pipeline.activation_checkpointing:
         raise ValueError("--offload_activations needs --activation_checkpointing: only the "
                          "block inputs it keeps for the recompute are offloaded")
-
-
-def _check_bert_layouts(cfg):
-    """--model=bert trains data-parallel (single, horovod with --zero_stage 0-2, multiworker,
-    mirrored); the layouts that need a per-model plan have none for BERT yet."""
-    if cfg.train.model != "bert":
-        return
-    used = {"--strategy=pipeline": cfg.train.strategy == "pipeline",
-            f"--pipeline_stages={cfg.pipeline.pipeline_stages}":
-                cfg.train.strategy == "horovod" and pipeline_stages(cfg) > 1,
-            f"--tensor_parallel={cfg.parallel.tensor_parallel}": cfg.parallel.tensor_parallel > 1,
-            "--zero_stage=3": cfg.parallel.zero_stage == 3,
-            "--activation_checkpointing": cfg.pipeline.activation_checkpointing}
-    for flag, chosen in used.items():
-        if chosen:
-            raise ValueError(f"--model=bert with {flag} is not supported yet (BERT has no "
-                             "pipeline cut, tensor-parallel plan, ZeRO-3 gather plan or "
-                             "recompute wrapper); train BERT with --strategy=single, horovod "
-                             "(--zero_stage 0-2), multiworker or mirrored")
 
 
 def pipeline_stages(cfg):

@@ -5,7 +5,8 @@ Scenarios (tests/distribute/horovod_worker.py plans; HOROVOD_DYNAMIC_PROCESS_SET
 launch build several rank grids): TP2 x DP2 with accumulation and clipping active, the same
 with --sequence_parallel and with --activation_checkpointing, ALBERT
 (factorised embedding, shared blocks, MLM head with its vocabulary bias, LAMB) at TP2 x DP2 with
-and without --sequence_parallel, TP4
+and without --sequence_parallel, BERT (NSP, AdamW) at TP2 x DP2 plain and with
+--sequence_parallel and --activation_checkpointing together, TP4
 with LAMB (its per-variable trust ratio over split variables), TP2 x DP2 under fp16 loss scaling,
 a TP2 x DP2 run stopped after 2 steps and resumed from the per-rank checkpoints, and a TP2 x DP2
 run started on the single-device run's checkpoint after 2 steps, TP2 x DP2 with ZeRO-1 (each
@@ -22,8 +23,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_horovod import (ALBERT, WORKER, horovodrun, listed, load, read,  # noqa: E402
-                          run_entry)
+from test_horovod import (ALBERT, BERT, WORKER, horovodrun, listed, load,  # noqa: E402
+                          read, run_entry)
 from test_trainer import ReplicasTask, make_cfg, weights  # noqa: E402
 
 from horovod_worker import RecordingLogger  # noqa: E402
@@ -39,6 +40,7 @@ RANKS = 4
 # Clipping at 0.5 is active at every step; 2 micro-batches per data-parallel rank.
 TRAIN = dict(max_steps=4, batch_size=8, grad_clip_norm=0.5, dropout=0.0, grad_accum_steps=2)
 LAMB = dict(optimizer="lamb", learning_rate=1e-2, weight_decay=0.01, epsilon=1e-6)
+BERT_TP = {**BERT, "learning_rate": 3e-3}
 SCENARIOS = {  # name: (tensor_parallel, train options, worker options)
     "tp2_dp2": (2, {}, {"first_gradients": True, "norm_rows": True}),
     "tp2_dp2_sequence": (2, {"sequence_parallel": True},
@@ -47,6 +49,14 @@ SCENARIOS = {  # name: (tensor_parallel, train options, worker options)
     "tp2_dp2_albert": (2, ALBERT, {"first_gradients": True, "mlm_argmax": True}),
     "tp2_dp2_albert_sequence": (2, {**ALBERT, "sequence_parallel": True},
                                 {"first_gradients": True}),
+    # BERT (a block per layer, no projection, NSP): ALBERT's plan over its own blocks; with
+    # sequence parallelism and per-block recompute together. AdamW at lr 3e-3: at 1e-2 one
+    # word-table entry of 10240 whose gradient is near zero ended 2e-6 apart after 4 steps
+    # (Adam's step does not shrink with the gradient), all else within rtol 1e-5.
+    "tp2_dp2_bert": (2, BERT_TP, {"first_gradients": True, "mlm_argmax": True}),
+    "tp2_dp2_bert_sequence_recompute": (2, {**BERT_TP, "sequence_parallel": True,
+                                            "activation_checkpointing": True},
+                                        {"first_gradients": True}),
     "tp4_lamb": (4, {**LAMB, "grad_accum_steps": 1},
                  {"first_gradients": True, "widest_activation": True}),
     "tp2_dp2_fp16": (2, {"precision": "mixed_float16"}, {}),
@@ -72,23 +82,23 @@ def tp_cfg(data_dir, model_dir, tensor, sequence_parallel=False, activation_chec
     return cfg
 
 
-def data_of(train, gpt_data, albert_data):
-    return albert_data if train.get("model") == "albert" else gpt_data
+def data_of(train, gpt_data, albert_data, bert_data):
+    return {"albert": albert_data, "bert": bert_data}.get(train.get("model"), gpt_data)
 
 
 @pytest.fixture(scope="module")
-def runs(gpt_data, albert_data, tmp_path_factory):
+def runs(gpt_data, albert_data, bert_data, tmp_path_factory):
     root = tmp_path_factory.mktemp("tensor_parallel")
     out = root / "out"
-    plan = [run_entry(name, tp_cfg(data_of(train, gpt_data, albert_data), root / name, tensor,
-                                   **train), out, **opts)
+    plan = [run_entry(name, tp_cfg(data_of(train, gpt_data, albert_data, bert_data),
+                                   root / name, tensor, **train), out, **opts)
             for name, (tensor, train, opts) in SCENARIOS.items()]
     reference(gpt_data, root / "tp2_dp2_from_one", RANKS // 2, max_steps=FROM_ONE_AT)
     os.makedirs(out)
     with open(root / "plan.json", "w") as f:
         json.dump(plan, f)
     command = ["-np", str(RANKS), "-H", f"localhost:{RANKS}"]
-    # 11 layouts in one launch: past test_horovod's 8-minute default on a loaded 2-core machine
+    # 13 layouts in one launch: past test_horovod's 8-minute default on a loaded 2-core machine
     code = horovodrun([WORKER, str(root / "plan.json")], root / "log.txt", timeout=1200,
                       env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"}, ranks=command)
     assert code == 0, read(root / "log.txt")[-6000:]
@@ -112,13 +122,14 @@ def reference(data_dir, model_dir, replicas, **train):
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", EQUAL_TO_ONE_DEVICE)
-def test_tensor_parallel_ranks_equal_one_process_on_the_same_data(gpt_data, albert_data, runs,
-                                                                  tmp_path, name):
+def test_tensor_parallel_ranks_equal_one_process_on_the_same_data(gpt_data, albert_data,
+                                                                  bert_data, runs, tmp_path,
+                                                                  name):
     _, out = runs
     tensor, train, opts = SCENARIOS[name]
     ranks = [load(out, name, r) for r in range(RANKS)]
-    single, losses, grads = reference(data_of(train, gpt_data, albert_data), tmp_path,
-                                      RANKS // tensor, **train)
+    single, losses, grads = reference(data_of(train, gpt_data, albert_data, bert_data),
+                                      tmp_path, RANKS // tensor, **train)
     first = ranks[0]
     assert np.all(first["grad_norms"] > TRAIN["grad_clip_norm"])  # clipping is active
     assert first["step"] == TRAIN["max_steps"]
@@ -153,7 +164,7 @@ def test_tensor_parallel_ranks_equal_one_process_on_the_same_data(gpt_data, albe
         for rank in ranks:
             assert len(np.unique(rank["argmax_full"])) > 1  # not one id everywhere
             np.testing.assert_array_equal(rank["argmax_ours"], rank["argmax_full"])
-    if train.get("model") == "albert":
+    if train.get("model") in ("albert", "bert"):
         accuracy = single.summary["eval"]["mlm_accuracy"]
         assert float(first["eval_mlm_accuracy"]) == pytest.approx(accuracy, rel=1e-5)
 
@@ -352,27 +363,41 @@ def test_models_that_do_not_split_are_refused_with_the_reason(config, size, mess
         split_model(_Task(**config), TensorGroup(None, 0, size, sequence))
 
 
-def test_albert_sequence_parallel_plan_keeps_the_heads_whole():
-    """ALBERT's heads read the [CLS] token and masked positions anywhere in the sequence: they
-    run after the backbone's output is gathered, so their replicated weights' gradients are
-    complete on every rank (not summed over the group); the rest is split like GPT's."""
+@pytest.mark.parametrize("family", ["albert", "bert"])
+def test_masked_lm_sequence_parallel_plan_keeps_the_heads_whole(family):
+    """ALBERT's and BERT's heads read the [CLS] token and masked positions anywhere in the
+    sequence: they run after the backbone's output is gathered, so their replicated weights'
+    gradients are complete on every rank (not summed over the group); the rest is split like
+    GPT's. BERT's blocks (one per layer) are each split as ALBERT's shared one."""
     from tfbig.distribute.tensor_layout import TensorGroup, split_model, whole_sequence_paths
     from tfbig.models.albert import AlbertConfig, AlbertForPretraining
+    from tfbig.models.bert import BertConfig, BertForPretraining
 
-    class AlbertTask:
+    config, model_class, pair = {
+        "albert": (AlbertConfig, AlbertForPretraining, "sop_head"),
+        "bert": (BertConfig, BertForPretraining, "nsp_head")}[family]
+
+    class MaskedLMTask:
         seq_length = 16
 
         def build_model(self):
-            model = AlbertForPretraining(AlbertConfig.from_preset("tiny", vocab_size=320))
+            model = model_class(config.from_preset("tiny", vocab_size=320))
             model.build()
             return model
 
-    model, splits = split_model(AlbertTask(), TensorGroup(None, 1, 2, True))
+    model, splits = split_model(MaskedLMTask(), TensorGroup(None, 1, 2, True))
     whole = {p.split("/", 1)[1] for p in whole_sequence_paths(model)}  # below the model name
     split = {p.split("/", 1)[1] for p in splits}
     assert "mlm_head/bias" in split  # its vocabulary slice: never summed as replicated
     assert {p.rsplit("/", 1)[0] for p in whole - split} == {
-        "mlm_head/dense", "mlm_head/norm", "sop_head", "backbone/pooler"}
+        "mlm_head/dense", "mlm_head/norm", pair, "backbone/pooler"}
+    if family == "bert":  # q, k, v and the first MLM layer of both blocks: half the columns
+        assert {p for p in split if p.endswith("qkv/kernel")} == {
+            "backbone/block_0/attn/qkv/kernel", "backbone/block_1/attn/qkv/kernel"}
+        shapes = {v.path.split("/", 1)[1]: tuple(v.shape) for v in model.variables}
+        assert shapes["backbone/block_1/attn/qkv/kernel"] == (32, 3 * 16)
+        assert shapes["backbone/block_1/ffn/fc/kernel"] == (32, 64)
+        assert shapes["backbone/embedding/word/embeddings"] == (160, 32)
 
 
 @pytest.mark.parametrize("sequence", [False, True])

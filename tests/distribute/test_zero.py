@@ -4,7 +4,7 @@
 Scenarios (tests/distribute/horovod_worker.py plans; HOROVOD_DYNAMIC_PROCESS_SETS=1 lets one
 process build several rank grids): stage 1, 2 and 3 at shard degree 2 (2 partition groups of 2,
 the 2-hop sync) and 4 (one group, plain ZeRO), with accumulation and clipping active, AdamW and
-LAMB, ALBERT (with LAMB under stage 3), bf16 and an untied GPT under stage 3, per-variable
+LAMB, ALBERT (with LAMB under stage 3), BERT under stage 3, bf16 and an untied GPT under stage 3, per-variable
 gradients of the first batch, resumes from the per-slice checkpoints, and an fp16 step made
 non-finite on one rank only (then trained as the single-device mixed run), and fp16/bf16
 under stages 1-2 against plain Horovod of the same precision (fp16 stage 2 in the default
@@ -22,8 +22,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_horovod import (ALBERT, ROOT, WORKER, horovodrun, listed, load,  # noqa: E402
-                          read, run_entry)
+from test_horovod import (ALBERT, BERT, ROOT, WORKER, horovodrun, listed,  # noqa: E402
+                          load, read, run_entry)
 from test_trainer import ReplicasTask, make_cfg, weights  # noqa: E402
 
 from horovod_worker import PoisonedTask, RecordingLogger, UntiedTask  # noqa: E402
@@ -36,7 +36,7 @@ from tfbig.tasks import get_task  # noqa: E402
 from tfbig.trainer import Trainer  # noqa: E402
 
 RANKS = 4
-LAUNCH_TIMEOUT = 1800  # eleven runs of 4 ranks on 2 shared cores: minutes when the machine is busy
+LAUNCH_TIMEOUT = 1800  # twelve runs of 4 ranks on 2 shared cores: minutes when the machine is busy
 # Clipping at 0.5 is active at every step; 2 micro-batches of 2 sequences per rank.
 TRAIN = dict(max_steps=4, batch_size=16, grad_clip_norm=0.5, dropout=0.0, grad_accum_steps=2)
 LAMB = dict(optimizer="lamb", learning_rate=1e-2, weight_decay=0.01, epsilon=1e-6)
@@ -54,6 +54,8 @@ SCENARIOS = {  # name: (zero_stage, shard_degree, data, train options, worker op
                                                     "interrupt_at": 2}),
     # ALBERT's shared block with LAMB: the trust ratio's norms over all slices of a variable
     "z3_d2_albert_lamb": (3, 2, "albert_data", {**ALBERT, **LAMB}, {"first_gradients": True}),
+    # BERT: a gather per block (one per layer), its word table per step (tied to the MLM head)
+    "z3_d2_bert": (3, 2, "bert_data", BERT, {"first_gradients": True}),
     # bf16 compute on stage 3, and a GPT with its own output projection (tie_embeddings off)
     "z3_d4_bf16_untied": (3, 4, "gpt_data", {"precision": "mixed_bfloat16"},
                           {"first_gradients": True, "untied": True}),
@@ -62,7 +64,8 @@ SCENARIOS = {  # name: (zero_stage, shard_degree, data, train options, worker op
     "z2_d2_fp16_skip": (2, 2, "gpt_data", FP16, {"poison_rank": 3}),
 }
 EQUAL_TO_ONE_DEVICE = ["z1_d2", "z2_d4_lamb", "z2_d2_albert", "z1_d4_resumed", "z3_d2",
-                       "z3_d4_lamb_resumed", "z3_d2_albert_lamb", "z3_d4_bf16_untied"]
+                       "z3_d4_lamb_resumed", "z3_d2_albert_lamb", "z3_d2_bert",
+                       "z3_d4_bf16_untied"]
 # Tolerances against the single-device run: fp32 tight; bf16 compute rounds the activations
 # of a micro-batch of 2 (here) vs 8 (single device) sequences and sums the gradients in a
 # different order, each to 8 bits of mantissa: (losses rtol, weights and gradients atol).
@@ -92,9 +95,9 @@ def launch(root, scenarios, data):
 
 
 @pytest.fixture(scope="module")
-def runs(gpt_data, albert_data, tmp_path_factory):
+def runs(gpt_data, albert_data, bert_data, tmp_path_factory):
     return launch(tmp_path_factory.mktemp("zero"), SCENARIOS,
-                  {"gpt_data": gpt_data, "albert_data": albert_data})
+                  {"gpt_data": gpt_data, "albert_data": albert_data, "bert_data": bert_data})
 
 
 def reference(data_dir, model_dir, task=None, **train):
@@ -161,7 +164,7 @@ def test_per_rank_model_state_is_the_closed_form(runs, name):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name", ["z3_d2", "z3_d4_lamb_resumed"])
+@pytest.mark.parametrize("name", ["z3_d2", "z3_d4_lamb_resumed", "z3_d2_bert"])
 def test_stage_3_ranks_hold_only_their_slices(runs, name):
     """(4 + 4 + 8) P / N: float32 parameter slices, gradient slices (transient, of the same
     size: not a variable) and m, v; the model's own variables hold no value at all."""

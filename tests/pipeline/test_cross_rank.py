@@ -2,9 +2,9 @@
 one real `horovodrun -np 4 --gloo` launch, against the single-device run on the same global
 batch: first-batch gradients of every weight, losses over the steps, final weights, with
 gradient accumulation and active clipping; GPipe and 1F1B; the checkpoint each stage rank
-writes assembled into the single-device model; bad layouts refused without a launch. GPT and
+writes assembled into the single-device model; bad layouts refused without a launch. GPT,
 ALBERT (its shared block used by both stages, its word table tied to the MLM head, the model
-inputs riding with the activation to the last stage).
+inputs riding with the activation to the last stage) and BERT (1F1B with recompute).
 """
 import json
 import os
@@ -44,11 +44,19 @@ SCENARIOS = {  # name: (stages, pipeline options, train options, worker options)
                              dict(model="albert", seq_length=32, optimizer="lamb",
                                   learning_rate=1e-2, weight_decay=0.01, epsilon=1e-6),
                              {"first_gradients": True}),
+    # BERT: a block per layer, its word table tied to the MLM head on the last stage; 1F1B with
+    # each stage's blocks recomputed in the backward
+    "bert_pp2_dp2_1f1b_recompute": (2, dict(schedule="1f1b", num_microbatches=2,
+                                            activation_checkpointing=True),
+                                    dict(model="bert", seq_length=32, weight_decay=0.01,
+                                         epsilon=1e-6),
+                                    {"first_gradients": True}),
 }
 
 
-def data_of(train, gpt_data, albert_data):
-    return albert_data if train.get("model") == "albert" else gpt_data
+def data_of(train, gpt_data, albert_data, bert_data):
+    return {"albert": albert_data, "bert": bert_data}.get(train.get("model"), gpt_data)
+
 
 def pipeline_cfg(data_dir, model_dir, stages, pipeline, **train):
     cfg = make_cfg(data_dir, model_dir, strategy="horovod", **{**TRAIN, **train})
@@ -58,11 +66,11 @@ def pipeline_cfg(data_dir, model_dir, stages, pipeline, **train):
     return cfg
 
 
-def launch(scenarios, gpt_data, albert_data, root):
+def launch(scenarios, gpt_data, albert_data, bert_data, root):
     """One `horovodrun -np 4` running every scenario; (root, directory of the results)."""
     out = root / "out"
-    plan = [run_entry(name, pipeline_cfg(data_of(train, gpt_data, albert_data), root / name,
-                                         stages, pipeline, **train), out, **opts)
+    plan = [run_entry(name, pipeline_cfg(data_of(train, gpt_data, albert_data, bert_data),
+                                         root / name, stages, pipeline, **train), out, **opts)
             for name, (stages, pipeline, train, opts) in scenarios.items()]
     os.makedirs(out)
     with open(root / "plan.json", "w") as f:
@@ -75,8 +83,9 @@ def launch(scenarios, gpt_data, albert_data, root):
 
 
 @pytest.fixture(scope="module")
-def runs(gpt_data, albert_data, tmp_path_factory):
-    return launch(SCENARIOS, gpt_data, albert_data, tmp_path_factory.mktemp("cross_rank"))
+def runs(gpt_data, albert_data, bert_data, tmp_path_factory):
+    return launch(SCENARIOS, gpt_data, albert_data, bert_data,
+                  tmp_path_factory.mktemp("cross_rank"))
 
 
 def reference(data_dir, model_dir, replicas, **train):
@@ -98,10 +107,10 @@ def held(result, prefix):
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", list(SCENARIOS))
-def test_stage_ranks_equal_one_device_on_the_same_global_batch(gpt_data, albert_data, runs,
-                                                               tmp_path, name):
+def test_stage_ranks_equal_one_device_on_the_same_global_batch(gpt_data, albert_data,
+                                                               bert_data, runs, tmp_path, name):
     train = SCENARIOS[name][2]
-    check_scenario(data_of(train, gpt_data, albert_data), runs[1], tmp_path, name,
+    check_scenario(data_of(train, gpt_data, albert_data, bert_data), runs[1], tmp_path, name,
                    SCENARIOS[name])
 
 

@@ -3,6 +3,8 @@ import itertools
 
 import pytest
 
+from tfbig.models.albert import AlbertConfig
+from tfbig.models.bert import BertConfig
 from tfbig.models.gpt import GPTConfig
 from tfbig.pipeline.layers import layer_specs
 from tfbig.pipeline.partition import (balanced_starts, estimate_memory, format_plan,
@@ -38,6 +40,17 @@ def test_stage_params_add_up_to_the_model():
         plan = partition(specs, num_stages)
         assert sum(stage.params for stage in plan) == CONFIG.num_params()
         assert [n for stage in plan for n in stage.layer_names] == [s.name for s in specs]
+
+
+@pytest.mark.parametrize("config", [
+    AlbertConfig(vocab_size=320, seq_length=32, num_layers=4, num_groups=2, hidden_size=32,
+                 num_heads=2, embedding_size=16),
+    BertConfig(vocab_size=320, seq_length=32, num_layers=4, hidden_size=32, num_heads=2)],
+    ids=["albert", "bert"])
+def test_masked_lm_stage_params_add_up_to_the_model(config):
+    specs = layer_specs(config, 32)
+    assert sum(spec.params for spec in specs) == config.num_params()
+    assert specs[-1].reads == ("embedding/word",)  # the MLM head's tied word table
 
 
 def test_flops_balance_isolates_a_large_head_and_params_balance_a_large_embedding():

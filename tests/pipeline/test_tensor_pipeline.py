@@ -292,6 +292,8 @@ def test_tp_pp_pieces_consolidate_into_the_single_device_model(gpt_data, pp2_tp2
      "--tensor_parallel >= 2"),
     (dict(pipeline_stages=2, sequence_parallel=True), 2,
      "this run has --model=gpt --tensor_parallel=1: drop --sequence_parallel"),
+    (dict(pipeline_stages=2, tensor_parallel=2, model="bert"), 4,
+     "--model=bert is not supported yet"),
 ])
 def test_bad_tp_pp_layouts_are_refused(flags, world, message):
     with pytest.raises(ValueError, match=message):

@@ -1,9 +1,10 @@
 """Activation checkpointing (and offloading) per transformer block, applied from outside.
 
 `checkpoint_blocks(model)` replaces the `call` of each transformer block (GPT `model.blocks[i]`,
-ALBERT `model.backbone.groups[g]`) with one whose forward keeps only the block's input; the
-backward runs the block again under a tape and differentiates that. Activations kept for the
-backward drop from all of a block's intermediates to its input (B x T x H per block call).
+ALBERT `model.backbone.groups[g]`, BERT `model.backbone.blocks[i]`: `BLOCKS`) with one whose
+forward keeps only the block's input; the backward runs the block again under a tape and
+differentiates that. Activations kept for the backward drop from all of a block's
+intermediates to its input (B x T x H per block call).
 ALBERT's shared blocks are wrapped once and every call of one is recomputed on its own.
 
 Dropout: a Keras dropout draws its mask from a seed-generator state that advances on each call.
@@ -32,15 +33,23 @@ HOST = "/device:CPU:0"
 OFFLOAD_NAME = "offloaded_block_input"
 
 
+# Where a model keeps its transformer blocks (attribute paths, the first one present wins).
+BLOCKS = ("blocks",  # GPT
+          "backbone.groups",  # ALBERT: its shared groups, each wrapped once
+          "backbone.blocks")  # BERT
+
+
 def transformer_blocks(model):
-    """The model's transformer blocks: GPT `model.blocks`, ALBERT `model.backbone.groups`."""
-    if hasattr(model, "blocks"):
-        return list(model.blocks)
-    backbone = getattr(model, "backbone", None)
-    if backbone is not None and hasattr(backbone, "groups"):
-        return list(backbone.groups)
-    raise ValueError(f"--activation_checkpointing: {type(model).__name__} has neither `blocks` "
-                     f"(GPT) nor `backbone.groups` (ALBERT); no transformer blocks to wrap")
+    """The model's transformer blocks (`BLOCKS`: GPT, ALBERT's shared groups, BERT)."""
+    for path in BLOCKS:
+        found = model
+        for part in path.split("."):
+            found = getattr(found, part, None)
+        if found is not None:
+            return list(found)
+    raise ValueError(f"--activation_checkpointing: {type(model).__name__} has none of "
+                     f"{', '.join(BLOCKS)} (tfbig.distribute.recompute.BLOCKS); no transformer "
+                     f"blocks to wrap")
 
 
 def seed_states(layer):

@@ -89,7 +89,27 @@ ALBERT_PLAN = (  # the shared blocks are split once; every call of one uses the 
     ("mlm_head.dense", Split("whole_sequence", sequence=False)),
     ("sop_head", Split("whole_sequence", sequence=False)),
 )
-PLANS = {"GPT": GPT_PLAN, "AlbertForPretraining": ALBERT_PLAN}
+BERT_PLAN = (  # ALBERT's, over num_layers blocks of their own (no projection), an NSP head
+    ("backbone.blocks.*.attn", Split("heads")),
+    ("backbone.blocks.*.attn.qkv", Split("column", sections=3)),
+    ("backbone.blocks.*.attn.proj", Split("row")),
+    ("backbone.blocks.*.attn.attn_dropout", Split("own_mask")),
+    ("backbone.blocks.*.ffn", Split("width")),
+    ("backbone.blocks.*.ffn.fc", Split("column")),
+    ("backbone.blocks.*.ffn.proj", Split("row")),
+    ("backbone.embedding.word", Split("vocab")),
+    ("mlm_head", Split("vocab_bias", sequence=False)),
+    ("mlm_head.norm", Split("vocab_input", sequence=False)),
+    ("backbone.embedding.position", Split("positions")),
+    ("backbone.embedding.segment", Split("segments")),
+    ("backbone.embedding.drop", Split("sequence_mask")),
+    ("backbone.blocks.*.drop", Split("sequence_mask")),
+    ("backbone", Split("sequence_output")),
+    ("backbone.pooler", Split("sequence_first", sequence=False)),
+    ("mlm_head.dense", Split("whole_sequence", sequence=False)),
+    ("nsp_head", Split("whole_sequence", sequence=False)),
+)
+PLANS = {"GPT": GPT_PLAN, "AlbertForPretraining": ALBERT_PLAN, "BertForPretraining": BERT_PLAN}
 
 
 def whole_sequence_paths(model):
@@ -102,9 +122,8 @@ def plan_for(model):
     plan = PLANS.get(type(model).__name__)
     if plan is None:
         raise ValueError(f"--tensor_parallel: no tensor-parallel plan for "
-                         f"{type(model).__name__} yet (GPT and ALBERT pretraining have one); "
-                         f"run it with "
-                         f"--tensor_parallel=1")
+                         f"{type(model).__name__} yet (GPT, ALBERT and BERT pretraining have "
+                         f"one); run it with --tensor_parallel=1")
     return plan
 
 
@@ -286,8 +305,8 @@ def restore_from_single_device(trainer, path, group, splits):
 def _check_sequence_parallel(model, layers, seq_length, size):
     if not any(split.kind == "positions" for _, split in layers):
         raise ValueError(f"--sequence_parallel: no sequence-parallel plan for "
-                         f"{type(model).__name__}; GPT and ALBERT pretraining have one. Run "
-                         f"it without --sequence_parallel")
+                         f"{type(model).__name__}; GPT, ALBERT and BERT pretraining have one. "
+                         f"Run it without --sequence_parallel")
     if seq_length % size:
         raise ValueError(f"--sequence_parallel with --tensor_parallel={size}: the sequence "
                          f"length {seq_length} must be a multiple of {size} (each rank holds "

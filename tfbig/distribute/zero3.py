@@ -20,9 +20,10 @@ Which parameters are gathered when is data (`PLANS`, attribute paths below the m
                parameters, kept until its last call), again for each call's backward, and its
                gradient, summed over the calls, is reduce-scattered once.
     per step   tables read outside their own layer (GPT's tied token table in `logits`,
-               ALBERT's word table in the MLM head) and the layers reading them: gathered once
-               when the model is called and kept until their gradient is reduce-scattered at
-               the end of the backward (as FSDP keeps its root module unsharded).
+               ALBERT's and BERT's word table in the MLM head) and the layers reading them:
+               gathered once when the model is called and kept until their gradient is
+               reduce-scattered at the end of the backward (as FSDP keeps its root module
+               unsharded).
 
 Prefetch: TF runs graph ops as soon as their inputs are ready, so a gather with no input from
 the previous layer would start at once and every layer's parameters would be full at the same
@@ -64,6 +65,9 @@ PLANS = {
     "AlbertForPretraining": lambda model: Plan(
         per_call=("backbone.projection", "backbone.groups.*", "backbone.pooler", "sop_head"),
         per_step=("backbone.embedding", "mlm_head")),
+    "BertForPretraining": lambda model: Plan(  # ALBERT's, with a block per layer, no projection
+        per_call=("backbone.blocks.*", "backbone.pooler", "nsp_head"),
+        per_step=("backbone.embedding", "mlm_head")),
 }
 
 
@@ -79,8 +83,8 @@ def _resolve(model, pattern):
 def plan_layers(model):
     """(per-call layers, per-step layers) of `model`; every trainable variable in exactly one."""
     if type(model).__name__ not in PLANS:
-        raise ValueError(f"--zero_stage=3: no gather plan for {type(model).__name__} (GPT and "
-                         f"ALBERT pretraining have one); use --zero_stage=2")
+        raise ValueError(f"--zero_stage=3: no gather plan for {type(model).__name__} (GPT, "
+                         f"ALBERT and BERT pretraining have one); use --zero_stage=2")
     plan = PLANS[type(model).__name__](model)
     per_call = [layer for p in plan.per_call for layer in _resolve(model, p)]
     per_step = [layer for p in plan.per_step for layer in _resolve(model, p)]

@@ -36,7 +36,8 @@ checkpoint: python -m tfbig.pipeline.stage_checkpoint MODEL_DIR OUT_DIR.
 With --tensor_parallel=T each stage is also split over T ranks (tfbig.pipeline.tensor_stage;
 GPT and ALBERT; --sequence_parallel for GPT). Not built (refused before training):
 --zero_stage, --shard_degree, --elastic, --offload_activations with --pipeline_stages > 1.
-GPT and ALBERT (its shared block and tied word table are weights used by several stages).
+GPT, ALBERT (its shared block and tied word table are weights used by several stages) and BERT
+(BERT with --tensor_parallel too: tfbig.pipeline.tensor_stage has GPT's and ALBERT's splits).
 
 Example (2 stages x 2 data-parallel replicas):
     horovodrun -np 4 -H localhost:4 --gloo tfbig-train --strategy=horovod --pipeline_stages=2 \\
@@ -85,6 +86,11 @@ def pipeline_mesh(cfg, world_size):
                          f"dropout regions split along the sequence over its tensor group); "
                          f"this run has --model={cfg.train.model} --tensor_parallel="
                          f"{parallel.tensor_parallel}: drop --sequence_parallel")
+    if parallel.tensor_parallel > 1 and cfg.train.model == "bert":
+        raise ValueError(f"--pipeline_stages={stages} x --tensor_parallel="
+                         f"{parallel.tensor_parallel}: --model=bert is not supported yet with "
+                         f"both (built and tested for gpt and albert); BERT runs on stages alone "
+                         f"or on --tensor_parallel alone")
     if cfg.pipeline.num_microbatches < 1:
         raise ValueError(f"--num_microbatches={cfg.pipeline.num_microbatches}: expected >= 1")
     return Mesh.build(world_size, tensor=cfg.parallel.tensor_parallel, pipeline=stages,

@@ -8,7 +8,8 @@ balance the stages). The model itself stays unaware of all this.
 GPT is `embedding, block_0 .. block_{L-1}, head` where `head` is the final LayerNorm and the
 vocabulary projection (`model.logits`); with tied embeddings the head also reads the token table
 that lives with the embedding on the first stage. ALBERT is `embedding, layer_0 .. layer_{L-1},
-heads`, its layers reusing num_groups shared blocks, possibly across stages.
+heads`, its layers reusing num_groups shared blocks, possibly across stages. BERT is
+`embedding, block_0 .. block_{L-1}, heads`, ALBERT's heads on blocks of their own.
 
 Example:
     layers = layer_sequence(model)            # [PipeLayer("embedding"), PipeLayer("block_0"), ...]
@@ -20,6 +21,7 @@ from typing import Callable
 from keras import ops
 
 from tfbig.models.albert import AlbertConfig, AlbertForPretraining
+from tfbig.models.bert import BertConfig, BertForPretraining
 from tfbig.models.gpt import GPT, GPTConfig
 from tfbig.plan import estimate
 from tfbig.plan import models as plan_models
@@ -104,7 +106,32 @@ def _gpt_specs(cfg, seq_length, masked_per_seq=None):
                          4 * v, ("embedding/token",) if cfg.tie_embeddings else ())])
 
 
-# ---- ALBERT ----------------------------------------------------------------------------------
+# ---- ALBERT and BERT --------------------------------------------------------------------------
+def _pretraining_heads(model, pair, random):
+    """The `heads` layer of ALBERT/BERT pretraining (`pair`: "sop" | "nsp"): the model's call
+    after the backbone, on the carry (hidden states, model inputs); reads the word table."""
+    backbone = model.backbone
+    pair_head, pair_dropout = getattr(model, f"{pair}_head"), getattr(model, f"{pair}_dropout")
+
+    def heads(carry, training):
+        x, inputs = carry
+        pooled = backbone.pooler(x[:, 0])
+        positions = ops.cast(inputs["masked_lm_positions"], "int32")[:, :, None]  # (B, P, 1)
+        masked = ops.take_along_axis(x, positions, axis=1)  # (B, P, H)
+        logits = pair_head(pair_dropout(pooled, training=training))
+        return {"mlm_logits": model.mlm_head(masked, backbone.embedding.word.embeddings),
+                f"{pair}_logits": ops.cast(logits, "float32")}
+
+    return PipeLayer("heads", heads, [backbone.pooler, model.mlm_head, pair_head, pair_dropout],
+                     [backbone.embedding.word.embeddings], random)
+
+
+def _block_call(block):
+    """A post-LN encoder block on the carry (hidden states, model inputs)."""
+    return lambda carry, training: (block(carry[0], carry[1]["input_mask"], training=training),
+                                    carry[1])
+
+
 def _albert_layers(model):
     """embedding (+ projection), layer_0 .. layer_{L-1}, heads. Layer i runs shared block
     group_of_layer(i); the first layer running a block owns it, later ones (maybe on other
@@ -116,19 +143,6 @@ def _albert_layers(model):
         x = backbone.embedding(inputs["input_ids"], inputs["segment_ids"], training=training)
         return backbone.projection(x), inputs  # (B, T, H)
 
-    def layer_call(block):
-        return lambda carry, training: (block(carry[0], carry[1]["input_mask"],
-                                              training=training), carry[1])
-
-    def heads(carry, training):  # AlbertForPretraining.call after the backbone
-        x, inputs = carry
-        pooled = backbone.pooler(x[:, 0])
-        positions = ops.cast(inputs["masked_lm_positions"], "int32")[:, :, None]  # (B, P, 1)
-        masked = ops.take_along_axis(x, positions, axis=1)  # (B, P, H)
-        sop = model.sop_head(model.sop_dropout(pooled, training=training))
-        return {"mlm_logits": model.mlm_head(masked, backbone.embedding.word.embeddings),
-                "sop_logits": ops.cast(sop, "float32")}
-
     layers = [PipeLayer("embedding", embed, [backbone.embedding, backbone.projection],
                         random=random)]
     owned = set()
@@ -136,12 +150,10 @@ def _albert_layers(model):
         block = backbone.groups[cfg.group_of_layer(i)]
         owner = id(block) not in owned
         owned.add(id(block))
-        layers.append(PipeLayer(f"layer_{i}", layer_call(block), [block] if owner else [],
+        layers.append(PipeLayer(f"layer_{i}", _block_call(block), [block] if owner else [],
                                 [] if owner else list(block.trainable_variables), random,
                                 calls=[block]))
-    layers.append(PipeLayer("heads", heads, [backbone.pooler, model.mlm_head, model.sop_head,
-                                             model.sop_dropout],
-                            [backbone.embedding.word.embeddings], random))
+    layers.append(_pretraining_heads(model, "sop", random))
     return layers
 
 
@@ -168,8 +180,43 @@ def _albert_specs(cfg, seq_length, masked_per_seq=None):
     return [embedding] + layers + [heads]
 
 
-FAMILIES = {GPT: _gpt_layers, AlbertForPretraining: _albert_layers}
-SPECS = {GPTConfig: _gpt_specs, AlbertConfig: _albert_specs}
+def _bert_layers(model):
+    """embedding, block_0 .. block_{L-1}, heads: ALBERT's sequence with a block of its own per
+    layer and no projection. The activation is (hidden states, model inputs)."""
+    backbone = model.backbone
+    random = model.config.dropout > 0
+
+    def embed(inputs, training):
+        x = backbone.embedding(inputs["input_ids"], inputs["segment_ids"], training=training)
+        return x, inputs  # (B, T, H)
+
+    return ([PipeLayer("embedding", embed, [backbone.embedding], random=random)]
+            + [PipeLayer(block.name, _block_call(block), [block], random=random)
+               for block in backbone.blocks]
+            + [_pretraining_heads(model, "nsp", random)])
+
+
+def _bert_specs(cfg, seq_length, masked_per_seq=None):
+    v, h, i, t = cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, seq_length
+    p = masked_per_seq or max(1, round(0.15 * t))  # MLM positions per sequence
+    block = (3 * h * h + 3 * h) + (h * h + h) + (h * i + i) + (i * h + h) + 2 * 2 * h
+    block_flops = 6 * (4 * h * h + 2 * h * i) + 12 * h * t
+    block_bytes = _layer_bytes(cfg, "bert", seq_length)
+    embedding = LayerSpec("embedding", ("embedding",),
+                          (v + cfg.seq_length + cfg.type_vocab_size) * h + 2 * h, 4 * h,
+                          4 * 3 * h, 4 * h)
+    blocks = [LayerSpec(f"block_{n}", (f"block_{n}",), block, block_flops, block_bytes, 4 * h)
+              for n in range(cfg.num_layers)]
+    heads = LayerSpec("heads", ("pooler", "mlm_head", "nsp_head"),
+                      (h * h + h) + (h * h + h) + 2 * h + v + (2 * h + 2),
+                      6 * (h * h / t + (h * h + h * v) * p / t), 4 * (h + 2 * v) * p / t, 4 * v,
+                      ("embedding/word",))
+    return [embedding] + blocks + [heads]
+
+
+FAMILIES = {GPT: _gpt_layers, AlbertForPretraining: _albert_layers,
+            BertForPretraining: _bert_layers}
+SPECS = {GPTConfig: _gpt_specs, AlbertConfig: _albert_specs, BertConfig: _bert_specs}
 
 
 def layer_sequence(model):

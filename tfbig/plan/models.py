@@ -58,7 +58,7 @@ class Shape:
 
 
 def shape_of(cfg, family, seq_length):
-    """A Shape from a GPTConfig/AlbertConfig (from `model_config`) at `seq_length`."""
+    """A Shape from a GPTConfig/AlbertConfig/BertConfig (from `model_config`) at `seq_length`."""
     c, f = cfg.hidden_size, cfg.intermediate_size
     layer = (3 * c * c + 3 * c) + (c * c + c) + (c * f + f) + (f * c + c) + 4 * c
     distinct = getattr(cfg, "num_groups", cfg.num_layers)
@@ -72,6 +72,9 @@ def _end_params(cfg, family):
     v, c = cfg.vocab_size, cfg.hidden_size
     if family == "gpt":
         return (v + cfg.seq_length) * c, (2 * c if cfg.pre_layer_norm else 0) + v * c
-    e = cfg.embedding_size  # ALBERT: embedding and its projection; pooler, MLM and SOP heads
-    first = (v + cfg.seq_length + cfg.type_vocab_size) * e + 2 * e + e * c + c
+    # ALBERT: embedding and its projection; pooler, MLM and SOP heads. BERT: tables at H, no
+    # projection; pooler, MLM and NSP heads.
+    e = getattr(cfg, "embedding_size", c)
+    projection = e * c + c if family == "albert" else 0
+    first = (v + cfg.seq_length + cfg.type_vocab_size) * e + 2 * e + projection
     return first, cfg.num_params() - cfg.num_params(head=None) + c * c + c + v * e
