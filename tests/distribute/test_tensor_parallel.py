@@ -3,13 +3,13 @@ against the single-device run on the same global batch.
 
 Scenarios (tests/distribute/horovod_worker.py plans; HOROVOD_DYNAMIC_PROCESS_SETS=1 lets one
 launch build several rank grids): TP2 x DP2 with accumulation and clipping active, the same
-with --sequence_parallel and with --activation_checkpointing, ALBERT
-(factorised embedding, shared blocks, MLM head with its vocabulary bias, LAMB) at TP2 x DP2 with
-and without --sequence_parallel, TP4
+with --sequence_parallel, ALBERT
+(factorised embedding, shared blocks, MLM head with its vocabulary bias, LAMB) at TP2 x DP2, TP4
 with LAMB (its per-variable trust ratio over split variables), TP2 x DP2 under fp16 loss scaling,
 a TP2 x DP2 run stopped after 2 steps and resumed from the per-rank checkpoints, and a TP2 x DP2
 run started on the single-device run's checkpoint after 2 steps, TP2 x DP2 with ZeRO-1 (each
-tensor rank's optimizer slots sharded over its data ranks). Each rank
+tensor rank's optimizer slots sharded over its data ranks). A slow launch of its own runs TP2 x
+DP2 with --activation_checkpointing and ALBERT with --sequence_parallel. Each rank
 assembles the full weights and first-step gradients from its group's slices
 (TensorParallelStrategy.gather_full) for the comparison.
 """
@@ -43,10 +43,7 @@ SCENARIOS = {  # name: (tensor_parallel, train options, worker options)
     "tp2_dp2": (2, {}, {"first_gradients": True, "norm_rows": True}),
     "tp2_dp2_sequence": (2, {"sequence_parallel": True},
                          {"first_gradients": True, "norm_rows": True}),
-    "tp2_dp2_recompute": (2, {"activation_checkpointing": True}, {"first_gradients": True}),
     "tp2_dp2_albert": (2, ALBERT, {"first_gradients": True, "mlm_argmax": True}),
-    "tp2_dp2_albert_sequence": (2, {**ALBERT, "sequence_parallel": True},
-                                {"first_gradients": True}),
     "tp4_lamb": (4, {**LAMB, "grad_accum_steps": 1},
                  {"first_gradients": True, "widest_activation": True}),
     "tp2_dp2_fp16": (2, {"precision": "mixed_float16"}, {}),
@@ -58,7 +55,13 @@ SCENARIOS = {  # name: (tensor_parallel, train options, worker options)
     # stopped after 2 steps and resumed from the per-(tensor rank, slice) checkpoints
     "tp2_dp2_zero1": (2, {"zero_stage": 1}, {"first_gradients": True, "interrupt_at": 2}),
 }
-EQUAL_TO_ONE_DEVICE = [name for name in SCENARIOS if name != "tp2_dropout"]
+SLOW_SCENARIOS = {  # a launch of its own (slow), as SCENARIOS
+    "tp2_dp2_recompute": (2, {"activation_checkpointing": True}, {"first_gradients": True}),
+    "tp2_dp2_albert_sequence": (2, {**ALBERT, "sequence_parallel": True},
+                                {"first_gradients": True}),
+}
+EQUAL_TO_ONE_DEVICE = [name for name in SCENARIOS if name != "tp2_dropout"] + [
+    pytest.param(name, marks=pytest.mark.slow) for name in SLOW_SCENARIOS]
 FROM_ONE_AT = 2
 
 
@@ -76,23 +79,34 @@ def data_of(train, gpt_data, albert_data):
     return albert_data if train.get("model") == "albert" else gpt_data
 
 
-@pytest.fixture(scope="module")
-def runs(gpt_data, albert_data, tmp_path_factory):
-    root = tmp_path_factory.mktemp("tensor_parallel")
+def launch(root, scenarios, gpt_data, albert_data):
+    """One `horovodrun -np 4` running `scenarios` (as SCENARIOS)."""
     out = root / "out"
     plan = [run_entry(name, tp_cfg(data_of(train, gpt_data, albert_data), root / name, tensor,
                                    **train), out, **opts)
-            for name, (tensor, train, opts) in SCENARIOS.items()]
-    reference(gpt_data, root / "tp2_dp2_from_one", RANKS // 2, max_steps=FROM_ONE_AT)
+            for name, (tensor, train, opts) in scenarios.items()]
+    if "tp2_dp2_from_one" in scenarios:
+        reference(gpt_data, root / "tp2_dp2_from_one", RANKS // 2, max_steps=FROM_ONE_AT)
     os.makedirs(out)
     with open(root / "plan.json", "w") as f:
         json.dump(plan, f)
     command = ["-np", str(RANKS), "-H", f"localhost:{RANKS}"]
-    # 11 layouts in one launch: past test_horovod's 8-minute default on a loaded 2-core machine
+    # 10 layouts in one launch: past test_horovod's 8-minute default on a loaded 2-core machine
     code = horovodrun([WORKER, str(root / "plan.json")], root / "log.txt", timeout=1200,
                       env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"}, ranks=command)
     assert code == 0, read(root / "log.txt")[-6000:]
     return root, out
+
+
+@pytest.fixture(scope="module")
+def runs(gpt_data, albert_data, tmp_path_factory):
+    return launch(tmp_path_factory.mktemp("tensor_parallel"), SCENARIOS, gpt_data, albert_data)
+
+
+@pytest.fixture(scope="module")
+def slow_runs(gpt_data, albert_data, tmp_path_factory):
+    return launch(tmp_path_factory.mktemp("tensor_parallel_slow"), SLOW_SCENARIOS, gpt_data,
+                  albert_data)
 
 
 def reference(data_dir, model_dir, replicas, **train):
@@ -112,10 +126,11 @@ def reference(data_dir, model_dir, replicas, **train):
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", EQUAL_TO_ONE_DEVICE)
-def test_tensor_parallel_ranks_equal_one_process_on_the_same_data(gpt_data, albert_data, runs,
+def test_tensor_parallel_ranks_equal_one_process_on_the_same_data(gpt_data, albert_data, request,
                                                                   tmp_path, name):
-    _, out = runs
-    tensor, train, opts = SCENARIOS[name]
+    slow = name in SLOW_SCENARIOS
+    _, out = request.getfixturevalue("slow_runs" if slow else "runs")
+    tensor, train, opts = (SLOW_SCENARIOS if slow else SCENARIOS)[name]
     ranks = [load(out, name, r) for r in range(RANKS)]
     single, losses, grads = reference(data_of(train, gpt_data, albert_data), tmp_path,
                                       RANKS // tensor, **train)
