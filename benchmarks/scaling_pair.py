@@ -7,7 +7,14 @@ Each backend's efficiency = best tokens/s with 2 processes / (2 x best with 1), 
 horovod_scaling.py and multiworker_scaling.py (same flags, same model, one thread per process);
 the JSON line carries both, their ratio (horovod / multiworker), the load average before and
 after, and the CPU model. On a shared machine the ratio is the figure to trust.
+
+The ceiling: each repeat also starts two independent 1-process Horovod runs at once (no
+communication between them). Their summed tokens/s over twice the best lone run is what two
+processes get from this machine's cores, caches and memory when both compute
+(`corun_ceiling`); `of_ceiling` = efficiency / ceiling is the share of it a backend keeps, the
+part that communication and its threads decide.
 """
+import threading
 import json
 import os
 import sys
@@ -29,6 +36,7 @@ def main():
     args.data_dir = _scaling.prepare_data(args)
     load_before = os.getloadavg()
     runs = {(b, n): [] for b in BACKENDS for n in (1, 2)}
+    corun = []  # summed tokens/s of two lone processes running at once
     with tempfile.TemporaryDirectory(prefix="tfbig-scaling-pair-") as directory:
         for repeat in range(args.repeats):
             for n in (1, 2):
@@ -36,17 +44,41 @@ def main():
                     run_dir = os.path.join(directory, str(repeat), f"{backend}{n}")
                     os.makedirs(run_dir)
                     runs[backend, n].append(measure(args, n, run_dir)["tokens_per_sec"])
+            corun.append(sum(two_at_once(args, os.path.join(directory, str(repeat)))))
     best = {key: max(values) for key, values in runs.items()}
     efficiency = {b: best[b, 2] / (2 * best[b, 1]) for b in BACKENDS}
+    ceiling = max(corun) / (2 * max(best["horovod", 1], best["multiworker", 1]))
     print(json.dumps({
         "benchmark": "scaling_pair", "efficiency": {b: round(e, 4) for b, e in efficiency.items()},
         "horovod_over_multiworker": round(efficiency["horovod"] / efficiency["multiworker"], 4),
+        "corun_ceiling": round(ceiling, 4),
+        "of_ceiling": {b: round(e / ceiling, 4) for b, e in efficiency.items()},
         "tokens_per_sec": {f"{b}_{n}": [round(t, 1) for t in v] for (b, n), v in runs.items()},
+        "corun_tokens_per_sec": [round(t, 1) for t in corun],
         "preset": args.preset, "seq_length": args.seq_length,
         "per_process_batch": args.per_process_batch, "steps": args.steps,
         "repeats": args.repeats, "xla": args.xla, "threads_per_process": 1,
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in os.getloadavg()], "cpu": cpu_model()}))
+
+
+def two_at_once(args, directory):
+    """tokens/s of two 1-process Horovod runs started together, independent of each other."""
+    results = [None, None]
+
+    def one(i):
+        run_dir = os.path.join(directory, f"corun{i}")
+        os.makedirs(run_dir)
+        results[i] = horovod_scaling.measure(args, 1, run_dir)["tokens_per_sec"]
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if None in results:
+        raise SystemExit("a co-run process failed (see above)")
+    return results
 
 
 if __name__ == "__main__":

@@ -3,14 +3,14 @@ against the single-device run on the same global batch.
 
 Scenarios (tests/distribute/horovod_worker.py plans; HOROVOD_DYNAMIC_PROCESS_SETS=1 lets one
 launch build several rank grids): TP2 x DP2 with accumulation and clipping active, the same
-with --sequence_parallel and with --activation_checkpointing, ALBERT
-(factorised embedding, shared blocks, MLM head with its vocabulary bias, LAMB) at TP2 x DP2 with
-and without --sequence_parallel, BERT (NSP, AdamW) at TP2 x DP2 plain and with
---sequence_parallel and --activation_checkpointing together, TP4
+with --sequence_parallel, ALBERT (factorised embedding, shared blocks, MLM head with its
+vocabulary bias, LAMB) and BERT (NSP, AdamW) at TP2 x DP2, TP4
 with LAMB (its per-variable trust ratio over split variables), TP2 x DP2 under fp16 loss scaling,
 a TP2 x DP2 run stopped after 2 steps and resumed from the per-rank checkpoints, and a TP2 x DP2
 run started on the single-device run's checkpoint after 2 steps, TP2 x DP2 with ZeRO-1 (each
-tensor rank's optimizer slots sharded over its data ranks). Each rank
+tensor rank's optimizer slots sharded over its data ranks). A slow launch of its own runs TP2 x
+DP2 with --activation_checkpointing, ALBERT with --sequence_parallel, and BERT with
+--sequence_parallel and --activation_checkpointing together. Each rank
 assembles the full weights and first-step gradients from its group's slices
 (TensorParallelStrategy.gather_full) for the comparison.
 """
@@ -45,18 +45,12 @@ SCENARIOS = {  # name: (tensor_parallel, train options, worker options)
     "tp2_dp2": (2, {}, {"first_gradients": True, "norm_rows": True}),
     "tp2_dp2_sequence": (2, {"sequence_parallel": True},
                          {"first_gradients": True, "norm_rows": True}),
-    "tp2_dp2_recompute": (2, {"activation_checkpointing": True}, {"first_gradients": True}),
     "tp2_dp2_albert": (2, ALBERT, {"first_gradients": True, "mlm_argmax": True}),
-    "tp2_dp2_albert_sequence": (2, {**ALBERT, "sequence_parallel": True},
-                                {"first_gradients": True}),
-    # BERT (a block per layer, no projection, NSP): ALBERT's plan over its own blocks; with
-    # sequence parallelism and per-block recompute together. AdamW at lr 3e-3: at 1e-2 one
-    # word-table entry of 10240 whose gradient is near zero ended 2e-6 apart after 4 steps
-    # (Adam's step does not shrink with the gradient), all else within rtol 1e-5.
+    # BERT (a block per layer, no projection, NSP): ALBERT's plan over its own blocks. AdamW at
+    # lr 3e-3: at 1e-2 one word-table entry of 10240 whose gradient is near zero ended 2e-6
+    # apart after 4 steps (Adam's step does not shrink with the gradient), all else within
+    # rtol 1e-5.
     "tp2_dp2_bert": (2, BERT_TP, {"first_gradients": True, "mlm_argmax": True}),
-    "tp2_dp2_bert_sequence_recompute": (2, {**BERT_TP, "sequence_parallel": True,
-                                            "activation_checkpointing": True},
-                                        {"first_gradients": True}),
     "tp4_lamb": (4, {**LAMB, "grad_accum_steps": 1},
                  {"first_gradients": True, "widest_activation": True}),
     "tp2_dp2_fp16": (2, {"precision": "mixed_float16"}, {}),
@@ -68,7 +62,17 @@ SCENARIOS = {  # name: (tensor_parallel, train options, worker options)
     # stopped after 2 steps and resumed from the per-(tensor rank, slice) checkpoints
     "tp2_dp2_zero1": (2, {"zero_stage": 1}, {"first_gradients": True, "interrupt_at": 2}),
 }
-EQUAL_TO_ONE_DEVICE = [name for name in SCENARIOS if name != "tp2_dropout"]
+SLOW_SCENARIOS = {  # a launch of its own (slow), as SCENARIOS
+    "tp2_dp2_recompute": (2, {"activation_checkpointing": True}, {"first_gradients": True}),
+    "tp2_dp2_albert_sequence": (2, {**ALBERT, "sequence_parallel": True},
+                                {"first_gradients": True}),
+    # BERT with sequence parallelism and per-block recompute together
+    "tp2_dp2_bert_sequence_recompute": (2, {**BERT_TP, "sequence_parallel": True,
+                                            "activation_checkpointing": True},
+                                        {"first_gradients": True}),
+}
+EQUAL_TO_ONE_DEVICE = [name for name in SCENARIOS if name != "tp2_dropout"] + [
+    pytest.param(name, marks=pytest.mark.slow) for name in SLOW_SCENARIOS]
 FROM_ONE_AT = 2
 
 
@@ -86,23 +90,36 @@ def data_of(train, gpt_data, albert_data, bert_data):
     return {"albert": albert_data, "bert": bert_data}.get(train.get("model"), gpt_data)
 
 
-@pytest.fixture(scope="module")
-def runs(gpt_data, albert_data, bert_data, tmp_path_factory):
-    root = tmp_path_factory.mktemp("tensor_parallel")
+def launch(root, scenarios, data):
+    """One `horovodrun -np 4` running `scenarios` (as SCENARIOS); data: the fixtures'
+    (gpt_data, albert_data, bert_data)."""
     out = root / "out"
-    plan = [run_entry(name, tp_cfg(data_of(train, gpt_data, albert_data, bert_data),
-                                   root / name, tensor, **train), out, **opts)
-            for name, (tensor, train, opts) in SCENARIOS.items()]
-    reference(gpt_data, root / "tp2_dp2_from_one", RANKS // 2, max_steps=FROM_ONE_AT)
+    plan = [run_entry(name, tp_cfg(data_of(train, *data), root / name, tensor, **train), out,
+                      **opts)
+            for name, (tensor, train, opts) in scenarios.items()]
+    if "tp2_dp2_from_one" in scenarios:
+        reference(data[0], root / "tp2_dp2_from_one", RANKS // 2, max_steps=FROM_ONE_AT)
     os.makedirs(out)
     with open(root / "plan.json", "w") as f:
         json.dump(plan, f)
     command = ["-np", str(RANKS), "-H", f"localhost:{RANKS}"]
-    # 13 layouts in one launch: past test_horovod's 8-minute default on a loaded 2-core machine
+    # 11 layouts in one launch: past test_horovod's 8-minute default on a loaded 2-core machine
     code = horovodrun([WORKER, str(root / "plan.json")], root / "log.txt", timeout=1200,
                       env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"}, ranks=command)
     assert code == 0, read(root / "log.txt")[-6000:]
     return root, out
+
+
+@pytest.fixture(scope="module")
+def runs(gpt_data, albert_data, bert_data, tmp_path_factory):
+    return launch(tmp_path_factory.mktemp("tensor_parallel"), SCENARIOS,
+                  (gpt_data, albert_data, bert_data))
+
+
+@pytest.fixture(scope="module")
+def slow_runs(gpt_data, albert_data, bert_data, tmp_path_factory):
+    return launch(tmp_path_factory.mktemp("tensor_parallel_slow"), SLOW_SCENARIOS,
+                  (gpt_data, albert_data, bert_data))
 
 
 def reference(data_dir, model_dir, replicas, **train):
@@ -123,10 +140,11 @@ def reference(data_dir, model_dir, replicas, **train):
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", EQUAL_TO_ONE_DEVICE)
 def test_tensor_parallel_ranks_equal_one_process_on_the_same_data(gpt_data, albert_data,
-                                                                  bert_data, runs, tmp_path,
+                                                                  bert_data, request, tmp_path,
                                                                   name):
-    _, out = runs
-    tensor, train, opts = SCENARIOS[name]
+    slow = name in SLOW_SCENARIOS
+    _, out = request.getfixturevalue("slow_runs" if slow else "runs")
+    tensor, train, opts = (SLOW_SCENARIOS if slow else SCENARIOS)[name]
     ranks = [load(out, name, r) for r in range(RANKS)]
     single, losses, grads = reference(data_of(train, gpt_data, albert_data, bert_data),
                                       tmp_path, RANKS // tensor, **train)
