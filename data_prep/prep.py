@@ -6,6 +6,7 @@
     tfbig-prep --format=albert --seq_length=128 --output_dir=/data/albert   # ALBERT pairs + masks
     tfbig-prep --format=bert --seq_length=128 --vocab_size=30522 --output_dir=/data/bert  # BERT: NSP + WWM
     tfbig-prep --format=bert --tokenizer=uncased_L-12_H-768_A-12/vocab.txt --output_dir=/data/bert
+    tfbig-prep --input=my_text/ --tokenizer=runs/gpt2 --seq_length=512 --output_dir=/data/mine  # GPT-2's BPE
     tfbig-prep --format=albert --index_shards='bert/*.tfrecord' --index_validation_shards=dev.tfrecord \
         --tokenizer=sp.model --output_dir=/data/bert   # shards of create_pretraining_data.py, as they are
     tfbig-prep --input='pile/train/*.jsonl.zst' --jsonl_group_field=meta.pile_set_name \
@@ -27,6 +28,7 @@ from absl import flags, logging  # noqa: E402
 from tfbig import cli  # noqa: E402
 from tfbig.data.bert import BERT_MASKING  # noqa: E402
 from tfbig.data import DEFAULT_VALIDATION_PLAYS, FORMATS, index_shards, load_tokenizer, prepare  # noqa: E402
+from tfbig.data.tokenizer import tokenizer_file  # noqa: E402
 from tfbig.errors import UsageError  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -40,8 +42,10 @@ flags.DEFINE_integer("seq_length", 1024, "Tokens per training example; each reco
 flags.DEFINE_integer("vocab_size", 8000, "Vocabulary size of the tokenizer to train; with --tokenizer it "
                      "defaults to that tokenizer's size (and must match it if given).")
 flags.DEFINE_string("tokenizer", None, "Existing SentencePiece .model file (with --format=bert: a WordPiece "
-                    "vocab.txt, cased if it has upper-case pieces) to use instead of training one; it is "
-                    "copied next to the shards.")
+                    "vocab.txt, cased if it has upper-case pieces; with --format=gpt also GPT-2's byte-level "
+                    "BPE vocab.json with merges.txt beside it) to use instead of training one, or a directory "
+                    "holding one (a Hugging Face GPT-2, a tfbig-convert output or tfbig-train run: the "
+                    "tokenizer its config.json names); it is copied next to the shards.")
 flags.DEFINE_float("shard_size_mb", 1024, "Target size of one shard file in MiB.")
 flags.DEFINE_integer("num_workers", 1, "Processes that tokenize and write shards in parallel (with "
                      "--runner=direct: the DirectRunner's worker processes).")
@@ -123,7 +127,7 @@ def _shard_files(flag):
 def _vocab_size() -> int:
     """--vocab_size, or the size of --tokenizer when only that is given."""
     if FLAGS.tokenizer and not FLAGS["vocab_size"].present:
-        return load_tokenizer(FLAGS.tokenizer).vocab_size
+        return load_tokenizer(tokenizer_file(FLAGS.tokenizer)).vocab_size
     return FLAGS.vocab_size
 
 

@@ -112,3 +112,69 @@ def bert_data(tmp_path_factory):
                             "whole_word_masking": False, "short_seq_prob": 0.0,
                             "dupe_factor": 2})
     return out
+
+
+MULTILINGUAL = ("Héllo, wörld!! Ça va? «Quoi»—naïve café...  東京は晴れ。\n\n"
+                "Привет, мир! 42.5% (a+b)=c;\te-mail: x@y.z #tag $5 ~ `q` ÜNÏCÖDÉ "
+                "it's they'll we've I'm   spaces  ¿Qué? 😀 naïve's IT'S 1234567 x    y\n")
+
+
+@pytest.fixture(scope="session")
+def gpt2_bpe(tmp_path_factory):
+    """A tiny random GPT-2 with a byte-level BPE of ~300 tokens trained here, as a Hugging Face
+    directory (config.json, model.safetensors, vocab.json, merges.txt), converted by
+    tfbig-convert ("run"), and the synthetic corpus plus multilingual documents prepared with
+    its tokenizer by tfbig-prep --tokenizer=<run> ("data", seq 16)."""
+    import json
+
+    import numpy as np
+    from safetensors.numpy import save_file
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models, pre_tokenizers, trainers
+
+    from tfbig.convert import ConvertOptions, convert
+    from tfbig.data import prepare
+
+    root = tmp_path_factory.mktemp("gpt2_bpe")
+    corpus = _synthetic_corpus(str(root / "text"))
+    for index in range(3):
+        with open(os.path.join(corpus, f"world{index}.txt"), "w", encoding="utf-8") as file:
+            file.write(MULTILINGUAL * (index + 2))
+    texts = [open(os.path.join(corpus, name), encoding="utf-8").read()
+             for name in sorted(os.listdir(corpus))]
+    backend = Backend(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf = root / "hf"
+    hf.mkdir()
+    backend.model.save(str(hf))
+    with open(hf / "vocab.json", encoding="utf-8") as file:
+        vocab_size = len(json.load(file))
+    c, layers, positions = 24, 2, 40  # 3 heads of 8
+    shapes = {"wte.weight": (vocab_size, c), "wpe.weight": (positions, c), "ln_f.weight": (c,),
+              "ln_f.bias": (c,)}
+    for i in range(layers):
+        shapes.update({f"h.{i}.{name}": shape for name, shape in {
+            "ln_1.weight": (c,), "ln_1.bias": (c,), "ln_2.weight": (c,), "ln_2.bias": (c,),
+            "attn.c_attn.weight": (c, 3 * c), "attn.c_attn.bias": (3 * c,),
+            "attn.c_proj.weight": (c, c), "attn.c_proj.bias": (c,),
+            "mlp.c_fc.weight": (c, 4 * c), "mlp.c_fc.bias": (4 * c,),
+            "mlp.c_proj.weight": (4 * c, c), "mlp.c_proj.bias": (c,)}.items()})
+    rng = np.random.default_rng(0)
+    save_file({name: (rng.normal(0.0, 0.2, shape) + (name.endswith("ln_1.weight")
+                                                     or name.endswith("ln_2.weight")
+                                                     or name == "ln_f.weight")).astype("float32")
+               for name, shape in shapes.items()}, str(hf / "model.safetensors"),
+              metadata={"format": "pt"})
+    with open(hf / "config.json", "w") as file:
+        json.dump({"model_type": "gpt2", "vocab_size": vocab_size, "n_positions": positions,
+                   "n_embd": c, "n_layer": layers, "n_head": 3, "activation_function": "gelu_new",
+                   "layer_norm_epsilon": 1e-5, "bos_token_id": 0, "eos_token_id": 0}, file)
+    run = str(root / "run")
+    convert(ConvertOptions(source=str(hf), output_dir=run))
+    data = str(root / "data")
+    prepare([corpus], data, seq_length=16, vocab_size=vocab_size, shard_size_mb=0.01,
+            validation_fraction=0.2, tokenizer=run)
+    return {"hf": str(hf), "run": run, "data": data, "texts": texts, "vocab_size": vocab_size}

@@ -31,6 +31,10 @@ def main(argv):
     if flags.FLAGS.plan_only:  # before any data or model is built
         from tfbig.plan.local import training_plan
 
+        if flags.FLAGS.init_checkpoint:
+            raise UsageError("--plan_only plans the model of --preset and its overrides; with "
+                             "--init_checkpoint the architecture is that directory's: drop one")
+
         cfg = config_lib.from_flags(flags.FLAGS)
         config_lib.check_applicable(cfg)
         print(training_plan(cfg))

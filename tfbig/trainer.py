@@ -19,7 +19,7 @@ from tensorflow.python.framework import config as op_config
 
 from tfbig import budget as budget_lib
 from tfbig import config as config_lib
-from tfbig import data, integrity, preflight
+from tfbig import data, init_checkpoint, integrity, preflight
 from tfbig.checkpoint import rng_variables
 from tfbig.distribute import get_strategy
 from tfbig.logs import RunLogger
@@ -83,7 +83,9 @@ class Trainer:
         if self.strategy.learning_rate_scale != 1.0:  # e.g. Horovod --scale_lr
             t = dataclasses.replace(
                 t, learning_rate=t.learning_rate * self.strategy.learning_rate_scale)
-        self.task = task or get_task(t, cfg)  # with the family's section (e.g. --num_groups)
+        # with the family's section (e.g. --num_groups); --init_checkpoint: sizes its own
+        self.task = task or get_task(*init_checkpoint.task_inputs(t, cfg))
+        init_checkpoint.apply(self.task, cfg)  # --init_checkpoint: its architecture, checked
         self.micro_batch = micro_batch_size(t.batch_size, self.strategy.num_replicas,
                                             t.grad_accum_steps)
         self.logger = logger or RunLogger(t.model_dir, self.strategy.is_chief, t.max_steps)
@@ -107,6 +109,7 @@ class Trainer:
             nonfinite_steps=self.nonfinite_steps)
         self._managers = {}
         self.restored_from = self._restore()
+        init_checkpoint.initialise(self)  # a fresh run takes --init_checkpoint's weights
         # Weights, optimizer slots, dropout RNG states and the step/input counters: a rank that
         # found no checkpoint (local disks) continues where the chief's restore left off.
         self.strategy.broadcast_variables(self.model.variables + self.optimizer.variables + [
@@ -161,9 +164,9 @@ class Trainer:
             if "converted_from" in saved:  # its config.json and tokenizer would be overwritten
                 raise ValueError(
                     f"--model_dir={self.cfg.train.model_dir} is a tfbig-convert run directory "
-                    f"({saved['converted_from']}); tfbig-train does not continue a converted "
-                    "model. Use another --model_dir (the converted one stays for tfbig-generate, "
-                    "tfbig-squad/tfbig-classify --init_checkpoint and the export).")
+                    f"({saved['converted_from']}); its config.json and tokenizer would be "
+                    "overwritten. Continue training it with --init_checkpoint="
+                    f"{self.cfg.train.model_dir} and another --model_dir.")
             saved = saved.get("model_config", {})
             diff = {k: (saved.get(k), v) for k, v in model_config.items() if saved.get(k) != v}
             if diff and tf.train.latest_checkpoint(self.cfg.train.model_dir):
@@ -172,8 +175,9 @@ class Trainer:
                     f"model; (saved, requested) per field: {diff}. Use another --model_dir.")
         if self.strategy.is_chief:
             self._save_config()
-            shutil.copyfile(self.task.manifest.tokenizer_path,
-                            os.path.join(self.cfg.train.model_dir, "tokenizer.model"))
+            files, _ = data.run_tokenizer_files(self.task.manifest.tokenizer_path)
+            for name, source in files.items():  # tokenizer.model, or GPT-2's BPE files
+                shutil.copyfile(source, os.path.join(self.cfg.train.model_dir, name))
 
     def _save_config(self):
         """MODEL_DIR/config.json: the flags, the model's config and what was resolved."""
@@ -181,6 +185,9 @@ class Trainer:
                  "resolved_data_dir": self.task.data_dir, "model_format": self.task.format}
         if self.budget:
             extra["budget"] = dataclasses.asdict(self.budget)
+        _, tokenizer = data.run_tokenizer_files(self.task.manifest.tokenizer_path)
+        if tokenizer:  # {"kind": "byte_level_bpe", ...}: what tfbig-generate and exports read
+            extra["tokenizer"] = tokenizer
         config_lib.save_json(self.cfg, os.path.join(self.cfg.train.model_dir, "config.json"),
                              extra=extra)
 

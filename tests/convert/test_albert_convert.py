@@ -5,6 +5,7 @@ keras-hub's own Hugging Face converter) and under the Google TF1 `model.ckpt` na
 TensorFlow's checkpoint writer; converted, tfbig's ALBERT equals keras-hub's (fp32, 1e-5)."""
 import json
 import os
+import re
 import shutil
 
 import keras
@@ -130,8 +131,8 @@ def test_export_loads_in_keras_hub_and_reimports_exactly(reference):
     assert all(np.array_equal(first[k], second[k]) for k in first)
 
 
-def test_huggingface_directory(reference):
-    w, d = reference["weights"], str(reference["root"] / "hf")
+def _hf_tensors(w):
+    """AlbertModel's Hugging Face tensors of keras-hub weights `w` (written here, not by tfbig)."""
     t = {"albert.embeddings.word_embeddings.weight": w["token_embedding/embeddings"],
          "albert.embeddings.position_embeddings.weight": w["position_embedding/embeddings"],
          "albert.embeddings.token_type_embeddings.weight": w["segment_embedding/embeddings"],
@@ -149,6 +150,12 @@ def test_huggingface_directory(reference):
             p = f"albert.encoder.albert_layer_groups.{g}.albert_layers.0.{names[part]}."
             t[p + "weight"] = a if part.startswith("ln") else a.T
             t[p + "bias"] = b
+    return t
+
+
+def test_huggingface_directory(reference):
+    w, d = reference["weights"], str(reference["root"] / "hf")
+    t = _hf_tensors(w)
     os.makedirs(d)
     save_file({n: np.ascontiguousarray(v) for n, v in t.items()},
               os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
@@ -166,6 +173,56 @@ def test_huggingface_directory(reference):
     with pytest.raises(UsageError, match=r"hf/model\.safetensors: albert\.embeddings\.word_emb"
                                          r"eddings\.weight has shape \(101, 10\) .* \(101, 12\)"):
         _convert(d, reference["root"] / "bad")
+
+
+def _tf_albert_weight(pt_name, value):
+    """transformers' TF ALBERT spelling (modeling_tf_albert.py) of a PyTorch
+    AlbertForPreTraining tensor: (top-level layer, TF name below the model, stored value).
+    Layers albert, predictions, sop_classifier; albert_layer_groups.g / albert_layers.i are
+    albert_layer_groups_._g / albert_layers_._i; Dense kernels (in, out); the word table is
+    `weight`, the other tables `embeddings`; LayerNorms gamma/beta."""
+    scope, leaf = pt_name.rsplit(".", 1)
+    scope = re.sub(r"(albert_layer_groups|albert_layers)/(\d+)", r"\1_._\2",
+                   scope.replace(".", "/"))
+    if "LayerNorm" in scope or scope.endswith("layer_norm"):
+        leaf = {"weight": "gamma", "bias": "beta"}[leaf]
+    elif scope.endswith(("position_embeddings", "token_type_embeddings")):
+        leaf = "embeddings"
+    elif leaf == "weight" and not scope.endswith("word_embeddings"):
+        leaf, value = "kernel", value.T
+    return scope.split("/")[0], f"{scope}/{leaf}", value
+
+
+def test_huggingface_tf_model_h5_with_heads(reference, write_tf_model_h5, tmp_path):
+    """transformers' TF weights file (TFAlbertForPreTraining: layers albert, predictions,
+    sop_classifier) where model.safetensors would be: keras-hub's outputs, heads in place."""
+    tensors = _hf_tensors(reference["weights"])
+    rng = np.random.default_rng(10)
+    heads = {"predictions.bias": (101,), "predictions.decoder.bias": (101,),
+             "predictions.dense.weight": (E, H), "predictions.dense.bias": (E,),
+             "predictions.LayerNorm.weight": (E,), "predictions.LayerNorm.bias": (E,),
+             "sop_classifier.classifier.weight": (2, H), "sop_classifier.classifier.bias": (2,)}
+    tensors.update({n: rng.normal(size=s).astype("float32") for n, s in heads.items()})
+    layers = {}
+    for name, value in tensors.items():
+        layer, tf_name, stored = _tf_albert_weight(name, value)
+        layers.setdefault(layer, {})[tf_name] = stored
+    d = tmp_path / "albert_tf"
+    os.makedirs(d)
+    written = write_tf_model_h5(d / "tf_model.h5", "tf_albert_for_pre_training", layers)
+    assert ("tf_albert_for_pre_training/albert/encoder/albert_layer_groups_._1/albert_layers_._0/"
+            "attention/query/kernel:0") in written
+    with open(d / "config.json", "w") as file:
+        json.dump(_config_json(model_type="albert", hidden_act="gelu_new"), file)
+    shutil.copyfile(reference["spm"], d / "spiece.model")
+    _convert(d, tmp_path / "run")
+    _assert_equal_outputs(str(tmp_path / "run"), reference)
+    weights = run_dir.read_weights(tmp_path / "run")
+    np.testing.assert_array_equal(weights["mlm_head/dense/kernel"],
+                                  tensors["predictions.dense.weight"].T)
+    np.testing.assert_array_equal(weights["mlm_head/bias"], tensors["predictions.bias"])
+    np.testing.assert_array_equal(weights["sop_head/kernel"],
+                                  tensors["sop_classifier.classifier.weight"].T)
 
 
 def test_google_checkpoint_with_pretraining_heads(reference):

@@ -9,6 +9,7 @@ transposes.
 """
 import json
 import os
+import re
 import shutil
 
 import keras
@@ -16,7 +17,7 @@ import keras_hub
 import numpy as np
 import pytest
 import tensorflow as tf
-from safetensors.numpy import save_file
+from safetensors.numpy import load_file, save_file
 
 from tfbig.convert import ConvertOptions, bert_names, convert, run_dir
 from tfbig.errors import UsageError
@@ -215,6 +216,69 @@ def test_huggingface_directory_and_export_round_trip(reference):
         root / "reimported")
     assert sorted(first) == sorted(second)
     assert all(np.array_equal(first[k], second[k]) for k in first)
+
+
+def _tf_bert_weight(pt_name, value):
+    """transformers' TF BERT spelling (modeling_tf_bert.py) of a PyTorch BertForPreTraining
+    tensor: (top-level layer, TF name below the model, stored value). Layers bert, mlm___cls,
+    nsp___cls; encoder.layer.i is encoder/layer_._i; Dense kernels (in, out); the word table is
+    `weight`, the position and token-type tables `embeddings`; LayerNorms gamma/beta."""
+    scope, leaf = pt_name.rsplit(".", 1)
+    scope = re.sub(r"layer/(\d+)", r"layer_._\1", scope.replace(".", "/"))
+    layer = "bert"
+    if scope.startswith("cls/"):
+        layer = "nsp___cls" if scope == "cls/seq_relationship" else "mlm___cls"
+        scope = scope[len("cls/"):]
+    if "LayerNorm" in scope:
+        leaf = {"weight": "gamma", "bias": "beta"}[leaf]
+    elif scope.endswith(("position_embeddings", "token_type_embeddings")):
+        leaf = "embeddings"
+    elif leaf == "weight" and not scope.endswith("word_embeddings"):
+        leaf, value = "kernel", value.T
+    return layer, f"{layer}/{scope}/{leaf}", value
+
+
+def test_huggingface_tf_model_h5_with_heads(reference, write_tf_model_h5, tmp_path):
+    """transformers' TF weights file (TFBertForPreTraining: layers bert, mlm___cls, nsp___cls)
+    instead of model.safetensors: keras-hub's outputs, the heads where tfbig reads them."""
+    hf = _write_hf(reference, str(tmp_path / "hf"))
+    tensors = dict(load_file(os.path.join(hf, "model.safetensors")))
+    os.remove(os.path.join(hf, "model.safetensors"))
+    rng = np.random.default_rng(6)
+    heads = {"cls.predictions.bias": (101,), "cls.predictions.transform.dense.weight":
+             (HIDDEN, HIDDEN), "cls.predictions.transform.dense.bias": (HIDDEN,),
+             "cls.predictions.transform.LayerNorm.weight": (HIDDEN,),
+             "cls.predictions.transform.LayerNorm.bias": (HIDDEN,),
+             "cls.seq_relationship.weight": (2, HIDDEN), "cls.seq_relationship.bias": (2,)}
+    tensors.update({n: rng.normal(size=s).astype("float32") for n, s in heads.items()})
+    layers = {}
+    for name, value in tensors.items():
+        layer, tf_name, stored = _tf_bert_weight(name, value)
+        layers.setdefault(layer, {})[tf_name] = stored
+    written = write_tf_model_h5(os.path.join(hf, "tf_model.h5"), "tf_bert_for_pre_training",
+                                layers)
+    assert {"tf_bert_for_pre_training/bert/encoder/layer_._1/attention/self/query/kernel:0",
+            "tf_bert_for_pre_training/mlm___cls/predictions/transform/LayerNorm/gamma:0",
+            "tf_bert_for_pre_training/bert/embeddings/token_type_embeddings/embeddings:0"} \
+        <= set(written)
+    _convert(hf, tmp_path / "run")
+    _assert_equal_outputs(str(tmp_path / "run"), reference)
+    weights = run_dir.read_weights(tmp_path / "run")
+    np.testing.assert_array_equal(weights["nsp_head/kernel"],
+                                  tensors["cls.seq_relationship.weight"].T)
+    np.testing.assert_array_equal(weights["mlm_head/dense/kernel"],
+                                  tensors["cls.predictions.transform.dense.weight"].T)
+    np.testing.assert_array_equal(weights["mlm_head/bias"], tensors["cls.predictions.bias"])
+    # a file that is not HDF5, and an HDF5 file without Keras' layer list: clear errors
+    with open(os.path.join(hf, "tf_model.h5"), "wb") as file:
+        file.write(b"not hdf5")
+    with pytest.raises(UsageError, match=r"hf/tf_model\.h5: not an HDF5 file"):
+        _convert(hf, tmp_path / "bad")
+    import h5py
+    with h5py.File(os.path.join(hf, "tf_model.h5"), "w") as file:
+        file.create_dataset("bert/kernel", data=np.zeros(2))
+    with pytest.raises(UsageError, match=r"hf/tf_model\.h5: no 'layer_names' attribute"):
+        _convert(hf, tmp_path / "bad")
 
 
 def test_huggingface_erf_gelu(reference):

@@ -15,6 +15,7 @@ trained here) exercise the head splits of the fused c_attn.
 import dataclasses
 import json
 import os
+import re
 import shutil
 
 import keras
@@ -191,6 +192,39 @@ def test_huggingface_directory_and_export_round_trip(reference):
     assert all(np.array_equal(first[k], second[k]) for k in first)
 
 
+def _tf_gpt2_weight(pt_name, value):
+    """transformers' TF GPT-2 spelling (modeling_tf_gpt2.py) of a PyTorch GPT2Model tensor:
+    (TF name below the model, stored value). One layer, transformer; h.i is h_._i; wte is a
+    TFSharedEmbeddings (`weight`), wpe a table (`embeddings`); LayerNorms gamma/beta; Conv1D
+    weights (in, out) as in PyTorch, their biases stored (1, out)."""
+    scope, leaf = pt_name.rsplit(".", 1)
+    scope = re.sub(r"^h/(\d+)", r"h_._\1", scope.replace(".", "/"))
+    if scope.rsplit("/", 1)[-1] in ("ln_1", "ln_2", "ln_f"):
+        leaf = {"weight": "gamma", "bias": "beta"}[leaf]
+    elif scope == "wpe":
+        leaf = "embeddings"
+    elif leaf == "bias":
+        value = value[None]
+    return f"transformer/{scope}/{leaf}", value
+
+
+def test_huggingface_tf_model_h5(reference, write_tf_model_h5, tmp_path):
+    """transformers' TF weights file (TFGPT2LMHeadModel: one layer, transformer) instead of
+    model.safetensors: keras-hub's hidden states and logits."""
+    hf = _write_hf(reference, str(tmp_path / "hf"))
+    tensors = load_file(os.path.join(hf, "model.safetensors"))
+    os.remove(os.path.join(hf, "model.safetensors"))
+    stored = dict(_tf_gpt2_weight(n, v) for n, v in tensors.items()
+                  if not n.endswith(".attn.bias"))  # a PyTorch buffer, not a weight
+    written = write_tf_model_h5(os.path.join(hf, "tf_model.h5"), "tfgp_t2lm_head_model",
+                                {"transformer": stored})
+    assert {"tfgp_t2lm_head_model/transformer/h_._1/attn/c_attn/weight:0",
+            "tfgp_t2lm_head_model/transformer/wte/weight:0"} <= set(written)
+    assert stored["transformer/h_._0/attn/c_attn/bias"].shape == (1, 3 * HIDDEN)
+    _convert(hf, tmp_path / "run")
+    _assert_equal_outputs(tmp_path / "run", reference)
+
+
 def test_untied_head_and_config_fields_round_trip(reference, tmp_path):
     """Fields keras-hub cannot express (n_inner, layer_norm_epsilon, an untied lm_head) still
     reach tfbig's GPTConfig and come back out unchanged."""
@@ -270,8 +304,8 @@ def test_savedmodel_export_of_a_converted_gpt2_carries_its_bpe(reference, tmp_pa
 
 def test_tfbig_train_refuses_a_converted_run_and_leaves_it_intact(reference, gpt_data,
                                                                   tmp_path):
-    """tfbig-train has no --init_checkpoint for GPT: pointed at a converted run as --model_dir
-    it would overwrite the run's config.json (and so its tokenizer entry); it refuses instead."""
+    """Pointed at a converted run as --model_dir, tfbig-train would overwrite the run's
+    config.json (and so its tokenizer entry); it refuses, naming --init_checkpoint instead."""
     from tfbig.config import ExperimentConfig
     from tfbig.trainer import Trainer
 
@@ -282,7 +316,8 @@ def test_tfbig_train_refuses_a_converted_run_and_leaves_it_intact(reference, gpt
     for key, value in dict(data_dir=gpt_data, model_dir=str(run), preset="tiny", seq_length=16,
                            batch_size=8, max_steps=1, xla=False, sample_tokens=0).items():
         setattr(cfg.train, key, value)
-    with pytest.raises(ValueError, match=r"run is a tfbig-convert run directory \(huggingface:"):
+    with pytest.raises(ValueError, match=r"run is a tfbig-convert run directory \(huggingface:"
+                                         r".*Continue training it with --init_checkpoint="):
         Trainer(cfg)
     assert (run / "config.json").read_text() == before
 
@@ -368,7 +403,7 @@ def test_bad_inputs_name_the_file(reference, tmp_path):
     fails(torch_only, r"model\.safetensors: file not found \(found \['pytorch_model\.bin'\]")
     tf_only = copy("tf_only")
     os.rename(tf_only / "model.safetensors", tf_only / "tf_model.h5")
-    fails(tf_only, r"model\.safetensors: file not found \(found \['tf_model\.h5'\]")
+    fails(tf_only, r"tf_only/tf_model\.h5: not an HDF5 file")
     fails(hf, r"--lowercase=true: applies to BERT's WordPiece vocabulary; .* is a GPT-2",
           lowercase="true")
     with pytest.raises(UsageError, match=r"config\.json: model_format='gpt'; expected one of "

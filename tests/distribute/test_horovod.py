@@ -24,6 +24,7 @@ from test_trainer import ReplicasTask, make_cfg, weights  # noqa: E402
 
 from horovod_worker import RecordingLogger  # noqa: E402
 from tfbig import config as config_lib  # noqa: E402
+from tfbig import init_checkpoint  # noqa: E402
 from tfbig.tasks import get_task  # noqa: E402
 from tfbig.trainer import Trainer  # noqa: E402
 
@@ -41,6 +42,9 @@ ALBERT = dict(model="albert", seq_length=32, optimizer="lamb", learning_rate=1e-
               weight_decay=0.01, epsilon=1e-6)
 # BERT (MLM + NSP, AdamW) on the same loop; shards of seq_length 32 (conftest's bert_data).
 BERT = dict(model="bert", seq_length=32, learning_rate=1e-2, weight_decay=0.01, epsilon=1e-6)
+# From a converted GPT-2 (conftest's gpt2_bpe): its config.json is the architecture, so the
+# size flags of make_cfg go back to their defaults.
+INIT = dict(preset="small", num_layers=0, hidden_size=0, num_heads=0)
 
 
 
@@ -106,7 +110,7 @@ class Runs:
 
 
 @pytest.fixture(scope="module")
-def runs(gpt_data, albert_data, bert_data, tmp_path_factory):
+def runs(gpt_data, albert_data, bert_data, gpt2_bpe, tmp_path_factory):
     root = tmp_path_factory.mktemp("horovod")
     out = root / "out"
     plan = [
@@ -125,6 +129,8 @@ def runs(gpt_data, albert_data, bert_data, tmp_path_factory):
                   sigterm={"rank": 1, "step": 2}),
         run_entry("albert", horovod_cfg(albert_data, root / "albert", **ALBERT), out),
         run_entry("bert", horovod_cfg(bert_data, root / "bert", **BERT), out),
+        run_entry("init", horovod_cfg(gpt2_bpe["data"], root / "init",
+                                      init_checkpoint=gpt2_bpe["run"], **INIT), out),
         run_entry("recompute", recompute_cfg(horovod_cfg(gpt_data, root / "recompute",
                                                          grad_accum_steps=2)), out),
         run_entry("budget", horovod_cfg(gpt_data, root / "budget", max_steps=0,
@@ -144,7 +150,9 @@ def reference(data_dir, model_dir, **train):
     """The single-device run on the examples both ranks read together; (trainer, losses)."""
     cfg = make_cfg(data_dir, model_dir, **{**EQUIVALENCE, **train})
     logger = RecordingLogger(cfg.train.model_dir, True, cfg.train.max_steps)
-    task = ReplicasTask(cfg.train, 2, get_task(cfg.train, cfg))
+    inner = get_task(*init_checkpoint.task_inputs(cfg.train, cfg))
+    init_checkpoint.apply(inner, cfg)  # --init_checkpoint's architecture for the wrapped task
+    task = ReplicasTask(cfg.train, 2, inner)
     trainer = Trainer(cfg, task=task, logger=logger)
     trainer.fit()
     return trainer, np.array([logger.losses[s][0] for s in sorted(logger.losses)])
@@ -162,7 +170,7 @@ def timeline_counts(path):
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", ["plain", "accum", "resumed", "fp16_allreduce", "fp16_skip",
-                                  "preempted", "albert", "bert", "recompute"])
+                                  "preempted", "albert", "bert", "recompute", "init"])
 def test_ranks_end_with_bit_identical_weights_and_optimizer_state(runs, name):
     first, second = runs[name]
     assert first["num_replicas"] == 2 and first["step"] == second["step"] > 0
@@ -179,10 +187,16 @@ def test_ranks_end_with_bit_identical_weights_and_optimizer_state(runs, name):
                                              # checkpointed ranks vs a plain single device
                                              ("recompute", "gpt_data", {"grad_accum_steps": 2}),
                                              ("albert", "albert_data", ALBERT),
-                                             ("bert", "bert_data", BERT)])
+                                             ("bert", "bert_data", BERT),
+                                             # rank 0 loads --init_checkpoint, rank 1 gets it
+                                             # through the broadcast
+                                             ("init", "gpt2_bpe", INIT)])
 def test_two_ranks_equal_one_process_on_the_same_data(runs, request, tmp_path, name, data, train):
     first, _ = runs[name]
-    single, losses = reference(request.getfixturevalue(data), tmp_path, **train)
+    data = request.getfixturevalue(data)
+    if name == "init":
+        data, train = data["data"], {**train, "init_checkpoint": data["run"]}
+    single, losses = reference(data, tmp_path, **train)
     assert np.all(first["grad_norms"] > EQUIVALENCE["grad_clip_norm"])  # clipping is active
     assert len(losses) == len(first["losses"]) == EQUIVALENCE["max_steps"]
     np.testing.assert_allclose(first["losses"], losses, rtol=1e-5)
@@ -191,6 +205,11 @@ def test_two_ranks_equal_one_process_on_the_same_data(runs, request, tmp_path, n
     # Weights are O(1e-2); atol 1e-6 only admits the float noise Adam amplifies in the key
     # bias, whose gradient is zero in exact arithmetic (softmax ignores a per-row shift).
     for ours, theirs in zip(listed(first, "w"), reference_weights):
+        if name == "init" and ours.shape == (3 * 24,):  # the converted GPT-2's qkv bias: its
+            # key third has a zero gradient in exact arithmetic and the O(0.1) weights of the
+            # converted model leave Adam more float noise to amplify (1.8e-4 seen), so it is
+            # left out; the losses above still cover it
+            ours, theirs = np.delete(ours, np.s_[24:48]), np.delete(theirs, np.s_[24:48])
         np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
 
 

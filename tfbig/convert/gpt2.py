@@ -2,7 +2,8 @@
 tfbig GPT run back out to a Hugging Face GPT-2 directory.
 
     huggingface  config.json (model_type "gpt2") + model.safetensors (GPT2Model names, or
-                 GPT2LMHeadModel's "transformer."-prefixed ones) + vocab.json + merges.txt
+                 GPT2LMHeadModel's "transformer."-prefixed ones) or transformers' TF weights
+                 tf_model.h5 (tfbig.convert.hf_h5) + vocab.json + merges.txt
     keras_hub    a keras_hub>GPT2Backbone preset (config.json + model.weights.h5, tokenizer.json
                  + assets/tokenizer/vocabulary.json + merges.txt), read with keras-hub itself
 
@@ -22,6 +23,7 @@ import shutil
 
 import numpy as np
 
+from tfbig.data.bpe import RUN_ENTRY
 from tfbig.errors import UsageError
 from tfbig.models.configs import GPTConfig
 
@@ -37,7 +39,7 @@ TOP = {"embedding/token/embeddings": "wte.weight",
        "final_norm/gamma": "ln_f.weight", "final_norm/beta": "ln_f.bias"}
 HEAD = ("head/kernel", "lm_head.weight")  # untied only; stored (V, C), tfbig's kernel (C, V)
 TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
-TOKENIZER = {"kind": "byte_level_bpe", "vocab_file": "vocab.json", "merges_file": "merges.txt"}
+TOKENIZER = RUN_ENTRY  # vocab.json + merges.txt, {"kind": "byte_level_bpe", ...}
 
 
 @dataclasses.dataclass
@@ -162,15 +164,14 @@ def check_tokenizer(vocab_file, merges_file, config, config_file):
 
 
 def read_huggingface(directory, raw):
-    """config.json (model_type "gpt2") + model.safetensors + vocab.json + merges.txt."""
-    from safetensors.numpy import load_file
-
-    from tfbig.convert.sources import _safetensors_file
+    """config.json (model_type "gpt2") + model.safetensors or tf_model.h5 + vocab.json +
+    merges.txt."""
+    from tfbig.convert import hf_h5
 
     config_file = os.path.join(directory, "config.json")
     config = config_from_hf(raw, config_file)
-    weights_file = _safetensors_file(directory)
-    weights = hf_to_tfbig(load_file(weights_file), config, weights_file)
+    weights_file, tensors = hf_h5.load_weights(directory)
+    weights = hf_to_tfbig(tensors, config, weights_file)
     published = PublishedGPT2(config, weights, os.path.join(directory, "vocab.json"),
                               os.path.join(directory, "merges.txt"), f"huggingface:{directory}")
     check_tokenizer(published.vocab_file, published.merges_file, config, config_file)

@@ -1,15 +1,18 @@
 """Read a BERT or ALBERT published in someone else's on-disk format: config, weights, tokenizer.
 
-    huggingface  config.json (model_type "bert") + model.safetensors + vocab.txt
+    huggingface  config.json (model_type "bert") + model.safetensors (or transformers' TF
+                 weights tf_model.h5, tfbig.convert.hf_h5) + vocab.txt
                  (+ tokenizer_config.json for do_lower_case)
     keras_hub    a keras-hub preset: config.json (keras_hub>BertBackbone) + model.weights.h5,
                  tokenizer.json + assets/tokenizer/vocabulary.txt; read with keras-hub itself
     google       the original TF1 release: bert_config.json + bert_model.ckpt.{index,data-*}
                  + vocab.txt, read with TensorFlow's checkpoint reader
-    ALBERT       the same three: config.json (model_type "albert") + model.safetensors +
+    ALBERT       the same three: config.json (model_type "albert") + model.safetensors or
+                 tf_model.h5 +
                  spiece.model; keras_hub>AlbertBackbone presets (vocabulary.spm); Google's
                  albert_config.json + model.ckpt.* + 30k-clean.model (tfbig.convert.albert)
-    GPT-2        config.json (model_type "gpt2") + model.safetensors + vocab.json + merges.txt;
+    GPT-2        config.json (model_type "gpt2") + model.safetensors or tf_model.h5 + vocab.json
+                 + merges.txt;
                  keras_hub>GPT2Backbone presets (tfbig.convert.gpt2, a PublishedGPT2)
 
 Each reader returns a `Published`: the BertConfig, the weights under the Google TF1 names (the
@@ -22,7 +25,7 @@ import os
 
 import numpy as np
 
-from tfbig.convert import bert_names
+from tfbig.convert import bert_names, hf_h5
 from tfbig.errors import UsageError
 from tfbig.models.configs import BertConfig
 
@@ -135,19 +138,6 @@ def check_vocab(vocab_file, config, config_file):
                          f"vocab_size={config.vocab_size}; they must come from the same model")
 
 
-def _safetensors_file(directory):
-    weights_file = os.path.join(directory, "model.safetensors")
-    if not os.path.isfile(weights_file):
-        others = [f for f in ("pytorch_model.bin", "tf_model.h5", "model.safetensors.index.json")
-                  if os.path.exists(os.path.join(directory, f))]
-        raise UsageError(
-            f"{weights_file}: file not found" + (f" (found {others}: convert them to a single "
-                                                 "model.safetensors first, e.g. transformers' "
-                                                 "model.save_pretrained(dir, "
-                                                 "safe_serialization=True))" if others else ""))
-    return weights_file
-
-
 def read_huggingface(directory):
     config_file = os.path.join(directory, "config.json")
     raw = _json(config_file)
@@ -159,11 +149,9 @@ def read_huggingface(directory):
     if raw.get("model_type") != "bert":
         raise UsageError(f"{config_file}: model_type={raw.get('model_type')!r}; tfbig-convert "
                          "reads BERT, ALBERT and GPT-2 (model_type 'bert', 'albert' or 'gpt2')")
-    weights_file = _safetensors_file(directory)
-    from safetensors.numpy import load_file
-
+    weights_file, tensors = hf_h5.load_weights(directory)
     config = _hf_config(raw, config_file)
-    weights = bert_names.hf_to_google(load_file(weights_file), config.num_layers)
+    weights = bert_names.hf_to_google(tensors, config.num_layers)
     tokenizer = os.path.join(directory, "tokenizer_config.json")
     lowercase = _json(tokenizer).get("do_lower_case", True) if os.path.isfile(tokenizer) \
         else True  # the default of Hugging Face's BertTokenizer
@@ -260,12 +248,10 @@ def _albert(directory, raw, config_file, weights, weights_file, tokenizer, sourc
 
 
 def read_albert_huggingface(directory, raw):
-    """config.json (model_type "albert") + model.safetensors + spiece.model."""
-    from safetensors.numpy import load_file
-
+    """config.json (model_type "albert") + model.safetensors or tf_model.h5 + spiece.model."""
     from tfbig.convert import albert
 
-    weights_file = _safetensors_file(directory)
+    weights_file, tensors = hf_h5.load_weights(directory)
     hf_names = {}
 
     def weights(config):
@@ -273,7 +259,7 @@ def read_albert_huggingface(directory, raw):
             (None, g, h) for _, gs, hs in albert.qkv_table(config.num_groups)
             for g, h in zip(gs, hs)]
         hf_names.update({g: (h, g.endswith("/kernel")) for _, g, h in rows})
-        return albert.hf_to_google(load_file(weights_file), config.num_groups)
+        return albert.hf_to_google(tensors, config.num_groups)
 
     return _albert(directory, raw, os.path.join(directory, "config.json"), weights,
                    weights_file, "spiece.model", "huggingface",

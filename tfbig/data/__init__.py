@@ -34,7 +34,7 @@ from tfbig.data.manifest import (MANIFEST_NAME, Manifest, ShardInfo, SplitInfo, 
 from tfbig.data.mixture import Mixture, is_mixture, open_manifest, parse_mixture, source_counts, source_tokens
 from tfbig.data.prepare import default_data_dir, prepare, prepare_locked
 from tfbig.data.sources import DEFAULT_VALIDATION_PLAYS, Piece, SourceSpec
-from tfbig.data.tokenizer import Tokenizer, load_tokenizer
+from tfbig.data.tokenizer import Tokenizer, load_tokenizer, run_tokenizer_files
 from tfbig.data.wordpiece_vocab import WordPieceVocab
 
 # Reading needs TensorFlow: imported when first used, so `import tfbig.data` in a prep worker stays light.
@@ -50,7 +50,7 @@ def __getattr__(name: str):
 
 
 __all__ = ["DEFAULT_VALIDATION_PLAYS", "FORMATS", "MANIFEST_NAME", "Format", "Manifest", "MaskingOptions",
-           "MaskingVocab", "Mixture", "Piece", "ShardInfo", "SourceSpec", "SplitInfo", "Tokenizer", "WordPieceVocab", "load_tokenizer",
+           "MaskingVocab", "Mixture", "Piece", "ShardInfo", "SourceSpec", "SplitInfo", "Tokenizer", "WordPieceVocab", "load_tokenizer", "run_tokenizer_files",
            "default_data_dir", "get_format", "index_shards", "is_mixture", "load_manifest", "open_manifest",
            "parse_mixture", "prepare", "prepare_locked", "source_counts", "source_tokens", "write_manifest",
            *_LAZY]

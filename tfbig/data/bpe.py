@@ -17,6 +17,8 @@ from collections.abc import Iterable
 import numpy as np
 
 END_OF_TEXT = "<|endoftext|>"
+# A run directory's config.json "tokenizer" entry for these files (tfbig.data.tokenizer.for_run)
+RUN_ENTRY = {"kind": "byte_level_bpe", "vocab_file": "vocab.json", "merges_file": "merges.txt"}
 
 
 def _byte_of_char():

@@ -30,16 +30,26 @@ from absl import logging
 
 from tfbig.data import formats, shards, sources, tfrecord
 from tfbig.data.manifest import MANIFEST_NAME, Manifest, ShardInfo, SplitInfo, load_manifest, write_manifest
-from tfbig.data.tokenizer import Tokenizer, load_tokenizer
+from tfbig.data.tokenizer import (Tokenizer, is_byte_level_bpe, load_tokenizer, tokenizer_file,
+                                  tokenizer_files, tokenizer_sha256)
 from tfbig.data.wordpiece_vocab import WordPieceVocab
 
 TOKENIZER_NAME = "tokenizer.model"
 WORDPIECE_NAME = "vocab.txt"  # --format=bert: a WordPiece vocabulary (tfbig.data.WordPieceVocab)
+BPE_NAME = "vocab.json"  # GPT-2's byte-level BPE (--tokenizer=a GPT-2 directory), merges.txt beside it
 
 
-def tokenizer_name(format: str) -> str:
+def tokenizer_name(format: str, byte_level_bpe: bool = False) -> str:
     """File name of the tokenizer next to the shards of `format`."""
+    if byte_level_bpe:
+        return BPE_NAME
     return WORDPIECE_NAME if format == "bert" else TOKENIZER_NAME
+
+
+def _tokenizer_name(settings: dict) -> str:
+    return tokenizer_name(settings["format"], settings.get("tokenizer_kind") == "byte_level_bpe")
+
+
 PIECE_BYTES = 1 << 20  # input granularity: shards are runs of pieces
 SAMPLE_BYTES = 256 << 10  # text tokenized up front to estimate shard sizes
 _SHARD_FILE = re.compile(r"^(train|validation)(-[\w-]+)?-\d{5}-of-\d{5}\.tfrecord(?P<suffix>\.done|\.tmp)?$")
@@ -85,8 +95,10 @@ def prepare(inputs: list[str] | None = None, output_dir: str | None = None, seq_
       shard_size_mb: target size of one shard file, in MiB.
       num_workers: processes that tokenize and write shards.
       format: record format, a key of `tfbig.data.FORMATS`.
-      tokenizer: an existing SentencePiece .model to use (copied next to the shards)
-        instead of training one.
+      tokenizer: an existing tokenizer to use (copied next to the shards) instead of training
+        one: a SentencePiece .model, a WordPiece vocab.txt (format "bert"), GPT-2's byte-level
+        BPE vocab.json with merges.txt beside it (format "gpt"), or a directory holding one
+        (a Hugging Face GPT-2, a tfbig-convert output: `tokenizer_file`).
       doc_per_line, jsonl_field, jsonl_group_field, jsonl_groups, tfds_*: see `tfbig.data.SourceSpec`.
       shard_by_group: each shard holds one of `jsonl_groups` (file names carry the group), so one
         prep writes per-component shards (e.g. of the Pile); the manifest lists each shard's group.
@@ -120,13 +132,17 @@ def prepare(inputs: list[str] | None = None, output_dir: str | None = None, seq_
     train, validation = sources.plan_splits(spec, _piece_bytes(shard_size_mb), validation_fraction, validation_plays)
     settings = {"format": format, "seq_length": seq_length, "vocab_size": vocab_size, "seed": seed,
                 "shard_size_mb": shard_size_mb, "spec": dataclasses.asdict(spec), "shard_by_group": shard_by_group}
+    tokenizer = tokenizer_file(tokenizer) if tokenizer else None
+    if tokenizer and is_byte_level_bpe(tokenizer):
+        settings["tokenizer_kind"] = "byte_level_bpe"  # only then: other prep keys stay as they were
     if format_options:
         settings["format_options"] = dict(sorted(format_options.items()))
     os.makedirs(output_dir, exist_ok=True)
     existing = _existing_config(output_dir)
     _refuse_conflicts(output_dir, existing, {"format": format, "seq_length": seq_length}, overwrite)
     tokenizer_sha = _tokenizer_step(output_dir, tokenizer, train, spec, vocab_size, seed,
-                                    tokenizer_sample_mb, existing, overwrite, format)
+                                    tokenizer_sample_mb, existing, overwrite, format,
+                                    _tokenizer_name(settings))
     key = _prep_key(settings, train, validation, tokenizer_sha)
     manifest = _finished(output_dir, key, overwrite)
     if manifest is not None:
@@ -213,21 +229,24 @@ def _refuse_conflicts(output_dir: str, existing: dict, requested: dict, overwrit
 # ---------------------------------------------------------------- tokenizer
 
 
-def _tokenizer_step(output_dir, tokenizer_file, train, spec, vocab_size, seed, sample_mb, existing, overwrite,
-                    format="gpt") -> str:
-    """Put tokenizer.model (vocab.txt for bert) in output_dir (copy, reuse or train); return its sha256."""
-    target = os.path.join(output_dir, tokenizer_name(format))
-    if tokenizer_file:
-        _check_tokenizer_kind(tokenizer_file, format)
-        sha = _checked_tokenizer_sha(tokenizer_file, vocab_size)
+def _tokenizer_step(output_dir, given, train, spec, vocab_size, seed, sample_mb, existing, overwrite,
+                    format="gpt", name=TOKENIZER_NAME) -> str:
+    """Put the tokenizer in output_dir as `name` (tokenizer.model; vocab.txt for bert; vocab.json +
+    merges.txt for a given byte-level BPE): copy, reuse or train; return its sha256."""
+    target = os.path.join(output_dir, name)
+    if given:
+        _check_tokenizer_kind(given, format)
+        sha = _checked_tokenizer_sha(given, vocab_size)
         if not overwrite and existing.get("tokenizer_sha256", (sha,))[0] != sha:
             raise ValueError(f"{output_dir} holds shards made with a tokenizer of sha256 "
                              f"{existing['tokenizer_sha256'][0][:12]}... (see {existing['tokenizer_sha256'][1]}) "
-                             f"but --tokenizer={tokenizer_file} has sha256 {sha[:12]}...; "
+                             f"but --tokenizer={given} has sha256 {sha[:12]}...; "
                              "choose another --output_dir or pass --overwrite")
-        if not (os.path.isfile(target) and shards.file_sha256(target) == sha):
-            shutil.copyfile(tokenizer_file, target + ".tmp")
-            os.replace(target + ".tmp", target)
+        if not _holds_tokenizer(target, sha):
+            for file_name, source in sorted(tokenizer_files(given).items(), key=lambda f: f[0] == name):
+                copy = os.path.join(output_dir, name if source == given else file_name)
+                shutil.copyfile(source, copy + ".tmp")  # the named file last: it marks the copy done
+                os.replace(copy + ".tmp", copy)
         return sha
     recipe = {"vocab_size": vocab_size, "seed": seed, "sample_mb": sample_mb,
               "model_type": "wordpiece" if format == "bert" else "bpe",
@@ -244,7 +263,18 @@ def _tokenizer_step(output_dir, tokenizer_file, train, spec, vocab_size, seed, s
     return _train_tokenizer(target, recipe, train, spec, vocab_size, seed, sample_mb)
 
 
+def _holds_tokenizer(target: str, sha: str) -> bool:
+    """Whether output_dir already holds the tokenizer of sha256 `sha` as `target` (and merges.txt)."""
+    try:
+        return tokenizer_sha256(target) == sha
+    except OSError:
+        return False
+
+
 def _check_tokenizer_kind(source: str, format: str) -> None:
+    if is_byte_level_bpe(source) and format != "gpt":
+        raise ValueError(f"--tokenizer={source} is GPT-2's byte-level BPE, which has no [CLS], [SEP] "
+                         f"or [MASK]; --format={format} needs its own tokenizer (BPE is for --format=gpt)")
     if (format == "bert") != source.endswith(".txt"):
         expected = "a WordPiece vocab.txt" if format == "bert" else "a SentencePiece .model file"
         raise ValueError(f"--tokenizer={source}: --format={format} needs {expected}")
@@ -255,9 +285,13 @@ def _checked_tokenizer_sha(source: str, vocab_size: int) -> str:
     if loaded.vocab_size != vocab_size:
         raise ValueError(f"--tokenizer={source} has vocab_size={loaded.vocab_size} but --vocab_size={vocab_size}; "
                          "make them agree")
-    if loaded.eos_id < 0:
+    try:
+        eos = loaded.eos_id
+    except ValueError:  # a BPE vocabulary without <|endoftext|>
+        eos = -1
+    if eos < 0:
         raise ValueError(f"--tokenizer={source} has no end-of-document (eos) piece; train it with eos_id set")
-    return shards.file_sha256(source)
+    return tokenizer_sha256(source)
 
 
 def _reusable_tokenizer(target: str, recipe: dict) -> str | None:
@@ -338,7 +372,7 @@ def _shards_intact(manifest: Manifest) -> bool:
 
 
 def _plan_jobs(output_dir, spec, settings, splits: dict, tokenizer_sha: str) -> list[shards.ShardJob]:
-    tokenizer_path = os.path.join(output_dir, tokenizer_name(settings["format"]))
+    tokenizer_path = os.path.join(output_dir, _tokenizer_name(settings))
     ratio = _record_bytes_per_source_byte(splits["train"], spec, tokenizer_path, settings["seq_length"])
     target = settings["shard_size_mb"] * 2**20 / ratio  # source bytes per shard
     # Per-group shards: every group's shards read the same runs of pieces and keep their own
@@ -400,7 +434,7 @@ def _balanced_groups(pieces: list[sources.Piece], target: float) -> list[list[so
 
 
 def _manifest(output_dir, settings, jobs, results, spec, key, record_format) -> Manifest:
-    name = tokenizer_name(settings["format"])
+    name = _tokenizer_name(settings)
     tokenizer = load_tokenizer(os.path.join(output_dir, name))
     splits = {}
     for split in ("train", "validation"):
@@ -418,7 +452,7 @@ def _manifest(output_dir, settings, jobs, results, spec, key, record_format) -> 
             "format_options": settings.get("format_options", {}), **counts}
     info = json.loads(json.dumps(info))  # as load_manifest will see it
     return Manifest(output_dir, settings["format"], settings["seq_length"], tokenizer.vocab_size, name,
-                    tokenizer.eos_id, tokenizer.pad_id, splits, shards.file_sha256(tokenizer.path), info)
+                    tokenizer.eos_id, tokenizer.pad_id, splits, tokenizer_sha256(tokenizer.path), info)
 
 
 def _group_counts(jobs, results) -> dict:

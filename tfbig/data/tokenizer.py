@@ -22,7 +22,10 @@ Example:
     tok.decode(tok.encode("to be\\n")) == "to be\\n"
 """
 
+import hashlib
 import io
+import json
+import os
 from collections.abc import Iterable
 
 import numpy as np
@@ -140,12 +143,75 @@ class Tokenizer:
 
 def load_tokenizer(path: str):
     """A prep tokenizer from its file: a WordPiece vocab.txt (tfbig.data.WordPieceVocab, for
-    --format=bert) or a SentencePiece .model (Tokenizer)."""
+    --format=bert), GPT-2's byte-level BPE vocab.json with merges.txt beside it
+    (tfbig.data.bpe.ByteLevelBPE) or a SentencePiece .model (Tokenizer)."""
     if path.endswith(".txt"):
         from tfbig.data.wordpiece_vocab import WordPieceVocab
 
         return WordPieceVocab.load(path)
+    if is_byte_level_bpe(path):
+        from tfbig.data.bpe import ByteLevelBPE
+
+        return ByteLevelBPE.load(path, merges_file(path))
     return Tokenizer.load(path)
+
+
+def is_byte_level_bpe(path: str) -> bool:
+    """Whether a tokenizer file is GPT-2's vocab.json (its merges.txt beside it)."""
+    return path.endswith(".json")
+
+
+def merges_file(vocab_file: str) -> str:
+    """The merges.txt beside a byte-level BPE vocab.json."""
+    return os.path.join(os.path.dirname(vocab_file), "merges.txt")
+
+
+def tokenizer_file(path: str) -> str:
+    """The tokenizer file --tokenizer names: a file as given; for a directory, the file its
+    config.json "tokenizer" entry names (a tfbig-convert output or tfbig-train run), else the
+    one of vocab.json (+ merges.txt, a Hugging Face GPT-2), tokenizer.model or vocab.txt it has."""
+    if not os.path.isdir(path):
+        return path
+    config = os.path.join(path, "config.json")
+    if os.path.isfile(config):
+        with open(config) as file:
+            entry = json.load(file).get("tokenizer")
+        if isinstance(entry, dict) and entry.get("vocab_file"):
+            return os.path.join(path, entry["vocab_file"])
+    for name in ("vocab.json", "tokenizer.model", "vocab.txt"):
+        if os.path.isfile(os.path.join(path, name)):
+            return os.path.join(path, name)
+    raise ValueError(f"--tokenizer={path}: a directory without vocab.json + merges.txt (GPT-2's "
+                     "byte-level BPE), tokenizer.model (SentencePiece) or vocab.txt (WordPiece)")
+
+
+def tokenizer_files(path: str) -> dict:
+    """{file name: path} of the files a tokenizer is made of: vocab.json and merges.txt for
+    byte-level BPE, else the one file."""
+    if is_byte_level_bpe(path):
+        return {"vocab.json": path, "merges.txt": merges_file(path)}
+    return {os.path.basename(path): path}
+
+
+def tokenizer_sha256(path: str) -> str:
+    """Hex sha256 of a tokenizer: of its file, or of vocab.json then merges.txt for BPE."""
+    digest = hashlib.sha256()
+    for name in (tokenizer_files(path).values() if is_byte_level_bpe(path) else (path,)):
+        with open(name, "rb") as file:
+            while block := file.read(1 << 22):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def run_tokenizer_files(path: str) -> tuple[dict, dict | None]:
+    """What tfbig-train copies into --model_dir for the data's tokenizer `path`, and the
+    config.json "tokenizer" entry that makes `for_run` read it: GPT-2's vocab.json + merges.txt
+    with {"kind": "byte_level_bpe", ...}; any other as tokenizer.model and no entry."""
+    if is_byte_level_bpe(path):
+        from tfbig.data.bpe import RUN_ENTRY
+
+        return tokenizer_files(path), dict(RUN_ENTRY)
+    return {"tokenizer.model": path}, None
 
 
 def _training_lines(texts: Iterable[str]):
@@ -159,11 +225,9 @@ def _training_lines(texts: Iterable[str]):
 def for_run(model_dir: str):
     """The tokenizer a run directory carries: GPT-2's byte-level BPE (vocab.json + merges.txt,
     tfbig.data.bpe) when its config.json says {"tokenizer": {"kind": "byte_level_bpe", ...}}
-    (a tfbig-convert of a GPT-2), else the SentencePiece tokenizer.model tfbig-train copies
-    there. Both answer the same calls (encode, decode, eos_id, vocab_size...)."""
-    import json
-    import os
-
+    (a tfbig-convert of a GPT-2, or a tfbig-train run on such data), else the SentencePiece
+    tokenizer.model tfbig-train copies there. Both answer the same calls (encode, decode,
+    eos_id, vocab_size...)."""
     path = os.path.join(model_dir, "config.json")
     saved = {}
     if os.path.isfile(path):

@@ -88,4 +88,4 @@ class GPTTask:
                 "bits_per_byte": self.manifest.bits_per_byte(loss)}
 
     def tokenizer(self):
-        return data.Tokenizer.load(self.manifest.tokenizer_path)
+        return data.load_tokenizer(self.manifest.tokenizer_path)  # SentencePiece or GPT-2's BPE

@@ -1,0 +1,148 @@
+"""tfbig-train --init_checkpoint: pretraining continues from a converted model's weights.
+
+The first step's loss equals the loss of the converted model itself (loaded as tfbig-generate
+loads it, or built from its config.json) on the same batch; the optimizer and the step start
+fresh; a resume wins over --init_checkpoint; flags, layouts and data that disagree with the
+checkpoint are refused before anything is built.
+"""
+import dataclasses
+import json
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfbig import init_checkpoint
+from tfbig.checkpoint import model_variables
+from tfbig.config import ExperimentConfig
+from tfbig.convert import run_dir
+from tfbig.data import load_manifest
+from tfbig.data.bpe import ByteLevelBPE
+from tfbig.data.tokenizer import for_run
+from tfbig.errors import UsageError
+from tfbig.generate import load_model
+from tfbig.tasks.gpt import GPTTask
+from tfbig.trainer import Trainer
+
+
+def _cfg(**train):
+    cfg = ExperimentConfig()
+    values = dict(model="gpt", seq_length=16, batch_size=4, max_steps=3, xla=False,
+                  sample_tokens=0, dropout=0.0, deterministic=True, log_every=1, eval_steps=1,
+                  warmup_steps=1, checkpoint_every=100)
+    for key, value in {**values, **train}.items():
+        setattr(cfg.train, key, value)
+    return cfg
+
+
+def _first_step_loss_and_reference(trainer, reference):
+    """(the trainer's first step's loss, `reference` model's loss on the same batch)."""
+    batch = {k: v[0] for k, v in next(trainer._train_iterator()).items()}  # accumulation 1
+    expected, _ = trainer.task.loss(reference, batch)
+    summary = trainer.fit(steps=1)
+    return summary["train"]["loss"], float(expected)
+
+
+def test_gpt2_continues_from_its_converted_weights(gpt2_bpe, tmp_path):
+    run, model_dir = gpt2_bpe["run"], str(tmp_path / "continued")
+    cfg = _cfg(init_checkpoint=run, data_dir=gpt2_bpe["data"], model_dir=model_dir)
+    trainer = Trainer(cfg)
+    converted_config, _ = run_dir.read_config(run, families=("gpt",))
+    assert trainer.model.config == dataclasses.replace(converted_config, dropout=0.0)
+    converted = run_dir.read_weights(run)
+    ours = {k: v.numpy() for k, v in model_variables(trainer.model).items()}
+    assert sorted(ours) == sorted(converted)
+    assert all(np.array_equal(ours[k], converted[k]) for k in ours)
+    assert int(trainer.step.numpy()) == 0 and int(trainer.optimizer.iterations.numpy()) == 0
+    reference, _ = load_model(run)  # the converted GPT-2 as tfbig-generate loads it
+    loss, expected = _first_step_loss_and_reference(trainer, reference)
+    np.testing.assert_allclose(loss, expected, rtol=1e-5)
+    # the run carries GPT-2's tokenizer, so tfbig-generate and the exports read it
+    tokenizer = for_run(model_dir)
+    assert isinstance(tokenizer, ByteLevelBPE) and tokenizer.vocab_size == gpt2_bpe["vocab_size"]
+    # the same command again resumes: its step and its own weights, not the converted ones
+    again = Trainer(cfg)
+    assert again.restored_from and int(again.step.numpy()) == 1
+    kernel = model_variables(again.model)["block_0/attn/qkv/kernel"].numpy()
+    assert not np.array_equal(kernel, converted["block_0/attn/qkv/kernel"])
+    np.testing.assert_array_equal(kernel, model_variables(trainer.model)[
+        "block_0/attn/qkv/kernel"].numpy())
+    # ... but not with another --init_checkpoint (or none where one started it)
+    with pytest.raises(UsageError, match=r"continued holds a checkpoint of a run started from "
+                                         r"--init_checkpoint=.*run .*not from --init_checkpoint"
+                                         r"=.*elsewhere"):
+        init_checkpoint.apply(again.task, _cfg(init_checkpoint=str(tmp_path / "elsewhere"),
+                                               data_dir=gpt2_bpe["data"], model_dir=model_dir))
+
+
+def test_disagreeing_flags_layouts_and_data_are_refused(gpt2_bpe, gpt_data, tmp_path):
+    run = gpt2_bpe["run"]
+
+    def refused(match, data_dir=gpt2_bpe["data"], parallel=None, **train):
+        cfg = _cfg(**{"init_checkpoint": run, "model_dir": str(tmp_path / "m"), **train},
+                   data_dir=data_dir)
+        for key, value in (parallel or {}).items():
+            setattr(cfg.parallel, key, value)
+        task = GPTTask(init_checkpoint.task_inputs(cfg.train, cfg)[0])
+        before = task.model_config
+        with pytest.raises(UsageError, match=match):
+            init_checkpoint.apply(task, cfg)
+        assert task.model_config is before
+
+    refused(r"holds a gpt model \(.*config\.json: model_format\) but --model=albert; give "
+            r"--model=gpt", model="albert")
+    refused(r"--num_layers=3 disagrees with --init_checkpoint=.*run: .*config\.json has "
+            r"num_layers=2; drop --num_layers", num_layers=3)
+    refused(r"--preset=tiny has no effect with --init_checkpoint", preset="tiny")
+    refused(r"--data_dir=.* does not fit --init_checkpoint=.*run: the data's vocab_size=320 "
+            r"differs .*tfbig-prep --tokenizer=.*run\)", data_dir=gpt_data)
+    refused(r"--init_checkpoint with --strategy=pipeline is not supported", strategy="pipeline")
+    refused(r"--init_checkpoint with --zero_stage=3 is not supported", strategy="horovod",
+            parallel={"zero_stage": 3})
+    refused(r"m/config\.json: file not found; expected a tfbig run directory",
+            init_checkpoint=str(tmp_path / "m"))
+    scratch = tmp_path / "scratch"  # a run started without --init_checkpoint
+    tf.train.Checkpoint(step=tf.Variable(1)).save(str(scratch / "ckpt"))
+    refused(r"scratch holds a checkpoint of a run started from scratch", model_dir=str(scratch))
+
+
+@pytest.mark.slow  # ~10 s idle for each; GPT-2's case above covers the default run
+@pytest.mark.parametrize("family", ["albert", "bert"])
+def test_masked_lm_continues_from_a_converted_run(family, albert_data, bert_data, tmp_path):
+    """A BERT/ALBERT run directory as tfbig-convert writes it (random weights, heads included,
+    the data's vocabulary, a position table longer than the data's sequences)."""
+    from tfbig.models.albert import AlbertConfig, AlbertForPretraining
+    from tfbig.models.bert import BertConfig, BertForPretraining
+
+    data_dir = albert_data if family == "albert" else bert_data
+    config_class, model_class = {"albert": (AlbertConfig, AlbertForPretraining),
+                                 "bert": (BertConfig, BertForPretraining)}[family]
+    manifest = load_manifest(data_dir)
+    config = config_class.from_preset("tiny", vocab_size=manifest.vocab_size, seq_length=40,
+                                      dropout=0.0)
+    model = model_class(config)
+    model.build()
+    rng = np.random.default_rng(1)
+    weights = {k: (rng.normal(0.0, 0.2, v.shape) + k.endswith("gamma")).astype("float32")
+               for k, v in model_variables(model).items()}
+    converted = str(tmp_path / "converted")
+    run_dir.write(converted, config, weights, manifest.tokenizer_path, False, "test:random",
+                  family)
+    cfg = _cfg(model=family, init_checkpoint=converted, data_dir=data_dir, seq_length=32,
+               model_dir=str(tmp_path / "continued"))
+    run_dir.assign(model, weights)
+    loss, expected = _first_step_loss_and_reference(Trainer(cfg), model)
+    np.testing.assert_allclose(loss, expected, rtol=1e-5)
+    # a backbone-only source (keras-hub, Hugging Face *Model): the heads start fresh
+    backbone = str(tmp_path / "backbone")
+    run_dir.write(backbone, config, {k: v for k, v in weights.items()
+                                     if k.startswith("backbone/")},
+                  manifest.tokenizer_path, False, "test:random", family)
+    fresh = model_class(config)
+    fresh.build()
+    missing = init_checkpoint.load(fresh, backbone)
+    assert missing and all(k.startswith(("mlm_head/", "nsp_head/", "sop_head/"))
+                           for k in missing)
+    with open(os.path.join(backbone, "config.json")) as file:
+        assert json.load(file)["model_format"] == family

@@ -1,0 +1,104 @@
+"""Hugging Face's TensorFlow weights file, `tf_model.h5`, read as the tensors `model.safetensors`
+would hold (PyTorch names and layouts), so the BERT, ALBERT and GPT-2 readers take either file.
+
+The layout is the one transformers' `TFPreTrainedModel.save_pretrained` writes through Keras 2's
+HDF5 weight saver (`save_weights("tf_model.h5")`):
+
+    attribute  /layer_names             the model's top-level layers, e.g. [b"bert", b"mlm___cls",
+                                        b"nsp___cls"] (a long list is split over layer_names0,
+                                        layer_names1, ...: HDF5's 64 KiB attribute limit)
+    attribute  /<layer>/weight_names    full TF names of that layer's weights, e.g.
+               b"tf_bert_for_pre_training/bert/encoder/layer_._0/attention/self/query/kernel:0"
+    dataset    /<layer>/<weight name>   the value (the name's slashes are nested groups)
+
+Names become PyTorch names as transformers' own TF -> PyTorch loader maps them: ":0" and the
+first scope (the model's name) go, a scope "x___y" becomes "y", "_._" separates an index, the
+last part kernel / embeddings / gamma becomes weight and beta becomes bias, "/" becomes ".".
+Dense kernels are stored (in, out) and are transposed to PyTorch's (out, in); GPT-2's Conv1D
+`weight` is (in, out) in both, and its bias, stored (1, out), is flattened.
+
+Example:
+    tensors = read("gpt2/tf_model.h5")   # {"transformer.h.0.attn.c_attn.weight": ..., ...}
+"""
+import os
+import re
+
+import numpy as np
+
+from tfbig.errors import UsageError
+
+WEIGHTS_NAME = "tf_model.h5"
+LAST_PART = {"kernel": "weight", "embeddings": "weight", "gamma": "weight", "beta": "bias"}
+
+
+def _attribute(group, name):
+    """A string-list attribute, joined from its numbered chunks when Keras had to split it."""
+    if name in group.attrs:
+        values = list(group.attrs[name])
+    else:
+        values, chunk = [], 0
+        while f"{name}{chunk}" in group.attrs:
+            values += list(group.attrs[f"{name}{chunk}"])
+            chunk += 1
+    return [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in values]
+
+
+def pytorch_name(tf_name):
+    """(PyTorch name, whether the tensor is transposed) of a TF weight name in tf_model.h5."""
+    name = tf_name[:-2] if tf_name.endswith(":0") else tf_name
+    name = re.sub(r"(^|/)[^/]*___([^/]*)(?=/)", r"\1\2", name)  # mlm___cls -> cls
+    parts = [p for p in name.replace("_._", "/").split("/") if p]
+    parts = parts[1:] if len(parts) > 1 else parts  # the model's own name
+    transposed = parts[-1] == "kernel"
+    parts[-1] = LAST_PART.get(parts[-1], parts[-1])
+    return ".".join(parts), transposed
+
+
+def read(path):
+    """{PyTorch name: np.ndarray} of a Hugging Face tf_model.h5; errors name the file."""
+    import h5py
+
+    try:
+        handle = h5py.File(path, "r")
+    except OSError as error:
+        raise UsageError(f"{path}: not an HDF5 file ({error}); expected the tf_model.h5 of "
+                         "transformers' TF save_pretrained") from error
+    tensors = {}
+    with handle:
+        layers = _attribute(handle, "layer_names")
+        if not layers:
+            raise UsageError(f"{path}: no 'layer_names' attribute; expected the Keras weights "
+                             "file of transformers' TF save_pretrained")
+        for layer in layers:
+            group = handle.get(layer)
+            if not isinstance(group, h5py.Group):
+                raise UsageError(f"{path}: layer {layer!r} listed in layer_names has no group")
+            for weight in _attribute(group, "weight_names"):
+                name, transposed = pytorch_name(weight)
+                value = np.asarray(group[weight])
+                if transposed and value.ndim == 2:
+                    value = value.T
+                elif name.endswith(".bias") and value.ndim == 2 and value.shape[0] == 1:
+                    value = value.reshape(-1)  # GPT-2's Conv1D bias, stored (1, out)
+                tensors[name] = value
+    return tensors
+
+
+def load_weights(directory):
+    """(the weights file, {PyTorch name: array}) of a Hugging Face directory: model.safetensors,
+    else tf_model.h5; a PyTorch pickle or a sharded checkpoint alone is a clear error."""
+    from safetensors.numpy import load_file
+
+    safetensors = os.path.join(directory, "model.safetensors")
+    if os.path.isfile(safetensors):
+        return safetensors, load_file(safetensors)
+    h5 = os.path.join(directory, WEIGHTS_NAME)
+    if os.path.isfile(h5):
+        return h5, read(h5)
+    others = [f for f in ("pytorch_model.bin", "model.safetensors.index.json",
+                          "tf_model.h5.index.json") if os.path.exists(os.path.join(directory, f))]
+    hint = (f" (found {others}: tfbig reads a single model.safetensors or tf_model.h5, not a "
+            "PyTorch pickle or a sharded checkpoint; convert it first, e.g. transformers' "
+            "model.save_pretrained(dir, safe_serialization=True, max_shard_size='100GB'))"
+            if others else f" and no {WEIGHTS_NAME}")
+    raise UsageError(f"{safetensors}: file not found" + hint)
