@@ -76,6 +76,7 @@ def glue_data(tmp_path_factory):
     for name, rows in sst2.items():
         _write_tsv(files / "SST-2" / f"{name}.tsv", ["sentence", "label"], rows)
     _write_tsv(files / "SST-2" / "test.tsv", ["index", "sentence"], [("0", "a cat")])
+    tfds.disable_progress_bar()
     for config in ("mnli", "sst2"):
         LocalGlue(files=str(files), config=config, data_dir=data_dir).download_and_prepare()
     return data_dir, mnli, sst2
@@ -92,21 +93,23 @@ def test_mnli_pairs_labels_and_matched_mismatched_splits(glue_data):
     train, evals, names = glue.read_tfds(_options(data_dir, "glue/mnli"))
     assert names == MNLI_LABELS  # the ClassLabel's order, not sorted
     assert sorted(evals) == ["validation_matched", "validation_mismatched"]
-    assert train == [(a, b, label) for a, b, label in mnli["train"]]  # premise first
-    assert evals["validation_matched"] == list(mnli["dev_matched"])
-    assert evals["validation_mismatched"] == list(mnli["dev_mismatched"])
+    # every example once, premise first (TFDS stores a split in its own shuffled order)
+    assert sorted(train) == sorted(mnli["train"])
+    assert sorted(evals["validation_matched"]) == sorted(mnli["dev_matched"])
+    assert sorted(evals["validation_mismatched"]) == sorted(mnli["dev_mismatched"])
     only = glue.read_tfds(_options(data_dir, "glue/mnli", tfds_eval_splits="validation_mismatched",
                                    text_a="hypothesis", text_b="premise"))
     assert list(only[1]) == ["validation_mismatched"]
-    assert only[0][0] == (mnli["train"][0][1], mnli["train"][0][0], mnli["train"][0][2])
+    assert sorted(only[0]) == sorted((b, a, label) for a, b, label in mnli["train"])
 
 
 def test_sst2_single_sentences(glue_data):
     data_dir, _, sst2 = glue_data
     train, evals, names = glue.read_tfds(_options(data_dir, "glue/sst2"))
     assert names == ["negative", "positive"] and list(evals) == ["validation"]
-    assert train == [(text, None, names[int(label)]) for text, label in sst2["train"]]
-    assert evals["validation"] == [("cat sat", None, "positive"), ("dog ran", None, "negative")]
+    assert sorted(train) == sorted((text, None, names[int(label)]) for text, label in sst2["train"])
+    assert sorted(evals["validation"]) == [("cat sat", None, "positive"),
+                                           ("dog ran", None, "negative")]
 
 
 def test_fine_tune_on_tfds_scores_each_validation_split(glue_data, bert_run, tmp_path):  # noqa: F811
@@ -121,7 +124,10 @@ def test_fine_tune_on_tfds_scores_each_validation_split(glue_data, bert_run, tmp
                        ("validation_mismatched", "dev_mismatched")):
         predicted = [json.loads(line)["label"] for line in
                      (out / f"predictions_{split}.jsonl").read_text().splitlines()]
-        truth = [label for *_, label in mnli[tsv]]
+        stored = tfds.builder("glue/mnli", data_dir=data_dir).as_dataset(split=split,
+                                                                         shuffle_files=False)
+        truth = [MNLI_LABELS[row["label"]] for row in tfds.as_numpy(stored)]  # TFDS's order
+        assert sorted(truth) == sorted(label for *_, label in mnli[tsv])
         assert len(predicted) == len(truth) and set(predicted) <= set(MNLI_LABELS)
         assert result[f"{split}/accuracy"] == pytest.approx(
             np.mean(np.array(predicted) == np.array(truth)))
