@@ -117,8 +117,18 @@ def run_keras_hub(data):
             self.marks.append(_timing.clock())
 
     clock = Clock()
-    model.fit(dataset, epochs=1, steps_per_epoch=steps, callbacks=[clock], verbose=0)
+    model.fit(dataset, epochs=1, steps_per_epoch=steps, callbacks=[clock], shuffle=False,
+              verbose=0)
     return {**_timing.rates(clock.marks, FLAGS.batch_size), "params": model.count_params()}
+
+
+def _release():
+    import gc
+
+    import keras
+
+    keras.backend.clear_session()
+    gc.collect()
 
 
 def main(argv):
@@ -130,6 +140,7 @@ def main(argv):
     for index in range(FLAGS.repeats):
         for name in (list(sides) if index % 2 == 0 else list(sides)[::-1]):
             result = sides[name](data)
+            _release()  # a BERT-base pair (weights, Adam slots, XLA buffers) is ~2 GB
             rounds[name].append(result)
             print(f"round {index} {name}: {result['tokens_per_sec']:.2f} seq/s, "
                   f"{result['tokens_per_cpu_sec']:.2f} seq/CPU-s ({result['params']:,} params)",
