@@ -1,6 +1,8 @@
 """tfbig-classify: a tiny random BERT in a run directory learns a pair task whose label is
 which of two words the first sentence holds (accuracy >= 0.9 on held-out pairs), the scores
-agree with the written predictions, and bad columns/labels are errors naming the file."""
+agree with the written predictions, and bad columns/labels are errors naming the file. Two
+processes (MultiWorkerMirrored workers under tfbig-launch, or horovodrun) equal one process on
+the same global batches: losses and every fine-tuned weight."""
 import json
 
 import keras
@@ -85,12 +87,28 @@ def test_bad_columns_and_labels_name_the_file(bert_run, tmp_path):
                                   max_seq_length=24, max_steps=1, train_batch_size=4))
 
 
-@pytest.mark.slow  # one horovodrun launch: ~25 s idle
-@pytest.mark.multiproc
-def test_two_horovod_processes_equal_one_on_the_same_global_batches(bert_run, tmp_path):
+def _launch(strategy, flags, out, root):
+    """Two processes of `python -m tfbig.classify` under horovodrun or tfbig-launch."""
     import os
     import subprocess
     import sys
+
+    program = [sys.executable, "-m", "tfbig.classify", f"--strategy={strategy}",
+               f"--output_dir={out}", *flags]
+    launcher = ([os.path.join(os.path.dirname(sys.executable), "horovodrun"), "-np", "2", "-H",
+                 "localhost:2", "--gloo"] if strategy == "horovod" else
+                [sys.executable, "-m", "launch.local", "--workers=2", "--"])
+    return subprocess.run(launcher + program, cwd=root, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "PYTHONPATH": root,
+                                            "TF_CPP_MIN_LOG_LEVEL": "2"})
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("strategy", [
+    "multiworker",  # two TF_CONFIG workers (tfbig-launch): ~15 s idle
+    pytest.param("horovod", marks=pytest.mark.slow)])  # one horovodrun launch: ~25 s idle
+def test_two_processes_equal_one_on_the_same_global_batches(strategy, bert_run, tmp_path):
+    import os
 
     import tensorflow as tf
 
@@ -99,24 +117,28 @@ def test_two_horovod_processes_equal_one_on_the_same_global_batches(bert_run, tm
     common = dict(init_checkpoint=str(bert_run / "run"), train_file=str(train),
                   max_seq_length=24, train_batch_size=8, learning_rate=3e-3, max_steps=4)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    flags = [f"--{k}={v}" for k, v in common.items()]
-    command = [os.path.join(os.path.dirname(sys.executable), "horovodrun"), "-np", "2", "-H",
-               "localhost:2", "--gloo", sys.executable, "-m", "tfbig.classify",
-               "--strategy=horovod", f"--output_dir={tmp_path / 'hvd'}", *flags]
-    done = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": root, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    flags = [f"--{k}={v}" for k, v in common.items()] + ["--noxla"]
+    done = _launch(strategy, flags, tmp_path / "two", root)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     for rank in (0, 1):  # two processes, each training on its half of every global batch
-        assert f"4 steps on 2 process(es) (rank {rank})" in done.stdout + done.stderr
-    fine_tune(ClassifyOptions(output_dir=str(tmp_path / "one"), **common))
+        assert f"4 steps on 2 replica(s) (rank {rank})" in done.stdout + done.stderr
+    fine_tune(ClassifyOptions(output_dir=str(tmp_path / "one"), xla=False, **common))
     losses = [json.loads((tmp_path / run / "train_losses.json").read_text())
-              for run in ("hvd", "one")]
+              for run in ("two", "one")]
     assert len(losses[0]) == 4 and losses[0][0] != losses[0][-1]
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
     readers = [tf.train.load_checkpoint(str(tmp_path / run / "finetuned"))
-               for run in ("hvd", "one")]
+               for run in ("two", "one")]
     keys = [k for k in readers[1].get_variable_to_shape_map() if k.startswith("model/")]
     assert len(keys) > 30
     for key in keys:
         ours, theirs = readers[0].get_tensor(key), readers[1].get_tensor(key)
         np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+@pytest.mark.parametrize("strategy", ["pipeline", "mirrored"])
+def test_other_strategies_are_refused_naming_the_flag(strategy, bert_run):
+    with pytest.raises(UsageError, match=rf"--strategy='{strategy}': tfbig-classify runs on "
+                                         r"single \| horovod \| multiworker; pipeline"):
+        fine_tune(ClassifyOptions(init_checkpoint=str(bert_run / "run"), train_file="t.tsv",
+                                  strategy=strategy))

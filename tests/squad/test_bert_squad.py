@@ -112,9 +112,11 @@ def test_fine_tune_bert_from_a_converted_run(bert_run, qa_sets, tmp_path):
     assert os.path.isfile(tmp_path / "o" / "vocab.txt")
 
 
-@pytest.mark.slow  # one horovodrun launch: ~25 s idle
+@pytest.mark.slow  # one horovodrun or tfbig-launch launch: ~25 s idle
 @pytest.mark.multiproc
-def test_two_horovod_processes_equal_one_on_the_same_global_batches(bert_run, qa_sets, tmp_path):
+@pytest.mark.parametrize("strategy", ["horovod", "multiworker"])
+def test_two_processes_equal_one_on_the_same_global_batches(strategy, bert_run, qa_sets,
+                                                            tmp_path):
     import subprocess
     import sys
 
@@ -125,22 +127,24 @@ def test_two_horovod_processes_equal_one_on_the_same_global_batches(bert_run, qa
                   max_seq_length=64, doc_stride=32, max_query_length=24, train_batch_size=8,
                   max_steps=4, learning_rate=1e-3, dropout=0.0, xla=False)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    command = [os.path.join(os.path.dirname(sys.executable), "horovodrun"), "-np", "2", "-H",
-               "localhost:2", "--gloo", sys.executable, "-m", "tfbig.squad.cli",
-               "--strategy=horovod", f"--output_dir={tmp_path / 'hvd'}",
-               *[f"--{k}={v}" for k, v in common.items() if k != "xla"], "--noxla"]
+    launcher = ([os.path.join(os.path.dirname(sys.executable), "horovodrun"), "-np", "2", "-H",
+                 "localhost:2", "--gloo"] if strategy == "horovod" else
+                [sys.executable, "-m", "launch.local", "--workers=2", "--"])
+    command = launcher + [sys.executable, "-m", "tfbig.squad.cli", f"--strategy={strategy}",
+                          f"--output_dir={tmp_path / 'two'}",
+                          *[f"--{k}={v}" for k, v in common.items() if k != "xla"], "--noxla"]
     done = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": root, "TF_CPP_MIN_LOG_LEVEL": "2"})
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]
     for rank in (0, 1):  # two processes, each training on its half of every global batch
-        assert f"4 steps on 2 process(es) (rank {rank})" in output
+        assert f"4 steps on 2 replica(s) (rank {rank})" in output
     fine_tune(SquadOptions(output_dir=str(tmp_path / "one"), **common))
     losses = [json.loads((tmp_path / run / "train_losses.json").read_text())
-              for run in ("hvd", "one")]
+              for run in ("two", "one")]
     assert len(losses[0]) == 4 and losses[0][0] != losses[0][-1]
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
-    readers = [tf.train.load_checkpoint(str(tmp_path / run / "finetuned")) for run in ("hvd", "one")]
+    readers = [tf.train.load_checkpoint(str(tmp_path / run / "finetuned")) for run in ("two", "one")]
     keys = [k for k in readers[1].get_variable_to_shape_map() if k.startswith("model/")]
     assert len(keys) > 30
     for key in keys:

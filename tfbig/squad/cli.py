@@ -66,7 +66,8 @@ class SquadOptions:
     xla: bool = field(True, "Compile the training and prediction steps with XLA.")
     log_every: int = field(50, "Log the training loss every N steps.")
     strategy: str = field("single", "single (one process) | horovod (one process per device, "
-                                    "started by horovodrun; --train_batch_size is global).")
+                                    "started by horovodrun) | multiworker (MultiWorkerMirrored, "
+                                    "TF_CONFIG); --train_batch_size is global.")
 
 
 def define_flags():
@@ -136,33 +137,32 @@ def fine_tune(options):
 
     from tfbig.squad import finetune
 
-    from tfbig.distribute import get_strategy
+    from tfbig.distribute.finetune import fine_tune_strategy, write_checkpoint
 
-    if options.strategy not in ("single", "horovod"):
-        raise ValueError(f"--strategy={options.strategy!r}: tfbig-squad runs on single | horovod")
-    if options.strategy == "horovod" and not options.train_file:
-        raise ValueError("--strategy=horovod needs a --train_file (prediction runs in one "
-                         "process)")
-    strategy = get_strategy(options.strategy)
+    if options.strategy != "single" and not options.train_file:
+        raise ValueError(f"--strategy={options.strategy} needs a --train_file (prediction runs "
+                         "in one process)")
+    strategy = fine_tune_strategy(options.strategy, "tfbig-squad")
     config, tokenizer = _model_config_and_tokenizer(options)
     os.makedirs(options.output_dir, exist_ok=True)
     checkpoint_prefix = os.path.join(options.output_dir, "finetuned")
     if options.train_file:
         init = None if options.random_init else options.init_checkpoint or None
-        model = finetune.build_model(config, init, seed=options.seed)
+        with strategy.scope():  # tf.distribute: mirrored variables
+            model = finetune.build_model(config, init, seed=options.seed)
         _, features, _ = _read(options.train_file, options.version, tokenizer, options)
         losses = finetune.train(
             model, features, options.train_batch_size, options.num_train_epochs,
             options.learning_rate, options.warmup_proportion, options.weight_decay,
             options.max_steps, options.seed, options.xla, options.log_every,
             log=print if strategy.is_chief else None, strategy=strategy)
-        print(f"{len(losses)} steps on {strategy.num_replicas} process(es) (rank "
+        print(f"{len(losses)} steps on {strategy.num_replicas} replica(s) (rank "
               f"{strategy.rank})")
+        write_checkpoint(strategy, model, options.output_dir)  # collective under tf.distribute
         if not strategy.is_chief:
-            strategy.shutdown()  # Horovod: wait for the chief, then stop
+            strategy.shutdown()  # wait for the chief, then stop
             return {}
         _write_json(options.output_dir, "train_losses.json", losses)
-        finetune.save_model(model, checkpoint_prefix)
         _write_json(options.output_dir, "squad_config.json",
                     {"model_format": finetune.family_of(config),
                      "tokenizer": _save_tokenizer(tokenizer, options.output_dir),

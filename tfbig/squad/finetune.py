@@ -28,7 +28,6 @@ from tfbig.checkpoint import model_variables
 from tfbig.config import TrainConfig
 from tfbig.models.albert import AlbertConfig, AlbertForQuestionAnswering
 from tfbig.models.bert import BertConfig, BertForQuestionAnswering
-from tfbig.optim import build_optimizer
 
 INPUTS = ("input_ids", "segment_ids", "input_mask")
 FAMILIES = {"albert": (AlbertConfig, AlbertForQuestionAnswering),
@@ -91,13 +90,8 @@ def build_model(config, init_checkpoint=None, seed=0):
     return model
 
 
-def save_model(model, prefix):
-    """Write all of `model`'s weights (the same layout the trainer uses)."""
-    tf.train.Checkpoint(model=model_variables(model)).write(prefix)
-
-
 def restore_model(model, prefix):
-    """Read weights written by `save_model`."""
+    """Read the weights tfbig-squad wrote (tfbig.distribute.finetune.write_checkpoint)."""
     tf.train.Checkpoint(model=model_variables(model)).read(prefix).assert_existing_objects_matched()
 
 
@@ -126,19 +120,18 @@ def train(model, features, batch_size=32, num_epochs=2.0, learning_rate=5e-5,
     """Fine-tune `model` on training `features`; returns the list of per-step losses.
 
     Steps = num_epochs x features / batch_size (or max_steps if > 0). `strategy` (a
-    tfbig.distribute Strategy, e.g. Horovod's): each process trains on its share of every
-    global batch of `batch_size`, gradients and losses averaged over processes.
+    tfbig.distribute Strategy: Horovod's, MultiWorkerMirrored's; `model` built in its scope):
+    each replica trains on its share of every global batch of `batch_size`, gradients and
+    losses averaged over replicas (tfbig.distribute.finetune).
     """
     from tfbig.distribute.base import Strategy
+    from tfbig.distribute.finetune import check_batch, replica_batches, train_step
 
     strategy = strategy or Strategy()
-    replicas, rank = strategy.num_replicas, strategy.rank
     if len(features) < batch_size:
         raise ValueError(f"--train_batch_size={batch_size} is above the {len(features)} "
                          "training features")
-    if batch_size % replicas:
-        raise ValueError(f"--train_batch_size={batch_size} is not divisible by the {replicas} "
-                         "processes")
+    check_batch(strategy, batch_size)
     steps = max_steps or max(1, math.ceil(num_epochs * len(features) / batch_size))
     settings = TrainConfig(optimizer="adamw", learning_rate=learning_rate, max_steps=steps,
                            warmup_steps=int(warmup_fraction * steps), lr_schedule="linear",
@@ -146,8 +139,9 @@ def train(model, features, batch_size=32, num_epochs=2.0, learning_rate=5e-5,
                            epsilon=1e-6, grad_clip_norm=1.0)
     unused = {id(v) for v in model.backbone.pooler.weights}  # the span head reads tokens only
     variables = [v for v in model.trainable_variables if id(v) not in unused]
-    optimizer = build_optimizer(settings, variables)
-    strategy.broadcast_variables(model.variables)  # Horovod: every process starts from rank 0
+    with strategy.scope():
+        optimizer = strategy.build_optimizer(settings, variables)
+    strategy.broadcast_variables(model.variables)  # every replica starts from the chief's
 
     @tf.function(jit_compile=xla)
     def forward_backward(batch):
@@ -155,18 +149,12 @@ def train(model, features, batch_size=32, num_epochs=2.0, learning_rate=5e-5,
             loss = span_loss(model({k: batch[k] for k in INPUTS}, training=True), batch)
         return loss, tape.gradient(loss, variables)
 
-    @tf.function
-    def step(batch):
-        loss, grads = forward_backward(batch)
-        grads = [tf.convert_to_tensor(g) for g in grads]  # dense word-table gradient
-        # Horovod: average the gradients and the loss over processes (outside XLA)
-        optimizer.apply(strategy.all_reduce_gradients(grads), variables)
-        return strategy.all_reduce_mean(loss)
-
+    step = train_step(strategy, forward_backward, optimizer, variables)
     names = INPUTS + ("start_positions", "end_positions")
-    share = batch_size // replicas  # this process's rows of each global batch
-    batches = iter(_dataset(features, names, batch_size, seed=seed, repeat=True).map(
-        lambda batch: {k: v[rank * share:(rank + 1) * share] for k, v in batch.items()}))
+    arrays = {name: features.arrays[name] for name in names}
+    batches = replica_batches(strategy, lambda: tf.data.Dataset.from_tensor_slices(
+        arrays).shuffle(len(features), seed=seed, reshuffle_each_iteration=True).repeat(),
+        batch_size)
     losses, start = [], time.perf_counter()
     for index in range(steps):
         losses.append(float(step(next(batches))))
