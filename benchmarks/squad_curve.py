@@ -31,18 +31,6 @@ def cpu_model():
                      if line.startswith("model name")), "unknown")
 
 
-def first_questions(dataset, count):
-    """A SQuAD dict with the first `count` questions of `dataset`."""
-    paragraphs, taken = [], 0
-    for article in dataset["data"]:
-        for paragraph in article["paragraphs"]:
-            qas = paragraph["qas"][:count - taken]
-            if qas:
-                paragraphs.append({"context": paragraph["context"], "qas": qas})
-                taken += len(qas)
-    return {"version": dataset["version"], "data": [{"title": "subset", "paragraphs": paragraphs}]}
-
-
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--train_file", required=True, help="SQuAD v2.0 JSON to fine-tune on")
@@ -79,7 +67,7 @@ def main():
     from tfbig.data import Tokenizer
     from tfbig.models.albert import AlbertConfig
     from tfbig.squad import evaluate, finetune, postprocess
-    from tfbig.squad.features import convert_examples, examples_from_dataset
+    from tfbig.squad.features import convert_examples, examples_from_dataset, first_questions
 
     if args.init_checkpoint:
         config, tokenizer = finetune.pretrained_config(args.init_checkpoint)

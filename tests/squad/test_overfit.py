@@ -9,19 +9,7 @@ import pytest
 
 from tfbig.models.albert import AlbertConfig
 from tfbig.squad import evaluate, finetune, postprocess
-from tfbig.squad.features import convert_examples, examples_from_dataset
-
-
-def first_questions(dataset, count):
-    """A SQuAD dict with the first `count` questions of `dataset` (whole paragraphs' order)."""
-    paragraphs, taken = [], 0
-    for article in dataset["data"]:
-        for paragraph in article["paragraphs"]:
-            qas = paragraph["qas"][:count - taken]
-            if qas:
-                paragraphs.append({"context": paragraph["context"], "qas": qas})
-                taken += len(qas)
-    return {"version": dataset["version"], "data": [{"title": "subset", "paragraphs": paragraphs}]}
+from tfbig.squad.features import convert_examples, examples_from_dataset, first_questions
 
 
 @pytest.mark.slow

@@ -69,46 +69,37 @@ GPT_PLAN = (
     ("blocks.*.attn.resid_dropout", Split("sequence_mask")),
     ("blocks.*.mlp.drop", Split("sequence_mask")),
 )
-ALBERT_PLAN = (  # the shared blocks are split once; every call of one uses the same slices
-    ("backbone.groups.*.attn", Split("heads")),
-    ("backbone.groups.*.attn.qkv", Split("column", sections=3)),
-    ("backbone.groups.*.attn.proj", Split("row")),
-    ("backbone.groups.*.attn.attn_dropout", Split("own_mask")),
-    ("backbone.groups.*.ffn", Split("width")),
-    ("backbone.groups.*.ffn.fc", Split("column")),
-    ("backbone.groups.*.ffn.proj", Split("row")),
-    ("backbone.embedding.word", Split("vocab")),
-    ("mlm_head", Split("vocab_bias", sequence=False)),
-    ("mlm_head.norm", Split("vocab_input", sequence=False)),
-    ("backbone.embedding.position", Split("positions")),
-    ("backbone.embedding.segment", Split("segments")),
-    ("backbone.embedding.drop", Split("sequence_mask")),
-    ("backbone.groups.*.drop", Split("sequence_mask")),
-    ("backbone", Split("sequence_output")),
-    ("backbone.pooler", Split("sequence_first", sequence=False)),
-    ("mlm_head.dense", Split("whole_sequence", sequence=False)),
-    ("sop_head", Split("whole_sequence", sequence=False)),
-)
-BERT_PLAN = (  # ALBERT's, over num_layers blocks of their own (no projection), an NSP head
-    ("backbone.blocks.*.attn", Split("heads")),
-    ("backbone.blocks.*.attn.qkv", Split("column", sections=3)),
-    ("backbone.blocks.*.attn.proj", Split("row")),
-    ("backbone.blocks.*.attn.attn_dropout", Split("own_mask")),
-    ("backbone.blocks.*.ffn", Split("width")),
-    ("backbone.blocks.*.ffn.fc", Split("column")),
-    ("backbone.blocks.*.ffn.proj", Split("row")),
-    ("backbone.embedding.word", Split("vocab")),
-    ("mlm_head", Split("vocab_bias", sequence=False)),
-    ("mlm_head.norm", Split("vocab_input", sequence=False)),
-    ("backbone.embedding.position", Split("positions")),
-    ("backbone.embedding.segment", Split("segments")),
-    ("backbone.embedding.drop", Split("sequence_mask")),
-    ("backbone.blocks.*.drop", Split("sequence_mask")),
-    ("backbone", Split("sequence_output")),
-    ("backbone.pooler", Split("sequence_first", sequence=False)),
-    ("mlm_head.dense", Split("whole_sequence", sequence=False)),
-    ("nsp_head", Split("whole_sequence", sequence=False)),
-)
+
+
+def masked_lm_plan(blocks, pair_head):
+    """ALBERT's and BERT's plan: transformer blocks at `backbone.<blocks>` (ALBERT's shared
+    groups, split once so every call of one uses the same slices; BERT's own layers), the
+    sentence-pair head `pair_head`. ALBERT's embedding projection E -> H stays replicated."""
+    blocks = f"backbone.{blocks}.*"
+    return (
+        (f"{blocks}.attn", Split("heads")),
+        (f"{blocks}.attn.qkv", Split("column", sections=3)),
+        (f"{blocks}.attn.proj", Split("row")),
+        (f"{blocks}.attn.attn_dropout", Split("own_mask")),
+        (f"{blocks}.ffn", Split("width")),
+        (f"{blocks}.ffn.fc", Split("column")),
+        (f"{blocks}.ffn.proj", Split("row")),
+        ("backbone.embedding.word", Split("vocab")),
+        ("mlm_head", Split("vocab_bias", sequence=False)),
+        ("mlm_head.norm", Split("vocab_input", sequence=False)),
+        ("backbone.embedding.position", Split("positions")),
+        ("backbone.embedding.segment", Split("segments")),
+        ("backbone.embedding.drop", Split("sequence_mask")),
+        (f"{blocks}.drop", Split("sequence_mask")),
+        ("backbone", Split("sequence_output")),
+        ("backbone.pooler", Split("sequence_first", sequence=False)),
+        ("mlm_head.dense", Split("whole_sequence", sequence=False)),
+        (pair_head, Split("whole_sequence", sequence=False)),
+    )
+
+
+ALBERT_PLAN = masked_lm_plan("groups", "sop_head")
+BERT_PLAN = masked_lm_plan("blocks", "nsp_head")
 PLANS = {"GPT": GPT_PLAN, "AlbertForPretraining": ALBERT_PLAN, "BertForPretraining": BERT_PLAN}
 
 

@@ -73,6 +73,19 @@ def squad_version(dataset):
     return "2.0" if has_field else "1.1"
 
 
+def first_questions(dataset, count):
+    """A SQuAD dict with the first `count` questions of `dataset` (in the file's order; a
+    paragraph cut short keeps its first questions)."""
+    paragraphs, taken = [], 0
+    for article in dataset["data"]:
+        for paragraph in article["paragraphs"]:
+            qas = paragraph["qas"][:count - taken]
+            if qas:
+                paragraphs.append({"context": paragraph["context"], "qas": qas})
+                taken += len(qas)
+    return {"version": dataset["version"], "data": [{"title": "subset", "paragraphs": paragraphs}]}
+
+
 def examples_from_dataset(dataset, name="dataset"):
     """Examples of a parsed SQuAD dict; answer offsets are checked against the context."""
     examples = []
