@@ -124,8 +124,13 @@ def test_whole_word_masks_at_15_percent_80_10_10(bert_vocab, scenes):
     budget = np.minimum(20, np.maximum(1, np.round(lengths * 0.15)))
     count = np.bincount(rows, minlength=len(lengths))
     assert (count <= budget).all() and count.sum() > 0.95 * budget.sum()
+    # NSP: half random, plus the pairs whose chunk holds a single segment, which are random by
+    # construction (as in Google's create_pretraining_data; 10% short targets add some). How many
+    # there are depends on the vocabulary, which `tokenizers` trains with frequency ties broken
+    # in a per-process order: 0.603 random in one CI run. The 50/50 draw itself is tested in
+    # test_next_sentence_pairs_are_half_random_from_other_documents.
     labels_nsp = batch["next_sentence_labels"][:, 0]
-    assert abs(labels_nsp.mean() - 0.5) < 0.1  # 10% short targets: some forced random pairs
+    assert 0.5 - binomial_bound(0.5, len(labels_nsp)) < labels_nsp.mean() < 0.7
 
 
 def test_prepared_shards_are_deterministic_and_read_back(bert_data_dir, bert_vocab, prepare_bert,

@@ -62,6 +62,11 @@ SCENARIOS = {  # name: (tensor_parallel, train options, worker options)
     # stopped after 2 steps and resumed from the per-(tensor rank, slice) checkpoints
     "tp2_dp2_zero1": (2, {"zero_stage": 1}, {"first_gradients": True, "interrupt_at": 2}),
 }
+# Final weights after 4 steps: a split matmul sums in another order, and Adam turns a float32
+# difference in a near-zero gradient into a step of up to the learning rate. BERT had one entry
+# of a 4096-entry kernel 1.5e-6 apart (CI, lr 3e-3) and one word-table entry 2.1e-6 apart (lr
+# 1e-2); its first-step gradients are compared at rtol 1e-5 / atol 1e-7 all the same.
+WEIGHTS_ATOL = {"tp2_dp2_bert": 5e-6, "tp2_dp2_bert_sequence_recompute": 5e-6}
 SLOW_SCENARIOS = {  # a launch of its own (slow), as SCENARIOS
     "tp2_dp2_recompute": (2, {"activation_checkpointing": True}, {"first_gradients": True}),
     "tp2_dp2_albert_sequence": (2, {**ALBERT, "sequence_parallel": True},
@@ -168,7 +173,7 @@ def test_tensor_parallel_ranks_equal_one_process_on_the_same_data(gpt_data, albe
         losses = losses[FROM_ONE_AT:]
     np.testing.assert_allclose(first["losses"], losses, rtol=1e-5)
     for ours, theirs in zip(listed(first, "w"), weights(single)):
-        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=WEIGHTS_ATOL.get(name, 1e-6))
     if opts.get("first_gradients"):
         assert len(listed(first, "gradients")) == len(grads)
         for ours, theirs in zip(listed(first, "gradients"), grads):
