@@ -110,7 +110,7 @@ class Runs:
 
 
 @pytest.fixture(scope="module")
-def runs(gpt_data, albert_data, bert_data, gpt2_bpe, tmp_path_factory):
+def runs(gpt_data, albert_data, bert_data, tmp_path_factory):
     root = tmp_path_factory.mktemp("horovod")
     out = root / "out"
     plan = [
@@ -129,18 +129,29 @@ def runs(gpt_data, albert_data, bert_data, gpt2_bpe, tmp_path_factory):
                   sigterm={"rank": 1, "step": 2}),
         run_entry("albert", horovod_cfg(albert_data, root / "albert", **ALBERT), out),
         run_entry("bert", horovod_cfg(bert_data, root / "bert", **BERT), out),
-        run_entry("init", horovod_cfg(gpt2_bpe["data"], root / "init",
-                                      init_checkpoint=gpt2_bpe["run"], **INIT), out),
         run_entry("recompute", recompute_cfg(horovod_cfg(gpt_data, root / "recompute",
                                                          grad_accum_steps=2)), out),
         run_entry("budget", horovod_cfg(gpt_data, root / "budget", max_steps=0,
                                         time_budget_minutes=5.0, warmup_steps=10), out, steps=10),
     ]
+    return launch(root, plan, env={"HOROVOD_TIMELINE": "DYNAMIC"})
+
+
+@pytest.fixture(scope="module")
+def slow_runs(gpt2_bpe, tmp_path_factory):
+    """A launch of its own (slow): --init_checkpoint from a converted GPT-2."""
+    root = tmp_path_factory.mktemp("horovod_slow")
+    return launch(root, [run_entry("init", horovod_cfg(
+        gpt2_bpe["data"], root / "init", init_checkpoint=gpt2_bpe["run"], **INIT), root / "out")])
+
+
+def launch(root, plan, env=None):
+    """One 2-rank launch of horovod_worker.py running `plan`'s scenarios."""
+    out = root / "out"
     os.makedirs(out)
     with open(root / "plan.json", "w") as f:
         json.dump(plan, f)
-    code = horovodrun([WORKER, str(root / "plan.json")], root / "log.txt",
-                      env={"HOROVOD_TIMELINE": "DYNAMIC"})
+    code = horovodrun([WORKER, str(root / "plan.json")], root / "log.txt", env=env)
     output = read(root / "log.txt")
     assert code == 0, output[-6000:]
     return Runs(root, out, output)
@@ -170,9 +181,10 @@ def timeline_counts(path):
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", ["plain", "accum", "resumed", "fp16_allreduce", "fp16_skip",
-                                  "preempted", "albert", "bert", "recompute", "init"])
-def test_ranks_end_with_bit_identical_weights_and_optimizer_state(runs, name):
-    first, second = runs[name]
+                                  "preempted", "albert", "bert", "recompute",
+                                  pytest.param("init", marks=pytest.mark.slow)])
+def test_ranks_end_with_bit_identical_weights_and_optimizer_state(request, name):
+    first, second = request.getfixturevalue("slow_runs" if name == "init" else "runs")[name]
     assert first["num_replicas"] == 2 and first["step"] == second["step"] > 0
     keys = [k for k in first if k[0] in "wo" and k[1:].isdigit()]
     assert len(keys) > 20
@@ -190,9 +202,10 @@ def test_ranks_end_with_bit_identical_weights_and_optimizer_state(runs, name):
                                              ("bert", "bert_data", BERT),
                                              # rank 0 loads --init_checkpoint, rank 1 gets it
                                              # through the broadcast
-                                             ("init", "gpt2_bpe", INIT)])
-def test_two_ranks_equal_one_process_on_the_same_data(runs, request, tmp_path, name, data, train):
-    first, _ = runs[name]
+                                             pytest.param("init", "gpt2_bpe", INIT,
+                                                          marks=pytest.mark.slow)])
+def test_two_ranks_equal_one_process_on_the_same_data(request, tmp_path, name, data, train):
+    first, _ = request.getfixturevalue("slow_runs" if name == "init" else "runs")[name]
     data = request.getfixturevalue(data)
     if name == "init":
         data, train = data["data"], {**train, "init_checkpoint": data["run"]}
