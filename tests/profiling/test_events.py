@@ -1,4 +1,6 @@
 """tfbig.profiling.events reads back the scalars a run's RunLogger wrote (real event files)."""
+import os
+
 import pytest
 
 from tfbig.logs import RunLogger
@@ -13,10 +15,16 @@ def write_run(directory, losses, resumed=()):
     logger.scalars("validation", len(losses), {"bits_per_byte": 2.5})
     logger.flush()
     if resumed:  # a second process (a resume) writes its own event file over the same steps
+        train = directory / "train"
+        first = set(os.listdir(train))
         again = RunLogger(str(directory), enabled=True, max_steps=len(losses))
         for step, loss in resumed:
             again.scalars("train", step, {"loss": loss})
         again.flush()
+        (later,) = set(os.listdir(train)) - first
+        # Names carry whole seconds and an unpadded counter (...9 sorts after ...10): give the
+        # resume's file a name that sorts first, as a resume in the same second past 9 gets.
+        os.rename(train / later, train / ("events.out.tfevents.0." + later))
 
 
 def test_scalars_come_back_by_split_and_tag_with_the_resumed_values(tmp_path):

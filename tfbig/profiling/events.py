@@ -25,7 +25,10 @@ def read_scalars(run_dir, splits=SPLITS):
     found, text = {}, tf.string.as_datatype_enum
     for split in splits:
         values = {}
-        for path in sorted(glob.glob(os.path.join(run_dir, split, "events.out.tfevents.*"))):
+        # A step written twice (by a run and its resume, each with its own file) keeps the value
+        # written last, by the event's own wall time: file names and the files' first (version)
+        # events carry whole seconds only, and the name's counter is not zero-padded.
+        for path in glob.glob(os.path.join(run_dir, split, "events.out.tfevents.*")):
             for record in tf.data.TFRecordDataset(path):  # event files are TFRecords
                 event = tf.compat.v1.Event.FromString(record.numpy())
                 for value in event.summary.value:
@@ -35,9 +38,12 @@ def read_scalars(run_dir, splits=SPLITS):
                         number = float(tf.make_ndarray(value.tensor))
                     else:  # text summaries (the generated samples)
                         continue
-                    values.setdefault(value.tag, {})[event.step] = number
+                    points = values.setdefault(value.tag, {})
+                    if event.step not in points or points[event.step][0] <= event.wall_time:
+                        points[event.step] = (event.wall_time, number)
         if values:
-            found[split] = {tag: sorted(points.items()) for tag, points in values.items()}
+            found[split] = {tag: [(step, number) for step, (_, number) in sorted(points.items())]
+                            for tag, points in values.items()}
     if not found:
         raise FileNotFoundError(f"{run_dir} holds no TensorBoard scalars under {list(splits)}: "
                                 f"is it the --model_dir of a run that logged at least once?")
