@@ -22,6 +22,13 @@ def test_steps_within_counts_what_is_left_after_the_finish():
         budget.steps_within(60.0, 55.0, 0.5, 10.0, done=8)
 
 
+def test_the_timed_steps_end_late_in_a_long_warmup_and_skip_the_first_ones():
+    assert budget.calibration_window(0, warmup_steps=10) == (2, 10)  # steps 3..10
+    assert budget.calibration_window(0, warmup_steps=8) == (2, 8)
+    assert budget.calibration_window(0, warmup_steps=30) == (8, 24)  # the recipe: 9..24
+    assert budget.calibration_window(0, warmup_steps=2000) == (8, 24)
+
+
 def test_finish_counts_the_validation_forwards():
     # 30 validation micro-batches, forward a third of a 0.6 s step of 2 micro-batches.
     assert budget.finish_seconds(0.6, 30, 2) == pytest.approx(30 * 0.1 + budget.FINISH_SECONDS)
@@ -58,14 +65,15 @@ def test_budgeted_run_fixes_its_steps_and_equals_an_explicit_run_of_that_count(g
     cfg = make_cfg(gpt_data, tmp_path / "budget", max_steps=0, time_budget_minutes=5.0,
                    warmup_steps=10, log_every=1000)
     trainer = Trainer(cfg)
-    trainer.fit(steps=12)  # fixed at step 8, inside the warmup
+    trainer.fit(steps=12)  # fixed at step 10, the warmup's end
     with open(tmp_path / "budget" / "config.json") as f:
         saved = json.load(f)
     total = saved["budget"]["max_steps"]
     assert total > 12 and saved["train"]["max_steps"] == total == trainer.cfg.train.max_steps
     record = budget.Budget(**saved["budget"])
     assert total == budget.steps_within(300.0, record.elapsed_seconds, record.seconds_per_step,
-                                        record.finish_seconds, 8)
+                                        record.finish_seconds,
+                                        budget.calibration_window(0, warmup_steps=10)[1])
     schedule = WarmupDecay(3e-3, 10, total)
     for step in (0, 9, 11, total // 2, total - 1):
         assert float(learning_rate(trainer.optimizer, step)) == pytest.approx(

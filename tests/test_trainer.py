@@ -20,6 +20,9 @@ def make_cfg(data_dir, model_dir, **train):
                     eval_steps=2, deterministic=True, sample_tokens=0, xla=False)
     for key, value in {**defaults, **train}.items():
         setattr(cfg.train, key, value)
+    # MFU against a given peak: no CPU matmul probe (~5 s of every core at each process's first
+    # fit per precision, while other ranks wait); tests/profiling measure with the probe
+    cfg.profile.peak_tflops = 1.0
     return cfg
 
 

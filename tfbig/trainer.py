@@ -323,7 +323,7 @@ class Trainer:
         t = self.cfg.train
         if t.max_steps:
             return {}
-        first, last = step + 2, step + budget_lib.CALIBRATION_STEPS  # 2 steps compile/warm
+        first, last = budget_lib.calibration_window(step, t.warmup_steps)
         if last > t.warmup_steps:
             raise ValueError(
                 f"--model_dir={t.model_dir} holds a checkpoint at step {step} but no step count "
