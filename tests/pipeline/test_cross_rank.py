@@ -55,7 +55,7 @@ SCENARIOS = {  # name: (stages, pipeline options, train options, worker options)
 
 
 def data_of(train, gpt_data, albert_data, bert_data=None):
-    """The data fixture of a scenario's model (test_tensor_pipeline has no BERT: refused)."""
+    """The data fixture of a scenario's model."""
     return {"albert": albert_data, "bert": bert_data}.get(train.get("model"), gpt_data)
 
 

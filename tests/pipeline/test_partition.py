@@ -3,12 +3,13 @@ import itertools
 
 import pytest
 
+from tfbig.config import PipelineConfig
 from tfbig.models.albert import AlbertConfig
 from tfbig.models.bert import BertConfig
 from tfbig.models.gpt import GPTConfig
-from tfbig.pipeline.layers import layer_specs
-from tfbig.pipeline.partition import (balanced_starts, estimate_memory, format_plan,
-                                      live_microbatches, partition)
+from tfbig.plan.models import layer_specs
+from tfbig.pipeline.partition import balanced_starts, format_plan, partition
+from tfbig.pipeline.strategy import stage_memory
 
 CONFIG = GPTConfig(vocab_size=320, seq_length=16, num_layers=6, hidden_size=32, num_heads=4)
 
@@ -32,6 +33,43 @@ def test_balanced_starts_minimise_the_largest_stage(weights, num_stages):
     assert len(starts) == num_stages - 1 and all(b > a for a, b in zip(edges, edges[1:]))
     largest = max(sum(weights[a:b]) for a, b in zip(edges, edges[1:]))
     assert largest == brute_force_best(weights, num_stages)
+
+
+def exhaustive_dp_starts(weights, num_stages):
+    """The cuts of the full DP (every j for every stage end), earliest among equal ones: what
+    balanced_starts returned before it stopped scanning early."""
+    n, inf = len(weights), float("inf")
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, num_stages + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                cost = max(best[k - 1][j], prefix[i] - prefix[j])
+                if cost < best[k][i]:
+                    best[k][i], cut[k][i] = cost, j
+    starts, i = [], n
+    for k in range(num_stages, 1, -1):
+        i = cut[k][i]
+        starts.append(i)
+    return sorted(starts)
+
+
+def test_balanced_starts_are_the_exhaustive_dps_cuts():
+    """tfbig-train's partitions are unchanged by the early stop (ties included: equal blocks,
+    ALBERT's zero-parameter layers)."""
+    import random
+
+    rng = random.Random(0)
+    cases = [[1.0] * 10, [0, 0, 5, 0, 0, 5, 0], [4.0] + [11.0] * 96 + [3.7]]
+    cases += [[rng.choice([0, 1, 2, 3, 7]) for _ in range(rng.randint(2, 14))]
+              for _ in range(60)]
+    for weights in cases:
+        for k in range(1, len(weights) + 1):
+            assert balanced_starts(weights, k) == exhaustive_dp_starts(weights, k), (weights, k)
 
 
 def test_stage_params_add_up_to_the_model():
@@ -89,21 +127,28 @@ def test_more_stages_than_layers_is_an_error():
         partition(layer_specs(CONFIG, 16), 9)
 
 
-def test_live_microbatches_and_memory_estimate():
+class _Task:
+    model_config, seq_length = CONFIG, 16
+
+
+def test_printed_memory_is_the_planners():
+    """The plan tfbig-train prints holds tfbig-plan's bytes per stage: GPipe keeps all M
+    micro-batches on every stage, 1F1B min(K - k, M); checkpointing keeps stage inputs."""
     plan = partition(layer_specs(CONFIG, 16), 4)
-    assert [live_microbatches("gpipe", s.index, 4, 8) for s in plan] == [8, 8, 8, 8]
-    assert [live_microbatches("1f1b", s.index, 4, 8) for s in plan] == [4, 3, 2, 1]
-    gpipe = estimate_memory(plan[0], "gpipe", 4, 8, 64, checkpointing=False)
-    one_f_one_b = estimate_memory(plan[0], "1f1b", 4, 8, 64, checkpointing=False)
-    recompute = estimate_memory(plan[0], "gpipe", 4, 8, 64, checkpointing=True)
-    assert gpipe["weights"] == plan[0].params * 16
-    assert gpipe["activations"] == 2 * one_f_one_b["activations"]  # 8 vs 4 micro-batches
-    assert recompute["activations"] < gpipe["activations"]
+    table = {schedule: stage_memory(_Task(), plan, PipelineConfig(
+        pipeline_stages=4, num_microbatches=8, schedule=schedule), 64)
+        for schedule in ("gpipe", "1f1b")}
+    recompute = stage_memory(_Task(), plan, PipelineConfig(
+        pipeline_stages=4, num_microbatches=8, activation_checkpointing=True), 64)
+    assert table["gpipe"][0]["state"] == 16 * plan[0].params  # weights, gradients, 2 slots
+    assert table["gpipe"][0]["activations"] > 1.8 * table["1f1b"][0]["activations"]  # 8 vs 4
+    assert recompute[0]["activations"] < table["1f1b"][0]["activations"]
 
 
 def test_format_plan_lists_layers_params_and_memory():
     plan = partition(layer_specs(CONFIG, 16), 2)
-    memory = [estimate_memory(s, "1f1b", 2, 4, 64, False) for s in plan]
+    memory = stage_memory(_Task(), plan, PipelineConfig(pipeline_stages=2, num_microbatches=4),
+                          64)
     text = format_plan(plan, ["/device:CPU:0", "/device:CPU:1"], memory)
     lines = text.splitlines()
     assert len(lines) == 3 and "est. memory" in lines[0]

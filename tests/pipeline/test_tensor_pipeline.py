@@ -6,15 +6,17 @@ rank holds them (tied vocabulary-split table copy on the last stage included), t
 every step, the evaluation loss, with gradient accumulation and active clipping; a run stopped
 and resumed from the per-rank checkpoints; the pieces assembled by tfbig-generate and by both
 consolidation commands; bad layouts refused before training. ALBERT (LAMB; its shared block
-held and split alike on both stages, its word table tied to the MLM head) the same way; GPT
-with --sequence_parallel (stages send their chunk of the positions) the same way. fp16
-dynamic loss scaling: one rank's first step made non-finite, every rank skips it and halves
-its scale, then follows the single-device mixed run poisoned alike.
+held and split alike on both stages, its word table tied to the MLM head) and BERT (NSP; a
+block per layer, its word table tied to the MLM head) the same way; --sequence_parallel
+(stages send their chunk of the positions; ALBERT's and BERT's heads gather it whole) the
+same way. fp16 dynamic loss scaling: one rank's first step made non-finite, every rank skips
+it and halves its scale, then follows the single-device mixed run poisoned alike.
 
     PP2 x TP2          4 processes, 1F1B: GPT --sequence_parallel (with a resume), ALBERT
-                       (default run, one launch)
+                       --sequence_parallel, BERT (AdamW) (default run, one launch)
     TP2 x PP2 x DP2    8 processes, GPipe with activation checkpointing, 3 blocks: GPT,
-                       ALBERT, GPT --sequence_parallel; 1F1B: GPT fp16 (slow, one launch)
+                       ALBERT, GPT --sequence_parallel, BERT --sequence_parallel with LAMB;
+                       1F1B: GPT fp16 (slow, one launch)
 """
 import json
 import os
@@ -27,7 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "distribute"))
 from test_cross_rank import WORKER, cfg_with, data_of, held, pipeline_cfg, reference  # noqa
-from test_horovod import ALBERT, horovodrun, listed, load, read, run_entry  # noqa: E402
+from test_horovod import ALBERT, BERT, horovodrun, listed, load, read, run_entry  # noqa
 from test_trainer import ReplicasTask, make_cfg  # noqa: E402
 
 from cross_rank_worker import PoisonedStageTask  # noqa: E402
@@ -48,17 +50,24 @@ from tfbig.trainer import Trainer  # noqa: E402
 TRAIN = dict(max_steps=3, batch_size=8, grad_clip_norm=0.5, dropout=0.0, grad_accum_steps=2,
              hidden_size=32, num_heads=4, eval_steps=1)
 TABLE = "gpt/embedding/token/embeddings"  # vocabulary-split, tied: a copy on the last stage
-# ALBERT's: the word table (vocabulary-split, a copy with the MLM head on the last stage) and
-# the shared block's QKV kernel (held by both stages, each holding slice t on tensor rank t)
-ALBERT_TABLE, ALBERT_SHARED = "backbone/embedding/word/embeddings", "group_0/attn/qkv/kernel"
+# ALBERT's and BERT's word table (vocabulary-split, a copy with the MLM head on the last
+# stage); ALBERT's shared block's QKV kernel (held by both stages, slice t on tensor rank t)
+WORD_TABLE, ALBERT_SHARED = "backbone/embedding/word/embeddings", "group_0/attn/qkv/kernel"
+TIED = {"albert": [WORD_TABLE, ALBERT_SHARED], "bert": [WORD_TABLE]}
+# BERT at lr 3e-3 as in tests/distribute/test_tensor_parallel.py (AdamW turns a float32
+# difference in a near-zero gradient into up to a whole step; the weights' atol below)
+BERT_TP = {**BERT, "learning_rate": 3e-3}
+BERT_LAMB = {**BERT, "optimizer": "lamb"}
 FP16 = dict(precision="mixed_float16")
 GPIPE_CKPT = dict(schedule="gpipe", num_microbatches=2, activation_checkpointing=True)
 SCENARIOS = {  # name: (processes, stages, tensor, pipeline options, train options, worker)
     "pp2_tp2_sequence": (4, 2, 2, dict(schedule="1f1b", num_microbatches=2),
                          dict(sequence_parallel=True),
                          {"first_gradients": True, "interrupt_at": 1}),
-    "albert_pp2_tp2": (4, 2, 2, dict(schedule="1f1b", num_microbatches=2), ALBERT,
-                       {"first_gradients": True}),
+    "albert_pp2_tp2_sequence": (4, 2, 2, dict(schedule="1f1b", num_microbatches=2),
+                                dict(ALBERT, sequence_parallel=True), {"first_gradients": True}),
+    "bert_pp2_tp2": (4, 2, 2, dict(schedule="1f1b", num_microbatches=2), BERT_TP,
+                     {"first_gradients": True}),
     "tp2_pp2_dp2": (8, 2, 2, GPIPE_CKPT, dict(num_layers=3), {"first_gradients": True}),
     "albert_tp2_pp2_dp2": (8, 2, 2, GPIPE_CKPT, dict(ALBERT, num_layers=3),
                            {"first_gradients": True}),
@@ -66,12 +75,16 @@ SCENARIOS = {  # name: (processes, stages, tensor, pipeline options, train optio
                          {"poison": True}),
     "tp2_pp2_dp2_sequence": (8, 2, 2, GPIPE_CKPT, dict(sequence_parallel=True, num_layers=3),
                              {"first_gradients": True}),
+    "bert_tp2_pp2_dp2_sequence": (8, 2, 2, GPIPE_CKPT,
+                                  dict(BERT_LAMB, sequence_parallel=True, num_layers=3),
+                                  {"first_gradients": True}),
 }
-# The default run's launch: one fast case of each layout (GPT with sequence parallelism and
-# ALBERT without); GPT without it and fp16 in the slow launch (each scenario costs seconds).
-LAUNCHES = {"pp2_tp2": ("pp2_tp2_sequence", "albert_pp2_tp2"),
+# The default run's launch: one fast case of each layout (GPT and ALBERT with sequence
+# parallelism, BERT without); GPT and ALBERT without it, BERT with it and fp16 in the slow
+# launch (each scenario costs seconds).
+LAUNCHES = {"pp2_tp2": ("pp2_tp2_sequence", "albert_pp2_tp2_sequence", "bert_pp2_tp2"),
             "tp2_pp2_dp2": ("tp2_pp2_dp2", "albert_tp2_pp2_dp2", "tp2_pp2_dp2_fp16",  # slow
-                            "tp2_pp2_dp2_sequence")}
+                            "tp2_pp2_dp2_sequence", "bert_tp2_pp2_dp2_sequence")}
 
 
 def tensor_pipeline_cfg(data_dir, model_dir, stages, tensor, pipeline, sequence_parallel=False,
@@ -87,15 +100,15 @@ def single_device(train):
     return {k: v for k, v in {**TRAIN, **train}.items() if k != "sequence_parallel"}
 
 
-def launch(names, gpt_data, albert_data, root):
+def launch(names, gpt_data, albert_data, bert_data, root):
     """One `horovodrun` running scenarios `names` (of one world size); (root, directory of
     the results)."""
     out = root / "out"
     plan = []
     for name in names:
         processes, stages, tensor, pipeline, train, opts = SCENARIOS[name]
-        cfg = tensor_pipeline_cfg(data_of(train, gpt_data, albert_data), root / name, stages,
-                                  tensor, pipeline, **train)
+        cfg = tensor_pipeline_cfg(data_of(train, gpt_data, albert_data, bert_data), root / name,
+                                  stages, tensor, pipeline, **train)
         plan.append(run_entry(name, cfg, out, **opts))
     processes = SCENARIOS[names[0]][0]
     os.makedirs(out)
@@ -109,13 +122,14 @@ def launch(names, gpt_data, albert_data, root):
 
 
 @pytest.fixture(scope="module")
-def pp2_tp2(gpt_data, albert_data, tmp_path_factory):
-    return launch(LAUNCHES["pp2_tp2"], gpt_data, albert_data, tmp_path_factory.mktemp("pp2_tp2"))
+def pp2_tp2(gpt_data, albert_data, bert_data, tmp_path_factory):
+    return launch(LAUNCHES["pp2_tp2"], gpt_data, albert_data, bert_data,
+                  tmp_path_factory.mktemp("pp2_tp2"))
 
 
 @pytest.fixture(scope="module")
-def tp2_pp2_dp2(gpt_data, albert_data, tmp_path_factory):
-    return launch(LAUNCHES["tp2_pp2_dp2"], gpt_data, albert_data,
+def tp2_pp2_dp2(gpt_data, albert_data, bert_data, tmp_path_factory):
+    return launch(LAUNCHES["tp2_pp2_dp2"], gpt_data, albert_data, bert_data,
                   tmp_path_factory.mktemp("tp2_pp2_dp2"))
 
 
@@ -146,8 +160,7 @@ def check_scenario(data_dir, out, tmp_path, name):
         splits = json.loads(str(result["splits"]))
         # stage 0's table and the last stage's copy: vocabulary rows; ALBERT's shared block
         # on both stages: the same slices
-        tied = ([ALBERT_TABLE, ALBERT_SHARED] if train.get("model") == "albert" else [TABLE])
-        for suffix in tied:
+        for suffix in TIED.get(train.get("model"), [TABLE]):
             assert [p for p in held(result, "w") if p.endswith(suffix) and p in splits], suffix
         for path, value in held(result, "w").items():
             # atol 5e-6 on weights ~1e-2 after 3 Adam steps of lr 3e-3: the split matmuls sum
@@ -179,21 +192,22 @@ def check_scenario(data_dir, out, tmp_path, name):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name", ["pp2_tp2_sequence", "albert_pp2_tp2"])
-def test_pp2_tp2_equals_one_device_on_the_same_global_batch(gpt_data, albert_data, pp2_tp2,
-                                                            tmp_path, name):
-    check_scenario(data_of(SCENARIOS[name][4], gpt_data, albert_data), pp2_tp2[1], tmp_path,
-                   name)
+@pytest.mark.parametrize("name", LAUNCHES["pp2_tp2"])
+def test_pp2_tp2_equals_one_device_on_the_same_global_batch(gpt_data, albert_data, bert_data,
+                                                            pp2_tp2, tmp_path, name):
+    check_scenario(data_of(SCENARIOS[name][4], gpt_data, albert_data, bert_data), pp2_tp2[1],
+                   tmp_path, name)
 
 
 @pytest.mark.multiproc
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["tp2_pp2_dp2", "albert_tp2_pp2_dp2",
-                                  "tp2_pp2_dp2_sequence"])
+                                  "tp2_pp2_dp2_sequence", "bert_tp2_pp2_dp2_sequence"])
 def test_tp2_pp2_dp2_equals_one_device_on_the_same_global_batch(gpt_data, albert_data,
-                                                                  tp2_pp2_dp2, tmp_path, name):
-    check_scenario(data_of(SCENARIOS[name][4], gpt_data, albert_data), tp2_pp2_dp2[1],
-                   tmp_path, name)
+                                                                  bert_data, tp2_pp2_dp2,
+                                                                  tmp_path, name):
+    check_scenario(data_of(SCENARIOS[name][4], gpt_data, albert_data, bert_data),
+                   tp2_pp2_dp2[1], tmp_path, name)
 
 
 def check_fp16_skip(gpt_data, out, tmp_path, name):
@@ -287,17 +301,22 @@ def test_tp_pp_pieces_consolidate_into_the_single_device_model(gpt_data, pp2_tp2
 @pytest.mark.parametrize("flags, world, message", [
     (dict(pipeline_stages=2, tensor_parallel=2), 6, "--pipeline_stages=2 x --tensor_parallel=2 "
                                                     "= 4 does not divide 6"),
-    (dict(pipeline_stages=2, tensor_parallel=2, sequence_parallel=True, model="albert"), 4,
-     "--pipeline_stages=2 with --sequence_parallel=True is built for --model=gpt with "
-     "--tensor_parallel >= 2"),
-    (dict(pipeline_stages=2, sequence_parallel=True), 2,
-     "this run has --model=gpt --tensor_parallel=1: drop --sequence_parallel"),
-    (dict(pipeline_stages=2, tensor_parallel=2, model="bert"), 4,
-     "--model=bert is not supported yet"),
+    (dict(pipeline_stages=2, sequence_parallel=True, model="bert"), 2,
+     "--pipeline_stages=2 with --sequence_parallel=True needs --tensor_parallel >= 2 .* this "
+     "run has --tensor_parallel=1: drop --sequence_parallel or set --tensor_parallel"),
 ])
 def test_bad_tp_pp_layouts_are_refused(flags, world, message):
     with pytest.raises(ValueError, match=message):
         pipeline_mesh(cfg_with(**flags), world)
+
+
+@pytest.mark.parametrize("model", ["albert", "bert"])
+def test_masked_lm_tp_pp_with_sequence_parallel_is_accepted(model):
+    """ALBERT and BERT under TP x PP, with --sequence_parallel (refused before the heads
+    gathered the sequence): the grid is built; the launches above prove the numbers."""
+    mesh = pipeline_mesh(cfg_with(pipeline_stages=2, tensor_parallel=2, sequence_parallel=True,
+                                  model=model), 8)
+    assert (mesh.data, mesh.pipeline, mesh.tensor) == (2, 2, 2)
 
 
 @pytest.mark.parametrize("train, tensor, message", [

@@ -1,4 +1,5 @@
 """tfbig.plan without TensorFlow: the published 175B figure, named errors, the search, the CLI."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -8,7 +9,7 @@ import time
 import pytest
 
 from tfbig.config import ExperimentConfig
-from tfbig.plan import cli, estimate, hardware, search
+from tfbig.plan import cli, estimate, hardware, models, search
 from tfbig.plan.local import training_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -190,9 +191,10 @@ def test_albert_shared_layers_are_held_by_every_stage():
     assert last == shape.params - first + shape.block_params + 30000 * 128
     gpt = cli.shape_from_flags({**{k: v[1] for k, v in cli.FLAGS_SPEC.items()},
                                 "preset": "1.3b"})
-    # GPT's last stage: its quarter of the blocks, the final norm and the tied table's copy
+    # GPT's last stage: its blocks of tfbig-train's FLOPs partition (5 of 24: the output
+    # matrix costs 1.75 blocks), the final norm and the tied table's copy
     assert estimate.stage_params(gpt, estimate.Layout(pipeline=4), last=True) == (
-        gpt.block_params / 4 + 2 * 2048 + 50257 * 2048)
+        gpt.block_params * 5 / 24 + 2 * 2048 + 50257 * 2048)
 
 
 def test_pipeline_activations_follow_the_schedule_per_stage():
@@ -205,12 +207,14 @@ def test_pipeline_activations_follow_the_schedule_per_stage():
     tokens, precision = shape.seq_length, "mixed_bfloat16"
     per_layer = estimate.layer_activation_bytes(shape, estimate.Layout(), precision) * tokens
     working = estimate.backward_working_bytes(shape, estimate.Layout(), precision) * tokens
+    layers = estimate.partition_layers(shape, 4)  # the output matrix costs 1.75 blocks
+    assert layers == (6, 6, 7, 5)
     for schedule in ("gpipe", "1f1b"):
         layout = estimate.Layout(pipeline=4, num_microbatches=8, schedule=schedule)
         for k in range(3):  # the last stage also keeps the loss's vocabulary-sized tensors
             live = 8 if schedule == "gpipe" else 4 - k
             assert estimate.activation_memory(shape, layout, 1, precision, k) == pytest.approx(
-                live * 6 * per_layer + working)
+                live * layers[k] * per_layer + working)
     uneven = estimate.Layout(pipeline=2, num_microbatches=4, stage_layers=(16, 8))
     assert estimate.activation_memory(shape, uneven, 1, precision, 0) == pytest.approx(
         2 * 16 * per_layer + working)
@@ -219,10 +223,36 @@ def test_pipeline_activations_follow_the_schedule_per_stage():
     ckpt = estimate.Layout(pipeline=4, num_microbatches=8, activation_checkpointing=True)
     kept = estimate.stage_input_bytes(shape, ckpt, precision, 1) * tokens
     assert kept == 2 * shape.hidden_size * tokens
+    derivative = estimate.gelu_derivative_bytes(shape, ckpt, precision) * tokens
+    assert derivative == 4 * 2 * shape.hidden_size * tokens  # one 4h-wide 16-bit tensor
     assert estimate.activation_memory(shape, ckpt, 1, precision, 1) == pytest.approx(
-        3 * kept + 6 * per_layer + working)
+        3 * kept + 6 * (per_layer + derivative) + working)
     stage, worst = estimate.peak_stage_memory(shape, estimate.Layout(
         pipeline=4, num_microbatches=8, schedule="gpipe"), 1, precision, device)
     assert stage == 3  # GPipe: every stage holds all 8; the last also the logits' tensors
     assert worst == estimate.memory(shape, estimate.Layout(
         pipeline=4, num_microbatches=8, schedule="gpipe"), 1, precision, device, stage=3)
+
+
+def test_search_cuts_stages_as_tfbig_train_does():
+    """The plan's stages hold the layers of tfbig-train's FLOPs-balanced partition (one
+    function: tfbig.pipeline.partition over tfbig.plan.models.layer_specs), and the slowest
+    stage paces the pipeline."""
+    from tfbig.pipeline.partition import partition
+
+    values = {**{k: v[1] for k, v in cli.FLAGS_SPEC.items()}, "preset": "1.3b"}
+    shape = cli.shape_from_flags(values)
+    cfg = models.model_config("gpt", "1.3b")
+    for k in (2, 4, 8):
+        trained = estimate.stage_layer_counts(partition(models.layer_specs(cfg, 2048), k))
+        assert estimate.partition_layers(shape, k) == trained
+    cluster = hardware.Cluster(hardware.gpu("A100-80GB", "mixed_bfloat16"), 8, 1, 50e9)
+    best = search.search(shape, cluster, "mixed_bfloat16", 64,
+                         fixed={"pipeline_stages": 4, "tensor_parallel": 1})[0]
+    assert best.layout.stage_layers == (6, 6, 7, 5)
+    # an even split would put 6 blocks and the output matrix on the last stage: slower
+    even = dataclasses.replace(best.layout, stage_layers=(6, 6, 6, 6))
+    balanced = estimate.step_time(shape, best.layout, best.micro_batch, "mixed_bfloat16",
+                                  cluster)
+    uneven = estimate.step_time(shape, even, best.micro_batch, "mixed_bfloat16", cluster)
+    assert balanced["compute"] / uneven["compute"] == pytest.approx(7 / (6 + 618 / 352), 0.01)

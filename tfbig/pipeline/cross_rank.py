@@ -34,10 +34,10 @@ assembles the single-device model (tfbig-generate/export read it) or writes a si
 checkpoint: python -m tfbig.pipeline.stage_checkpoint MODEL_DIR OUT_DIR.
 
 With --tensor_parallel=T each stage is also split over T ranks (tfbig.pipeline.tensor_stage;
-GPT and ALBERT; --sequence_parallel for GPT). Not built (refused before training):
---zero_stage, --shard_degree, --elastic, --offload_activations with --pipeline_stages > 1.
-GPT, ALBERT (its shared block and tied word table are weights used by several stages) and BERT
-(BERT with --tensor_parallel too: tfbig.pipeline.tensor_stage has GPT's and ALBERT's splits).
+GPT, ALBERT and BERT, with or without --sequence_parallel). Not built (refused before
+training): --zero_stage, --shard_degree, --elastic, --offload_activations with
+--pipeline_stages > 1. GPT, ALBERT (its shared block and tied word table are weights used by
+several stages) and BERT.
 
 Example (2 stages x 2 data-parallel replicas):
     horovodrun -np 4 -H localhost:4 --gloo tfbig-train --strategy=horovod --pipeline_stages=2 \\
@@ -55,10 +55,10 @@ from tfbig.distribute.mesh import HorovodMesh, Mesh, launcher_world_size
 from tfbig.pipeline import partition as partition_lib
 from tfbig.pipeline import schedules
 from tfbig.pipeline import stage_checkpoint
-from tfbig.pipeline.layers import layer_specs
+from tfbig.plan.models import layer_specs
 from tfbig.pipeline.stage_model import build_stage_model
 from tfbig.pipeline.stages import Stage
-from tfbig.pipeline.strategy import microbatch_size, split_microbatches
+from tfbig.pipeline.strategy import microbatch_size, split_microbatches, stage_memory
 from tfbig.pipeline.transport import StageLink, boundary_specs, runtime_zero, unfoldable
 
 # (config section, flag, is it set?) of what is not built with stages on different ranks.
@@ -80,17 +80,12 @@ def pipeline_mesh(cfg, world_size):
                              f"supported by --strategy=horovod yet (stages on different ranks "
                              f"are built for plain data parallelism); drop one of the two")
     parallel = cfg.parallel
-    if parallel.sequence_parallel and (parallel.tensor_parallel < 2 or cfg.train.model != "gpt"):
-        raise ValueError(f"--pipeline_stages={stages} with --sequence_parallel=True is built for "
-                         f"--model=gpt with --tensor_parallel >= 2 (each stage's LayerNorm and "
-                         f"dropout regions split along the sequence over its tensor group); "
-                         f"this run has --model={cfg.train.model} --tensor_parallel="
-                         f"{parallel.tensor_parallel}: drop --sequence_parallel")
-    if parallel.tensor_parallel > 1 and cfg.train.model == "bert":
-        raise ValueError(f"--pipeline_stages={stages} x --tensor_parallel="
-                         f"{parallel.tensor_parallel}: --model=bert is not supported yet with "
-                         f"both (built and tested for gpt and albert); BERT runs on stages alone "
-                         f"or on --tensor_parallel alone")
+    if parallel.sequence_parallel and parallel.tensor_parallel < 2:
+        raise ValueError(f"--pipeline_stages={stages} with --sequence_parallel=True needs "
+                         f"--tensor_parallel >= 2 (each stage's LayerNorm and dropout regions "
+                         f"split along the sequence over its tensor group); this run has "
+                         f"--tensor_parallel={parallel.tensor_parallel}: drop "
+                         f"--sequence_parallel or set --tensor_parallel")
     if cfg.pipeline.num_microbatches < 1:
         raise ValueError(f"--num_microbatches={cfg.pipeline.num_microbatches}: expected >= 1")
     return Mesh.build(world_size, tensor=cfg.parallel.tensor_parallel, pipeline=stages,
@@ -213,9 +208,8 @@ class CrossRankPipeline(HorovodStrategy):
     def describe(self, micro_batch_tokens):
         """The rank grid, the schedule and which ranks hold which layers."""
         p = self.pipeline
-        memory = [partition_lib.estimate_memory(
-            stage, p.schedule, self.num_stages, p.num_microbatches, micro_batch_tokens,
-            p.activation_checkpointing) for stage in self.plan]
+        memory = stage_memory(self.task, self.plan, p, micro_batch_tokens,
+                              self.cfg.train.precision)
         grid = self.mesh.mesh
         holders = [",".join(str(r) for r in range(grid.size)
                             if grid.coords(r)["pipeline"] == s.index) for s in self.plan]

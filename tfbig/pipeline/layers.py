@@ -2,14 +2,19 @@
 
 The pipeline cuts a model into stages at layer boundaries, so it needs the model as a list of
 `PipeLayer`s: what each layer computes on the activation coming from the layer before, which
-Keras modules own its weights (to place them on the stage's device), and what it costs (to
-balance the stages). The model itself stays unaware of all this.
+Keras modules own its weights (to place them on the stage's device). What each layer costs (to
+balance the stages) is the planner's `LayerSpec` (tfbig.plan.models.layer_specs, no Keras):
+tfbig-train and tfbig-plan cut a model by the same costs. The model itself stays unaware of
+all this.
 
 GPT is `embedding, block_0 .. block_{L-1}, head` where `head` is the final LayerNorm and the
 vocabulary projection (`model.logits`); with tied embeddings the head also reads the token table
 that lives with the embedding on the first stage. ALBERT is `embedding, layer_0 .. layer_{L-1},
 heads`, its layers reusing num_groups shared blocks, possibly across stages. BERT is
-`embedding, block_0 .. block_{L-1}, heads`, ALBERT's heads on blocks of their own.
+`embedding, block_0 .. block_{L-1}, heads`, ALBERT's heads on blocks of their own. `heads` is
+the model's: pretraining's (masked-LM + sentence pair), or a fine-tuning head (BERT's
+classifier on the pooled [CLS], BERT's and ALBERT's span head for SQuAD) whose loss the
+fine-tuning task computes (tfbig.distribute.finetune_pipeline).
 
 Example:
     layers = layer_sequence(model)            # [PipeLayer("embedding"), PipeLayer("block_0"), ...]
@@ -20,11 +25,9 @@ from typing import Callable
 
 from keras import ops
 
-from tfbig.models.albert import AlbertConfig, AlbertForPretraining
-from tfbig.models.bert import BertConfig, BertForPretraining
-from tfbig.models.gpt import GPT, GPTConfig
-from tfbig.plan import estimate
-from tfbig.plan import models as plan_models
+from tfbig.models.albert import AlbertForPretraining, AlbertForQuestionAnswering
+from tfbig.models.bert import BertClassifier, BertForPretraining, BertForQuestionAnswering
+from tfbig.models.gpt import GPT
 
 
 @dataclasses.dataclass
@@ -37,6 +40,10 @@ class PipeLayer:
     shared: list = dataclasses.field(default_factory=list)  # variables owned by another layer
     random: bool = True  # draws dropout masks (False: no seed states to carry)
     calls: list = None  # modules it runs whose seed states it advances (default: `modules`)
+    # Reads positions anywhere in the sequence ([CLS], masked positions); its carry is
+    # (hidden states, model inputs). A stage whose activations are split along the sequence
+    # (tfbig.pipeline.tensor_stage) gathers the hidden states whole before it.
+    whole_sequence: bool = False
 
     @property
     def variables(self):
@@ -48,19 +55,6 @@ class PipeLayer:
         modules = self.modules if self.calls is None else self.calls
         return [v for m in modules for v in m.non_trainable_variables
                 if self.random and "seed_generator" in v.path]
-
-
-@dataclasses.dataclass
-class LayerSpec:
-    """What the partitioner knows of a layer before the model exists: names and costs."""
-
-    name: str
-    scopes: tuple  # Keras name-scope components of the variables it owns (for placement)
-    params: int  # weights owned (a tied table counts once, with its owner)
-    flops_per_token: float  # training FLOPs (forward + backward) per token
-    activation_bytes_per_token: float  # fp32 bytes kept for backward per token
-    output_bytes_per_token: float  # fp32 bytes per token handed to the next layer
-    reads: tuple = ()  # name-scope paths of weights it reads but another layer owns (tied)
 
 
 def _keras_call(layer):
@@ -82,35 +76,13 @@ def _gpt_layers(model):
             + [PipeLayer("head", head, head_modules, tied, random=False)])
 
 
-def _layer_bytes(cfg, family, seq_length):
-    """fp32 bytes per token one transformer layer keeps for its backward (the planner's
-    count: tfbig.plan.estimate.layer_activation_bytes)."""
-    shape = plan_models.shape_of(cfg, family, seq_length)
-    return estimate.layer_activation_bytes(shape, estimate.Layout(), "fp32")
-
-
-def _gpt_specs(cfg, seq_length, masked_per_seq=None):
-    c, f, v, t = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, seq_length
-    block_params = 4 * c + 3 * c * c + 3 * c + c * c + c + 2 * c * f + f + c
-    # 6 FLOPs per matmul weight per token (2 forward, 4 backward) + attention scores and mix.
-    block_flops = 6 * (4 * c * c + 2 * c * f) + 12 * c * t
-    block_bytes = _layer_bytes(cfg, "gpt", seq_length)
-    head_params = (2 * c if cfg.pre_layer_norm else 0) + (0 if cfg.tie_embeddings else c * v)
-    names = ["embedding"] + [f"block_{i}" for i in range(cfg.num_layers)] + ["head"]
-    return ([LayerSpec("embedding", ("embedding",), v * c + cfg.seq_length * c, 4 * c, 4 * c,
-                       4 * c)]
-            + [LayerSpec(n, (n,), block_params, block_flops, block_bytes, 4 * c)
-               for n in names[1:-1]]
-            # the head keeps the loss's float32 softmax gradient: V floats per token
-            + [LayerSpec("head", ("final_norm", "head"), head_params, 6 * c * v, 4 * c + 4 * v,
-                         4 * v, ("embedding/token",) if cfg.tie_embeddings else ())])
-
-
 # ---- ALBERT and BERT --------------------------------------------------------------------------
-def _pretraining_heads(model, pair, random):
-    """The `heads` layer of ALBERT/BERT pretraining (`pair`: "sop" | "nsp"): the model's call
-    after the backbone, on the carry (hidden states, model inputs); reads the word table."""
+def _pretraining_heads(model, random):
+    """The `heads` layer of ALBERT/BERT pretraining (sentence order for ALBERT, next sentence
+    for BERT): the model's call after the backbone, on the carry (hidden states, model
+    inputs); reads the word table."""
     backbone = model.backbone
+    pair = "sop" if isinstance(model, AlbertForPretraining) else "nsp"
     pair_head, pair_dropout = getattr(model, f"{pair}_head"), getattr(model, f"{pair}_dropout")
 
     def heads(carry, training):
@@ -123,7 +95,31 @@ def _pretraining_heads(model, pair, random):
                 f"{pair}_logits": ops.cast(logits, "float32")}
 
     return PipeLayer("heads", heads, [backbone.pooler, model.mlm_head, pair_head, pair_dropout],
-                     [backbone.embedding.word.embeddings], random)
+                     [backbone.embedding.word.embeddings], random, whole_sequence=True)
+
+
+def _classifier_head(model, random):
+    """BertClassifier's `heads`: pooler on [CLS], dropout, Dense(num_classes) (its call after
+    the backbone)."""
+    backbone = model.backbone
+
+    def heads(carry, training):
+        pooled = backbone.pooler(carry[0][:, 0])  # (B, H)
+        logits = model.classifier_head(model.classifier_dropout(pooled, training=training))
+        return {"logits": ops.cast(logits, "float32")}  # (B, num_classes)
+
+    return PipeLayer("heads", heads, [backbone.pooler, model.classifier_dropout,
+                                      model.classifier_head], random=random, whole_sequence=True)
+
+
+def _span_head(model, random):
+    """The SQuAD models' `heads`: start and end logits of every token (no dropout; the
+    backbone's pooler is unused)."""
+    def heads(carry, training):
+        logits = ops.cast(model.span_head(carry[0]), "float32")  # (B, T, 2)
+        return {"start_logits": logits[..., 0], "end_logits": logits[..., 1]}
+
+    return PipeLayer("heads", heads, [model.span_head], random=False)
 
 
 def _block_call(block):
@@ -132,10 +128,11 @@ def _block_call(block):
                                     carry[1])
 
 
-def _albert_layers(model):
-    """embedding (+ projection), layer_0 .. layer_{L-1}, heads. Layer i runs shared block
-    group_of_layer(i); the first layer running a block owns it, later ones (maybe on other
-    stages) read it as a shared weight. The activation is (hidden states, model inputs)."""
+def _albert_layers(model, heads):
+    """embedding (+ projection), layer_0 .. layer_{L-1}, `heads(model, random)`. Layer i runs
+    shared block group_of_layer(i); the first layer running a block owns it, later ones (maybe
+    on other stages) read it as a shared weight. The activation is (hidden states, model
+    inputs)."""
     backbone, cfg = model.backbone, model.config
     random = cfg.dropout > 0
 
@@ -153,36 +150,14 @@ def _albert_layers(model):
         layers.append(PipeLayer(f"layer_{i}", _block_call(block), [block] if owner else [],
                                 [] if owner else list(block.trainable_variables), random,
                                 calls=[block]))
-    layers.append(_pretraining_heads(model, "sop", random))
+    layers.append(heads(model, random))
     return layers
 
 
-def _albert_specs(cfg, seq_length, masked_per_seq=None):
-    v, e, h, i, t = (cfg.vocab_size, cfg.embedding_size, cfg.hidden_size,
-                     cfg.intermediate_size, seq_length)
-    p = masked_per_seq or max(1, round(0.15 * t))  # MLM positions per sequence
-    block = (3 * h * h + 3 * h) + (h * h + h) + (h * i + i) + (i * h + h) + 2 * 2 * h
-    layer_flops = 6 * (4 * h * h + 2 * h * i) + 12 * h * t
-    layer_bytes = _layer_bytes(cfg, "albert", seq_length)
-    first = {cfg.group_of_layer(n): n for n in reversed(range(cfg.num_layers))}
-    group = lambda n: f"group_{cfg.group_of_layer(n)}"  # noqa: E731
-    owns = lambda n: first[cfg.group_of_layer(n)] == n  # noqa: E731
-    layers = [LayerSpec(f"layer_{n}", (group(n),) if owns(n) else (), block if owns(n) else 0,
-                        layer_flops, layer_bytes, 4 * h, () if owns(n) else (group(n),))
-              for n in range(cfg.num_layers)]
-    embedding = LayerSpec("embedding", ("embedding", "projection"),
-                          (v + cfg.seq_length + cfg.type_vocab_size) * e + 2 * e + e * h + h,
-                          6 * e * h, 4 * (3 * e + h), 4 * h)
-    heads = LayerSpec("heads", ("pooler", "mlm_head", "sop_head"),
-                      (h * h + h) + (h * e + e) + 2 * e + v + (2 * h + 2),
-                      6 * (h * h / t + (h * e + e * v) * p / t), 4 * (e + 2 * v) * p / t, 4 * v,
-                      ("embedding/word",))
-    return [embedding] + layers + [heads]
-
-
-def _bert_layers(model):
-    """embedding, block_0 .. block_{L-1}, heads: ALBERT's sequence with a block of its own per
-    layer and no projection. The activation is (hidden states, model inputs)."""
+def _bert_layers(model, heads):
+    """embedding, block_0 .. block_{L-1}, `heads(model, random)`: ALBERT's sequence with a
+    block of its own per layer and no projection. The activation is (hidden states, model
+    inputs)."""
     backbone = model.backbone
     random = model.config.dropout > 0
 
@@ -193,30 +168,17 @@ def _bert_layers(model):
     return ([PipeLayer("embedding", embed, [backbone.embedding], random=random)]
             + [PipeLayer(block.name, _block_call(block), [block], random=random)
                for block in backbone.blocks]
-            + [_pretraining_heads(model, "nsp", random)])
+            + [heads(model, random)])
 
 
-def _bert_specs(cfg, seq_length, masked_per_seq=None):
-    v, h, i, t = cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, seq_length
-    p = masked_per_seq or max(1, round(0.15 * t))  # MLM positions per sequence
-    block = (3 * h * h + 3 * h) + (h * h + h) + (h * i + i) + (i * h + h) + 2 * 2 * h
-    block_flops = 6 * (4 * h * h + 2 * h * i) + 12 * h * t
-    block_bytes = _layer_bytes(cfg, "bert", seq_length)
-    embedding = LayerSpec("embedding", ("embedding",),
-                          (v + cfg.seq_length + cfg.type_vocab_size) * h + 2 * h, 4 * h,
-                          4 * 3 * h, 4 * h)
-    blocks = [LayerSpec(f"block_{n}", (f"block_{n}",), block, block_flops, block_bytes, 4 * h)
-              for n in range(cfg.num_layers)]
-    heads = LayerSpec("heads", ("pooler", "mlm_head", "nsp_head"),
-                      (h * h + h) + (h * h + h) + 2 * h + v + (2 * h + 2),
-                      6 * (h * h / t + (h * h + h * v) * p / t), 4 * (h + 2 * v) * p / t, 4 * v,
-                      ("embedding/word",))
-    return [embedding] + blocks + [heads]
-
-
-FAMILIES = {GPT: _gpt_layers, AlbertForPretraining: _albert_layers,
-            BertForPretraining: _bert_layers}
-SPECS = {GPTConfig: _gpt_specs, AlbertConfig: _albert_specs, BertConfig: _bert_specs}
+FAMILIES = {  # model class: its layer sequence
+    GPT: _gpt_layers,
+    AlbertForPretraining: lambda model: _albert_layers(model, _pretraining_heads),
+    AlbertForQuestionAnswering: lambda model: _albert_layers(model, _span_head),
+    BertForPretraining: lambda model: _bert_layers(model, _pretraining_heads),
+    BertForQuestionAnswering: lambda model: _bert_layers(model, _span_head),
+    BertClassifier: lambda model: _bert_layers(model, _classifier_head),
+}
 
 
 def layer_sequence(model):
@@ -226,13 +188,3 @@ def layer_sequence(model):
             return layers(model)
     raise ValueError(f"--strategy=pipeline does not know how to cut a {type(model).__name__}; "
                      f"it knows {sorted(c.__name__ for c in FAMILIES)} (tfbig/pipeline/layers.py)")
-
-
-def layer_specs(model_config, seq_length, masked_per_seq=None):
-    """LayerSpecs in the same order as `layer_sequence`, from the config alone
-    (`masked_per_seq`: ALBERT's masked-LM positions per sequence, for the head's cost)."""
-    for cls, specs in SPECS.items():
-        if isinstance(model_config, cls):
-            return specs(model_config, seq_length, masked_per_seq)
-    raise ValueError(f"no pipeline cost model for {type(model_config).__name__}; it knows "
-                     f"{sorted(c.__name__ for c in SPECS)} (tfbig/pipeline/layers.py)")

@@ -6,6 +6,9 @@ pace) or parameters (`balance="params"`, what sets its memory). `--stage_boundar
 with the first layer of every stage after the first, by index or name. The plan is data: a list
 of `StagePlan`s, printed before training (`format_plan`).
 
+What each stage holds is the planner's estimate (tfbig.plan.estimate.stage_table, printed by
+`format_plan`); tfbig-plan lays out its stages with this partition too.
+
 Example:
     plan = partition(layer_specs(gpt_config, 128), num_stages=2)
     plan = partition(costs, 2, boundaries="block_3")   # stage 1 starts at block_3
@@ -26,8 +29,6 @@ class StagePlan:
     layer_names: list
     params: int
     flops_per_token: float
-    activation_bytes_per_token: float
-    input_bytes_per_token: float  # what the stage keeps per token under activation checkpointing
 
 
 def parse_boundaries(text, names):
@@ -55,7 +56,8 @@ def _check_starts(starts, num_stages, num_layers, text):
 
 
 def balanced_starts(weights, num_stages):
-    """Stage start indices minimising the largest stage sum of `weights` (exact, by DP)."""
+    """Stage start indices minimising the largest stage sum of `weights` (>= 0; exact, by DP;
+    among equal cuts the earliest)."""
     n = len(weights)
     prefix = [0.0]
     for w in weights:
@@ -67,9 +69,15 @@ def balanced_starts(weights, num_stages):
     best[0][0] = 0.0
     for k in range(1, num_stages + 1):
         for i in range(k, n + 1):
-            for j in range(k - 1, i):
-                cost = max(best[k - 1][j], prefix[i] - prefix[j])
-                if cost < best[k][i]:
+            # the last stage is layers [j, i); it only grows as j falls, so once it alone costs
+            # more than the best cut found no earlier j can be better (tfbig-plan cuts 96
+            # layers in 12 ways per model: this keeps that to milliseconds)
+            for j in range(i - 1, k - 2, -1):
+                last = prefix[i] - prefix[j]
+                if last > best[k][i]:
+                    break
+                cost = max(best[k - 1][j], last)
+                if cost <= best[k][i]:
                     best[k][i], cut[k][i] = cost, j
     starts, i = [], n
     for k in range(num_stages, 1, -1):
@@ -96,31 +104,9 @@ def partition(costs, num_stages, boundaries="", balance="flops"):
     plan = []
     for index, (start, stop) in enumerate(zip(edges, edges[1:])):
         part = costs[start:stop]
-        plan.append(StagePlan(
-            index, start, stop, names[start:stop], sum(c.params for c in part),
-            sum(c.flops_per_token for c in part), sum(c.activation_bytes_per_token for c in part),
-            costs[start - 1].output_bytes_per_token if start else 4.0))  # stage 0 keeps int ids
+        plan.append(StagePlan(index, start, stop, names[start:stop], sum(c.params for c in part),
+                              sum(c.flops_per_token for c in part)))
     return plan
-
-
-def live_microbatches(schedule, stage, num_stages, num_microbatches):
-    """Micro-batches whose activations a stage holds at its peak under `schedule`."""
-    if schedule == "gpipe":
-        return num_microbatches
-    return min(num_stages - stage, num_microbatches)
-
-
-def estimate_memory(stage, schedule, num_stages, num_microbatches, micro_batch_tokens,
-                    checkpointing, bytes_per_param=16):
-    """Estimated bytes: weights, gradients and two Adam moments (16 B/param in fp32) plus the
-    activations of the micro-batches alive at the stage's peak."""
-    live = live_microbatches(schedule, stage.index, num_stages, num_microbatches)
-    if checkpointing:  # stage inputs of every live micro-batch + one being recomputed
-        per_token = live * stage.input_bytes_per_token + stage.activation_bytes_per_token
-    else:
-        per_token = live * stage.activation_bytes_per_token
-    return {"weights": stage.params * bytes_per_param,
-            "activations": per_token * micro_batch_tokens}
 
 
 def _human(n, unit=""):
@@ -131,16 +117,17 @@ def _human(n, unit=""):
 
 
 def format_plan(plan, devices, memory):
-    """The plan as a table: stage, device, layers, parameters, FLOPs share, est. memory."""
+    """The plan as a table: stage, device, layers, parameters, FLOPs share, est. memory
+    (`memory`: per stage {"state", "activations"} bytes, tfbig.plan.estimate.stage_table)."""
     total_flops = sum(s.flops_per_token for s in plan) or 1.0
     rows = [f"{'stage':<6}{'device':<17}{'layers':<26}{'params':>9}{'flops':>7}"
-            f"{'est. memory (weights+activations)':>36}"]
+            f"{'est. memory (state+activations)':>36}"]
     for stage, device, mem in zip(plan, devices, memory):
         layers = (stage.layer_names[0] if len(stage.layer_names) == 1 else
                   f"{stage.layer_names[0]}..{stage.layer_names[-1]} ({len(stage.layer_names)})")
-        total = mem["weights"] + mem["activations"]
+        total = mem["state"] + mem["activations"]
         rows.append(f"{stage.index:<6}{device:<17}{layers:<26}{_human(stage.params):>9}"
                     f"{stage.flops_per_token / total_flops:>7.0%}"
-                    f"{_human(total, 'B'):>14} = {_human(mem['weights'], 'B')} + "
+                    f"{_human(total, 'B'):>14} = {_human(mem['state'], 'B')} + "
                     f"{_human(mem['activations'], 'B')}")
     return "\n".join(rows)

@@ -14,10 +14,13 @@ only its own device's variables, and a recomputed forward replays exactly the dr
 the original one (it is given the same seed states).
 
 Each op of a stage waits for the stage's previous op: its inputs — the micro-batch included,
-and the backward's seed gradient — pass through identities under control dependencies. So inside
-one tf.function a stage runs exactly its schedule while different stages, on different devices,
-run concurrently; the number of stashed micro-batches is the number whose activations are alive
-(a test measures the allocator's peak), and `peak_live` records its maximum.
+and the backward's seed gradient — pass through identities under a control dependency on a scalar
+read from the previous op's outputs (a control dependency on those outputs themselves would wait,
+once the stage function is inlined, only for its stateful ops: GPipe's forwards, and 1F1B's
+forward after its first backward, ran ahead of the schedule). So inside one tf.function a stage
+runs exactly its schedule while different stages, on different devices, run concurrently; the
+number of stashed micro-batches is the number whose activations are alive (a test measures the
+allocator's peak: tests/plan/test_pipeline_memory.py), and `peak_live` records its maximum.
 
 Example:
     stage = Stage(0, layers[:3], "/device:CPU:0", task, is_first=True, is_last=False)
@@ -34,6 +37,16 @@ from tfbig.pipeline.devices import same_device
 
 def _float_leaves(nest):
     return [t for t in tf.nest.flatten(nest) if t.dtype.is_floating]
+
+
+def _computed(tensors):
+    """A scalar read from one element of each of `tensors`: it exists once they all do.
+
+    A control dependency on the output of a stage function call is not enough: once the call
+    is inlined into the step, such an edge waits only for the function's stateful ops, not for
+    the math that makes the output; a data edge waits for it."""
+    return tf.add_n([tf.reduce_sum(tf.cast(tf.reshape(t, [-1])[:1], tf.float32))
+                     for t in tensors])
 
 
 class Stage:
@@ -118,7 +131,7 @@ class Stage:
         """`nest` gated on this stage's previous op, so ops run in schedule order."""
         if not self._previous or nest is None:
             return nest
-        with tf.control_dependencies(self._previous):
+        with tf.control_dependencies([_computed(self._previous)]):
             return tf.nest.map_structure(tf.identity, nest)
 
     def forward(self, microbatch, x, micro_batch):

@@ -22,8 +22,11 @@ from tfbig.pipeline import partition as partition_lib
 from tfbig.pipeline import schedules
 from tfbig.pipeline.data_parallel import HorovodGrid, launched_by_horovod
 from tfbig.pipeline.devices import same_device, stage_devices
-from tfbig.pipeline.layers import layer_sequence, layer_specs
+from tfbig.pipeline.layers import layer_sequence
+from tfbig.plan.models import layer_specs
 from tfbig.pipeline.stages import Stage
+from tfbig.plan import estimate
+from tfbig.plan import models as plan_models
 
 
 def microbatch_size(total, num_microbatches):
@@ -54,6 +57,32 @@ def split_microbatches(batch, num_microbatches, batch_axes=1):
 
     split = tf.nest.map_structure(reshape, batch)
     return [tf.nest.map_structure(lambda t: t[i], split) for i in range(num_microbatches)]
+
+
+def stage_memory(task, plan, options, micro_batch_tokens, precision="fp32"):
+    """Per stage of `plan`, tfbig-plan's bytes ({"state", "activations"}: estimate.stage_table)
+    of `task`'s model under the pipeline `options` with micro-batches of `micro_batch_tokens`."""
+    masked = getattr(task, "max_predictions_per_seq", None)
+    config = task.model_config
+    shape = plan_models.shape_of(config, plan_models.family_of(config), task.seq_length, masked)
+    if getattr(task, "layer_specs", None) is not None:  # a fine-tuning head, not pretraining's
+        specs = tuple(task_layer_specs(task))
+        shape = dataclasses.replace(shape, pipe_layers=specs, last_params=specs[-1].params)
+    layout = estimate.Layout(pipeline=len(plan), num_microbatches=options.num_microbatches,
+                             schedule=options.schedule,
+                             activation_checkpointing=options.activation_checkpointing,
+                             stage_layers=estimate.stage_layer_counts(plan))
+    return estimate.stage_table(shape, layout, micro_batch_tokens // task.seq_length, precision)
+
+
+def task_layer_specs(task):
+    """The LayerSpecs `task`'s model is cut by: the task's own when it has them (a fine-tuning
+    head: tfbig.distribute.finetune_pipeline), else its model config's (pretraining)."""
+    own = getattr(task, "layer_specs", None)
+    if own is not None:
+        return own()
+    return layer_specs(task.model_config, task.seq_length,
+                       getattr(task, "max_predictions_per_seq", None))
 
 
 @contextlib.contextmanager
@@ -116,8 +145,7 @@ class PipelineStrategy(Strategy):
     def build_model(self, task):
         """Partition `task`'s model, print the plan, build it with each stage on its device."""
         o = self.options
-        specs = layer_specs(task.model_config, task.seq_length,
-                            getattr(task, "max_predictions_per_seq", None))
+        specs = task_layer_specs(task)
         self.plan = partition_lib.partition(specs, o.pipeline_stages, o.stage_boundaries,
                                             o.pipeline_balance)
         with place_variables(self.plan, specs, self.devices):
@@ -136,6 +164,18 @@ class PipelineStrategy(Strategy):
                 print(self.describe(micro * task.seq_length), flush=True)
         return model
 
+    def assembled_model(self, model):
+        """A single-device model of `model`'s class holding the weights its stages hold on
+        their devices (what the fine-tuning commands predict with and write:
+        tfbig.distribute.finetune_pipeline)."""
+        whole = type(model).from_config(model.get_config())
+        whole.build()
+        by_path = {v.path: v for v in whole.variables}
+        for variable in model.variables:
+            if "seed_generator" not in variable.path:  # dropout states: not weights
+                by_path[variable.path].assign(variable)
+        return whole
+
     def _check_placement(self):
         for stage in self.plan:
             for layer in self.layers[stage.start:stage.stop]:
@@ -149,14 +189,15 @@ class PipelineStrategy(Strategy):
     def describe(self, micro_batch_tokens):
         """The plan as a table (layers, parameters, est. memory per stage)."""
         o = self.options
-        memory = [partition_lib.estimate_memory(
-            stage, o.schedule, o.pipeline_stages, o.num_microbatches, micro_batch_tokens,
-            o.activation_checkpointing) for stage in self.plan]
+        memory = stage_memory(self.task, self.plan, o, micro_batch_tokens, self._precision())
         header = (f"pipeline: {o.pipeline_stages} stages, --schedule={o.schedule}, "
                   f"{o.num_microbatches} micro-batches of {micro_batch_tokens} tokens, "
                   f"activation checkpointing {'on' if o.activation_checkpointing else 'off'}, "
                   f"{self.num_replicas} data-parallel replica(s)")
         return header + "\n" + partition_lib.format_plan(self.plan, self.devices, memory)
+
+    def _precision(self):
+        return getattr(getattr(self.cfg, "train", None), "precision", "fp32")
 
     def make_stages(self, jit_compile):
         """Fresh Stage objects over the model's layers (one set per compiled function)."""

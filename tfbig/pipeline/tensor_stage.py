@@ -1,6 +1,6 @@
 """Tensor parallelism inside pipeline stages on different ranks: `--strategy=horovod
---pipeline_stages=K --tensor_parallel=T` (GPT and ALBERT), the full data x pipeline x tensor
-grid.
+--pipeline_stages=K --tensor_parallel=T` (GPT, ALBERT and BERT), the full data x pipeline x
+tensor grid.
 
 World = D x K x T ranks (tfbig.distribute.mesh; `--placement=cluster` keeps the T ranks of a
 stage adjacent, on one host). The rank at (data d, pipeline k, tensor t):
@@ -27,7 +27,10 @@ stage adjacent, on one host). The rank at (data d, pipeline k, tensor t):
                 after the word table's all-reduce); a shared block run by layers on several
                 stages is held by each of them, split by the same plan, so tensor rank t of
                 every stage holds slice t and the gradient parts summed over the pipeline
-                group are slice t of the block's one gradient
+                group are slice t of the block's one gradient. BERT as ALBERT, a block of
+                its own per layer and no projection; the pooler and the NSP (SOP) head are
+                replicated on the last stage's tensor ranks, as the plan
+                (tfbig.distribute.tensor_layout.masked_lm_plan) has them
     gradients   averaged over the data group (the D ranks holding the same slice of the same
                 stage); the global norm, non-finite count and stop flag go in one all-reduce
                 over the model group (pipeline x tensor): a split weight counted by every
@@ -43,15 +46,16 @@ stages and the tensor splits. `python -m tfbig.pipeline.stage_checkpoint MODEL_D
 tfbig.distribute.tensor_layout) writes a single-device checkpoint; tfbig-generate/export read
 the pieces directly. Resuming needs the same --pipeline_stages and --tensor_parallel.
 
---sequence_parallel (GPT): inside each stage the LayerNorm/dropout regions are split along
-the sequence over the tensor group (reduce-scatter/all-gather instead of all-reduce, as with
+--sequence_parallel: inside each stage the LayerNorm/dropout regions are split along the
+sequence over the tensor group (reduce-scatter/all-gather instead of all-reduce, as with
 --tensor_parallel alone), so a block output is this rank's chunk of the positions and tensor
 rank t sends chunk t to its twin (1/T of the bytes per link); the replicated weights'
 gradients (LayerNorms, position table, row-parallel biases: each rank saw its chunk) are
-summed over the tensor group before the data average. Not built (refused before training):
---sequence_parallel with ALBERT stages on ranks (its heads read the [CLS] token and masked
-positions of the whole sequence; the pipeline's heads layer would need the gathered
-sequence).
+summed over the tensor group before the data average. ALBERT's and BERT's heads read the
+[CLS] token and masked positions anywhere in the sequence (PipeLayer.whole_sequence): the last
+stage gathers its chunks whole before them (backward each rank keeps its chunk's rows, the
+heads' gradient being complete on every rank), so the heads' replicated weights (pooler,
+MLM transform, NSP/SOP head) see the whole sequence and are not summed over the group.
 
 Example (2 stages x 2 tensor ranks x 2 replicas):
     horovodrun -np 8 -H localhost:8 --gloo tfbig-train --strategy=horovod \\
@@ -61,8 +65,9 @@ import tensorflow as tf
 
 from tfbig.checkpoint import piece_dir, write_layout
 from tfbig.distribute.horovod_keras import hvd
-from tfbig.distribute.tensor_layout import TensorGroup, split_model
-from tfbig.distribute.tensor_parallel import (_all_reduce_sum, _wrap, vocab_parallel_argmax,
+from tfbig.distribute.tensor_layout import TensorGroup, split_model, whole_sequence_paths
+from tfbig.distribute.tensor_parallel import (_all_reduce_sum, _wrap, gather_whole_sequence,
+                                              vocab_parallel_argmax,
                                               vocab_parallel_cross_entropy)
 from tfbig.pipeline import stage_checkpoint
 from tfbig.pipeline.cross_rank import CrossRankPipeline
@@ -83,6 +88,25 @@ def build_tensor_stage(task, plan, specs, stage_index, device, group, wrap=None)
     return build_stage_model(task, plan, specs, stage_index, device, build=build), splits
 
 
+def gather_before_whole_sequence(layers, group):
+    """With --sequence_parallel, every layer reading the whole sequence (PipeLayer
+    .whole_sequence: the masked-LM heads) gets its carry's hidden states gathered whole; the
+    layer before it hands on this rank's chunk of the positions."""
+    if not group.sequence_parallel:
+        return
+    for layer in layers:
+        if layer.whole_sequence:
+            layer.call = _gathered(layer.call, group)
+
+
+def _gathered(call, group):
+    def whole(carry, training):
+        x, inputs = carry  # (B, T/t, H): this rank's chunk; the model inputs
+        return call((gather_whole_sequence(x, group), inputs), training)
+
+    return whole
+
+
 class TensorPipeline(CrossRankPipeline):
     """Data x pipeline x tensor: one tensor slice of one stage per rank (module docstring)."""
 
@@ -91,11 +115,12 @@ class TensorPipeline(CrossRankPipeline):
         self.group = TensorGroup(self.mesh.process_set("tensor"), self.mesh.coords["tensor"],
                                  self.mesh.mesh.tensor, cfg.parallel.sequence_parallel)
         self.splits = {}
-        self._replicated = []  # per trained variable: held whole by every tensor rank
+        self._sequence_summed = []  # per trained variable: replicated, sequence-split inputs
 
     def build_stage(self, task):
         built, self.splits = build_tensor_stage(task, self.plan, self.specs, self.stage_index,
                                                 self.device, self.group, wrap=_wrap)
+        gather_before_whole_sequence(built.layers, self.group)
         task.vocab_cross_entropy = lambda labels, logits: vocab_parallel_cross_entropy(
             labels, logits, self.group)
         task.vocab_argmax = lambda logits, output_type: vocab_parallel_argmax(
@@ -113,7 +138,8 @@ class TensorPipeline(CrossRankPipeline):
                 f"replicated (the params and memory above are a stage's before the split); "
                 f"tensor rank t of stage k sends to tensor rank t of stage k+1"
                 + (f"; sequence parallel: the LayerNorm/dropout regions hold positions "
-                   f"t*T/{size}.. on tensor rank t, and so does what it sends"
+                   f"t*T/{size}.. on tensor rank t, and so does what it sends (layers reading "
+                   f"the whole sequence, ALBERT's and BERT's heads, gather it first)"
                    if self.group.sequence_parallel else ""))
 
     def make_stage(self, jit_compile):
@@ -126,16 +152,19 @@ class TensorPipeline(CrossRankPipeline):
         return specs, metric_spec
 
     def _forward_backward(self, variables, scale_loss, jit_compile, timed):
-        self._replicated = [v.path not in self.splits for v in variables]
+        whole = whole_sequence_paths(self.built.model.model)  # the masked-LM heads
+        self._sequence_summed = [v.path not in self.splits and v.path not in whole
+                                 for v in variables]
         return super()._forward_backward(variables, scale_loss, jit_compile, timed)
 
     def all_reduce_gradients(self, grads):
         """Sequence parallelism: the replicated weights' gradients summed over the tensor
-        group first (each rank saw its chunk of the positions); then as without."""
+        group first (each rank saw its chunk of the positions; not those of layers after the
+        gather, which saw the whole sequence); then as without."""
         return super().all_reduce_gradients(self._sequence_sums(grads))
 
     def _sequence_sums(self, grads):
-        index = [i for i, whole in enumerate(self._replicated) if whole]
+        index = [i for i, summed in enumerate(self._sequence_summed) if summed]
         if not (self.group.sequence_parallel and index):
             return grads
         # Horovod: one grouped all-reduce over the stage's tensor group.

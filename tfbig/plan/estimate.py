@@ -14,9 +14,11 @@ Memory (the busiest pipeline stage, first or last):
                             sequence parallelism), doubled in float32; x layers on the stage x
                             micro-batches in flight (GPipe: all M; 1F1B: min(K, M) on the first
                             stage). Checkpointing keeps each layer's input and one layer's full
-                            set while it is recomputed. The backward of a layer forms the
-                            gradients of the MLP's two 4h/t tensors before it frees them (8 h / t
-                            per token of one micro-batch). The last stage keeps, per token and
+                            set while it is recomputed (a pipeline stage: its input per
+                            micro-batch in flight, and all its layers' sets, each with its GELU
+                            derivative, for one). The backward of a layer forms the gradients
+                            of the MLP's two 4h/t tensors before it frees them (8 h / t per
+                            token of one micro-batch). The last stage keeps, per token and
                             micro-batch until its backward, the softmax gradient TensorFlow's
                             fused cross-entropy computes in the forward (one float32 vocabulary-
                             sized tensor, written over the logits: 4 V / t bytes; + 2 V for the
@@ -41,6 +43,7 @@ Step time (nothing assumed overlapped; tfbig runs collectives between XLA-compil
 """
 import dataclasses
 
+from tfbig.pipeline import partition as partition_lib
 from tfbig.plan import hardware
 
 SCHEDULES = ("1f1b", "gpipe")
@@ -62,8 +65,8 @@ class Layout:
     activation_checkpointing: bool = False
     sequence_parallel: bool = False
     schedule: str = "1f1b"
-    # transformer layers on each pipeline stage; () = num_layers / pipeline on every stage (what
-    # the search lays out; a run with its own --stage_boundaries passes its partition)
+    # transformer layers on each pipeline stage; () = tfbig-train's FLOPs-balanced partition
+    # (`partition_layers`; a run with its own --stage_boundaries passes its own)
     stage_layers: tuple = ()
 
     @property
@@ -87,11 +90,35 @@ def _act_bytes(precision):
     return 4 if precision == "fp32" else 2
 
 
+def stage_layer_counts(plan):
+    """Transformer layers on each stage of a partition (tfbig.pipeline.partition's StagePlans
+    of a layer sequence `embedding, layers..., head`): what `Layout.stage_layers` holds."""
+    last = plan[-1].stop
+    return tuple(s.stop - s.start - (s.start == 0) - (s.stop == last) for s in plan)
+
+
+def partition_layers(shape, stages):
+    """Transformer layers per stage when tfbig-train cuts `shape`'s model into `stages`
+    (--pipeline_balance=flops, no --stage_boundaries: tfbig.pipeline.partition)."""
+    if stages == 1:
+        return (shape.num_layers,)
+    if not shape.pipe_layers:  # a Shape built by hand: the layers split evenly
+        return (shape.num_layers // stages,) * stages
+    return stage_layer_counts(partition_lib.partition(list(shape.pipe_layers), stages))
+
+
+def with_partition(shape, layout):
+    """`layout` with its `stage_layers` filled in from tfbig-train's partition (if unset)."""
+    if layout.stage_layers or layout.pipeline == 1:
+        return layout
+    return dataclasses.replace(layout, stage_layers=partition_layers(shape, layout.pipeline))
+
+
 def layers_on(shape, layout, stage):
     """Transformer layers pipeline stage `stage` runs (all of them without stages)."""
-    if layout.stage_layers:
-        return layout.stage_layers[stage]
-    return shape.num_layers // layout.pipeline
+    if layout.pipeline == 1:
+        return shape.num_layers
+    return (layout.stage_layers or partition_layers(shape, layout.pipeline))[stage]
 
 
 def stage_params(shape, layout, last=False, stage=None):
@@ -136,6 +163,16 @@ def backward_working_bytes(shape, layout, precision):
     return 8 * shape.hidden_size / layout.tensor * _act_bytes(precision)
 
 
+def gelu_derivative_bytes(shape, layout, precision):
+    """Bytes per token of one layer's GELU derivative (4h/t wide). tfbig's GELU computes it
+    from the GELU's input alone, so TensorFlow forms it as soon as that input exists. When a
+    pipeline stage recomputes all its layers before their backward (checkpointing), each
+    layer's derivative is formed during the recompute and held until that layer's backward:
+    allocation traces of a checkpointed stage's peak show one per layer beside the
+    recomputed activations (tfbig.plan.measure, benchmarks/plan_accuracy.py)."""
+    return 4 * shape.hidden_size / layout.tensor * _act_bytes(precision)
+
+
 def live_microbatches(layout, stage):
     """Micro-batches whose saved activations pipeline stage `stage` holds at its peak. GPipe
     runs every forward before the first backward: all M. 1F1B (PipeDream-Flush) starts stage
@@ -170,9 +207,11 @@ def activation_memory(shape, layout, micro_batch, precision, stage=0):
         return live * (layers * per_layer * tokens + head) + working
     if layout.pipeline > 1:
         # tfbig's pipeline stage keeps only its input per micro-batch in flight and recomputes
-        # the whole stage's forward in the backward of one (tfbig.pipeline.stages)
+        # the whole stage's forward in the backward of one (tfbig.pipeline.stages); beside the
+        # recomputed activations, every layer's GELU derivative waits for its layer's turn
         kept = stage_input_bytes(shape, layout, precision, stage)
-        return live * kept * tokens + layers * per_layer * tokens + head + working
+        recomputed = per_layer + gelu_derivative_bytes(shape, layout, precision)
+        return live * kept * tokens + layers * recomputed * tokens + head + working
     # without stages each block is recomputed (tfbig.distribute.recompute): block inputs, and
     # one block's full set while it is recomputed
     kept = _act_bytes(precision) * shape.hidden_size / (
@@ -203,28 +242,75 @@ def memory(shape, layout, micro_batch, precision, device, stage=0):
 
 
 def peak_stage_memory(shape, layout, micro_batch, precision, device):
-    """(stage, memory by kind) of the pipeline stage holding the most: the first (the most
-    micro-batches in flight under 1F1B, the embedding) or the last (the output matrix and the
-    loss's vocabulary-sized tensors); a middle stage holds no more than the first."""
-    stages = sorted({0, layout.pipeline - 1}) if not layout.stage_layers else range(
-        layout.pipeline)
-    return max(((k, memory(shape, layout, micro_batch, precision, device, k)) for k in stages),
-               key=lambda item: sum(item[1].values()))
+    """(stage, memory by kind) of the pipeline stage holding the most. Besides the first (the
+    embedding, the most micro-batches in flight under 1F1B) and the last (the output matrix and
+    the loss's vocabulary-sized tensors), a middle stage holds most where it first has its
+    number of layers (later ones with as many have no more micro-batches in flight)."""
+    layout = with_partition(shape, layout)
+    counts = layout.stage_layers or (shape.num_layers,)
+    stages = {0, layout.pipeline - 1} | {counts.index(n) for n in set(counts)}
+    return max(((k, memory(shape, layout, micro_batch, precision, device, k))
+                for k in sorted(stages)), key=lambda item: sum(item[1].values()))
+
+
+def stage_table(shape, layout, micro_batch, precision):
+    """Per pipeline stage, the bytes it holds as tfbig-train prints them beside its partition
+    (tfbig.pipeline.partition.format_plan): {"state": weights, gradients and optimizer slots,
+    "activations": activations and send/receive buffers} (no framework reserve)."""
+    device = hardware.Device("memory", 1.0, 0.0, 1.0, 1.0, 1.0, 0.0)
+    table = []
+    for k in range(layout.pipeline):
+        mem = memory(shape, layout, micro_batch, precision, device, k)
+        table.append({"state": mem["parameters"] + mem["gradients"] + mem["optimizer"],
+                      "activations": mem["activations"] + mem["communication"]})
+    return table
+
+
+def flops_share(shape, layout, stage):
+    """The share of the model's FLOPs pipeline stage `stage` runs: its layers, and the embedding
+    on the first stage and the head on the last, as tfbig-train's partition counts them."""
+    if layout.pipeline == 1:
+        return 1.0
+    layers = layers_on(shape, layout, stage)
+    if not shape.pipe_layers:
+        return layers / shape.num_layers
+    first, block, head = (shape.pipe_layers[i].flops_per_token for i in (0, 1, -1))
+    total = sum(spec.flops_per_token for spec in shape.pipe_layers)
+    return (layers * block + (first if stage == 0 else 0)
+            + (head if stage == layout.pipeline - 1 else 0)) / total
+
+
+def tick_time(shape, layout, micro_batch, precision, cluster, stage):
+    """Seconds of one micro-batch's forward and backward on pipeline stage `stage`, by part:
+    compute, elementwise, tensor."""
+    device, t = cluster.device, layout.tensor
+    tokens = micro_batch * shape.seq_length
+    recompute = layout.activation_checkpointing
+    flops = (shape.flops_per_token * flops_share(shape, layout, stage) * tokens / t
+             * (4 / 3 if recompute else 1))
+    layers = layers_on(shape, layout, stage)
+    last = stage == layout.pipeline - 1
+    traffic = ((5 if recompute else 4) * layer_activation_bytes(shape, layout, precision) * layers
+               + (2 * logits_traffic(shape, layout, precision) if last else 0)) * tokens
+    boundary = tokens * shape.hidden_size * _act_bytes(precision)
+    return {"compute": flops / (device.peak_flops * device.matmul_fraction),
+            "elementwise": traffic / (device.memory_bandwidth * hardware.BANDWIDTH_FRACTION),
+            "tensor": layers * (6 if recompute else 4) * cluster.collective_time(boundary, t, 1,
+                                                                                 2)}
 
 
 def step_time(shape, layout, micro_batch, precision, cluster):
-    """Seconds per optimizer step by part: compute, elementwise, tensor, pipeline, data, update."""
+    """Seconds per optimizer step by part: compute, elementwise, tensor, pipeline, data, update.
+    The slowest stage (tfbig-train's partition balances FLOPs, not the logits' traffic) sets
+    the pace of every tick."""
+    layout = with_partition(shape, layout)
     device, t, k, m = cluster.device, layout.tensor, layout.pipeline, layout.num_microbatches
-    tokens = micro_batch * shape.seq_length
-    recompute = layout.activation_checkpointing
-    flops = shape.flops_per_token * tokens / (k * t) * (4 / 3 if recompute else 1)
-    compute = flops / (device.peak_flops * device.matmul_fraction)
-    layers = shape.num_layers // k
-    traffic = ((5 if recompute else 4) * layer_activation_bytes(shape, layout, precision) * layers
-               + 2 * logits_traffic(shape, layout, precision) / k) * tokens  # spread by balance
-    elementwise = traffic / (device.memory_bandwidth * hardware.BANDWIDTH_FRACTION)
-    boundary = tokens * shape.hidden_size * _act_bytes(precision)
-    tensor = layers * (6 if recompute else 4) * cluster.collective_time(boundary, t, 1, 2)
+    counts = layout.stage_layers or (shape.num_layers,)
+    # a middle stage ticks as long as the first one with as many layers
+    ticks_by_stage = [tick_time(shape, layout, micro_batch, precision, cluster, s)
+                      for s in sorted({0, k - 1} | {counts.index(n) for n in set(counts)})]
+    tick = max(ticks_by_stage, key=lambda parts: sum(parts.values()))
+    boundary = micro_batch * shape.seq_length * shape.hidden_size * _act_bytes(precision)
     # each stage sends its output forward and receives a gradient back; the slowest boundary
     # (across nodes once a model copy spans several) sets the pace
     across_nodes = t * k > cluster.gpus_per_node
@@ -235,8 +321,9 @@ def step_time(shape, layout, micro_batch, precision, cluster):
     state = sum(v for key, v in memory(shape, layout, micro_batch, precision, device).items()
                 if key in ("parameters", "gradients", "optimizer"))
     update = 2 * state / (device.memory_bandwidth * hardware.BANDWIDTH_FRACTION)
-    return {"compute": ticks * compute, "elementwise": ticks * elementwise,
-            "tensor": ticks * tensor, "pipeline": ticks * pipe, "data": data, "update": update}
+    return {"compute": ticks * tick["compute"], "elementwise": ticks * tick["elementwise"],
+            "tensor": ticks * tick["tensor"], "pipeline": ticks * pipe, "data": data,
+            "update": update}
 
 
 def data_sync_time(shape, layout, cluster):

@@ -121,8 +121,10 @@ def pipeline_step(model, micro_batch, layout, boundaries="", cross_rank=False):
 
 def stage_layers(plan):
     """Transformer blocks on each stage of a pipeline partition (tfbig.pipeline.partition's
-    StagePlans of a GPT): the plan's `Layout.stage_layers` for that partition."""
-    return tuple(sum(name.startswith("block_") for name in s.layer_names) for s in plan)
+    StagePlans): the plan's `Layout.stage_layers` for that partition."""
+    from tfbig.plan import estimate
+
+    return estimate.stage_layer_counts(plan)
 
 
 def stage_alone(strategy, index, micro_batch):
@@ -140,20 +142,25 @@ def stage_alone(strategy, index, micro_batch):
     config = strategy.task.model_config
     shape = [micro_batch, config.seq_length, config.hidden_size]  # a GPT stage boundary
 
-    def arriving():
-        with tf.device(stage.device):  # filled once the stage's previous op is done
-            return tf.fill(shape, stage._after_previous(tf.constant(0.5)))
+    def arriving(micro):
+        # Drawn from the micro-batch's tokens once the stage's previous op is done. Not a
+        # constant: Grappler would fold the stage's first ops on it and run the rest (reading
+        # only weights and constants) at the step's start, ahead of the schedule.
+        with tf.device(stage.device):
+            seed = stage._after_previous(micro["input_ids"][0, :2])
+            return tf.random.stateless_normal(shape, seed)
 
     def column(batch):
         micro_batches = split_microbatches(batch, num_micro, batch_axes=2)
         stage.begin_step(lambda loss: loss, num_micro)
         for op in ops:
             m = op.microbatch
-            if op.kind == "F":
-                stage.forward(m, micro_batches[m] if stage.is_first else arriving(),
-                              micro_batches[m])
-            else:
-                stage.backward(m, None if stage.is_last else [arriving()])
+            with tf.name_scope(f"{op.kind}{m}"):  # allocation traces name the op: F0/..., B0/...
+                if op.kind == "F":
+                    stage.forward(m, micro_batches[m] if stage.is_first else arriving(
+                        micro_batches[m]), micro_batches[m])
+                else:
+                    stage.backward(m, None if stage.is_last else [arriving(micro_batches[m])])
         return list(stage.gradient_sums.values())  # the step's outputs, as the pipeline's
 
     run = tf.function(column, autograph=False)

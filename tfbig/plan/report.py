@@ -32,11 +32,27 @@ def header(shape, cluster, precision, token_budget):
             f"links {d.local_bandwidth / GB:.0f} GB/s{network})"]
 
 
+def _stage_layers(counts):
+    """6/6/7/5, or in runs for many stages: 2 x 95, 1."""
+    if len(counts) <= 8:
+        return "/".join(map(str, counts))
+    runs = []
+    for n in counts:
+        if runs and runs[-1][0] == n:
+            runs[-1][1] += 1
+        else:
+            runs.append([n, 1])
+    return ", ".join(f"{n} x {r}" if r > 1 else f"{n}" for n, r in runs)
+
+
 def describe_estimate(e, memory_limit):
     mem = ", ".join(f"{k} {e.memory[k] / GB:.2f}" for k in PARTS)
     time = ", ".join(f"{k} {e.time[k]:.3g}" for k in TIME_PARTS)
+    stages = ([f"  stages: {_stage_layers(e.layout.stage_layers)} transformer layers "
+               f"(tfbig-train's FLOPs-balanced cut); memory below is stage {e.peak_stage}'s, "
+               f"the fullest"] if e.layout.pipeline > 1 else [])
     return [f"  batch {e.batch_size} = {e.layout.data} replicas x {e.layout.num_microbatches} "
-            f"micro-batches x {e.micro_batch} sequences",
+            f"micro-batches x {e.micro_batch} sequences"] + stages + [
             f"  memory per GPU {e.memory_bytes / GB:.2f} GB of {memory_limit / GB:.0f} "
             f"({'fits' if e.fits else 'does NOT fit'}): {mem}",
             f"  step {e.step_seconds:.3g} s: {time}",
@@ -77,7 +93,8 @@ def as_json(shape, cluster, precision, token_budget, estimates, top):
     import dataclasses
 
     best = estimates[0]
-    return json.dumps({"model": dataclasses.asdict(shape), "precision": precision,
+    model = {k: v for k, v in dataclasses.asdict(shape).items() if k != "pipe_layers"}
+    return json.dumps({"model": model, "precision": precision,
                        "token_budget": token_budget,
                        "cluster": {**dataclasses.asdict(cluster), "size": cluster.size},
                        "recommended": best.to_dict() if best.fits else None,

@@ -1,7 +1,8 @@
 """Candidate layouts for a model on a cluster, checked, estimated and ranked.
 
 Every layout flag the user gives fixes that part; the rest is searched: tensor parallel within a
-node (dividing the heads and the node's GPUs), pipeline stages dividing the layers, data = GPUs / (T x K), ZeRO 0-3
+node (dividing the heads and the node's GPUs), pipeline stages dividing the layers (cut as
+tfbig-train cuts them: FLOPs-balanced, tfbig.pipeline.partition), data = GPUs / (T x K), ZeRO 0-3
 over all data ranks or a node-sized partition group (MiCS), micro-batches dividing the per-replica
 batch, with and without activation checkpointing, sequence parallel wherever T > 1.
 
@@ -37,6 +38,7 @@ class Estimate:
     mfu: float
     days: float  # for the token budget
     gpu_hours: float
+    peak_stage: int = 0  # the pipeline stage `memory` is of (the one holding the most)
 
     def to_dict(self):
         return {**dataclasses.asdict(self), "layout": {**dataclasses.asdict(self.layout),
@@ -61,8 +63,8 @@ def layout_from_config(cfg):
 def evaluate(shape, layout, batch_size, precision, cluster, token_budget):
     """The Estimate of one valid layout."""
     micro_batch = batch_size // (layout.data * layout.num_microbatches)
-    _, worst = estimate.peak_stage_memory(shape, layout, micro_batch, precision,
-                                          cluster.device)
+    stage, worst = estimate.peak_stage_memory(shape, layout, micro_batch, precision,
+                                              cluster.device)
     total = sum(worst.values())
     time = estimate.step_time(shape, layout, micro_batch, precision, cluster)
     step = sum(time.values())
@@ -72,7 +74,7 @@ def evaluate(shape, layout, batch_size, precision, cluster, token_budget):
     return Estimate(layout, batch_size, micro_batch, worst, total,
                     total <= cluster.device.memory_bytes, time, step, batch_size / step, tokens,
                     tflops, tflops * 1e12 / cluster.device.peak_flops, days,
-                    days * 24 * layout.gpus)
+                    days * 24 * layout.gpus, stage)
 
 
 def _divisors(n):
@@ -119,6 +121,7 @@ def _options(fixed, name, searched):
 def candidates(shape, cluster, fixed, batch_size):
     """(Layout, global batch) pairs allowed by the fixed flags."""
     node = cluster.gpus_per_node  # a tensor group is never split between nodes
+    cuts = {}  # pipeline stages -> transformer layers per stage
     for t in _options(fixed, "tensor_parallel", [t for t in _divisors(shape.num_heads)
                                                  if node % t == 0]):
         for k in _options(fixed, "pipeline_stages", _divisors(shape.num_layers)):
@@ -128,10 +131,12 @@ def candidates(shape, cluster, fixed, batch_size):
             batch = batch_size or d * math.ceil(DEFAULT_BATCH_TOKENS / shape.seq_length / d)
             if batch % d:
                 continue
-            yield from _data_layouts(fixed, t, k, d, batch)
+            if k not in cuts:  # tfbig-train's FLOPs-balanced partition of the layers
+                cuts[k] = estimate.partition_layers(shape, k) if k > 1 else ()
+            yield from _data_layouts(fixed, t, k, d, batch, cuts[k])
 
 
-def _data_layouts(fixed, t, k, d, batch):
+def _data_layouts(fixed, t, k, d, batch, stage_layers):
     node_group = [g for g in _divisors(d) if 1 < g < d and g * t * k in (8, 16)]
     for z in _options(fixed, "zero_stage", [0, 1, 2, 3] if d > 1 else [0]):
         shard = _options(fixed, "shard_degree", [0] + node_group if z else [0])
@@ -147,7 +152,7 @@ def _data_layouts(fixed, t, k, d, batch):
                     yield estimate.Layout(
                         d, k, t, z, g if z else 0, m, ckpt,
                         fixed.get("sequence_parallel", t > 1),
-                        fixed.get("schedule", "1f1b")), batch
+                        fixed.get("schedule", "1f1b"), stage_layers), batch
 
 
 def search(shape, cluster, precision, batch_size=0, token_budget=300e9, fixed=None):
