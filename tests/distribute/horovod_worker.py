@@ -8,6 +8,8 @@ optional keys:
     per_rank_model_dir  rank r trains in MODEL_DIR/rank{r} (hosts with local disks)
     interrupt_at        fit that many steps, then resume with a new Trainer
     poison_rank         that rank's loss is inf in the first step
+    poison_gradient_rank  that rank's gradient of its first split variable (tensor parallelism:
+                        its own slice) is non-finite in the first step
     untied              GPT without tied embeddings (its own output projection)
     steps               fit this many steps only
     seed_by_rank        seed + rank: different initial weights before the broadcast
@@ -30,7 +32,9 @@ import json
 import os
 import signal
 import sys
+import time
 
+STARTED = time.monotonic()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import horovod.tensorflow as hvd  # noqa: E402
@@ -64,6 +68,27 @@ class RecordingLogger(RunLogger):
         super().scalars(split, step, values)
 
 
+class Phases:
+    """Seconds spent in each phase of one scenario; rank 0 prints them as one line of the
+    launch's log ("seconds NAME: total T | trainer a | fit b ..."), to see where a launch
+    spends its time."""
+
+    def __init__(self, name):
+        self.name, self.seconds = name, {}
+        self.started = self.last = time.monotonic()
+
+    def done(self, phase):
+        now = time.monotonic()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self.last
+        self.last = now
+
+    def report(self):
+        if hvd.rank() == 0:
+            parts = " | ".join(f"{k} {v:.1f}" for k, v in self.seconds.items())
+            print(f"seconds {self.name}: total {time.monotonic() - self.started:.1f} | {parts}",
+                  flush=True)
+
+
 class PoisonedTask(GPTTask):
     """GPT whose loss is multiplied by `poison` (inf on one rank forces a non-finite step)."""
 
@@ -83,6 +108,24 @@ class UntiedTask(GPTTask):
         return dataclasses.replace(super()._model_config(), tie_embeddings=False)
 
 
+def poison_split_gradient(trainer):
+    """A variable the gradient of the model's first tensor-split variable is multiplied by
+    after the forward/backward (inf: a non-finite value in this rank's slice only)."""
+    poison = tf.Variable(1.0, trainable=False)
+    index = next(i for i, v in enumerate(trainer.model.trainable_variables)
+                 if v.path in trainer.strategy.splits)
+    forward_backward = trainer.forward_backward
+
+    def poisoned(batch):
+        loss, grads, metrics = forward_backward(batch)
+        grads = list(grads)
+        grads[index] = grads[index] * tf.cast(poison, grads[index].dtype)
+        return loss, grads, metrics
+
+    trainer.forward_backward = poisoned
+    return poison
+
+
 def make_trainer(run, cfg, strategy, logger):
     task = PoisonedTask(cfg.train) if run.get("poison_rank") is not None else None
     task = UntiedTask(cfg.train) if run.get("untied") else task
@@ -90,6 +133,7 @@ def make_trainer(run, cfg, strategy, logger):
 
 
 def train(run):
+    phases = Phases(run["name"])
     cfg = config_lib.from_dict(run["config"])
     strategy = get_strategy("horovod", cfg)
     rank = hvd.rank()  # global: tensor-parallel peers share a data-parallel rank
@@ -105,6 +149,7 @@ def train(run):
     with open(os.path.join(run["out"], f"{run['name']}.rank{rank}.pid"), "w") as f:
         f.write(str(os.getpid()))  # for tests that signal one rank
     trainer = make_trainer(run, cfg, strategy, logger)
+    phases.done("trainer")
     extra = {"initial": full_values(trainer)}
     if run.get("first_gradients"):
         extra["gradients"] = first_gradients(trainer)
@@ -114,6 +159,14 @@ def train(run):
         extra["norm_rows"] = norm_rows(trainer)
     if run.get("mlm_argmax"):
         extra["argmax_ours"], extra["argmax_full"] = mlm_argmax(trainer)
+    phases.done("probes")
+    if run.get("poison_gradient_rank") is not None:
+        poison = poison_split_gradient(trainer)
+        poison.assign(float("inf") if rank == run["poison_gradient_rank"] else 1.0)
+        trainer.fit(steps=1)
+        poison.assign(1.0)
+        extra["after_poison"] = full_values(trainer)
+        extra["scale_after_poison"] = float(loss_scale(trainer.optimizer))
     if run.get("poison_rank") is not None:
         if rank == run["poison_rank"]:
             trainer.task.poison.assign(float("inf"))
@@ -123,14 +176,19 @@ def train(run):
         extra["scale_after_poison"] = float(loss_scale(trainer.optimizer))
     if run.get("interrupt_at"):
         trainer.fit(steps=run["interrupt_at"])
+        phases.done("fit")
         trainer = make_trainer(run, cfg, strategy, logger)  # resumes from the checkpoint
         extra["restored_step"] = int(trainer.step.numpy())
+        phases.done("resume")
     if run.get("timeline"):
         hvd.start_timeline(run["timeline"])  # Horovod's own record of every collective
     summary = trainer.fit(steps=run.get("steps"))
     if run.get("timeline"):
         hvd.stop_timeline()
+    phases.done("fit")
     save(run, rank, trainer, logger, summary, extra)
+    phases.done("save")
+    phases.report()
 
 
 def full_values(trainer, values=None):
@@ -227,6 +285,9 @@ def save(run, rank, trainer, logger, summary, extra):
 
 
 def main(plan_path):
+    if os.environ.get("HOROVOD_RANK") == "0":
+        print(f"seconds to import TensorFlow and Horovod: {time.monotonic() - STARTED:.1f}",
+              flush=True)
     with open(plan_path) as f:
         plan = json.load(f)
     for run in plan:

@@ -2,16 +2,15 @@
 against the single-device run on the same global batch.
 
 Scenarios (tests/distribute/horovod_worker.py plans; HOROVOD_DYNAMIC_PROCESS_SETS=1 lets one
-launch build several rank grids): TP2 x DP2 with accumulation and clipping active, the same
-with --sequence_parallel, ALBERT (factorised embedding, shared blocks, MLM head with its
-vocabulary bias, LAMB) and BERT (NSP, AdamW) at TP2 x DP2, TP4
-with LAMB (its per-variable trust ratio over split variables), TP2 x DP2 under fp16 loss scaling,
-a TP2 x DP2 run stopped after 2 steps and resumed from the per-rank checkpoints, and a TP2 x DP2
-run started on the single-device run's checkpoint after 2 steps, TP2 x DP2 with ZeRO-1 (each
-tensor rank's optimizer slots sharded over its data ranks). A slow launch of its own runs TP2 x
-DP2 with --activation_checkpointing, ALBERT with --sequence_parallel, and BERT with
---sequence_parallel and --activation_checkpointing together. Each rank
-assembles the full weights and first-step gradients from its group's slices
+launch build several rank grids): TP2 x DP2 with accumulation and clipping active (stopped after
+2 steps and resumed from the per-rank checkpoints), the same with --sequence_parallel, ALBERT
+(factorised embedding, shared blocks, MLM head with its vocabulary bias, LAMB) and BERT (NSP,
+AdamW) at TP2 x DP2, TP4 with LAMB (its per-variable trust ratio over split variables), TP2 x
+DP2 under fp16 loss scaling, a TP2 x DP2 run started on the single-device run's checkpoint after
+2 steps, TP2 x DP2 with ZeRO-1 (each tensor rank's optimizer slots sharded over its data ranks).
+A slow launch of its own runs TP2 x DP2 with --activation_checkpointing, ALBERT with
+--sequence_parallel, and BERT with --sequence_parallel and --activation_checkpointing together.
+Each rank assembles the full weights and first-step gradients from its group's slices
 (TensorParallelStrategy.gather_full) for the comparison.
 """
 import json
@@ -42,7 +41,9 @@ TRAIN = dict(max_steps=4, batch_size=8, grad_clip_norm=0.5, dropout=0.0, grad_ac
 LAMB = dict(optimizer="lamb", learning_rate=1e-2, weight_decay=0.01, epsilon=1e-6)
 BERT_TP = {**BERT, "learning_rate": 3e-3}
 SCENARIOS = {  # name: (tensor_parallel, train options, worker options)
-    "tp2_dp2": (2, {}, {"first_gradients": True, "norm_rows": True}),
+    # stopped after 2 steps and resumed from the per-rank checkpoints: the steps before and
+    # after the restore are the same fit loop, so one run covers both
+    "tp2_dp2": (2, {}, {"first_gradients": True, "norm_rows": True, "interrupt_at": 2}),
     "tp2_dp2_sequence": (2, {"sequence_parallel": True},
                          {"first_gradients": True, "norm_rows": True}),
     "tp2_dp2_albert": (2, ALBERT, {"first_gradients": True, "mlm_argmax": True}),
@@ -54,7 +55,10 @@ SCENARIOS = {  # name: (tensor_parallel, train options, worker options)
     "tp4_lamb": (4, {**LAMB, "grad_accum_steps": 1},
                  {"first_gradients": True, "widest_activation": True}),
     "tp2_dp2_fp16": (2, {"precision": "mixed_float16"}, {}),
-    "tp2_dp2_resumed": (2, {}, {"interrupt_at": 2}),
+    # fp16: rank 3's gradient slice of one split kernel is inf in the first step, its tensor
+    # peer's slice is finite; every rank must skip that step
+    "tp2_dp2_fp16_skip": (2, {"precision": "mixed_float16", "max_steps": 2},
+                          {"poison_gradient_rank": 3}),
     # starts on the single-device run's checkpoint after 2 steps (made by the fixture)
     "tp2_dp2_from_one": (2, {}, {}),
     "tp2_dropout": (2, {"dropout": 0.1, "max_steps": 1}, {}),
@@ -76,7 +80,8 @@ SLOW_SCENARIOS = {  # a launch of its own (slow), as SCENARIOS
                                             "activation_checkpointing": True},
                                         {"first_gradients": True}),
 }
-EQUAL_TO_ONE_DEVICE = [name for name in SCENARIOS if name != "tp2_dropout"] + [
+EQUAL_TO_ONE_DEVICE = [name for name in SCENARIOS
+                       if name not in ("tp2_dropout", "tp2_dp2_fp16_skip")] + [
     pytest.param(name, marks=pytest.mark.slow) for name in SLOW_SCENARIOS]
 FROM_ONE_AT = 2
 
@@ -108,8 +113,9 @@ def launch(root, scenarios, data):
     with open(root / "plan.json", "w") as f:
         json.dump(plan, f)
     command = ["-np", str(RANKS), "-H", f"localhost:{RANKS}"]
-    # 11 layouts in one launch: past test_horovod's 8-minute default on a loaded 2-core machine
-    code = horovodrun([WORKER, str(root / "plan.json")], root / "log.txt", timeout=1200,
+    # 9 layouts in one launch: ~3 min idle; 20 min were not enough at load 50 (other jobs on
+    # the 2 cores)
+    code = horovodrun([WORKER, str(root / "plan.json")], root / "log.txt", timeout=1800,
                       env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"}, ranks=command)
     assert code == 0, read(root / "log.txt")[-6000:]
     return root, out
@@ -130,8 +136,6 @@ def slow_runs(gpt_data, albert_data, bert_data, tmp_path_factory):
 def reference(data_dir, model_dir, replicas, **train):
     """The single-device run on the examples the data-parallel ranks read together, and the
     averaged gradients of its first batch."""
-    train = {k: v for k, v in train.items()  # the same math on one device
-             if k not in ("sequence_parallel", "activation_checkpointing", "zero_stage")}
     cfg = make_cfg(data_dir, model_dir, **{**TRAIN, **train})
     logger = RecordingLogger(cfg.train.model_dir, True, cfg.train.max_steps)
     trainer = Trainer(cfg, task=ReplicasTask(cfg.train, replicas, get_task(cfg.train, cfg)),
@@ -142,17 +146,29 @@ def reference(data_dir, model_dir, replicas, **train):
     return trainer, np.array([logger.losses[s][0] for s in sorted(logger.losses)]), grads
 
 
+def shared_reference(shared, tmp_path_factory, data_dir, replicas, **train):
+    """`reference`, run once per session for equal arguments: the scenarios that differ only
+    in what does not change the math on one device (sequence parallelism, recompute, ZeRO)
+    compare against the same run. Read-only."""
+    train = {k: v for k, v in train.items()  # the same math on one device
+             if k not in ("sequence_parallel", "activation_checkpointing", "zero_stage")}
+    key = ("tensor_parallel", data_dir, replicas, json.dumps(train, sort_keys=True))
+    return shared(key, lambda: reference(data_dir, tmp_path_factory.mktemp("reference"),
+                                         replicas, **train))
+
+
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", EQUAL_TO_ONE_DEVICE)
 def test_tensor_parallel_ranks_equal_one_process_on_the_same_data(gpt_data, albert_data,
-                                                                  bert_data, request, tmp_path,
-                                                                  name):
+                                                                  bert_data, request, shared,
+                                                                  tmp_path_factory, name):
     slow = name in SLOW_SCENARIOS
     _, out = request.getfixturevalue("slow_runs" if slow else "runs")
     tensor, train, opts = (SLOW_SCENARIOS if slow else SCENARIOS)[name]
     ranks = [load(out, name, r) for r in range(RANKS)]
-    single, losses, grads = reference(data_of(train, gpt_data, albert_data, bert_data),
-                                      tmp_path, RANKS // tensor, **train)
+    single, losses, grads = shared_reference(
+        shared, tmp_path_factory, data_of(train, gpt_data, albert_data, bert_data),
+        RANKS // tensor, **train)
     first = ranks[0]
     assert np.all(first["grad_norms"] > TRAIN["grad_clip_norm"])  # clipping is active
     assert first["step"] == TRAIN["max_steps"]
@@ -181,8 +197,8 @@ def test_tensor_parallel_ranks_equal_one_process_on_the_same_data(gpt_data, albe
     for other in ranks[1:]:  # every rank's group assembles the same model
         for a, b in zip(listed(first, "w"), listed(other, "w")):
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
-    if name == "tp2_dp2_resumed":
-        assert int(first["restored_step"]) == 2
+    if opts.get("interrupt_at"):
+        assert int(first["restored_step"]) == opts["interrupt_at"]
     if opts.get("mlm_argmax"):  # the vocabulary-parallel argmax: same predictions
         for rank in ranks:
             assert len(np.unique(rank["argmax_full"])) > 1  # not one id everywhere
@@ -195,7 +211,7 @@ def test_tensor_parallel_ranks_equal_one_process_on_the_same_data(gpt_data, albe
 @pytest.mark.multiproc
 def test_each_rank_holds_its_slice_of_the_split_layers(gpt_data, runs, tmp_path):
     root, out = runs
-    splits = json.loads((root / "tp2_dp2_resumed" / "tensor.json").read_text())["splits"]
+    splits = json.loads((root / "tp2_dp2" / "tensor.json").read_text())["splits"]
     cfg = tp_cfg(gpt_data, tmp_path, 1)
     model = get_task(cfg.train, cfg).build_model()
     whole = sum(4 * v.numpy().size for v in model.trainable_variables if v.path not in splits)
@@ -214,7 +230,7 @@ def test_each_rank_holds_its_slice_of_the_split_layers(gpt_data, runs, tmp_path)
 @pytest.mark.multiproc
 def test_every_rank_of_the_first_replica_writes_its_checkpoint(runs):
     root, _ = runs
-    model_dir = root / "tp2_dp2_resumed"
+    model_dir = root / "tp2_dp2"
     layout = json.loads((model_dir / "tensor.json").read_text())
     assert layout["tensor_parallel"] == 2
     assert layout["splits"]["gpt/block_0/attn/qkv/kernel"] == [-1, 3]
@@ -239,10 +255,10 @@ def test_sequence_parallel_layer_norms_see_a_chunk_of_the_sequence(runs):
 
 @pytest.mark.multiproc
 def test_consolidated_checkpoint_resumes_on_one_device_and_generate_reads_the_pieces(
-        gpt_data, runs, tmp_path):
+        gpt_data, runs, shared, tmp_path_factory, tmp_path):
     root, out = runs
-    model_dir = root / "tp2_dp2_resumed"
-    saved = load(out, "tp2_dp2_resumed", 0)
+    model_dir = root / "tp2_dp2"
+    saved = load(out, "tp2_dp2", 0)
     before = sorted(os.listdir(model_dir))
     path = consolidate(str(model_dir), str(tmp_path / "one"))
     assert os.path.basename(path) == "ckpt-4" and sorted(os.listdir(model_dir)) == before
@@ -253,7 +269,7 @@ def test_consolidated_checkpoint_resumes_on_one_device_and_generate_reads_the_pi
     for ours, theirs in zip(weights(resumed), listed(saved, "w")):
         np.testing.assert_array_equal(ours, theirs)
     # the optimizer state too: the single-device run's Adam moments after the same 4 steps
-    single, _, _ = reference(gpt_data, tmp_path / "ref", RANKS // 2)
+    single, _, _ = shared_reference(shared, tmp_path_factory, gpt_data, RANKS // 2)
     for ours, theirs in zip(resumed.optimizer.variables, single.optimizer.variables):
         np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), rtol=1e-5, atol=1e-8)
     model, _ = load_model(str(model_dir))
@@ -503,3 +519,18 @@ def test_tensor_zero1_ranks_hold_the_closed_form_of_slot_bytes(gpt_data, runs, t
         np.testing.assert_array_equal(ours.numpy(), theirs)
     with pytest.raises(ValueError, match="--zero_stage=1 \\(zero.json\\)"):
         consolidate(str(root / "tp2_dp2_zero1"), str(tmp_path / "one"))
+
+
+@pytest.mark.multiproc
+def test_a_non_finite_slice_on_one_tensor_rank_skips_the_step_on_all(runs):
+    """Only rank 3's slice of a split kernel is non-finite in step 1 (its tensor peer's is
+    finite, and the data all-reduce reaches rank 1 only): every rank skips the step (weights
+    unchanged, bit for bit; loss scale halved alike) instead of two applying it and waiting
+    for the others in the clipping norm's sum, and step 2 trains all ranks alike."""
+    from test_zero import check_the_poisoned_step_is_skipped_on_all
+
+    _, out = runs
+    check_the_poisoned_step_is_skipped_on_all(out, "tp2_dp2_fp16_skip")
+    for rank in range(RANKS):
+        scales = load(out, "tp2_dp2_fp16_skip", rank)["loss_scales"]
+        assert scales[1] == scales[0] / 2  # step 1 skipped, its scale halved, on every rank

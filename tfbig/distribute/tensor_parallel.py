@@ -230,6 +230,17 @@ def vocab_parallel_argmax(logits, group, output_type=tf.int64):
 
 
 # ---- the strategy ----------------------------------------------------------------------------
+def skip_everywhere(grads, process_set):
+    """`grads`, all made NaN when any rank of `process_set` holds a non-finite one, so fp16's
+    LossScaleOptimizer skips the step (and halves its scale) on every rank alike."""
+    finite = tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(g)) for g in grads]))
+    # Horovod: count the ranks of the group with a non-finite gradient
+    count = hvd.allreduce(1.0 - tf.cast(finite, tf.float32), op=hvd.Sum,
+                          process_set=process_set)
+    poison = tf.where(count > 0, float("nan"), 0.0)
+    return [g + tf.cast(poison, g.dtype) for g in grads]
+
+
 class TensorParallelStrategy(HorovodStrategy):
     """Horovod data parallelism over the data axis, each replica split over a tensor group."""
 
@@ -283,8 +294,19 @@ class TensorParallelStrategy(HorovodStrategy):
         row-parallel biases, ALBERT's embedding projection) saw only its chunk of the
         positions, so their gradients are summed over the tensor group first (one grouped
         all-reduce); then averaged over data. Weights after the split region (ALBERT's heads)
-        saw the whole sequence: theirs are not summed."""
-        return super().all_reduce_gradients(self._sequence_sums(grads))
+        saw the whole sequence: theirs are not summed. fp16: `skip_everywhere`."""
+        grads = super().all_reduce_gradients(self._sequence_sums(grads))
+        return self._skip_everywhere(grads)
+
+    def _skip_everywhere(self, grads):
+        """With fp16 loss scaling, `grads` made non-finite on every rank of the tensor group
+        when any holds a non-finite value. The tensor ranks hold different slices, so an
+        overflow in one rank's slice would make its LossScaleOptimizer skip a step the others
+        apply, and their clipping norm (a sum over the tensor group) would wait for it
+        forever. The data all-reduce spreads it over a data group only; this covers the rest."""
+        if self._loss_scale() is None or self.group.size == 1:
+            return grads
+        return skip_everywhere(grads, self.group.process_set)
 
     def _sequence_sums(self, grads):
         """`grads` with the sequence-split replicated weights' summed over the tensor group."""

@@ -65,8 +65,11 @@ class TensorZeroStrategy(ZeroStrategy, TensorParallelStrategy):
 
     # ---- gradients -----------------------------------------------------------------------
     def all_reduce_gradients(self, grads):
-        """--sequence_parallel's sums over the tensor group, then ZeRO's 2-hop sync."""
-        return ZeroStrategy.all_reduce_gradients(self, self._sequence_sums(grads))
+        """--sequence_parallel's sums over the tensor group, then ZeRO's 2-hop sync (a
+        non-finite slice reaches its partition and replica groups), then fp16's skip over the
+        tensor group (TensorParallelStrategy._skip_everywhere)."""
+        grads = ZeroStrategy.all_reduce_gradients(self, self._sequence_sums(grads))
+        return self._skip_everywhere(grads)
 
     def gather_full(self, variables, values=None):
         """Full arrays of the model's variables (or of gradient slices `values`): the slices
