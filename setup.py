@@ -11,7 +11,7 @@ setup(
     install_requires=[
         "tensorflow==2.20.*",
         "absl-py>=1.4",
-        "sentencepiece>=0.2",
+        "sentencepiece>=0.2.3",
         "tokenizers>=0.20",
         "psutil>=5.9",
         "safetensors>=0.4",

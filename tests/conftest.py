@@ -18,6 +18,21 @@ def _reset_process_state():
     op_config.disable_op_determinism()
 
 
+@pytest.fixture(scope="session")
+def shared():
+    """`shared(key, compute)`: compute() once per session, then the same object for every test
+    asking with an equal key (e.g. one single-device reference run that several distributed
+    scenarios on the same data and flags are compared against). Callers only read it."""
+    results = {}
+
+    def get(key, compute):
+        if key not in results:
+            results[key] = compute()
+        return results[key]
+
+    return get
+
+
 def _synthetic_corpus(directory, num_docs=60, seed=0):
     """Small play-like documents with learnable structure (speaker lines, repeated verse)."""
     import random

@@ -93,23 +93,26 @@ def test_mnli_pairs_labels_and_matched_mismatched_splits(glue_data):
     train, evals, names = glue.read_tfds(_options(data_dir, "glue/mnli"))
     assert names == MNLI_LABELS  # the ClassLabel's order, not sorted
     assert sorted(evals) == ["validation_matched", "validation_mismatched"]
-    # every example once, premise first (TFDS stores a split in its own shuffled order)
-    assert sorted(train) == sorted(mnli["train"])
-    assert sorted(evals["validation_matched"]) == sorted(mnli["dev_matched"])
-    assert sorted(evals["validation_mismatched"]) == sorted(mnli["dev_mismatched"])
+    # every example once, premise first (TFDS stores a split in its own shuffled order), with
+    # GLUE's index of its row (TFDS's idx feature)
+    assert sorted(e[:3] for e in train) == sorted(mnli["train"])
+    assert sorted(e[3] for e in train) == list(range(len(mnli["train"])))
+    assert sorted(e[:3] for e in evals["validation_matched"]) == sorted(mnli["dev_matched"])
+    assert sorted(e[:3] for e in evals["validation_mismatched"]) == sorted(mnli["dev_mismatched"])
     only = glue.read_tfds(_options(data_dir, "glue/mnli", tfds_eval_splits="validation_mismatched",
                                    text_a="hypothesis", text_b="premise"))
     assert list(only[1]) == ["validation_mismatched"]
-    assert sorted(only[0]) == sorted((b, a, label) for a, b, label in mnli["train"])
+    assert sorted(e[:3] for e in only[0]) == sorted((b, a, label) for a, b, label in mnli["train"])
 
 
 def test_sst2_single_sentences(glue_data):
     data_dir, _, sst2 = glue_data
     train, evals, names = glue.read_tfds(_options(data_dir, "glue/sst2"))
     assert names == ["negative", "positive"] and list(evals) == ["validation"]
-    assert sorted(train) == sorted((text, None, names[int(label)]) for text, label in sst2["train"])
-    assert sorted(evals["validation"]) == [("cat sat", None, "positive"),
-                                           ("dog ran", None, "negative")]
+    assert sorted(e[:3] for e in train) == sorted((text, None, names[int(label)])
+                                                  for text, label in sst2["train"])
+    assert sorted(evals["validation"]) == [("cat sat", None, "positive", 0),
+                                           ("dog ran", None, "negative", 1)]
 
 
 def test_fine_tune_on_tfds_scores_each_validation_split(glue_data, bert_run, tmp_path):  # noqa: F811
@@ -122,11 +125,15 @@ def test_fine_tune_on_tfds_scores_each_validation_split(glue_data, bert_run, tmp
     assert json.loads((out / "labels.json").read_text()) == MNLI_LABELS
     for split, tsv in (("validation_matched", "dev_matched"),
                        ("validation_mismatched", "dev_mismatched")):
-        predicted = [json.loads(line)["label"] for line in
-                     (out / f"predictions_{split}.jsonl").read_text().splitlines()]
+        rows = [json.loads(line) for line in
+                (out / f"predictions_{split}.jsonl").read_text().splitlines()]
+        predicted = [row["label"] for row in rows]
         stored = tfds.builder("glue/mnli", data_dir=data_dir).as_dataset(split=split,
                                                                          shuffle_files=False)
         truth = [MNLI_LABELS[row["label"]] for row in tfds.as_numpy(stored)]  # TFDS's order
+        # each prediction carries its example's GLUE index (what a submission is keyed on)
+        assert [row["idx"] for row in rows] == [int(row["idx"]) for row in tfds.as_numpy(stored)]
+        assert sorted(row["idx"] for row in rows) == list(range(len(rows)))
         assert sorted(truth) == sorted(label for *_, label in mnli[tsv])
         assert len(predicted) == len(truth) and set(predicted) <= set(MNLI_LABELS)
         assert result[f"{split}/accuracy"] == pytest.approx(

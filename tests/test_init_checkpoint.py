@@ -79,11 +79,13 @@ def test_gpt2_continues_from_its_converted_weights(gpt2_bpe, tmp_path):
 def test_disagreeing_flags_layouts_and_data_are_refused(gpt2_bpe, gpt_data, tmp_path):
     run = gpt2_bpe["run"]
 
-    def refused(match, data_dir=gpt2_bpe["data"], parallel=None, **train):
+    def refused(match, data_dir=gpt2_bpe["data"], parallel=None, pipeline=None, **train):
         cfg = _cfg(**{"init_checkpoint": run, "model_dir": str(tmp_path / "m"), **train},
                    data_dir=data_dir)
         for key, value in (parallel or {}).items():
             setattr(cfg.parallel, key, value)
+        for key, value in (pipeline or {}).items():
+            setattr(cfg.pipeline, key, value)
         task = GPTTask(init_checkpoint.task_inputs(cfg.train, cfg)[0])
         before = task.model_config
         with pytest.raises(UsageError, match=match):
@@ -97,7 +99,8 @@ def test_disagreeing_flags_layouts_and_data_are_refused(gpt2_bpe, gpt_data, tmp_
     refused(r"--preset=tiny has no effect with --init_checkpoint", preset="tiny")
     refused(r"--data_dir=.* does not fit --init_checkpoint=.*run: the data's vocab_size=320 "
             r"differs .*tfbig-prep --tokenizer=.*run\)", data_dir=gpt_data)
-    refused(r"--init_checkpoint with --strategy=pipeline is not supported", strategy="pipeline")
+    refused(r"--init_checkpoint with --pipeline_stages=2 is not supported", strategy="horovod",
+            pipeline={"pipeline_stages": 2})  # in-process stages take it: tests/pipeline
     refused(r"--init_checkpoint with --zero_stage=3 is not supported", strategy="horovod",
             parallel={"zero_stage": 3})
     refused(r"m/config\.json: file not found; expected a tfbig run directory",

@@ -6,7 +6,7 @@ tasks name their texts (mnli: premise, hypothesis; qnli: question, sentence; sst
 and label (a ClassLabel, e.g. entailment, neutral, contradiction): those are the defaults;
 --text_a/--text_b/--label name other features.
 
-    train, evals, names = read_tfds(options)  # [(a, b | None, label name)], {split: [...]}
+    train, evals, names = read_tfds(options)  # [(a, b | None, label name, idx)], {split: [...]}
 """
 from tfbig.errors import UsageError
 
@@ -73,8 +73,9 @@ def eval_splits(builder, requested):
 
 
 def read_split(builder, split, keys, label_key, names):
-    """[(text a, text b or None, label name)] of one split; a split without labels (GLUE's
-    test splits hold -1) is an error naming it."""
+    """[(text a, text b or None, label name, idx)] of one split (idx: GLUE's example index,
+    its "idx" feature, else the position); a split without labels (GLUE's test splits hold
+    -1) is an error naming it."""
     import tensorflow_datasets as tfds
 
     if split not in builder.info.splits:
@@ -82,13 +83,15 @@ def read_split(builder, split, keys, label_key, names):
                          f"{sorted(builder.info.splits)}")
     a_key, b_key = keys
     examples = []
-    for row in tfds.as_numpy(builder.as_dataset(split=split, shuffle_files=False)):
+    for position, row in enumerate(tfds.as_numpy(builder.as_dataset(split=split,
+                                                                    shuffle_files=False))):
         label = int(row[label_key])
         if not 0 <= label < len(names):
             raise UsageError(f"{builder.info.full_name}[{split}] has label {label} (GLUE's "
                              "test splits are unlabelled); train and score on labelled splits")
         examples.append((row[a_key].decode("utf-8"),
-                         row[b_key].decode("utf-8") if b_key else None, names[label]))
+                         row[b_key].decode("utf-8") if b_key else None, names[label],
+                         int(row.get("idx", position))))
     return examples
 
 

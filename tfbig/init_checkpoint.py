@@ -14,8 +14,10 @@ A resume wins: when --model_dir already holds a checkpoint of a run started from
 preempted run). A checkpoint there from another --init_checkpoint, or from none, is refused.
 
 Weights are assigned to the whole model before the backends' broadcast, so the layouts that hold
-whole weights take it (single, horovod with --zero_stage 0-2, multiworker, mirrored); the ones
-that split weights per rank (pipeline stages, --tensor_parallel, --zero_stage=3) are refused.
+whole weights take it (single, horovod with --zero_stage 0-2, multiworker, mirrored, and
+--strategy=pipeline, whose stages share one process: each weight is whole on its stage's
+device); the ones that split weights per rank (--strategy=horovod --pipeline_stages,
+--tensor_parallel, --zero_stage=3) are refused.
 
 Example:
     tfbig-convert --source=gpt2/ --output_dir=runs/gpt2
@@ -36,8 +38,6 @@ def _split_layout(cfg):
     from tfbig.config import pipeline_stages
 
     t, p = cfg.train, cfg.parallel
-    if t.strategy == "pipeline":
-        return "--strategy=pipeline"
     if t.strategy == "horovod":
         if pipeline_stages(cfg) > 1:
             return f"--pipeline_stages={cfg.pipeline.pipeline_stages}"
@@ -55,8 +55,8 @@ def _check_flags(cfg, directory):
     if split:
         raise UsageError(f"--init_checkpoint with {split} is not supported: it assigns whole "
                          "weights before training; start with --strategy=single, horovod "
-                         "(--zero_stage 0-2), multiworker or mirrored, or convert the weights "
-                         "into such a run first")
+                         "(--zero_stage 0-2), multiworker, mirrored or pipeline, or convert "
+                         "the weights into such a run first")
     if cfg.train.preset != TrainConfig.preset:
         raise UsageError(f"--preset={cfg.train.preset} has no effect with --init_checkpoint="
                          f"{directory}: the architecture is that directory's config.json; drop "

@@ -1,12 +1,16 @@
 """BERT data: the WordPiece vocabulary (equal to tensorflow-text's tokenizer), next-sentence
 pairs, whole-word masking statistics, and deterministic "bert" shards from tfbig-prep."""
+import filecmp
 import json
+import os
+import shutil
 
 import numpy as np
 import pytest
 
 from tfbig.data import WordPieceVocab, bert as bert_data, load_tokenizer
 from tfbig.data import MaskingVocab
+from tfbig.data.tokenizer import tokenizer_file
 from tfbig.wordpiece import WordPieceTokenizer
 
 
@@ -164,3 +168,37 @@ def albert_like_model(tmp_path):
     class Model:  # a SentencePiece file name is all the check reads
         path = str(tmp_path / "tokenizer.model")
     return Model()
+
+
+def _bert_directories(root, vocab):
+    """A Hugging Face BERT directory (config.json + vocab.txt) and Google's (bert_config.json
+    + vocab.txt)."""
+    hf, google = root / "bert-base-uncased", root / "uncased_L-2_H-32_A-2"
+    for directory, config in ((hf, "config.json"), (google, "bert_config.json")):
+        directory.mkdir()
+        shutil.copyfile(vocab.path, directory / "vocab.txt")
+        (directory / config).write_text(json.dumps({"vocab_size": 1000}))
+    return hf, google
+
+
+def test_tokenizer_of_hugging_face_and_google_bert_directories(bert_vocab, tmp_path):
+    for directory in _bert_directories(tmp_path, bert_vocab):
+        assert tokenizer_file(str(directory)) == str(directory / "vocab.txt")
+
+
+@pytest.mark.slow  # one more prep of four plays
+def test_prep_bert_from_a_hugging_face_directory(bert_data_dir, bert_vocab, prepare_bert,
+                                                 scene_files, tmp_path):
+    """tfbig-prep --tokenizer=<a Hugging Face BERT directory> gives the shards of its vocab.txt
+    (ids equal to tensorflow-text's BertTokenizer: test_vocab_encodes_as_tensorflow_text_does)."""
+    hf, _ = _bert_directories(tmp_path, bert_vocab)
+
+    class FromDirectory:
+        path = str(hf)
+
+    manifest = prepare_bert(tmp_path / "data", FromDirectory, scene_files)
+    assert manifest.tokenizer == "vocab.txt"
+    assert filecmp.cmp(bert_vocab.path, tmp_path / "data" / "vocab.txt", shallow=False)
+    shas = [[s["sha256"] for s in json.loads(open(os.path.join(d, "manifest.json")).read())[
+        "splits"]["train"]["shards"]] for d in (bert_data_dir, str(tmp_path / "data"))]
+    assert shas[0] == shas[1]

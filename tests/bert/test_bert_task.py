@@ -37,6 +37,19 @@ def test_mlm_and_nsp_losses_fall(bert_data_dir, tmp_path):
 def test_resume_is_exact(bert_data_dir, tmp_path):
     whole = Trainer(make_cfg(bert_data_dir, tmp_path / "whole", max_steps=6))
     whole.fit()
+    # the run carries the data's vocab.txt as a converted BERT does: the fine-tuning commands
+    # (and the Hugging Face export) read it from config.json's "tokenizer" entry
+    import filecmp
+    import json
+
+    from tfbig.squad.finetune import pretrained_config
+
+    assert filecmp.cmp(tmp_path / "whole" / "vocab.txt", f"{bert_data_dir}/vocab.txt",
+                       shallow=False)
+    saved = json.loads((tmp_path / "whole" / "config.json").read_text())
+    assert saved["tokenizer"] == {"vocab_file": "vocab.txt", "lowercase": True}
+    config, tokenizer = pretrained_config(str(tmp_path / "whole"))
+    assert config.hidden_size == 32 and tokenizer.lowercase
     Trainer(make_cfg(bert_data_dir, tmp_path / "resumed", max_steps=3, checkpoint_every=3)).fit()
     resumed = Trainer(make_cfg(bert_data_dir, tmp_path / "resumed", max_steps=6))
     resumed.fit()

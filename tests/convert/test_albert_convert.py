@@ -17,8 +17,10 @@ import tensorflow as tf
 from safetensors.numpy import save_file
 
 from tfbig.convert import ConvertOptions, convert, run_dir
+from tfbig.data.albert_spm import AlbertSentencePiece
 from tfbig.errors import UsageError
 from tfbig.models.albert import AlbertConfig, AlbertForPretraining, AlbertForQuestionAnswering
+from tfbig.squad.finetune import pretrained_config
 
 SIZES = dict(vocabulary_size=101, num_layers=4, num_groups=2, num_heads=3, embedding_dim=10,
              hidden_dim=36, intermediate_dim=52, max_sequence_length=40, num_segments=2,
@@ -193,9 +195,12 @@ def _tf_albert_weight(pt_name, value):
     return scope.split("/")[0], f"{scope}/{leaf}", value
 
 
-def test_huggingface_tf_model_h5_with_heads(reference, write_tf_model_h5, tmp_path):
-    """transformers' TF weights file (TFAlbertForPreTraining: layers albert, predictions,
-    sop_classifier) where model.safetensors would be: keras-hub's outputs, heads in place."""
+@pytest.mark.parametrize("weights_file", ["tf_model.h5", "model.safetensors"])
+def test_huggingface_tf_weights_with_heads(reference, write_tf_model_h5, write_tf_safetensors,
+                                           tmp_path, weights_file):
+    """transformers' TF weights (TFAlbertForPreTraining: layers albert, predictions,
+    sop_classifier), as tf_model.h5 or as the TF-named model.safetensors of
+    save_pretrained(safe_serialization=True): keras-hub's outputs, heads in place."""
     tensors = _hf_tensors(reference["weights"])
     rng = np.random.default_rng(10)
     heads = {"predictions.bias": (101,), "predictions.decoder.bias": (101,),
@@ -209,9 +214,12 @@ def test_huggingface_tf_model_h5_with_heads(reference, write_tf_model_h5, tmp_pa
         layers.setdefault(layer, {})[tf_name] = stored
     d = tmp_path / "albert_tf"
     os.makedirs(d)
-    written = write_tf_model_h5(d / "tf_model.h5", "tf_albert_for_pre_training", layers)
-    assert ("tf_albert_for_pre_training/albert/encoder/albert_layer_groups_._1/albert_layers_._0/"
-            "attention/query/kernel:0") in written
+    h5 = weights_file == "tf_model.h5"
+    write = write_tf_model_h5 if h5 else write_tf_safetensors
+    written = write(d / weights_file, "tf_albert_for_pre_training", layers)
+    assert ("tf_albert_for_pre_training/" if h5 else "") + (
+        "albert/encoder/albert_layer_groups_._1/albert_layers_._0/attention/query/kernel:0") \
+        in written
     with open(d / "config.json", "w") as file:
         json.dump(_config_json(model_type="albert", hidden_act="gelu_new"), file)
     shutil.copyfile(reference["spm"], d / "spiece.model")
@@ -265,6 +273,10 @@ def test_google_checkpoint_with_pretraining_heads(reference):
         _convert(d, reference["root"] / "from_google", lowercase="true")
     _convert(d, reference["root"] / "from_google")
     _assert_equal_outputs(str(reference["root"] / "from_google"), reference)
+    _, tokenizer = pretrained_config(str(reference["root"] / "from_google"))  # tfbig-squad's
+    released = spm.SentencePieceProcessor(model_file=reference["spm"])
+    assert isinstance(tokenizer, AlbertSentencePiece)  # ALBERT's preparation: lower-cased ids
+    assert tokenizer.encode("The QUICK  brown\nfox") == released.EncodeAsIds("the quick brown fox")
     model = AlbertForPretraining(AlbertConfig(**json.load(open(
         reference["root"] / "from_google" / "config.json"))["model_config"]))
     model.build()

@@ -238,9 +238,13 @@ def _tf_bert_weight(pt_name, value):
     return layer, f"{layer}/{scope}/{leaf}", value
 
 
-def test_huggingface_tf_model_h5_with_heads(reference, write_tf_model_h5, tmp_path):
-    """transformers' TF weights file (TFBertForPreTraining: layers bert, mlm___cls, nsp___cls)
-    instead of model.safetensors: keras-hub's outputs, the heads where tfbig reads them."""
+@pytest.mark.parametrize("weights_file", ["tf_model.h5", "model.safetensors"])
+def test_huggingface_tf_weights_with_heads(reference, write_tf_model_h5, write_tf_safetensors,
+                                           tmp_path, weights_file):
+    """transformers' TF weights (TFBertForPreTraining: layers bert, mlm___cls, nsp___cls), as
+    tf_model.h5 or as the TF-named model.safetensors of save_pretrained(safe_serialization=
+    True), instead of a PyTorch model.safetensors: keras-hub's outputs, the heads where tfbig
+    reads them."""
     hf = _write_hf(reference, str(tmp_path / "hf"))
     tensors = dict(load_file(os.path.join(hf, "model.safetensors")))
     os.remove(os.path.join(hf, "model.safetensors"))
@@ -255,12 +259,13 @@ def test_huggingface_tf_model_h5_with_heads(reference, write_tf_model_h5, tmp_pa
     for name, value in tensors.items():
         layer, tf_name, stored = _tf_bert_weight(name, value)
         layers.setdefault(layer, {})[tf_name] = stored
-    written = write_tf_model_h5(os.path.join(hf, "tf_model.h5"), "tf_bert_for_pre_training",
-                                layers)
-    assert {"tf_bert_for_pre_training/bert/encoder/layer_._1/attention/self/query/kernel:0",
-            "tf_bert_for_pre_training/mlm___cls/predictions/transform/LayerNorm/gamma:0",
-            "tf_bert_for_pre_training/bert/embeddings/token_type_embeddings/embeddings:0"} \
-        <= set(written)
+    h5 = weights_file == "tf_model.h5"
+    write = write_tf_model_h5 if h5 else write_tf_safetensors
+    written = write(os.path.join(hf, weights_file), "tf_bert_for_pre_training", layers)
+    scope = "tf_bert_for_pre_training/" if h5 else ""  # the TF safetensors drop the model's
+    assert {f"{scope}bert/encoder/layer_._1/attention/self/query/kernel:0",
+            f"{scope}mlm___cls/predictions/transform/LayerNorm/gamma:0",
+            f"{scope}bert/embeddings/token_type_embeddings/embeddings:0"} <= set(written)
     _convert(hf, tmp_path / "run")
     _assert_equal_outputs(str(tmp_path / "run"), reference)
     weights = run_dir.read_weights(tmp_path / "run")
@@ -269,6 +274,16 @@ def test_huggingface_tf_model_h5_with_heads(reference, write_tf_model_h5, tmp_pa
     np.testing.assert_array_equal(weights["mlm_head/dense/kernel"],
                                   tensors["cls.predictions.transform.dense.weight"].T)
     np.testing.assert_array_equal(weights["mlm_head/bias"], tensors["cls.predictions.bias"])
+    if not h5:  # not a safetensors file; a Flax one: clear errors naming it
+        save_file({"bert.kernel": np.zeros(2, "float32")}, os.path.join(hf, weights_file),
+                  metadata={"format": "flax"})
+        with pytest.raises(UsageError, match=r"hf/model\.safetensors: a flax safetensors file"):
+            _convert(hf, tmp_path / "bad")
+        with open(os.path.join(hf, weights_file), "wb") as file:
+            file.write(b"not safetensors")
+        with pytest.raises(UsageError, match=r"hf/model\.safetensors: not a safetensors file"):
+            _convert(hf, tmp_path / "bad")
+        return
     # a file that is not HDF5, and an HDF5 file without Keras' layer list: clear errors
     with open(os.path.join(hf, "tf_model.h5"), "wb") as file:
         file.write(b"not hdf5")

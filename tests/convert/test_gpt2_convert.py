@@ -208,18 +208,24 @@ def _tf_gpt2_weight(pt_name, value):
     return f"transformer/{scope}/{leaf}", value
 
 
-def test_huggingface_tf_model_h5(reference, write_tf_model_h5, tmp_path):
-    """transformers' TF weights file (TFGPT2LMHeadModel: one layer, transformer) instead of
-    model.safetensors: keras-hub's hidden states and logits."""
+@pytest.mark.parametrize("weights_file", ["tf_model.h5", "model.safetensors"])
+def test_huggingface_tf_weights(reference, write_tf_model_h5, write_tf_safetensors, tmp_path,
+                                weights_file):
+    """transformers' TF weights (TFGPT2LMHeadModel: one layer, transformer), as tf_model.h5 or
+    as the TF-named model.safetensors of save_pretrained(safe_serialization=True), instead of a
+    PyTorch model.safetensors: keras-hub's hidden states and logits."""
     hf = _write_hf(reference, str(tmp_path / "hf"))
     tensors = load_file(os.path.join(hf, "model.safetensors"))
     os.remove(os.path.join(hf, "model.safetensors"))
     stored = dict(_tf_gpt2_weight(n, v) for n, v in tensors.items()
                   if not n.endswith(".attn.bias"))  # a PyTorch buffer, not a weight
-    written = write_tf_model_h5(os.path.join(hf, "tf_model.h5"), "tfgp_t2lm_head_model",
-                                {"transformer": stored})
-    assert {"tfgp_t2lm_head_model/transformer/h_._1/attn/c_attn/weight:0",
-            "tfgp_t2lm_head_model/transformer/wte/weight:0"} <= set(written)
+    h5 = weights_file == "tf_model.h5"
+    write = write_tf_model_h5 if h5 else write_tf_safetensors
+    written = write(os.path.join(hf, weights_file), "tfgp_t2lm_head_model",
+                    {"transformer": stored})
+    scope = "tfgp_t2lm_head_model/" if h5 else ""  # the TF safetensors drop the model's name
+    assert {f"{scope}transformer/h_._1/attn/c_attn/weight:0",
+            f"{scope}transformer/wte/weight:0"} <= set(written)
     assert stored["transformer/h_._0/attn/c_attn/bias"].shape == (1, 3 * HIDDEN)
     _convert(hf, tmp_path / "run")
     _assert_equal_outputs(tmp_path / "run", reference)

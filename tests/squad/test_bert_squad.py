@@ -112,6 +112,24 @@ def test_fine_tune_bert_from_a_converted_run(bert_run, qa_sets, tmp_path):
     assert os.path.isfile(tmp_path / "o" / "vocab.txt")
 
 
+@pytest.mark.slow  # two fine-tunes; the fp16 step is tfbig-classify's, tested in the default run
+def test_fine_tune_bert_in_mixed_float16(bert_run, qa_sets, tmp_path, capsys):
+    """--precision=mixed_float16: the same steps as fp32 with the loss scaled by 2**15 (none
+    skipped, as the log says) give close but not equal losses."""
+    (tmp_path / "train.json").write_text(json.dumps(_first(qa_sets["2.0", "train"], 12)))
+    common = dict(init_checkpoint=bert_run[0], train_file=str(tmp_path / "train.json"),
+                  max_seq_length=64, doc_stride=32, max_query_length=24, train_batch_size=16,
+                  max_steps=3, learning_rate=1e-3, dropout=0.0, xla=False)
+    losses = {}
+    for precision in ("fp32", "mixed_float16"):
+        fine_tune(SquadOptions(output_dir=str(tmp_path / precision), precision=precision,
+                               **common))
+        losses[precision] = json.loads((tmp_path / precision / "train_losses.json").read_text())
+    assert "| loss scale 32768, 0 skipped" in capsys.readouterr().out
+    assert not np.array_equal(losses["mixed_float16"], losses["fp32"])
+    np.testing.assert_allclose(losses["mixed_float16"], losses["fp32"], rtol=5e-3)
+
+
 @pytest.mark.slow  # one horovodrun or tfbig-launch launch: ~25 s idle
 @pytest.mark.multiproc
 @pytest.mark.parametrize("strategy", ["horovod", "multiworker"])

@@ -1,5 +1,6 @@
-"""Hugging Face's TensorFlow weights file, `tf_model.h5`, read as the tensors `model.safetensors`
-would hold (PyTorch names and layouts), so the BERT, ALBERT and GPT-2 readers take either file.
+"""Hugging Face's TensorFlow weights files, `tf_model.h5` and a TF-named `model.safetensors`,
+read as the tensors a PyTorch `model.safetensors` would hold (PyTorch names and layouts), so the
+BERT, ALBERT and GPT-2 readers take any of them.
 
 The layout is the one transformers' `TFPreTrainedModel.save_pretrained` writes through Keras 2's
 HDF5 weight saver (`save_weights("tf_model.h5")`):
@@ -11,6 +12,11 @@ HDF5 weight saver (`save_weights("tf_model.h5")`):
                b"tf_bert_for_pre_training/bert/encoder/layer_._0/attention/self/query/kernel:0"
     dataset    /<layer>/<weight name>   the value (the name's slashes are nested groups)
 
+`TFPreTrainedModel.save_pretrained(dir, safe_serialization=True)` writes `model.safetensors`
+instead: the same values under the same TF names less the model's own scope (transformers'
+`strip_model_name_and_prefix`), e.g. "bert/encoder/layer_._0/attention/self/query/kernel:0",
+with the file's metadata {"format": "tf"} (a PyTorch one says "pt").
+
 Names become PyTorch names as transformers' own TF -> PyTorch loader maps them: ":0" and the
 first scope (the model's name) go, a scope "x___y" becomes "y", "_._" separates an index, the
 last part kernel / embeddings / gamma becomes weight and beta becomes bias, "/" becomes ".".
@@ -19,6 +25,7 @@ Dense kernels are stored (in, out) and are transposed to PyTorch's (out, in); GP
 
 Example:
     tensors = read("gpt2/tf_model.h5")   # {"transformer.h.0.attn.c_attn.weight": ..., ...}
+    tensors = read_safetensors("gpt2/model.safetensors")   # the same names, "pt" or "tf"
 """
 import os
 import re
@@ -43,12 +50,14 @@ def _attribute(group, name):
     return [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in values]
 
 
-def pytorch_name(tf_name):
-    """(PyTorch name, whether the tensor is transposed) of a TF weight name in tf_model.h5."""
+def pytorch_name(tf_name, model_scope=True):
+    """(PyTorch name, whether the tensor is transposed) of a TF weight name in tf_model.h5
+    (`model_scope`: it starts with the model's own name) or a TF model.safetensors (it does
+    not)."""
     name = tf_name[:-2] if tf_name.endswith(":0") else tf_name
     name = re.sub(r"(^|/)[^/]*___([^/]*)(?=/)", r"\1\2", name)  # mlm___cls -> cls
     parts = [p for p in name.replace("_._", "/").split("/") if p]
-    parts = parts[1:] if len(parts) > 1 else parts  # the model's own name
+    parts = parts[1:] if model_scope and len(parts) > 1 else parts  # the model's own name
     transposed = parts[-1] == "kernel"
     parts[-1] = LAST_PART.get(parts[-1], parts[-1])
     return ".".join(parts), transposed
@@ -74,24 +83,47 @@ def read(path):
             if not isinstance(group, h5py.Group):
                 raise UsageError(f"{path}: layer {layer!r} listed in layer_names has no group")
             for weight in _attribute(group, "weight_names"):
-                name, transposed = pytorch_name(weight)
-                value = np.asarray(group[weight])
-                if transposed and value.ndim == 2:
-                    value = value.T
-                elif name.endswith(".bias") and value.ndim == 2 and value.shape[0] == 1:
-                    value = value.reshape(-1)  # GPT-2's Conv1D bias, stored (1, out)
-                tensors[name] = value
+                tensors.update([_as_pytorch(weight, np.asarray(group[weight]))])
     return tensors
+
+
+def _as_pytorch(tf_name, value, model_scope=True):
+    """(PyTorch name, value in PyTorch's layout) of one TF weight."""
+    name, transposed = pytorch_name(tf_name, model_scope)
+    if transposed and value.ndim == 2:
+        value = value.T
+    elif name.endswith(".bias") and value.ndim == 2 and value.shape[0] == 1:
+        value = value.reshape(-1)  # GPT-2's Conv1D bias, stored (1, out)
+    return name, value
+
+
+def read_safetensors(path):
+    """{PyTorch name: np.ndarray} of a model.safetensors: PyTorch's names as they are, or the TF
+    names of transformers' TF save_pretrained (metadata format "tf") mapped as tf_model.h5's;
+    errors name the file."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, framework="np") as file:
+            kind = (file.metadata() or {}).get("format", "pt")
+            tensors = {name: file.get_tensor(name) for name in file.keys()}
+    except (SafetensorError, OSError) as error:
+        raise UsageError(f"{path}: not a safetensors file ({error})") from error
+    if kind in ("flax", "jax", "mlx"):
+        raise UsageError(f"{path}: a {kind} safetensors file (metadata format {kind!r}); "
+                         "tfbig reads PyTorch's (\"pt\") or transformers' TensorFlow (\"tf\") "
+                         "names: save it from transformers' PyTorch or TF model")
+    if kind != "tf":
+        return tensors
+    return dict(_as_pytorch(name, value, model_scope=False) for name, value in tensors.items())
 
 
 def load_weights(directory):
     """(the weights file, {PyTorch name: array}) of a Hugging Face directory: model.safetensors,
     else tf_model.h5; a PyTorch pickle or a sharded checkpoint alone is a clear error."""
-    from safetensors.numpy import load_file
-
     safetensors = os.path.join(directory, "model.safetensors")
     if os.path.isfile(safetensors):
-        return safetensors, load_file(safetensors)
+        return safetensors, read_safetensors(safetensors)
     h5 = os.path.join(directory, WEIGHTS_NAME)
     if os.path.isfile(h5):
         return h5, read(h5)

@@ -97,8 +97,10 @@ class MaskingVocab:
         ends = special.copy()
         if sp.IdToPiece(newline) == "\n":
             ends[newline] = True
+        else:  # a released ALBERT model ends each line with [SEP] (tfbig.data.albert_spm)
+            newline = getattr(tokenizer, "line_end_id", -1)
         return cls(tokenizer.piece_id("[CLS]"), tokenizer.piece_id("[SEP]"),
-                   tokenizer.piece_id("[MASK]"), newline if ends[newline] else -1,
+                   tokenizer.piece_id("[MASK]"), newline if newline >= 0 and ends[newline] else -1,
                    np.flatnonzero(~(special | byte)), starts, ends)
 
     @classmethod
@@ -182,6 +184,17 @@ def split_segments(ids, newline_id):
         return [ids] if len(ids) else []
     cuts = np.flatnonzero(ids == newline_id) + 1
     return [segment for segment in np.split(ids, cuts) if len(segment)]
+
+
+def document_segments(ids, vocab):
+    """A document's segments (lines): cut after each newline token, which is text and stays
+    (tfbig's SentencePiece), or after each [SEP] a tokenizer ends its lines with, which goes
+    (WordPiece, a released ALBERT SentencePiece)."""
+    segments = split_segments(ids, vocab.newline_id)
+    if vocab.newline_id < 0 or vocab.newline_id != vocab.sep_id:
+        return segments
+    return [s[:-1] if s[-1] == vocab.sep_id else s for s in segments
+            if len(s) > 1 or s[0] != vocab.sep_id]
 
 
 def sentence_order_pairs(segments, max_num_tokens, rng, short_seq_prob=0.1):
@@ -269,7 +282,7 @@ def albert_examples(documents: Iterable[list[int]], seq_length: int, tokenizer, 
     for ids in documents:
         if rng is None:
             rng = np.random.default_rng([seed, zlib.crc32(np.asarray(ids, np.int64).tobytes())])
-        segments = split_segments(ids, vocab.newline_id)
+        segments = document_segments(ids, vocab)
         for _ in range(options.dupe_factor):
             for a, b, swapped in sentence_order_pairs(segments, seq_length - 3, rng,
                                                       options.short_seq_prob):

@@ -25,18 +25,12 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 
 from tfbig.data.albert import (MaskingOptions, MaskingVocab, _batches, _truncate_pair,
-                               albert_features, make_instance, split_segments)
+                               albert_features, document_segments, make_instance)
 
 DOCUMENTS_PER_WINDOW = 1000  # documents a random next segment is drawn from
 BERT_MASKING = {"max_ngram": 1, "whole_word_masking": True}  # defaults over MaskingOptions
 
 bert_features = albert_features  # the same seven features
-
-
-def document_segments(ids, sep_id):
-    """A document's sentences from its WordPiece ids (each line ends with [SEP])."""
-    return [segment[:-1] if segment[-1] == sep_id else segment
-            for segment in split_segments(ids, sep_id) if len(segment) > 1 or segment[0] != sep_id]
 
 
 def next_sentence_pairs(documents, index, max_num_tokens, rng, short_seq_prob=0.1):
@@ -92,7 +86,7 @@ def bert_examples(documents: Iterable[list[int]], seq_length: int, tokenizer, se
     for ids in documents:
         if rng is None:
             rng = np.random.default_rng([seed, zlib.crc32(np.asarray(ids, np.int64).tobytes())])
-        segments = document_segments(ids, vocab.sep_id)
+        segments = document_segments(ids, vocab)
         if segments:
             window.append(segments)
         if len(window) >= DOCUMENTS_PER_WINDOW:

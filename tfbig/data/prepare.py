@@ -278,6 +278,9 @@ def _check_tokenizer_kind(source: str, format: str) -> None:
     if (format == "bert") != source.endswith(".txt"):
         expected = "a WordPiece vocab.txt" if format == "bert" else "a SentencePiece .model file"
         raise ValueError(f"--tokenizer={source}: --format={format} needs {expected}")
+    if format == "gpt" and hasattr(load_tokenizer(source), "line_end_id"):
+        raise ValueError(f"--tokenizer={source} is a released ALBERT SentencePiece model (no "
+                         "newline piece, no end-of-document id); it prepares --format=albert")
 
 
 def _checked_tokenizer_sha(source: str, vocab_size: int) -> str:

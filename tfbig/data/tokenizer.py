@@ -144,7 +144,9 @@ class Tokenizer:
 def load_tokenizer(path: str):
     """A prep tokenizer from its file: a WordPiece vocab.txt (tfbig.data.WordPieceVocab, for
     --format=bert), GPT-2's byte-level BPE vocab.json with merges.txt beside it
-    (tfbig.data.bpe.ByteLevelBPE) or a SentencePiece .model (Tokenizer)."""
+    (tfbig.data.bpe.ByteLevelBPE), a released ALBERT SentencePiece model (no newline piece:
+    tfbig.data.albert_spm.AlbertSentencePiece, for --format=albert) or tfbig's own
+    SentencePiece .model (Tokenizer)."""
     if path.endswith(".txt"):
         from tfbig.data.wordpiece_vocab import WordPieceVocab
 
@@ -153,7 +155,12 @@ def load_tokenizer(path: str):
         from tfbig.data.bpe import ByteLevelBPE
 
         return ByteLevelBPE.load(path, merges_file(path))
-    return Tokenizer.load(path)
+    tokenizer = Tokenizer.load(path)
+    from tfbig.data.albert_spm import AlbertSentencePiece, is_released_albert
+
+    if is_released_albert(tokenizer.processor):
+        return AlbertSentencePiece(tokenizer.processor, path)
+    return tokenizer
 
 
 def is_byte_level_bpe(path: str) -> bool:
@@ -166,10 +173,16 @@ def merges_file(vocab_file: str) -> str:
     return os.path.join(os.path.dirname(vocab_file), "merges.txt")
 
 
+DIRECTORY_TOKENIZERS = ("vocab.json", "tokenizer.model", "vocab.txt", "spiece.model",
+                        "30k-clean.model")
+
+
 def tokenizer_file(path: str) -> str:
     """The tokenizer file --tokenizer names: a file as given; for a directory, the file its
     config.json "tokenizer" entry names (a tfbig-convert output or tfbig-train run), else the
-    one of vocab.json (+ merges.txt, a Hugging Face GPT-2), tokenizer.model or vocab.txt it has."""
+    first it has of vocab.json (+ merges.txt, a Hugging Face GPT-2), tokenizer.model, vocab.txt
+    (BERT's WordPiece: Hugging Face or Google), spiece.model (a Hugging Face ALBERT) or
+    30k-clean.model (Google's ALBERT release)."""
     if not os.path.isdir(path):
         return path
     config = os.path.join(path, "config.json")
@@ -178,11 +191,12 @@ def tokenizer_file(path: str) -> str:
             entry = json.load(file).get("tokenizer")
         if isinstance(entry, dict) and entry.get("vocab_file"):
             return os.path.join(path, entry["vocab_file"])
-    for name in ("vocab.json", "tokenizer.model", "vocab.txt"):
+    for name in DIRECTORY_TOKENIZERS:
         if os.path.isfile(os.path.join(path, name)):
             return os.path.join(path, name)
     raise ValueError(f"--tokenizer={path}: a directory without vocab.json + merges.txt (GPT-2's "
-                     "byte-level BPE), tokenizer.model (SentencePiece) or vocab.txt (WordPiece)")
+                     "byte-level BPE), tokenizer.model (SentencePiece), vocab.txt (WordPiece), "
+                     "spiece.model or 30k-clean.model (ALBERT's SentencePiece)")
 
 
 def tokenizer_files(path: str) -> dict:
@@ -206,11 +220,18 @@ def tokenizer_sha256(path: str) -> str:
 def run_tokenizer_files(path: str) -> tuple[dict, dict | None]:
     """What tfbig-train copies into --model_dir for the data's tokenizer `path`, and the
     config.json "tokenizer" entry that makes `for_run` read it: GPT-2's vocab.json + merges.txt
-    with {"kind": "byte_level_bpe", ...}; any other as tokenizer.model and no entry."""
+    with {"kind": "byte_level_bpe", ...}; a WordPiece vocab.txt as vocab.txt with {"vocab_file":
+    "vocab.txt", "lowercase": ...} (a converted BERT's layout, which tfbig-classify,
+    tfbig-squad and the Hugging Face export read); any other as tokenizer.model and no entry."""
     if is_byte_level_bpe(path):
         from tfbig.data.bpe import RUN_ENTRY
 
         return tokenizer_files(path), dict(RUN_ENTRY)
+    if path.endswith(".txt"):
+        from tfbig.data.wordpiece_vocab import WordPieceVocab
+
+        return {"vocab.txt": path}, {"vocab_file": "vocab.txt",
+                                     "lowercase": WordPieceVocab.load(path).lowercase}
     return {"tokenizer.model": path}, None
 
 

@@ -1,44 +1,79 @@
 """The fine-tuning commands (tfbig-classify, tfbig-squad) on the one Strategy surface.
 
-Fine-tuning is data parallel only: each replica trains on its rows of every global batch, the
+Fine-tuning is data parallel (on Horovod also split or sharded: --tensor_parallel, --zero_stage,
+tfbig.distribute.finetune_parallel; or pipelined over this process's devices: --strategy=pipeline,
+tfbig.distribute.finetune_pipeline): each replica trains on its rows of every global batch, the
 gradients and the loss are averaged over replicas in one place (`train_step`), and the run
 equals one process on the same global batches whatever the backend:
 
     strategy = fine_tune_strategy("multiworker", "tfbig-classify")
     with strategy.scope():
         model, optimizer = ...
+    forward_backward = make_forward_backward(strategy, loss_fn, optimizer, variables, xla)
     step = train_step(strategy, forward_backward, optimizer, variables)
     batches = replica_batches(strategy, make_examples, global_batch)
     losses = [float(step(next(batches))) for _ in range(steps)]
     write_checkpoint(strategy, model, output_dir)
 """
+import contextlib
 import os
 
 import tensorflow as tf
 
 from tfbig.errors import UsageError
 
-STRATEGIES = ("single", "horovod", "multiworker")
+STRATEGIES = ("single", "horovod", "multiworker", "pipeline")
 
 
-def fine_tune_strategy(name, command):
-    """The backend of --strategy=`name` for fine-tuning command `command` (for the message).
+def fine_tune_strategy(name, command, parallel=None, init_checkpoint=""):
+    """The backend of --strategy=`name` for fine-tuning command `command` (for the message),
+    whose weights come from --init_checkpoint=`init_checkpoint` (named by the backend's errors);
+    `parallel` (finetune_parallel.ParallelOptions fields) may split or shard it on Horovod, and
+    sets --strategy=pipeline's stages and micro-batches (finetune_pipeline.PipelineOptions).
 
     --strategy=multiworker waits for the chief's evaluation without a collective timeout: the
     other workers sit in the closing collective while the chief scores the eval set, which can
     take longer than a training collective's 600 s (a dead worker is still reported by TF's
     coordination service)."""
-    from tfbig.config import ExperimentConfig
-    from tfbig.distribute import get_strategy
+    from tfbig.distribute import finetune_pipeline, get_strategy
 
     if name not in STRATEGIES:
-        raise UsageError(
-            f"--strategy={name!r}: {command} runs on {' | '.join(STRATEGIES)}; pipeline and "
-            "tensor-parallel fine-tuning are not supported (a BERT-large fits one device: "
-            "use data parallelism)")
+        raise UsageError(f"--strategy={name!r}: {command} runs on {' | '.join(STRATEGIES)}")
+    cfg = fine_tune_config(init_checkpoint)
+    finetune_pipeline.configure(name, parallel, cfg, command)  # --pipeline_stages, ...
+    if parallel is not None:  # --tensor_parallel, --zero_stage: tfbig.distribute.finetune_parallel
+        from tfbig.distribute.finetune_parallel import split_strategy
+
+        return split_strategy(name, command, parallel, cfg) or get_strategy(name, cfg)
+    return get_strategy(name, cfg)
+
+
+def fine_tune_config(init_checkpoint=""):
+    """The ExperimentConfig a fine-tuning backend is built from: no collective timeout, no
+    --model_dir, the weights from --init_checkpoint (what a backend's errors name)."""
+    from tfbig.config import ExperimentConfig
+
     cfg = ExperimentConfig()
     cfg.multiworker.collective_timeout = 0.0
-    return get_strategy(name, cfg)
+    cfg.train.model_dir, cfg.train.init_checkpoint = "", init_checkpoint
+    return cfg
+
+
+@contextlib.contextmanager
+def precision_policy(precision):
+    """Keras' global dtype policy of --precision=`precision` (tfbig-train's set_precision:
+    fp32 | mixed_float16 | mixed_bfloat16) while the model is built and trained; the previous
+    policy afterwards, so a caller's later models are not built in float16."""
+    import keras
+
+    from tfbig.trainer import set_precision
+
+    previous = keras.mixed_precision.global_policy()
+    set_precision(precision)
+    try:
+        yield
+    finally:
+        keras.mixed_precision.set_global_policy(previous)
 
 
 def check_batch(strategy, global_batch, flag="--train_batch_size"):
@@ -46,6 +81,39 @@ def check_batch(strategy, global_batch, flag="--train_batch_size"):
     if global_batch % strategy.num_replicas:
         raise UsageError(f"{flag}={global_batch} is not divisible by the "
                          f"{strategy.num_replicas} replicas of --strategy={strategy.name}")
+
+
+def make_forward_backward(strategy, loss_fn, optimizer, variables, jit_compile):
+    """`batch -> (mean loss, gradients)` for `train_step`, through the trainer's own
+    single-replica forward/backward (`strategy.make_forward_backward`, one micro-batch), so
+    --precision=mixed_float16 scales the loss where tfbig-train does: gradients are of the loss
+    times the optimizer's dynamic scale (tfbig.optim wraps it in Keras' LossScaleOptimizer,
+    which unscales them, and skips the step and halves the scale when the averaged gradients
+    are not finite: on every replica alike, since all see the same average).
+    `loss_fn(batch) -> float32 mean loss` is single-replica code (XLA-compiled when
+    `jit_compile`)."""
+    step = strategy.make_forward_backward(lambda batch, training=True: (loss_fn(batch), {}),
+                                          variables, optimizer.scale_loss, jit_compile)
+
+    def run(batch):
+        loss, grads, _ = step(tf.nest.map_structure(lambda t: t[None], batch))  # 1 micro-batch
+        return loss, grads
+
+    return run
+
+
+def current_loss_scale(optimizer):
+    """The optimizer's fp16 loss scale now, as a float (1.0 without loss scaling); read through
+    a tensor, which works for tf.distribute's mirrored variables too."""
+    from tfbig.optim import loss_scale
+
+    return float(tf.convert_to_tensor(loss_scale(optimizer)))
+
+
+def skipped_steps(scales):
+    """Steps the LossScaleOptimizer skipped (non-finite gradients), from `scales`: the loss
+    scale before each step and after the last (current_loss_scale); it halves on a skip."""
+    return sum(after < before for before, after in zip(scales, scales[1:]))
 
 
 def train_step(strategy, forward_backward, optimizer, variables):

@@ -95,6 +95,15 @@ def _worker_index(resolver):
     return offset + int(resolver.task_id), num_chiefs + len(jobs.get("worker", []))
 
 
+def restored_from(train):
+    """The flags of TrainConfig `train` naming what every worker reads its weights from:
+    --model_dir (tfbig-train) and/or --init_checkpoint (a fresh tfbig-train run, the
+    fine-tuning commands, which have no --model_dir)."""
+    flags = [f"--{name}={value}" for name, value in (
+        ("model_dir", train.model_dir), ("init_checkpoint", train.init_checkpoint)) if value]
+    return " and ".join(flags) or "initial weights"
+
+
 class MultiWorker(Strategy):
     """MultiWorkerMirroredStrategy: synchronous data parallelism over worker processes."""
 
@@ -189,7 +198,7 @@ class MultiWorker(Strategy):
         if not low == high:
             raise RuntimeError(
                 f"workers hold different weights after restoring (sums {low} vs {high}): "
-                f"every worker must see the same --model_dir={self.cfg.train.model_dir} "
+                f"every worker must see the same {restored_from(self.cfg.train)} "
                 "(shared storage)")
 
     def _all_workers_min_max(self, value):

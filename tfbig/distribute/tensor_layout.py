@@ -98,9 +98,21 @@ def masked_lm_plan(blocks, pair_head):
     )
 
 
+def fine_tune_plan(blocks, head):
+    """A fine-tuning model's plan (tfbig.distribute.finetune_parallel): the backbone's entries
+    of masked_lm_plan; the task `head` (classifier on the pooled [CLS], span head on every
+    position) is small and stays replicated, in the region after the backbone."""
+    backbone = tuple(entry for entry in masked_lm_plan(blocks, head)
+                     if entry[0].startswith("backbone"))
+    return backbone + ((head, Split("whole_sequence", sequence=False)),)
+
+
 ALBERT_PLAN = masked_lm_plan("groups", "sop_head")
 BERT_PLAN = masked_lm_plan("blocks", "nsp_head")
-PLANS = {"GPT": GPT_PLAN, "AlbertForPretraining": ALBERT_PLAN, "BertForPretraining": BERT_PLAN}
+PLANS = {"GPT": GPT_PLAN, "AlbertForPretraining": ALBERT_PLAN, "BertForPretraining": BERT_PLAN,
+         "AlbertForQuestionAnswering": fine_tune_plan("groups", "span_head"),
+         "BertForQuestionAnswering": fine_tune_plan("blocks", "span_head"),
+         "BertClassifier": fine_tune_plan("blocks", "classifier_head")}
 
 
 def whole_sequence_paths(model):
@@ -113,8 +125,8 @@ def plan_for(model):
     plan = PLANS.get(type(model).__name__)
     if plan is None:
         raise ValueError(f"--tensor_parallel: no tensor-parallel plan for "
-                         f"{type(model).__name__} yet (GPT, ALBERT and BERT pretraining have "
-                         f"one); run it with --tensor_parallel=1")
+                         f"{type(model).__name__} yet (GPT, ALBERT and BERT pretraining, BERT "
+                         f"and ALBERT fine-tuning have one); run it with --tensor_parallel=1")
     return plan
 
 
@@ -216,7 +228,8 @@ def split_model(task, group, wrap=None):
         if wrap is not None:
             wrap(layer, split, group)
         splits.update({v.path: piece for v, piece in _variable_splits(layer, split)})
-    if not any(split.kind == "vocab_input" for _, split in layers):
+    projects = any(split.kind == "vocab_input" for _, split in plan)  # not fine-tuning models
+    if projects and not any(split.kind == "vocab_input" for _, split in layers):
         raise ValueError("--tensor_parallel: this model has no LayerNorm before its "
                          "vocabulary projection (post-LN GPT); tensor parallelism needs the "
                          "pre-LN layout (the default)")

@@ -68,6 +68,16 @@ PLANS = {
     "BertForPretraining": lambda model: Plan(  # ALBERT's, with a block per layer, no projection
         per_call=("backbone.blocks.*", "backbone.pooler", "nsp_head"),
         per_step=("backbone.embedding", "mlm_head")),
+    # Fine-tuning (tfbig-classify, tfbig-squad): no head reads the word table, so the
+    # embedding is gathered around its own call; the task head is one more gathered layer.
+    "BertClassifier": lambda model: Plan(
+        per_call=("backbone.embedding", "backbone.blocks.*", "backbone.pooler",
+                  "classifier_head")),
+    "BertForQuestionAnswering": lambda model: Plan(
+        per_call=("backbone.embedding", "backbone.blocks.*", "backbone.pooler", "span_head")),
+    "AlbertForQuestionAnswering": lambda model: Plan(
+        per_call=("backbone.embedding", "backbone.projection", "backbone.groups.*",
+                  "backbone.pooler", "span_head")),
 }
 
 
@@ -84,7 +94,8 @@ def plan_layers(model):
     """(per-call layers, per-step layers) of `model`; every trainable variable in exactly one."""
     if type(model).__name__ not in PLANS:
         raise ValueError(f"--zero_stage=3: no gather plan for {type(model).__name__} (GPT, "
-                         f"ALBERT and BERT pretraining have one); use --zero_stage=2")
+                         f"ALBERT and BERT pretraining, BERT classification and BERT/ALBERT "
+                         f"span fine-tuning have one); use --zero_stage=2")
     plan = PLANS[type(model).__name__](model)
     per_call = [layer for p in plan.per_call for layer in _resolve(model, p)]
     per_step = [layer for p in plan.per_step for layer in _resolve(model, p)]

@@ -11,7 +11,16 @@ squad_config.json. v2.0 answers "" when null_odds > --null_score_diff_threshold;
 threshold is the one that maximises F1 on the predict file (the official evaluation's
 best_f1 search, as the BERT/ALBERT papers report v2.0 dev scores).
 
-Every flag is a field of `SquadOptions`.
+Every flag is a field of `SquadOptions`. On Horovod the model may be split or sharded too
+(--tensor_parallel, --zero_stage=1|2|3; tfbig.distribute.finetune_parallel):
+
+    horovodrun -np 4 -H localhost:4 --gloo tfbig-squad --strategy=horovod --tensor_parallel=2 ...
+
+or pipelined over this process's devices, the span head and its loss on the last stage
+(--strategy=pipeline --pipeline_stages --num_microbatches --schedule;
+tfbig.distribute.finetune_pipeline):
+
+    tfbig-squad --strategy=pipeline --pipeline_stages=2 --num_microbatches=4 ...
 """
 import dataclasses
 import json
@@ -23,12 +32,15 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from absl import flags  # noqa: E402
 
 from tfbig.config import field  # noqa: E402
+from tfbig.distribute.finetune_parallel import ParallelOptions  # noqa: E402
+from tfbig.distribute.finetune_pipeline import PipelineOptions  # noqa: E402
 from tfbig.errors import UsageError  # noqa: E402
 
 
 @dataclasses.dataclass
-class SquadOptions:
-    """What to fine-tune, on which SQuAD files, and how."""
+class SquadOptions(PipelineOptions, ParallelOptions):
+    """What to fine-tune, on which SQuAD files, and how (and how Horovod or the pipeline
+    splits it)."""
 
     train_file: str = field("", "SQuAD JSON (v1.1 or v2.0) to fine-tune on; empty: predict only, "
                                 "with the model fine-tuned earlier in --output_dir.")
@@ -67,7 +79,11 @@ class SquadOptions:
     log_every: int = field(50, "Log the training loss every N steps.")
     strategy: str = field("single", "single (one process) | horovod (one process per device, "
                                     "started by horovodrun) | multiworker (MultiWorkerMirrored, "
-                                    "TF_CONFIG); --train_batch_size is global.")
+                                    "TF_CONFIG) | pipeline (stages on this process's "
+                                    "devices); --train_batch_size is global.")
+    precision: str = field("fp32", "fp32 | mixed_float16 (dynamic loss scaling, as tfbig-train; "
+                                   "a step with non-finite gradients is skipped) | "
+                                   "mixed_bfloat16.")
 
 
 def define_flags():
@@ -80,8 +96,7 @@ def define_flags():
 
 def _model_config_and_tokenizer(options):
     from tfbig.models.albert import AlbertConfig
-    from tfbig.squad.finetune import pretrained_config, read_model_dir
-    from tfbig.data import Tokenizer
+    from tfbig.squad.finetune import pretrained_config, read_model_dir, sentencepiece_tokenizer
 
     saved = os.path.join(options.output_dir, "squad_config.json")
     if not options.train_file and os.path.isfile(saved):  # predict with a fine-tuned model
@@ -96,7 +111,7 @@ def _model_config_and_tokenizer(options):
             raise ValueError("give --init_checkpoint (a tfbig-train ALBERT run), --tokenizer "
                              "(with --preset, for a randomly initialised model), or an "
                              "--output_dir holding a fine-tuned model")
-        tokenizer = Tokenizer.load(options.tokenizer)
+        tokenizer = sentencepiece_tokenizer(options.tokenizer)
         config = AlbertConfig.from_preset(options.preset, vocab_size=tokenizer.vocab_size,
                                           seq_length=max(options.max_seq_length, 128))
     if options.dropout >= 0:
@@ -133,23 +148,34 @@ def _write_json(directory, name, content):
 
 def fine_tune(options):
     """Train and/or predict as `options` say; returns the scores dict (or {} if none)."""
+    from tfbig.distribute.finetune import precision_policy
+
+    with precision_policy(options.precision):  # the model computes in float16 / bfloat16
+        return _fine_tune(options)
+
+
+def _fine_tune(options):
     import tensorflow as tf
 
     from tfbig.squad import finetune
 
+    from tfbig.distribute import finetune_parallel
     from tfbig.distribute.finetune import fine_tune_strategy, write_checkpoint
 
     if options.strategy != "single" and not options.train_file:
         raise ValueError(f"--strategy={options.strategy} needs a --train_file (prediction runs "
                          "in one process)")
-    strategy = fine_tune_strategy(options.strategy, "tfbig-squad")
+    strategy = fine_tune_strategy(options.strategy, "tfbig-squad", options,
+                                  "" if options.random_init else options.init_checkpoint)
     config, tokenizer = _model_config_and_tokenizer(options)
     os.makedirs(options.output_dir, exist_ok=True)
     checkpoint_prefix = os.path.join(options.output_dir, "finetuned")
     if options.train_file:
         init = None if options.random_init else options.init_checkpoint or None
-        with strategy.scope():  # tf.distribute: mirrored variables
-            model = finetune.build_model(config, init, seed=options.seed)
+        with strategy.scope():  # tf.distribute: mirrored; --tensor_parallel: split; pipeline
+            model = finetune_parallel.build_model(
+                strategy, lambda: finetune.build_model(config, init, seed=options.seed),
+                options.max_seq_length, config, finetune.span_loss)
         _, features, _ = _read(options.train_file, options.version, tokenizer, options)
         losses = finetune.train(
             model, features, options.train_batch_size, options.num_train_epochs,
@@ -158,6 +184,7 @@ def fine_tune(options):
             log=print if strategy.is_chief else None, strategy=strategy)
         print(f"{len(losses)} steps on {strategy.num_replicas} replica(s) (rank "
               f"{strategy.rank})")
+        model = finetune_parallel.assembled_model(strategy, model)  # TP, pipeline: one device
         write_checkpoint(strategy, model, options.output_dir)  # collective under tf.distribute
         if not strategy.is_chief:
             strategy.shutdown()  # wait for the chief, then stop
@@ -228,8 +255,12 @@ def run():
     from tfbig import cli
 
     define_flags()
+    parallel = [f.name for f in dataclasses.fields(ParallelOptions)]
+    pipeline = [f.name for f in dataclasses.fields(PipelineOptions)]
     cli.run_app("tfbig-squad", main, __doc__, [
-        ("squad", [f.name for f in dataclasses.fields(SquadOptions)])])
+        ("squad", [f.name for f in dataclasses.fields(SquadOptions)
+                   if f.name not in parallel + pipeline]),
+        ("parallel", parallel), ("pipeline", pipeline)])
 
 
 if __name__ == "__main__":

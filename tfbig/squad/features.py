@@ -111,7 +111,8 @@ def token_char_spans(tokenizer, text, byte_lengths=None):
 
     The leading space of a "▁" piece is not part of its span. Raises ValueError if the
     tokenizer does not spell the text exactly (a normalising SentencePiece model). A WordPiece
-    tokenizer (tfbig.wordpiece) locates its pieces itself (`char_spans`).
+    tokenizer (tfbig.wordpiece) and a released ALBERT SentencePiece model
+    (tfbig.data.albert_spm) locate their pieces themselves (`char_spans`).
     """
     if hasattr(tokenizer, "char_spans"):
         return tokenizer.char_spans(text)

@@ -2,7 +2,8 @@
 
 The backbone comes from a run directory: a tfbig-train ALBERT run (config.json, tokenizer.model
 and its latest checkpoint) or a BERT/ALBERT converted by tfbig-convert (BERT: vocab.txt and
-the casing in config.json), or is initialised at random with the same configuration (the
+the casing in config.json; ALBERT: the released SentencePiece model as tokenizer.model, read
+with ALBERT's text preparation), or is initialised at random with the same configuration (the
 ablation that shows what pretraining is worth). The span head is always new.
 
 Loss: mean of the start and end cross-entropies over the sequence positions (BERT). AdamW
@@ -41,7 +42,7 @@ def family_of(config):
 
 def read_model_dir(model_dir, saved, flag="--init_checkpoint"):
     """(config, tokenizer) from a run directory's config.json dict `saved`: ALBERT with
-    tokenizer.model (SentencePiece), BERT with the WordPiece vocabulary it names."""
+    tokenizer.model (SentencePiece: `sentencepiece_tokenizer`), BERT with the WordPiece vocabulary it names."""
     family = saved.get("model_format")
     if family not in FAMILIES:
         raise ValueError(f"{flag}={model_dir} holds a {family!r} model; tfbig-squad fine-tunes "
@@ -51,12 +52,23 @@ def read_model_dir(model_dir, saved, flag="--init_checkpoint"):
         from tfbig.wordpiece import WordPieceTokenizer
 
         return config, WordPieceTokenizer.from_run(model_dir, saved["tokenizer"])
-    from tfbig.data import Tokenizer
-
     tokenizer = os.path.join(model_dir, "tokenizer.model")
     if not os.path.isfile(tokenizer):
         raise ValueError(f"{flag}={model_dir}: no tokenizer.model next to the checkpoint")
-    return config, Tokenizer.load(tokenizer)
+    return config, sentencepiece_tokenizer(tokenizer)
+
+
+def sentencepiece_tokenizer(path):
+    """An ALBERT run's tokenizer.model: tfbig's own SentencePiece (tfbig-train), or a released
+    ALBERT one (tfbig-convert of Google's or Hugging Face's ALBERT) with ALBERT's text
+    preparation, encoding a question or a context as one segment (no [SEP] per line)."""
+    from tfbig.data import load_tokenizer
+    from tfbig.data.albert_spm import AlbertSentencePiece
+
+    tokenizer = load_tokenizer(path)
+    if isinstance(tokenizer, AlbertSentencePiece):
+        return AlbertSentencePiece(tokenizer.processor, path, line_ends=False)
+    return tokenizer
 
 
 def pretrained_config(model_dir):
@@ -114,6 +126,12 @@ def span_loss(outputs, batch):
     return tf.reduce_mean(start + end) / 2.0
 
 
+def precision_of(model):
+    """The --precision a model was built under (Keras' global dtype policy at build time)."""
+    return {"float16": "mixed_float16", "bfloat16": "mixed_bfloat16"}.get(
+        model.compute_dtype, "fp32")
+
+
 def train(model, features, batch_size=32, num_epochs=2.0, learning_rate=5e-5,
           warmup_fraction=0.1, weight_decay=0.01, max_steps=0, seed=0, xla=True,
           log_every=50, log=print, strategy=None):
@@ -122,10 +140,16 @@ def train(model, features, batch_size=32, num_epochs=2.0, learning_rate=5e-5,
     Steps = num_epochs x features / batch_size (or max_steps if > 0). `strategy` (a
     tfbig.distribute Strategy: Horovod's, MultiWorkerMirrored's; `model` built in its scope):
     each replica trains on its share of every global batch of `batch_size`, gradients and
-    losses averaged over replicas (tfbig.distribute.finetune).
+    losses averaged over replicas (tfbig.distribute.finetune); with --tensor_parallel `model`
+    is this rank's slice, with --strategy=pipeline it is cut into stages, the loss on the last
+    (tfbig.distribute.finetune_parallel.build_model). A model built under
+    mixed_float16 (tfbig.distribute.finetune.precision_policy) trains with dynamic loss
+    scaling, as tfbig-train does: a step with non-finite gradients is skipped (and logged).
     """
     from tfbig.distribute.base import Strategy
-    from tfbig.distribute.finetune import check_batch, replica_batches, train_step
+    from tfbig.distribute.finetune import (check_batch, current_loss_scale, make_forward_backward,
+                                           replica_batches, skipped_steps, train_step)
+    from tfbig.distribute.finetune_parallel import compiled
 
     strategy = strategy or Strategy()
     if len(features) < batch_size:
@@ -136,32 +160,33 @@ def train(model, features, batch_size=32, num_epochs=2.0, learning_rate=5e-5,
     settings = TrainConfig(optimizer="adamw", learning_rate=learning_rate, max_steps=steps,
                            warmup_steps=int(warmup_fraction * steps), lr_schedule="linear",
                            min_lr_ratio=0.0, weight_decay=weight_decay, beta_2=0.999,
-                           epsilon=1e-6, grad_clip_norm=1.0)
+                           epsilon=1e-6, grad_clip_norm=1.0, precision=precision_of(model))
     unused = {id(v) for v in model.backbone.pooler.weights}  # the span head reads tokens only
     variables = [v for v in model.trainable_variables if id(v) not in unused]
     with strategy.scope():
         optimizer = strategy.build_optimizer(settings, variables)
     strategy.broadcast_variables(model.variables)  # every replica starts from the chief's
 
-    @tf.function(jit_compile=xla)
-    def forward_backward(batch):
-        with tf.GradientTape() as tape:
-            loss = span_loss(model({k: batch[k] for k in INPUTS}, training=True), batch)
-        return loss, tape.gradient(loss, variables)
+    def loss_fn(batch):
+        return span_loss(model({k: batch[k] for k in INPUTS}, training=True), batch)
 
-    step = train_step(strategy, forward_backward, optimizer, variables)
+    step = train_step(strategy, make_forward_backward(  # not XLA with --tensor_parallel
+        strategy, loss_fn, optimizer, variables, compiled(strategy, xla)), optimizer, variables)
     names = INPUTS + ("start_positions", "end_positions")
     arrays = {name: features.arrays[name] for name in names}
     batches = replica_batches(strategy, lambda: tf.data.Dataset.from_tensor_slices(
         arrays).shuffle(len(features), seed=seed, reshuffle_each_iteration=True).repeat(),
         batch_size)
-    losses, start = [], time.perf_counter()
+    losses, scales, start = [], [current_loss_scale(optimizer)], time.perf_counter()
     for index in range(steps):
         losses.append(float(step(next(batches))))
+        scales.append(current_loss_scale(optimizer))  # halved after a skipped fp16 step
         if log and ((index + 1) % log_every == 0 or index + 1 == steps):
             recent = np.mean(losses[-log_every:])
             log(f"step {index + 1}/{steps} | loss {recent:.4f} | "
-                f"{(index + 1) * batch_size / (time.perf_counter() - start):.1f} features/s")
+                f"{(index + 1) * batch_size / (time.perf_counter() - start):.1f} features/s"
+                + (f" | loss scale {scales[-1]:g}, {skipped_steps(scales)} skipped"
+                   if settings.precision == "mixed_float16" else ""))
     return losses
 
 
