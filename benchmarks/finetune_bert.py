@@ -78,7 +78,7 @@ def run_tfbig(data):
     from tfbig.distribute.finetune import replica_batches
 
     config, strategy, steps = bert_config(), SingleDevice(), 1 + FLAGS.steps
-    model, step = build_classifier(config, FLAGS.num_classes, options(), steps, strategy)
+    model, _, step = build_classifier(config, FLAGS.num_classes, options(), steps, strategy)
     inputs = replica_batches(strategy, lambda: examples(data), FLAGS.batch_size)
     marks = []
     for _ in range(steps):
