@@ -16,6 +16,17 @@ PY=${PYTHON:-python3}
 HOROVOD_VERSION=0.28.1
 
 "$PY" -c 'import sys; assert sys.version_info >= (3, 11), "tfbig needs Python 3.11+"'
+# A new environment takes ~3.5 GB (TensorFlow, tf-models-official, keras-hub, Horovod): say so
+# before pip fails half-way with "No space left on device".
+if ! compgen -G "$VENV/lib/python3*/site-packages/tensorflow" >/dev/null; then
+  mkdir -p "$(dirname "$VENV")"
+  free_mb=$(df -Pm "$(dirname "$VENV")" | awk 'NR == 2 {print $4}')
+  if [ "${free_mb:-0}" -lt 4096 ]; then
+    echo "install.sh: $(dirname "$VENV") has ${free_mb} MB free; a new environment needs" \
+         "about 4096 MB (3.5 GB installed). Free space there or set VENV=/path/with/space" >&2
+    exit 1
+  fi
+fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 pip() { "$VENV/bin/python" -m pip "$@"; }
 pip install --quiet --upgrade pip wheel
