@@ -6,14 +6,15 @@
 Runs stage `--stage` of benchmarks/plan_accuracy.py's 2-stage h128 GPT alone
 (tfbig.plan.measure.stage_alone, whose ops are named F<m>/... and B<m>/... by micro-batch) under
 TensorFlow's profiler, replays the CPU allocator's allocation and deallocation events, and prints
-one JSON line: the allocator's least peak of 5 steps and the plan's bytes (as plan_accuracy), the
-traced peak, the live bytes at that peak by op (F<m>/B<m> and the stage function call), and the
-largest live tensors with the op that made them.
+one JSON line: the allocator's least peak of 5 steps, the tensors' least peak of 3
+(tfbig.plan.measure.tensor_peak) and the plan's bytes (as plan_accuracy); of one traced step, the
+peak of the tensors' bytes and of the allocator's chunks holding them, the live bytes at the
+tensors' peak by op (F<m>/B<m> and the stage function call), and the largest live tensors with
+the op that made them.
 """
 import argparse
 import collections
 import dataclasses
-import glob
 import json
 import os
 import sys
@@ -24,55 +25,15 @@ sys.path.insert(0, ROOT)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tensorflow as tf  # noqa: E402
-from tensorflow.tsl.profiler.protobuf import xplane_pb2  # noqa: E402
 
 from tfbig.pipeline.devices import configure_cpu_devices  # noqa: E402
 from tfbig.plan import estimate  # noqa: E402
-from tfbig.plan.measure import (allocator_peak, pipeline_step, planned_stage_peak,  # noqa: E402
-                                stage_alone, stage_layers)
+from tfbig.plan.measure import (allocation_events, allocator_peak, live_at_peak,  # noqa: E402
+                                pipeline_step, planned_stage_peak, stage_alone, stage_layers,
+                                tensor_peak)
 
 PIPELINE = dict(hidden_size=128, num_layers=4, num_heads=2, seq_length=128, vocab_size=2048)
 MICRO_BATCH = 4
-
-
-def _value(stat, names):
-    """An XStat's value (strings stored once in the plane's metadata are referenced by id)."""
-    kind = stat.WhichOneof("value")
-    return names[stat.ref_value] if kind == "ref_value" else getattr(stat, kind)
-
-
-def memory_events(logdir):
-    """[(time ns, "MemoryAllocation"|"MemoryDeallocation", {stat: value})] in time order."""
-    space = xplane_pb2.XSpace()
-    with open(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)[0], "rb") as f:
-        space.ParseFromString(f.read())
-    events = []
-    for plane in space.planes:
-        stat_names = {k: v.name for k, v in plane.stat_metadata.items()}
-        for line in plane.lines:
-            for event in line.events:
-                name = plane.event_metadata[event.metadata_id].name
-                if name in ("MemoryAllocation", "MemoryDeallocation"):
-                    stats = {stat_names[s.metadata_id]: _value(s, stat_names)
-                             for s in event.stats if s.WhichOneof("value")}
-                    events.append((line.timestamp_ns + event.offset_ps // 1000, name, stats))
-    return sorted(events, key=lambda e: e[0])
-
-
-def live_at_peak(events):
-    """(peak bytes, {address: (bytes, op, shape)} live at that moment)."""
-    live, total, peak, at_peak = {}, 0, 0, {}
-    for _, name, stats in events:
-        address = stats.get("addr")
-        if name == "MemoryAllocation":
-            live[address] = (int(stats.get("allocation_bytes", 0)), stats.get("tf_op", "?"),
-                             stats.get("shape", ""))
-            total += live[address][0]
-            if total > peak:
-                peak, at_peak = total, dict(live)
-        elif address in live:
-            total -= live.pop(address)[0]
-    return peak, at_peak
 
 
 def main():
@@ -89,21 +50,24 @@ def main():
     strategy, _ = pipeline_step(PIPELINE, MICRO_BATCH, layout)
     layout = dataclasses.replace(layout, stage_layers=stage_layers(strategy.plan))
     run = stage_alone(strategy, args.stage, MICRO_BATCH)
-    measured = allocator_peak(run)
+    measured, tensors = allocator_peak(run), tensor_peak(run)
     logdir = tempfile.mkdtemp()
     tf.profiler.experimental.start(logdir)
     run()
     tf.profiler.experimental.stop()
-    peak, live = live_at_peak(memory_events(logdir))
+    events = allocation_events(logdir)
+    peak, live = live_at_peak(events)
     by_call = collections.Counter()
     for size, op, _ in live.values():
         by_call["/".join(op.split("/")[:2])] += size
     largest = sorted(live.values(), reverse=True)[:12]
     print(json.dumps({
         "case": vars(args), "allocator_peak_mb": round(measured / 1e6, 2),
+        "tensor_peak_mb": round(tensors / 1e6, 2),
         "planned_mb": round(planned_stage_peak(PIPELINE, MICRO_BATCH, layout, args.stage) / 1e6,
                             2),
         "traced_peak_mb": round(peak / 1e6, 2),
+        "traced_allocator_peak_mb": round(live_at_peak(events, "allocation_bytes")[0] / 1e6, 2),
         "live_by_call_mb": {k: round(v / 1e6, 2) for k, v in by_call.most_common()},
         "largest": [[round(size / 1e6, 3), op, str(shape)] for size, op, shape in largest]}))
 

@@ -10,7 +10,10 @@ Rows (each a ratio measured / planned, 1.0 = exact):
               and 8 micro-batches, with and without activation checkpointing: in one process
               (stages on logical CPU devices sharing one allocator, so each stage's column of
               the schedule is also run alone) and, with --cross_rank, one stage per Horovod
-              rank (each its own allocator)
+              rank (each its own allocator). "stage<k>": the bytes of the tensors alive at the
+              peak (tfbig.plan.measure.tensor_peak, what the plan counts); "allocator": the
+              allocator's peak of the same steps per stage, which also counts the slack of the
+              chunks it handed out (up to 2x a tensor's size)
     speed     tokens/s of the `small` preset (batch 16, seq 256, fp32, XLA) against the plan on
               this CPU (its matmul peak and memory bandwidth probed first)
 Prints one JSON line last, with the load average and the CPU model.
@@ -32,7 +35,7 @@ from tfbig.pipeline.devices import configure_cpu_devices  # noqa: E402
 from tfbig.plan import estimate, hardware, models, search  # noqa: E402
 from tfbig.plan.local import local_device  # noqa: E402
 from tfbig.plan.measure import (allocator_peak, measure_step, pipeline_step,  # noqa: E402
-                                planned_stage_peak, stage_alone, stage_layers)
+                                planned_stage_peak, stage_alone, stage_layers, tensor_peak)
 
 CPU = hardware.Device("cpu", 1e11, 2 ** 40, 1e10, 1e10, 1.0, 0.0)  # memory terms only
 SINGLE = {"h128": dict(hidden_size=128, num_layers=2, num_heads=4, seq_length=128,
@@ -82,11 +85,12 @@ def pipeline_rows():
                 layout = dataclasses.replace(layout, stage_layers=stage_layers(strategy.plan))
                 planned = [planned_stage_peak(PIPELINE, PIPELINE_MICRO_BATCH, layout, k)
                            for k in range(2)]
-                held = [allocator_peak(stage_alone(strategy, k, PIPELINE_MICRO_BATCH))
-                        for k in range(2)]
-                row = {f"stage{k}": round(h / p, 3) for k, (h, p) in enumerate(zip(held,
-                                                                                 planned))}
-                row["whole"] = round(allocator_peak(step) / sum(planned), 3)
+                runs = [stage_alone(strategy, k, PIPELINE_MICRO_BATCH) for k in range(2)]
+                row = {f"stage{k}": round(tensor_peak(run) / p, 3)
+                       for k, (run, p) in enumerate(zip(runs, planned))}
+                row["allocator"] = [round(allocator_peak(run) / p, 3)
+                                    for run, p in zip(runs, planned)]
+                row["whole"] = round(tensor_peak(step) / sum(planned), 3)
                 rows[f"{schedule}_m{m}{'_ckpt' if ckpt else ''}"] = row
     return rows
 
@@ -116,8 +120,9 @@ def cross_rank_rows():
                     record = json.load(f)
                 planned = planned_stage_peak(PIPELINE, PIPELINE_MICRO_BATCH, dataclasses.replace(
                     layout, stage_layers=tuple(record["stage_layers"])), record["stage"])
-                rows.setdefault(name, {})[f"stage{record['stage']}"] = round(
-                    record["peak"] / planned, 3)
+                row = rows.setdefault(name, {"allocator": [None, None]})
+                row[f"stage{record['stage']}"] = round(record["tensor_peak"] / planned, 3)
+                row["allocator"][record["stage"]] = round(record["peak"] / planned, 3)
     return rows
 
 

@@ -20,7 +20,15 @@ once the stage function is inlined, only for its stateful ops: GPipe's forwards,
 forward after its first backward, ran ahead of the schedule). So inside one tf.function a stage
 runs exactly its schedule while different stages, on different devices, run concurrently; the
 number of stashed micro-batches is the number whose activations are alive (a test measures the
-allocator's peak: tests/plan/test_pipeline_memory.py), and `peak_live` records its maximum.
+bytes at the stage's peak: tests/plan/test_pipeline_memory.py), and `peak_live` records its
+maximum.
+
+The last stage runs its final layer (the model's head: the vocabulary projection) and the loss
+as a function of its own, and its backward differentiates that function first: the gradient
+entering the rest of the stage waits for the head's weight gradients (a data edge). Otherwise
+the output matrix's weight gradient, which reads the vocabulary-sized gradient of the logits,
+ran beside the last block's backward or not, as the executor's threads fell, and the logits'
+gradient was alive at the stage's peak in some steps only (1.0-1.23x the planned peak, traced).
 
 Example:
     stage = Stage(0, layers[:3], "/device:CPU:0", task, is_first=True, is_last=False)
@@ -45,8 +53,25 @@ def _computed(tensors):
     A control dependency on the output of a stage function call is not enough: once the call
     is inlined into the step, such an edge waits only for the function's stateful ops, not for
     the math that makes the output; a data edge waits for it."""
-    return tf.add_n([tf.reduce_sum(tf.cast(tf.reshape(t, [-1])[:1], tf.float32))
+    return tf.add_n([tf.reduce_sum(tf.cast(tf.reshape(_dense_part(t), [-1])[:1], tf.float32))
                      for t in tensors])
+
+
+def _dense_part(t):
+    return t.values if isinstance(t, tf.IndexedSlices) else t  # an embedding's gradient
+
+
+def _after(tensors, nest):
+    """`nest` (identities), once `tensors` are computed."""
+    with tf.control_dependencies([_computed(tensors)]):
+        return tf.nest.map_structure(tf.identity, nest)
+
+
+def _add(a, b):
+    """Sum of two gradient parts of one variable (None: no part)."""
+    if a is None or b is None:
+        return b if a is None else a
+    return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
 
 
 class Stage:
@@ -66,29 +91,37 @@ class Stage:
         self.shared = [v for v in unique.values() if not same_device(v.value.device, device)]
         self.variables = self.own + self.shared
         self.rng_state = list({id(v): v for layer in layers for v in layer.rng_state}.values())
-        # One function per stage, traced once and called once per micro-batch. Without XLA it
-        # is inlined into the step (function calls kept as calls do not run concurrently).
+        # The last stage's final layer runs with the loss (see the module docstring).
+        self.head = layers[-1:] if is_last and len(layers) > 1 else []
+        self.body = layers[:len(layers) - len(self.head)]
+        # One function per stage (and the last stage's loss), traced once and called once per
+        # micro-batch. Without XLA it is inlined into the step (function calls kept as calls do
+        # not run concurrently).
         self._run = tf.function(self._call, jit_compile=jit_compile, autograph=False)
+        self._run_loss = tf.function(self._call_loss, jit_compile=jit_compile, autograph=False)
         self._infer = tf.function(self._evaluate, jit_compile=jit_compile, autograph=False)
         self.peak_live = 0
 
     # ---- the computation (XLA-compiled with --xla) ------------------------------------------
-    def _outputs(self, x, micro_batch, shared, rng, training):
-        """Stage output and the new seed states; `shared`/`rng` are the off-device values."""
+    def _outputs(self, x, micro_batch, shared, rng, training, layers=None):
+        """Output of `layers` (default: all the stage's) and the new seed states;
+        `shared`/`rng` are the off-device values."""
         mapping = list(zip(self.shared, shared)) + list(zip(self.rng_state, rng))
         with keras.StatelessScope(state_mapping=mapping) as scope:
-            if self.is_first:
+            if self.is_first and layers is not self.head:
                 x = self.task.model_inputs(micro_batch)
-            for layer in self.layers:
+            for layer in self.layers if layers is None else layers:
                 x = layer.call(x, training)
         return x, [scope.get_current_value(v) for v in self.rng_state]
 
-    def _call(self, x, micro_batch, shared, rng, loss_weight):
-        """(stage output, new seed states); the last stage's output is (loss x loss_weight,
-        loss, metrics), loss_weight being the fp16 loss scale / M."""
-        x, rng = self._outputs(x, micro_batch, shared, rng, training=True)
-        if not self.is_last:
-            return x, rng
+    def _call(self, x, micro_batch, shared, rng):
+        """(output of the stage's layers but the last stage's head, new seed states)."""
+        return self._outputs(x, micro_batch, shared, rng, True, self.body)
+
+    def _call_loss(self, x, micro_batch, shared, rng, loss_weight):
+        """The last stage's head and loss: ((loss x loss_weight, loss, metrics), new seed
+        states), loss_weight being the fp16 loss scale / M."""
+        x, rng = self._outputs(x, micro_batch, shared, rng, True, self.head)
         loss, metrics = self.task.loss_from_outputs(x, micro_batch)
         return (loss * tf.cast(loss_weight, loss.dtype), loss, metrics), rng
 
@@ -131,8 +164,22 @@ class Stage:
         """`nest` gated on this stage's previous op, so ops run in schedule order."""
         if not self._previous or nest is None:
             return nest
-        with tf.control_dependencies([_computed(self._previous)]):
-            return tf.nest.map_structure(tf.identity, nest)
+        return _after(self._previous, nest)
+
+    def _taped_forward(self, x, micro_batch, rng):
+        """(tapes, stage output, new seed states) of a forward recorded for the backward: one
+        tape of the stage's layers, and on the last stage a second of its head and loss."""
+        shared = self._shared_values()
+        with tf.GradientTape() as tape:
+            tape.watch(_float_leaves(x) + shared)
+            out, rng = self._run(x, micro_batch, shared, rng)
+        tapes = [(tape, x, out)]
+        if self.is_last:
+            with tf.GradientTape() as tape:
+                tape.watch(_float_leaves(out) + shared)
+                loss, rng = self._run_loss(out, micro_batch, shared, rng, self._loss_weight())
+            tapes.append((tape, out, loss))
+        return tapes, tapes[-1][2], rng
 
     def forward(self, microbatch, x, micro_batch):
         """Forward of micro-batch number `microbatch`; returns the output (or (loss, metrics))."""
@@ -141,15 +188,15 @@ class Stage:
             x, micro_batch = self._after_previous((x, micro_batch))
             rng = self._read(self.rng_state)
             if self.checkpointing:
-                out, new_rng = self._run(x, micro_batch, self._shared_values(), rng,
-                                         self._loss_weight())
+                shared = self._shared_values()
+                out, new_rng = self._run(x, micro_batch, shared, rng)
+                if self.is_last:
+                    out, new_rng = self._run_loss(out, micro_batch, shared, new_rng,
+                                                  self._loss_weight())
                 self._stash[microbatch] = (x, micro_batch, rng)
             else:
-                with tf.GradientTape() as tape:
-                    shared = self._shared_values()
-                    tape.watch(_float_leaves(x) + shared)
-                    out, new_rng = self._run(x, micro_batch, shared, rng, self._loss_weight())
-                self._stash[microbatch] = (tape, x, shared, out)
+                tapes, out, new_rng = self._taped_forward(x, micro_batch, rng)
+                self._stash[microbatch] = tapes
             for v, value in zip(self.rng_state, new_rng):
                 v.assign(value)
             self.peak_live = max(self.peak_live, len(self._stash))
@@ -164,22 +211,25 @@ class Stage:
                 x, micro_batch, rng = self._stash.pop(microbatch)
                 # in schedule order, not ahead of it
                 x, micro_batch = self._after_previous((x, micro_batch))
-                with tf.GradientTape() as tape:
-                    shared = self._shared_values()
-                    tape.watch(_float_leaves(x) + shared)
-                    out, _ = self._run(x, micro_batch, shared, rng, self._loss_weight())
+                tapes, _, _ = self._taped_forward(x, micro_batch, rng)
             else:
-                tape, x, shared, out = self._stash.pop(microbatch)
-            targets = [out[0]] if self.is_last else _float_leaves(out)
+                tapes = self._stash.pop(microbatch)
             if dy is None:  # the last stage seeds the backward: 1 = d(loss term)/d(itself)
-                dy = [tf.ones_like(out[0])]
+                dy = [tf.ones_like(tapes[-1][2][0])]
             dy = self._after_previous(dy)  # the backward starts in schedule order
-            inputs = _float_leaves(x)
-            grads = tape.gradient(targets, inputs + self.own + shared, output_gradients=dy)
-            dx = [tf.zeros_like(t) if g is None else g for t, g in zip(inputs, grads)]
-            self._accumulate(grads[len(inputs):])
-            self._previous = dx + list(self.gradient_sums.values())
-        return dx  # aligned with the float leaves of the previous stage's output
+            shared = self._shared_values()
+            grads = [None] * len(self.variables)
+            for k, (tape, x, out) in enumerate(reversed(tapes)):
+                if k:  # the stage's layers wait for the head's weight gradients
+                    dy = _after([g for g in grads if g is not None] + dy, dy)
+                inputs = _float_leaves(x)
+                targets = [out[0]] if k == 0 and self.is_last else _float_leaves(out)
+                parts = tape.gradient(targets, inputs + self.own + shared, output_gradients=dy)
+                dy = [tf.zeros_like(t) if g is None else g for t, g in zip(inputs, parts)]
+                grads = [_add(g, p) for g, p in zip(grads, parts[len(inputs):])]
+            self._accumulate(grads)
+            self._previous = dy + list(self.gradient_sums.values())
+        return dy  # aligned with the float leaves of the previous stage's output
 
     def infer(self, x, micro_batch):
         """Inference forward (no stash, no dropout); the last stage: (outputs, loss, metrics)."""

@@ -15,16 +15,20 @@ Memory (the busiest pipeline stage, first or last):
                             micro-batches in flight (GPipe: all M; 1F1B: min(K, M) on the first
                             stage). Checkpointing keeps each layer's input and one layer's full
                             set while it is recomputed (a pipeline stage: its input per
-                            micro-batch in flight, and all its layers' sets, each with its GELU
-                            derivative, for one). The backward of a layer forms the gradients
-                            of the MLP's two 4h/t tensors before it frees them (8 h / t per
-                            token of one micro-batch). The last stage keeps, per token and
-                            micro-batch until its backward, the softmax gradient TensorFlow's
-                            fused cross-entropy computes in the forward (one float32 vocabulary-
-                            sized tensor, written over the logits: 4 V / t bytes; + 2 V for the
-                            16-bit matmul output under mixed precision). These are what
-                            TensorFlow's graph keeps; an XLA-compiled step assigns its own
-                            buffers (benchmarks/plan_accuracy.py reports both).
+                            micro-batch in flight, and all its layers' sets for one). The
+                            backward of a layer peaks at its GELU: the gradient of its 4h/t
+                            output and up to three 4h/t float32 temporaries of the derivative
+                            (16 h / t float32 values per token of one micro-batch). The last
+                            stage keeps, per token and micro-batch until its backward, the
+                            softmax gradient TensorFlow's fused cross-entropy computes in the
+                            forward (one float32 vocabulary-sized tensor, written over the
+                            logits: 4 V / t bytes; + 2 V for the 16-bit matmul output under
+                            mixed precision). The head is differentiated before the layers, so
+                            one micro-batch's backward holds either that tensor and two float32
+                            copies of the head's weight gradient, or, that freed, the layers'
+                            working set. These are what TensorFlow's graph keeps; an
+                            XLA-compiled step assigns its own buffers
+                            (benchmarks/plan_accuracy.py reports both).
     communication           Horovod's fusion buffer, pipeline send/receive of a micro-batch's
                             boundary activation, ZeRO-3's gathered weights of two layers
     reserve                 CUDA context, workspaces, fragmentation (hardware.GPU_RESERVE_BYTES)
@@ -158,19 +162,25 @@ def logits_traffic(shape, layout, precision):
 
 
 def backward_working_bytes(shape, layout, precision):
-    """Bytes per token of one micro-batch the backward of a layer forms before it frees the
-    activations they replace: the gradients of the MLP's two 4h-wide tensors."""
-    return 8 * shape.hidden_size / layout.tensor * _act_bytes(precision)
+    """Bytes per token of one micro-batch a layer's backward holds beside the activations at
+    its peak, the GELU's: the gradient of the GELU's output (4h/t) and the float32 temporaries
+    of its derivative and of their product with that gradient, up to three 4h/t-wide alive
+    together (allocation traces on this machine: benchmarks/pipeline_memory_trace.py; the
+    last becomes the gradient of the GELU's input), + the float32 copy of a 16-bit input."""
+    wide = 4 * shape.hidden_size / layout.tensor
+    return wide * _act_bytes(precision) + 3 * wide * 4 + (0 if precision == "fp32" else wide * 4)
 
 
-def gelu_derivative_bytes(shape, layout, precision):
-    """Bytes per token of one layer's GELU derivative (4h/t wide). tfbig's GELU computes it
-    from the GELU's input alone, so TensorFlow forms it as soon as that input exists. When a
-    pipeline stage recomputes all its layers before their backward (checkpointing), each
-    layer's derivative is formed during the recompute and held until that layer's backward:
-    allocation traces of a checkpointed stage's peak show one per layer beside the
-    recomputed activations (tfbig.plan.measure, benchmarks/plan_accuracy.py)."""
-    return 4 * shape.hidden_size / layout.tensor * _act_bytes(precision)
+def head_gradient_bytes(shape, layout):
+    """Bytes the backward of the model's head forms while the logits' gradient is alive:
+    this micro-batch's float32 gradient of the head's weights (the output matrix, over T) and a
+    second copy, the gradient transposed (GPT's tied table: the logits multiply by its
+    transpose) or the new running sum it is added into (tfbig.pipeline.stages sums each
+    micro-batch's gradients). The layers' backward starts once the logits' gradient is
+    consumed (a pipeline's last stage waits for the head's weight gradients:
+    tfbig.pipeline.stages; a single device's least peak of several steps is that order), so
+    this and the layers' working set are not alive together."""
+    return 2 * 4 * shape.last_params / layout.tensor
 
 
 def live_microbatches(layout, stage):
@@ -195,7 +205,10 @@ def stage_input_bytes(shape, layout, precision, stage):
 
 
 def activation_memory(shape, layout, micro_batch, precision, stage=0):
-    """Bytes of activations pipeline stage `stage` (0 without stages) holds at its peak."""
+    """Bytes of activations pipeline stage `stage` (0 without stages) holds at its peak: what
+    the micro-batches in flight keep, and the backward of one of them. On the last stage (or
+    without stages) that backward differentiates the head first: the logits' gradient beside
+    the head's weight gradients, then, that freed, the layers' working set."""
     tokens = micro_batch * shape.seq_length
     last = stage == layout.pipeline - 1
     layers = layers_on(shape, layout, stage)
@@ -203,20 +216,20 @@ def activation_memory(shape, layout, micro_batch, precision, stage=0):
     live = live_microbatches(layout, stage)
     working = backward_working_bytes(shape, layout, precision) * tokens
     head = head_bytes(shape, layout, precision) * tokens if last else 0.0
+    # the micro-batch being differentiated: its head's backward, then its layers'
+    backward = max(head + head_gradient_bytes(shape, layout), working) if last else working
     if not layout.activation_checkpointing:
-        return live * (layers * per_layer * tokens + head) + working
+        return live * layers * per_layer * tokens + (live - 1) * head + backward
     if layout.pipeline > 1:
         # tfbig's pipeline stage keeps only its input per micro-batch in flight and recomputes
-        # the whole stage's forward in the backward of one (tfbig.pipeline.stages); beside the
-        # recomputed activations, every layer's GELU derivative waits for its layer's turn
+        # the whole stage's forward in the backward of one (tfbig.pipeline.stages)
         kept = stage_input_bytes(shape, layout, precision, stage)
-        recomputed = per_layer + gelu_derivative_bytes(shape, layout, precision)
-        return live * kept * tokens + layers * recomputed * tokens + head + working
+        return live * kept * tokens + layers * per_layer * tokens + backward
     # without stages each block is recomputed (tfbig.distribute.recompute): block inputs, and
     # one block's full set while it is recomputed
     kept = _act_bytes(precision) * shape.hidden_size / (
         layout.tensor if layout.sequence_parallel else 1)
-    return (layers * kept + per_layer) * tokens + head + working
+    return (layers * kept + per_layer) * tokens + backward
 
 
 def memory(shape, layout, micro_batch, precision, device, stage=0):

@@ -6,8 +6,11 @@ bytes are read, not modelled: the model state is the bytes of the variables (wei
 optimizer slots), the step peak is the CPU allocator's peak during a step above what was
 allocated before it (the least of 5 steps: the executor's thread interleaving moves it). Pipeline
 stages: `pipeline_step` (in this process, or this rank's stage under horovodrun), `stage_alone`
-(one in-process stage's schedule column: its own peak), `planned_stage_peak` (the plan's). This
-module imports TensorFlow; the rest of tfbig.plan does not.
+(one in-process stage's schedule column: its own peak), `planned_stage_peak` (the plan's), and
+`tensor_peak`: the bytes of the tensors alive at a step's peak, replayed from the allocator's
+records of each allocation (what the plan's terms count; the allocator's own peak also counts
+the slack of its chunks, which depends on what it freed before: `allocator_peak`). This module
+imports TensorFlow; the rest of tfbig.plan does not.
 
 Example:
     measure_step(dict(hidden_size=128, num_layers=2, num_heads=4, seq_length=128,
@@ -77,6 +80,80 @@ def allocator_peak(run, repeats=5):
         run()
         peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"] - before)
     return min(peaks)
+
+
+def tensor_peak(run, repeats=3, reduce=min):
+    """Least (`reduce`=min) or most (max) over `repeats` calls of `run()` of the bytes of the
+    tensors it allocated that are alive together at its peak (the sizes asked of the
+    allocator, from the profiler's record of every allocation and deallocation:
+    `allocation_events`).
+
+    The CPU allocator (oneDNN's BFC allocator) hands out a free chunk up to twice the size
+    asked for without splitting it, and counts the whole chunk in its peak: a 4.2 MB tensor
+    was held in chunks of 4.2-7.6 MB from one step to the next. That slack is fragmentation
+    (the plan's framework reserve on a GPU), not bytes the step's tensors need."""
+    import tempfile
+
+    import tensorflow as tf
+
+    run()  # traces, and creates whatever persists across steps
+    peaks = []
+    for _ in range(repeats):
+        with tempfile.TemporaryDirectory() as logdir:
+            tf.profiler.experimental.start(logdir)
+            run()
+            tf.profiler.experimental.stop()
+            peaks.append(live_at_peak(allocation_events(logdir))[0])
+    return reduce(peaks)
+
+
+def allocation_events(logdir):
+    """[(time ns, "MemoryAllocation"|"MemoryDeallocation", {stat: value})] in time order,
+    from the profile TensorFlow's profiler wrote in `logdir` (the host's XPlane)."""
+    import glob
+    import os
+
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    space = xplane_pb2.XSpace()
+    path = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)[0]
+    with open(path, "rb") as f:
+        space.ParseFromString(f.read())
+    events = []
+    for plane in space.planes:
+        stat_names = {k: v.name for k, v in plane.stat_metadata.items()}
+        for line in plane.lines:
+            for event in line.events:
+                name = plane.event_metadata[event.metadata_id].name
+                if name in ("MemoryAllocation", "MemoryDeallocation"):
+                    stats = {stat_names[s.metadata_id]: _stat_value(s, stat_names)
+                             for s in event.stats if s.WhichOneof("value")}
+                    events.append((line.timestamp_ns + event.offset_ps // 1000, name, stats))
+    return sorted(events, key=lambda e: e[0])
+
+
+def _stat_value(stat, names):
+    """An XStat's value (strings stored once in the plane's metadata are referenced by id)."""
+    kind = stat.WhichOneof("value")
+    return names[stat.ref_value] if kind == "ref_value" else getattr(stat, kind)
+
+
+def live_at_peak(events, size="requested_bytes"):
+    """(peak bytes, {address: (bytes, op, shape)} alive at that moment) of the tensors
+    allocated during `events` (`allocation_events`); `size`: "requested_bytes" (the tensor's)
+    or "allocation_bytes" (the allocator's chunk)."""
+    live, total, peak, at_peak = {}, 0, 0, {}
+    for _, name, stats in events:
+        address = stats.get("addr")
+        if name == "MemoryAllocation":
+            live[address] = (int(stats.get(size, 0)), stats.get("tf_op", "?"),
+                             stats.get("shape", ""))
+            total += live[address][0]
+            if total > peak:
+                peak, at_peak = total, dict(live)
+        elif address in live:
+            total -= live.pop(address)[0]
+    return peak, at_peak
 
 
 def pipeline_step(model, micro_batch, layout, boundaries="", cross_rank=False):
