@@ -96,7 +96,7 @@ flags.DEFINE_list("index_shards", None, "ALBERT: instead of preparing text, writ
 flags.DEFINE_list("index_validation_shards", None, "ALBERT: validation shards for --index_shards.")
 flags.DEFINE_float("copy_prob", 0.0, "ALBERT: share of pairs made copy pairs: segment A is a copy of "
                    "one line (>= 4 tokens) of segment B, B the pair's text around it in order "
-                   "(sentence-order label 0), so the masked LM learns to find where A's words occur "
+                   "(sentence-order label 0), so the masked LM is rewarded for finding where A's words occur "
                    "in B, the match extractive QA needs (0: ALBERT's pairs only).")
 _ALBERT_OPTIONS = ("max_predictions_per_seq", "masked_lm_prob", "max_ngram", "whole_word_masking",
                    "dupe_factor", "short_seq_prob", "copy_prob")

@@ -24,9 +24,10 @@ each predicted token becomes [MASK] 80%, a random token 10%, itself 10% of the t
 
 Copy pairs (`copy_prob`, tfbig-prep --copy_prob; not in ALBERT): that share of pairs becomes
 [CLS] line [SEP] text [SEP], the line a copy of one line of the text (copy_pair), sentence-order
-label 0. A masked token of either copy can be read off the other, so the masked LM learns to
-find where segment A's words occur in segment B: the match between a question's quote and
-its context that extractive QA needs and that plain MLM pretraining hardly rewards.
+label 0. A masked token of either copy can be read off the other, so the masked LM is rewarded
+for finding where segment A's words occur in segment B: the match between a question's quote and
+its context that extractive QA needs and that plain MLM pretraining hardly rewards (not learnt
+within the embedded run's budget: README, "The embedded ALBERT run, measured").
 
 This module imports no TensorFlow (prep workers stay light).
 
