@@ -94,8 +94,12 @@ flags.DEFINE_list("index_shards", None, "ALBERT: instead of preparing text, writ
                   "existing standard-format shards (e.g. from tf-models-official's create_pretraining_data.py; "
                   "comma-separated files or globs) made with --tokenizer.")
 flags.DEFINE_list("index_validation_shards", None, "ALBERT: validation shards for --index_shards.")
+flags.DEFINE_float("copy_prob", 0.0, "ALBERT: share of pairs made copy pairs: segment A is a copy of "
+                   "one line (>= 4 tokens) of segment B, B the pair's text around it in order "
+                   "(sentence-order label 0), so the masked LM is rewarded for finding where A's words occur "
+                   "in B, the match extractive QA needs (0: ALBERT's pairs only).")
 _ALBERT_OPTIONS = ("max_predictions_per_seq", "masked_lm_prob", "max_ngram", "whole_word_masking",
-                   "dupe_factor", "short_seq_prob")
+                   "dupe_factor", "short_seq_prob", "copy_prob")
 
 
 def main(argv: list[str]) -> None:
@@ -151,6 +155,8 @@ def _format_options():
     if FLAGS.format not in ("albert", "bert"):
         return None
     options = {name: FLAGS[name].value for name in _ALBERT_OPTIONS}
+    if FLAGS.format == "bert" and options["copy_prob"]:
+        raise UsageError(f"--copy_prob={options['copy_prob']}: copy pairs are made for --format=albert only")
     if FLAGS.format == "bert":
         options.update({name: value for name, value in BERT_MASKING.items() if not FLAGS[name].present})
     return options

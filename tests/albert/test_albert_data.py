@@ -11,6 +11,7 @@ import tensorflow as tf
 from tfbig import data
 from tfbig.data import albert as albert_data, index, tfrecord
 from tfbig.data import MaskingOptions, MaskingVocab
+from tfbig.errors import UsageError
 from tfbig.tasks.masked_lm import DynamicMasking, _restore
 
 
@@ -226,3 +227,82 @@ def test_masking_options_are_checked():
         MaskingOptions(masked_lm_prob=1.5)
     with pytest.raises(ValueError, match="--max_predictions_per_seq=0"):
         MaskingOptions(max_predictions_per_seq=0)
+
+
+def copy_rows(batch, vocab):
+    """Rows whose segment A (unmasked) is one line, without its newline, of segment B."""
+    restored = _restore({k: tf.constant(v) for k, v in batch.items()}).numpy()
+    rows = []
+    for row in range(len(restored)):
+        seps = np.flatnonzero(restored[row] == vocab.sep_id)
+        a, b = restored[row, 1:seps[0]], restored[row, seps[0] + 1:seps[1]]
+        if vocab.newline_id not in a and len(a) <= len(b) and len(starts(b, a)):
+            rows.append(row)
+    return np.array(rows, dtype=np.int64)
+
+
+def test_copy_pairs_put_a_line_of_b_in_a(albert_tokenizer, scenes):
+    vocab = MaskingVocab.from_tokenizer(albert_tokenizer)
+    plain = instances(albert_tokenizer, scenes[:40])
+    assert len(copy_rows(plain, vocab)) < 0.02 * len(plain["input_ids"])  # ALBERT's pairs
+    batch = instances(albert_tokenizer, scenes[:40], copy_prob=0.5)
+    rows = copy_rows(batch, vocab)
+    assert 0.4 < len(rows) / len(batch["input_ids"]) < 0.55, len(rows) / len(batch["input_ids"])
+    assert (batch["next_sentence_labels"][rows] == 0).all()  # in order: A is a line of B
+    restored = _restore({k: tf.constant(v) for k, v in batch.items()}).numpy()
+    newline = albert_tokenizer.piece_id("\n")
+    for row in rows[:200]:
+        seps = np.flatnonzero(restored[row] == vocab.sep_id)
+        a, b = restored[row, 1:seps[0]], restored[row, seps[0] + 1:seps[1]]
+        at = starts(b, a)[0]
+        assert len(a) >= albert_data.COPY_MIN_TOKENS and newline not in a  # one whole line
+        assert at == 0 or b[at - 1] == newline
+    predicted_in_a = sum(((batch["masked_lm_positions"][row] > 0) &
+                          (batch["masked_lm_positions"][row] < np.flatnonzero(
+                              batch["input_ids"][row] == vocab.sep_id)[0])).sum() for row in rows)
+    assert predicted_in_a > 0.05 * len(rows)  # the copy is masked like any other text
+    check_masking_statistics(batch, vocab)
+
+
+def test_copy_prob_is_checked(albert_tokenizer, scenes):
+    with pytest.raises(ValueError, match="--copy_prob=1.5"):
+        MaskingOptions(copy_prob=1.5)
+    from tfbig.data import bert as bert_data
+
+    with pytest.raises(ValueError, match="--copy_prob=0.5.*--format=albert"):
+        next(bert_data.bert_examples([albert_tokenizer.encode(scenes[0])], 64, albert_tokenizer,
+                                     copy_prob=0.5))
+
+
+def test_prep_copy_prob_flag_writes_copy_pairs(albert_tokenizer, scene_files, tmp_path):
+    """tfbig-prep --copy_prob: recorded in the manifest, copy pairs in the shards; refused for
+    --format=bert; without it the manifest is as before (no copy_prob key)."""
+    from absl.testing import flagsaver
+
+    from data_prep import prep
+    from tfbig.data import load_manifest, prepare
+
+    out = tmp_path / "copy"
+    done = subprocess.run([sys.executable, "-m", "data_prep.prep", "--format=albert",
+                           f"--input={scene_files}", f"--tokenizer={albert_tokenizer.path}",
+                           "--seq_length=64", "--validation_fraction=0.2",
+                           "--max_predictions_per_seq=10", "--copy_prob=0.5",
+                           f"--output_dir={out}"], capture_output=True, text=True,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 0, done.stderr
+    assert load_manifest(str(out)).info["format_options"]["copy_prob"] == 0.5
+    dataset = data.make_dataset(str(out), "train", 64, format="albert", seq_length=64,
+                                shuffle=False, repeat=False)
+    batch = {k: np.concatenate([b[k].numpy() for b in dataset]) for k in albert_data.FEATURES}
+    share = len(copy_rows(batch, MaskingVocab.from_tokenizer(albert_tokenizer))) / len(
+        batch["input_ids"])
+    assert 0.35 < share < 0.55, share
+    plain = prepare([str(scene_files)], str(tmp_path / "plain"), seq_length=64, vocab_size=1000,
+                    tokenizer=albert_tokenizer.path, validation_fraction=0.2, format="albert",
+                    format_options={"max_predictions_per_seq": 10, "copy_prob": 0.0})
+    assert plain.info["format_options"] == {"max_predictions_per_seq": 10}  # as before the flag
+    if not prep.FLAGS.is_parsed():
+        prep.FLAGS.mark_as_parsed()
+    with flagsaver.flagsaver(format="bert", copy_prob=0.5):
+        with pytest.raises(UsageError, match=r"--copy_prob=0.5: .*--format=albert only"):
+            prep._format_options()

@@ -22,6 +22,13 @@ round(15%) of the tokens, at most `max_predictions_per_seq`, are predicted; span
 `max_ngram` tokens (or whole words with `whole_word_masking`) are picked with weights 1/n;
 each predicted token becomes [MASK] 80%, a random token 10%, itself 10% of the time.
 
+Copy pairs (`copy_prob`, tfbig-prep --copy_prob; not in ALBERT): that share of pairs becomes
+[CLS] line [SEP] text [SEP], the line a copy of one line of the text (copy_pair), sentence-order
+label 0. A masked token of either copy can be read off the other, so the masked LM is rewarded
+for finding where segment A's words occur in segment B: the match between a question's quote and
+its context that extractive QA needs and that plain MLM pretraining hardly rewards (not learnt
+within the embedded run's budget: README, "The embedded ALBERT run, measured").
+
 This module imports no TensorFlow (prep workers stay light).
 
 Example:
@@ -40,6 +47,7 @@ from tfbig.data.wordpiece_vocab import is_special
 FEATURES = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids",
             "masked_lm_weights", "next_sentence_labels")
 SHUFFLE_ROWS = 4096  # instances shuffled together before they are written
+COPY_MIN_TOKENS = 4  # a copied line has at least this many tokens (copy_pair)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,10 +60,13 @@ class MaskingOptions:
     whole_word_masking: bool = False  # mask whole words (SentencePiece "▁" starts a word)
     short_seq_prob: float = 0.1  # share of documents packed to a random shorter length
     dupe_factor: int = 1  # times each document is used, with different pairs and masks
+    copy_prob: float = 0.0  # share of pairs whose A is a copy of one line of B (copy_pair)
 
     def __post_init__(self):
         if not 0.0 < self.masked_lm_prob < 1.0:
             raise ValueError(f"--masked_lm_prob={self.masked_lm_prob}: expected 0 < p < 1")
+        if not 0.0 <= self.copy_prob <= 1.0:
+            raise ValueError(f"--copy_prob={self.copy_prob}: expected 0 <= p <= 1")
         for name in ("max_predictions_per_seq", "max_ngram", "dupe_factor"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name}={getattr(self, name)}: expected >= 1")
@@ -239,6 +250,31 @@ def _truncate_pair(a, b, max_num_tokens, rng):
     return np.array(a, dtype=np.int64), np.array(b, dtype=np.int64)
 
 
+def copy_pair(a, b, swapped, max_num_tokens, rng, newline_id, min_tokens=COPY_MIN_TOKENS):
+    """(A, B) of a copy pair from a sentence pair, or None if it has no line to copy.
+
+    B is the pair's text in document order (both halves) and A a copy of one of its lines of
+    at least `min_tokens` tokens (without its newline); B is cut to a window around that line
+    so that A and B fit max_num_tokens together. Masked tokens of either copy can be read off
+    the other: the MLM loss rewards finding where A's words occur in B, the match a reading
+    comprehension model makes between a question's quote and its context.
+    """
+    text = np.concatenate([b, a] if swapped else [a, b])
+    lines = [line[:-1] if line[-1] == newline_id else line
+             for line in split_segments(text, newline_id)]
+    starts = np.cumsum([0] + [len(line) for line in split_segments(text, newline_id)])[:-1]
+    room = max_num_tokens // 2  # A at most half the sequence: B keeps a context around it
+    chosen = [i for i, line in enumerate(lines) if min_tokens <= len(line) <= room]
+    if not chosen:
+        return None
+    i = chosen[int(rng.integers(len(chosen)))]
+    copy, start = lines[i], int(starts[i])
+    width = max_num_tokens - len(copy)  # B's tokens: a window of `text` holding the line
+    lowest, highest = max(0, start + len(copy) - width), min(start, max(0, len(text) - width))
+    first = int(rng.integers(lowest, highest + 1))
+    return copy, text[first:first + width]
+
+
 def make_instance(a, b, swapped, rng, vocab, options, seq_length):
     """One example's features (1-D arrays) from a sentence pair."""
     tokens = np.concatenate([[vocab.cls_id], a, [vocab.sep_id], b, [vocab.sep_id]])
@@ -278,6 +314,9 @@ def albert_examples(documents: Iterable[list[int]], seq_length: int, tokenizer, 
     if seq_length < 5:
         raise ValueError(f"--seq_length={seq_length}: an ALBERT pair needs at least 5 tokens")
     vocab = MaskingVocab.from_tokenizer(tokenizer)
+    if options.copy_prob and (vocab.newline_id < 0 or vocab.newline_id == vocab.sep_id):
+        raise ValueError(f"--copy_prob={options.copy_prob} copies lines of text: it needs a "
+                         "tokenizer that keeps newlines as a piece (tfbig's SentencePiece)")
     rng, pending = None, []
     for ids in documents:
         if rng is None:
@@ -286,6 +325,10 @@ def albert_examples(documents: Iterable[list[int]], seq_length: int, tokenizer, 
         for _ in range(options.dupe_factor):
             for a, b, swapped in sentence_order_pairs(segments, seq_length - 3, rng,
                                                       options.short_seq_prob):
+                copied = copy_pair(a, b, swapped, seq_length - 3, rng, vocab.newline_id) \
+                    if options.copy_prob and rng.random() < options.copy_prob else None
+                if copied is not None:  # label 0: A and B in order, A a line of B
+                    a, b, swapped = *copied, 0
                 pending.append(make_instance(a, b, swapped, rng, vocab, options, seq_length))
         if len(pending) >= SHUFFLE_ROWS:
             yield from _batches(pending, rng, rows_per_batch)

@@ -79,6 +79,9 @@ def bert_examples(documents: Iterable[list[int]], seq_length: int, tokenizer, se
     document, so each shard differs and a rerun is identical.
     """
     options = MaskingOptions(**{**BERT_MASKING, **options})
+    if options.copy_prob:
+        raise ValueError(f"--copy_prob={options.copy_prob}: copy pairs are made for "
+                         "--format=albert only")
     if seq_length < 5:
         raise ValueError(f"--seq_length={seq_length}: a BERT pair needs at least 5 tokens")
     vocab = MaskingVocab.from_tokenizer(tokenizer)

@@ -135,8 +135,9 @@ def prepare(inputs: list[str] | None = None, output_dir: str | None = None, seq_
     tokenizer = tokenizer_file(tokenizer) if tokenizer else None
     if tokenizer and is_byte_level_bpe(tokenizer):
         settings["tokenizer_kind"] = "byte_level_bpe"  # only then: other prep keys stay as they were
-    if format_options:
-        settings["format_options"] = dict(sorted(format_options.items()))
+    if format_options:  # copy_prob=0 (no copy pairs) is left out: earlier directories still match
+        settings["format_options"] = {name: value for name, value in sorted(format_options.items())
+                                      if name != "copy_prob" or value}
     os.makedirs(output_dir, exist_ok=True)
     existing = _existing_config(output_dir)
     _refuse_conflicts(output_dir, existing, {"format": format, "seq_length": seq_length}, overwrite)
