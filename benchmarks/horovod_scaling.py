@@ -18,12 +18,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _scaling  # noqa: E402
 
 HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+# The Horovod flags this benchmark passes on (scaling_pair.py takes the same).
+FLAGS = [(("--hvd_fp16_allreduce",), dict(action="store_true", help="send gradients as float16")),
+         (("--hvd_thread_policy",), dict(default="auto", choices=("auto", "batch", "normal"),
+                                         help="scheduling of Horovod's background threads"))]
 
 
 def measure(args, ranks, run_dir):
     """Rank 0's last logged train values with `ranks` Horovod processes."""
     config_path = _scaling.write_experiment(
-        args, "horovod", ranks, run_dir, horovod={"hvd_fp16_allreduce": args.hvd_fp16_allreduce})
+        args, "horovod", ranks, run_dir, horovod={"hvd_fp16_allreduce": args.hvd_fp16_allreduce,
+                                                  "hvd_thread_policy": args.hvd_thread_policy})
     out_path = os.path.join(run_dir, "train.json")
     command = [HOROVODRUN, "-np", str(ranks), "-H", f"localhost:{ranks}", "--gloo",
                sys.executable, os.path.abspath(__file__), "--worker", config_path, out_path]
@@ -37,8 +42,7 @@ def measure(args, ranks, run_dir):
 
 
 def main():
-    args = _scaling.parse_args(__doc__.split("\n\n")[0], "rank", extra_flags=[
-        (("--hvd_fp16_allreduce",), dict(action="store_true", help="send gradients as float16"))])
+    args = _scaling.parse_args(__doc__.split("\n\n")[0], "rank", extra_flags=FLAGS)
     if args.worker:
         return _scaling.worker(*args.worker)
     _scaling.run(args, "horovod_scaling", "rank", measure)

@@ -31,8 +31,8 @@ BACKENDS = {"horovod": horovod_scaling.measure, "multiworker": multiworker_scali
 
 
 def main():
-    args = _scaling.parse_args(__doc__.split("\n\n")[0], "process", extra_flags=[
-        (("--hvd_fp16_allreduce",), dict(action="store_true", help="horovod: float16 wire"))])
+    args = _scaling.parse_args(__doc__.split("\n\n")[0], "process",
+                               extra_flags=horovod_scaling.FLAGS)
     args.data_dir = _scaling.prepare_data(args)
     load_before = os.getloadavg()
     runs = {(b, n): [] for b in BACKENDS for n in (1, 2)}
@@ -58,6 +58,8 @@ def main():
         "preset": args.preset, "seq_length": args.seq_length,
         "per_process_batch": args.per_process_batch, "steps": args.steps,
         "repeats": args.repeats, "xla": args.xla, "threads_per_process": 1,
+        "hvd_thread_policy": args.hvd_thread_policy,
+        "horovod_cycle_time_ms": os.environ.get("HOROVOD_CYCLE_TIME", "1 (default)"),
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in os.getloadavg()], "cpu": cpu_model()}))
 

@@ -123,6 +123,10 @@ class HorovodConfig:
     hvd_fp16_allreduce: bool = field(False, "Horovod: send gradients as float16 in the "
                                             "allreduce (half the bytes; averaged in float32 "
                                             "otherwise).")
+    hvd_thread_policy: str = field("auto", "Horovod: Linux scheduling of Horovod's background "
+                                           "threads: batch (SCHED_BATCH: their 1 ms negotiation "
+                                           "cycles never preempt the step's compute), normal, or "
+                                           "auto (batch when the process sees no GPU).")
     elastic: bool = field(False, "Horovod: keep training when ranks die or join (launch with "
                                  "horovodrun --min-np --max-np --host-discovery-script); the "
                                  "global --batch_size stays, the per-rank batch adjusts.")
@@ -209,7 +213,8 @@ def _applicability():
     """flag -> (the TrainConfig field that decides, values under which the flag is read)."""
     rules = {"scale_lr": ("strategy", ("horovod",)), "elastic": ("strategy", ("horovod",)),
              "elastic_commit_every": ("strategy", ("horovod",)),
-             "hvd_fp16_allreduce": ("strategy", ("horovod", "pipeline"))}
+             "hvd_fp16_allreduce": ("strategy", ("horovod", "pipeline")),
+             "hvd_thread_policy": ("strategy", ("horovod", "pipeline"))}
     for section, key, allowed in ((PipelineConfig, "strategy", ("pipeline", "horovod")),
                                   (MultiWorkerConfig, "strategy", ("multiworker", "mirrored")),
                                   (ParallelConfig, "strategy", ("horovod",)),

@@ -42,7 +42,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from tfbig import config as config_lib  # noqa: E402
-from tfbig.distribute import get_strategy  # noqa: E402
+from tfbig.distribute import get_strategy, horovod_keras  # noqa: E402
 from tfbig.logs import RunLogger  # noqa: E402
 from tfbig.optim import learning_rate, loss_scale  # noqa: E402
 from tfbig.tasks.gpt import GPTTask  # noqa: E402
@@ -278,6 +278,11 @@ def save(run, rank, trainer, logger, summary, extra):
     arrays["eval_mlm_accuracy"] = summary["eval"].get("mlm_accuracy", np.nan)  # ALBERT
     arrays["preempted"] = bool(summary.get("preempted"))
     arrays.update({k: np.asarray(v) for k, v in extra.items()})
+    # Linux scheduling policy of the threads Horovod started (--hvd_thread_policy) and ours.
+    arrays["background_policies"] = np.array([
+        os.sched_getscheduler(tid) for tid in horovod_keras.background_threads()
+        if os.path.exists(f"/proc/self/task/{tid}")])
+    arrays["main_policy"] = os.sched_getscheduler(0)
     if hasattr(trainer.strategy, "state_bytes"):  # ZeRO, TP: the model state this rank holds
         arrays.update({f"bytes_{k}": v for k, v in trainer.strategy.state_bytes().items()})
     os.makedirs(run["out"], exist_ok=True)

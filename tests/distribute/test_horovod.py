@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -365,6 +366,44 @@ def test_sigterm_on_one_rank_stops_every_rank_after_the_same_step(runs):
     # The request travels with step 3's gradient allreduce; both stop after step 3.
     assert int(first["step"]) == int(second["step"]) == 3
     assert os.path.exists(runs.root / "preempted" / "ckpt-3.index")
+
+
+@pytest.mark.multiproc
+def test_horovod_background_threads_do_not_preempt_compute_on_cpu(runs):
+    # --hvd_thread_policy=auto and no GPU: Horovod's background loop and Gloo's threads run
+    # SCHED_BATCH (their 1 ms negotiation cycles wait for a free core instead of preempting
+    # the step), while the threads that train stay under the normal policy.
+    for result in runs["plain"]:
+        assert len(result["background_policies"]) >= 2  # Horovod's loop, Gloo's device thread
+        assert set(result["background_policies"].tolist()) == {os.SCHED_BATCH}
+        assert int(result["main_policy"]) == os.SCHED_OTHER
+
+
+def test_thread_policy_batch_applies_to_the_given_threads_and_normal_leaves_them():
+    from tfbig.distribute import horovod_keras
+
+    ready, release, seen = threading.Event(), threading.Event(), {}
+
+    def idle():
+        seen["tid"] = threading.get_native_id()
+        ready.set()
+        release.wait(30)
+
+    thread = threading.Thread(target=idle)
+    thread.start()
+    try:
+        ready.wait(30)
+        tid = seen["tid"]
+        assert horovod_keras.set_thread_policy({tid}, "normal") == "normal"
+        assert os.sched_getscheduler(tid) == os.SCHED_OTHER
+        assert horovod_keras.set_thread_policy({tid}, "batch") == "batch"
+        assert os.sched_getscheduler(tid) == os.SCHED_BATCH
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER  # only the given thread
+        with pytest.raises(ValueError, match="--hvd_thread_policy='fifo'"):
+            horovod_keras.set_thread_policy({tid}, "fifo")
+    finally:
+        release.set()
+        thread.join()
 
 
 @pytest.mark.multiproc

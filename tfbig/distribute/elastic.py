@@ -96,7 +96,8 @@ class ElasticHorovodStrategy(HorovodStrategy):
 
     def __init__(self, cfg):
         check_elastic(cfg)
-        horovod_keras.init()  # Horovod: the world size comes from the elastic rendezvous
+        # Horovod: the world size comes from the elastic rendezvous
+        horovod_keras.init(thread_policy=cfg.horovod.hvd_thread_policy)
         super().__init__(cfg, mesh=HorovodMesh(Mesh.build(hvd.size())))
         self.commit_every = cfg.horovod.elastic_commit_every
         self.process_set = hvd.global_process_set  # also for one rank: the same ops in every trace
@@ -123,7 +124,9 @@ class ElasticHorovodStrategy(HorovodStrategy):
     def _reset(self):
         before = self.num_replicas
         hvd.shutdown()
-        hvd.init()  # Horovod: the new world (smaller after a loss, larger after an addition)
+        # Horovod: the new world (smaller after a loss, larger after an addition), whose new
+        # background threads get the policy again
+        horovod_keras.init(pin_gpu=False, thread_policy=self.options.hvd_thread_policy)
         self.mesh = HorovodMesh(Mesh.build(hvd.size()), pin_gpu=False)
         self.resets.append((before, self.num_replicas))
         if self.is_chief:

@@ -68,8 +68,10 @@ class HorovodStrategy(Strategy):
         self.options = getattr(cfg, "horovod", None) or HorovodConfig()
         self.parallel = getattr(cfg, "parallel", None) or ParallelConfig()
         size = hvd.size() if hvd.is_initialized() else launcher_world_size()
-        # Horovod: initialise with every process set of the grid, pin one GPU per process.
-        self.mesh = mesh or HorovodMesh(build_mesh(self.parallel, size))
+        # Horovod: initialise with every process set of the grid, pin one GPU per process; its
+        # background threads do not preempt the step's compute (--hvd_thread_policy).
+        self.mesh = mesh or HorovodMesh(build_mesh(self.parallel, size),
+                                        thread_policy=self.options.hvd_thread_policy)
         self.process_set = self.mesh.process_set("data")  # None: one data-parallel replica
         self._scale_loss = None
         # SIGTERM agreement without an extra collective: each step's gradient allreduce also

@@ -193,14 +193,15 @@ class HorovodMesh:
 
     `process_set(axis)` is this rank's group along `axis`: the global set for the whole world,
     None for a group of one rank (nothing to communicate; the horovod_keras helpers return
-    their input for None).
+    their input for None). `thread_policy` schedules Horovod's background threads when this
+    mesh initialises Horovod (--hvd_thread_policy, horovod_keras.set_thread_policy).
 
     Example:
         hmesh = HorovodMesh.start(tensor=2)   # world size from horovodrun/mpirun
         hvd.allreduce(x, process_set=hmesh.process_set("tensor"))
     """
 
-    def __init__(self, mesh, pin_gpu=True):
+    def __init__(self, mesh, pin_gpu=True, thread_policy="auto"):
         from tfbig.distribute import horovod_keras
         from tfbig.distribute.horovod_keras import hvd
 
@@ -208,7 +209,8 @@ class HorovodMesh:
         needed = mesh.process_set_ranks()
         if not hvd.is_initialized():  # static sets, declared at init (FACTS.md)
             sets = {ranks: hvd.ProcessSet(list(ranks)) for ranks in needed}
-            horovod_keras.init(pin_gpu=pin_gpu, process_sets=list(sets.values()))
+            horovod_keras.init(pin_gpu=pin_gpu, thread_policy=thread_policy,
+                               process_sets=list(sets.values()))
             _KNOWN_SETS.clear()
             _KNOWN_SETS.update(sets)
         elif needed and not os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS"):

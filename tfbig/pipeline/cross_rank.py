@@ -172,7 +172,8 @@ class CrossRankPipeline(HorovodStrategy):
 
     def __init__(self, cfg, mesh=None):
         size = hvd.size() if hvd.is_initialized() else launcher_world_size()
-        mesh = mesh or HorovodMesh(pipeline_mesh(cfg, size))  # Horovod: init with the sets
+        mesh = mesh or HorovodMesh(pipeline_mesh(cfg, size),  # Horovod: init with the sets
+                                   thread_policy=cfg.horovod.hvd_thread_policy)
         super().__init__(cfg, mesh)
         self.pipeline = cfg.pipeline
         self.num_stages = self.mesh.mesh.pipeline

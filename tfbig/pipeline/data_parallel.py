@@ -27,11 +27,15 @@ def launched_by_horovod():
 class HorovodGrid:
     """The (data-parallel replica, stage) grid of this Horovod job; built once, passed around."""
 
-    def __init__(self, num_stages, fp16_allreduce=False):
+    def __init__(self, num_stages, fp16_allreduce=False, thread_policy="auto"):
         import horovod.tensorflow as hvd
 
+        from tfbig.distribute import horovod_keras
+
         if not hvd.is_initialized():
-            hvd.init()  # Horovod: initialise (no GPU pinning: this process uses K GPUs)
+            # Horovod: initialise (no GPU pinning: this process uses K GPUs); its background
+            # threads scheduled per --hvd_thread_policy
+            horovod_keras.init(pin_gpu=False, thread_policy=thread_policy)
         self.hvd = hvd
         self.num_stages = num_stages
         self.fp16_allreduce = fp16_allreduce

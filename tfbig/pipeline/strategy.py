@@ -16,7 +16,7 @@ import math
 
 import tensorflow as tf
 
-from tfbig.config import PipelineConfig
+from tfbig.config import HorovodConfig, PipelineConfig
 from tfbig.distribute.base import Strategy
 from tfbig.pipeline import partition as partition_lib
 from tfbig.pipeline import schedules
@@ -116,9 +116,9 @@ class PipelineStrategy(Strategy):
             raise ValueError(f"--pipeline_stages={o.pipeline_stages} and --num_microbatches="
                              f"{o.num_microbatches} must both be at least 1")
         self.ops = schedules.get_schedule(o.schedule)(o.pipeline_stages, o.num_microbatches)
-        fp16_allreduce = getattr(getattr(cfg, "horovod", None), "hvd_fp16_allreduce", False)
-        self.grid = (HorovodGrid(o.pipeline_stages, fp16_allreduce) if launched_by_horovod()
-                     else None)
+        horovod = getattr(cfg, "horovod", None) or HorovodConfig()
+        self.grid = (HorovodGrid(o.pipeline_stages, horovod.hvd_fp16_allreduce,
+                                 horovod.hvd_thread_policy) if launched_by_horovod() else None)
         first = self.grid.local_rank * o.pipeline_stages if self.grid else 0
         self.devices = stage_devices(o.pipeline_stages, first)
         self.model = self.task = self.plan = self.layers = self.stages = None
