@@ -4,11 +4,12 @@
 Scenarios (tests/distribute/horovod_worker.py plans; HOROVOD_DYNAMIC_PROCESS_SETS=1 lets one
 process build several rank grids): stage 1, 2 and 3 at shard degree 2 (2 partition groups of 2,
 the 2-hop sync) and 4 (one group, plain ZeRO), with accumulation and clipping active, AdamW and
-LAMB, ALBERT (with LAMB under stage 3), BERT under stage 3, bf16 and an untied GPT under stage 3, per-variable
+LAMB, ALBERT (with LAMB under stage 3), bf16 and an untied GPT under stage 3, per-variable
 gradients of the first batch, resumes from the per-slice checkpoints, and an fp16 step made
 non-finite on one rank only (then trained as the single-device mixed run). A slow launch of its
 own runs fp16/bf16 under stages 1-2 against plain Horovod of the same precision (the default
-run keeps fp16 on stage 3) and GPT at stage 3, degree 2 in fp32 (SLOW_SCENARIOS).
+run keeps fp16 on stage 3), GPT at stage 3, degree 2 in fp32, and BERT under stage 3
+(SLOW_SCENARIOS).
 """
 import json
 import math
@@ -53,20 +54,22 @@ SCENARIOS = {  # name: (zero_stage, shard_degree, data, train options, worker op
                                                     "interrupt_at": 2}),
     # ALBERT's shared block with LAMB: the trust ratio's norms over all slices of a variable
     "z3_d2_albert_lamb": (3, 2, "albert_data", {**ALBERT, **LAMB}, {"first_gradients": True}),
-    # BERT: a gather per block (one per layer), its word table per step (tied to the MLM head)
-    "z3_d2_bert": (3, 2, "bert_data", BERT, {"first_gradients": True}),
     # bf16 compute on stage 3, and a GPT with its own output projection (tie_embeddings off)
     "z3_d4_bf16_untied": (3, 4, "gpt_data", {"precision": "mixed_bfloat16"},
                           {"first_gradients": True, "untied": True}),
 }
-# GPT at stage 3, degree 2, fp32 runs in the slow launch: by default GPT's stage-3 gathers are
-# checked at fp32 by z3_d4_lamb_resumed (degree 4) and at degree 2 by z3_d2_fp16_skip, and the
-# degree-2 (partition + replica group) sync of stage 3 at fp32 by z3_d2_bert and
+# GPT at stage 3, degree 2, fp32, and BERT run in the slow launch: by default GPT's stage-3
+# gathers are checked at fp32 by z3_d4_lamb_resumed (degree 4) and at degree 2 by
+# z3_d2_fp16_skip, and the degree-2 (partition + replica group) sync of stage 3 at fp32 by
 # z3_d2_albert_lamb, first-batch gradients included.
-SLOW_SCENARIOS = {"z3_d2": (3, 2, "gpt_data", {}, {"first_gradients": True})}
+SLOW_SCENARIOS = {"z3_d2": (3, 2, "gpt_data", {}, {"first_gradients": True}),
+                  # BERT: a gather per block (one per layer), its word table per step (tied
+                  # to the MLM head)
+                  "z3_d2_bert": (3, 2, "bert_data", BERT, {"first_gradients": True}),
+}
+SLOW = [pytest.param(name, marks=pytest.mark.slow) for name in SLOW_SCENARIOS]
 EQUAL_TO_ONE_DEVICE = ["z1_d2", "z2_d4_lamb", "z2_d2_albert", "z1_d4_resumed",
-                       "z3_d4_lamb_resumed", "z3_d2_albert_lamb", "z3_d2_bert",
-                       "z3_d4_bf16_untied", pytest.param("z3_d2", marks=pytest.mark.slow)]
+                       "z3_d4_lamb_resumed", "z3_d2_albert_lamb", "z3_d4_bf16_untied"] + SLOW
 # Tolerances against the single-device run: fp32 tight; bf16 compute rounds the activations
 # of a micro-batch of 2 (here) vs 8 (single device) sequences and sums the gradients in a
 # different order, each to 8 bits of mantissa: (losses rtol, weights and gradients atol).
@@ -176,8 +179,7 @@ def test_per_rank_model_state_is_the_closed_form(runs, name):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name", ["z3_d4_lamb_resumed", "z3_d2_bert",
-                                  pytest.param("z3_d2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["z3_d4_lamb_resumed"] + SLOW)
 def test_stage_3_ranks_hold_only_their_slices(request, name):
     """(4 + 4 + 8) P / N: float32 parameter slices, gradient slices (transient, of the same
     size: not a variable) and m, v; the model's own variables hold no value at all."""
@@ -270,9 +272,9 @@ MIXED_TOLERANCE = {"mixed_float16": (1e-6, 1e-6), "mixed_bfloat16": (1e-6, 1e-6)
 
 
 @pytest.fixture(scope="module")
-def slow_runs(gpt_data, tmp_path_factory):
+def slow_runs(gpt_data, bert_data, tmp_path_factory):
     return launch(tmp_path_factory.mktemp("slow"), {**MIXED_SLOW, **SLOW_SCENARIOS},
-                  {"gpt_data": gpt_data})
+                  {"gpt_data": gpt_data, "bert_data": bert_data})
 
 
 def check_sharded_mixed_equals_unsharded(ours, theirs):
