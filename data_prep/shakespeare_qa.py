@@ -14,6 +14,12 @@ rest of a line, after the only occurrence of its quoted first half:
 
     How does the line 'Nay, answer me: ...' go on?   ->  stand, and unfold yourself.
 
+and --finds_per_context adds training questions whose answer is the quoted line itself, where
+it stands in the context (the token match between question and context that "who says" needs
+first, as a one-step task; the dev files are unchanged):
+
+    Find the line: 'Nay, answer me: stand, and unfold yourself.'   ->  Nay, answer me: stand, ...
+
 Dev uses the plays tfbig-prep holds out for validation (tfbig.data.DEFAULT_VALIDATION_PLAYS),
 so neither pretraining nor fine-tuning has read a dev context. Deterministic for a given seed.
 
@@ -32,6 +38,7 @@ from tfbig.data import sources
 
 MIN_WORDS = 4  # a shorter quote ("Ay, my lord.") is rarely unique enough to ask about
 CONTINUATIONS = 0  # "how does the line go on" questions per context
+FINDS = 0  # "find the line" questions per context
 MIN_SPEAKERS = 2  # a context with one speaker would make "who" a trivial question
 _SPEAKER = re.compile(r"^[A-Z][A-Z'. -]*[A-Z.]$")  # BERNARDO, FIRST CITIZEN, LADY MACBETH
 
@@ -101,6 +108,10 @@ def continuation(head):
     return f"How does the line '{head} ...' go on?"
 
 
+def find(line):
+    return f"Find the line: '{line}'"
+
+
 def split_line(line):
     """(head, rest) of a quotable line: the first half of its words and the rest, or None
     for a line too short to split into two parts of at least MIN_WORDS // 2 + 1 words."""
@@ -152,8 +163,31 @@ def _continuations(context, blocks, scene_lines, rng, prefix, count, with_imposs
     return qas
 
 
+def _finds(context, blocks, scene_lines, rng, prefix, count, with_impossible):
+    """Up to `count` "find the line" questions, lines of different speakers where possible
+    (v2.0: one unanswerable per two, a line of the scene outside the context).
+
+    The answer is the quoted line where it stands in the context: the start and end logits of
+    a token can learn from its own match with the question's tokens, one step, where "who
+    says" needs that match and then the speaker a line away. The rng draws after the other
+    question types', so their questions stay the same with or without these.
+    """
+    chosen = list(dict.fromkeys(_spread(answerable_questions(context, blocks), count, rng)))
+    qas = []
+    for i, (line, _, _) in enumerate(chosen):
+        qa = {"id": f"{prefix}-f{i}", "question": find(line),
+              "answers": [{"text": line, "answer_start": context.index(line)}]}
+        qas.append({**qa, "is_impossible": False} if with_impossible else qa)
+    if with_impossible and qas:
+        outside = sorted({line for line in scene_lines if line not in context})
+        for i, line in enumerate(rng.sample(outside, min(-(-len(qas) // 2), len(outside)))):
+            qas.append({"id": f"{prefix}-g{i}", "question": find(line), "answers": [],
+                        "is_impossible": True})
+    return qas
+
+
 def _paragraph(context, blocks, scene_lines, rng, prefix, num_questions, with_impossible,
-               num_continuations=0):
+               num_continuations=0, num_finds=0):
     candidates = answerable_questions(context, blocks)
     chosen = list(dict.fromkeys(_spread(candidates, num_questions, rng)))  # no repeats
     qas = []
@@ -170,11 +204,13 @@ def _paragraph(context, blocks, scene_lines, rng, prefix, num_questions, with_im
     if num_continuations:
         qas += _continuations(context, blocks, scene_lines, rng, prefix, num_continuations,
                               with_impossible)
+    if num_finds:
+        qas += _finds(context, blocks, scene_lines, rng, prefix, num_finds, with_impossible)
     return {"context": context, "qas": qas} if qas else None
 
 
 def build(plays, version, seed=0, max_chars=300, questions_per_context=2,
-          continuations_per_context=CONTINUATIONS):
+          continuations_per_context=CONTINUATIONS, finds_per_context=FINDS):
     """A SQuAD-format dict for `plays` (paths of Markdown plays) and version "1.1" or "2.0".
 
     v2.0 has the same answerable questions as v1.1 (same seed) plus one unanswerable
@@ -195,7 +231,7 @@ def build(plays, version, seed=0, max_chars=300, questions_per_context=2,
                 rng = random.Random(f"{seed}-{name}-{s}-{c}")  # independent of other contexts
                 paragraph = _paragraph(context, blocks, scene_lines, rng, f"{name}-s{s}-c{c}",
                                        questions_per_context, version == "2.0",
-                                       continuations_per_context)
+                                       continuations_per_context, finds_per_context)
                 if paragraph:
                     paragraphs.append(paragraph)
         data.append({"title": name, "paragraphs": paragraphs})
@@ -210,8 +246,9 @@ def split_plays(validation=sources.DEFAULT_VALIDATION_PLAYS):
 
 
 def write_all(output_dir, seed=0, max_chars=300, questions_per_context=2,
-              continuations_per_context=CONTINUATIONS):
-    """Write the four files; returns {(version, split): path}."""
+              continuations_per_context=CONTINUATIONS, finds_per_context=FINDS):
+    """Write the four files; returns {(version, split): path}. "Find the line" questions go
+    to the training files only: the dev files hold the questions the scores are about."""
     os.makedirs(output_dir, exist_ok=True)
     train, dev = split_plays()
     paths = {}
@@ -219,7 +256,8 @@ def write_all(output_dir, seed=0, max_chars=300, questions_per_context=2,
         for split, plays in (("train", train), ("dev", dev)):
             path = os.path.join(output_dir, f"shakespeare-qa-v{version}-{split}.json")
             content = build(plays, version, seed, max_chars, questions_per_context,
-                            continuations_per_context)
+                            continuations_per_context,
+                            finds_per_context if split == "train" else 0)
             with open(path + ".tmp", "w", encoding="utf-8") as file:
                 json.dump(content, file, ensure_ascii=False)
             os.replace(path + ".tmp", path)
@@ -246,6 +284,10 @@ flags.DEFINE_integer("questions_per_context", 2, "Answerable questions per conte
 flags.DEFINE_integer("continuations_per_context", CONTINUATIONS,
                      "'How does the line ... go on?' questions per context (answer: the rest "
                      "of a quoted half line; v2.0 adds one unanswerable per two).")
+flags.DEFINE_integer("finds_per_context", FINDS,
+                     "'Find the line: ...' questions per context of the training files "
+                     "(answer: the quoted line itself; v2.0 adds one unanswerable per two); "
+                     "the dev files are unchanged.")
 
 
 def main(argv):
@@ -254,8 +296,11 @@ def main(argv):
     if FLAGS.continuations_per_context < 0:
         raise app.UsageError(f"--continuations_per_context={FLAGS.continuations_per_context}: "
                              "expected 0 or more questions per context")
+    if FLAGS.finds_per_context < 0:
+        raise app.UsageError(f"--finds_per_context={FLAGS.finds_per_context}: expected 0 or "
+                             "more questions per context")
     paths = write_all(FLAGS.output_dir, FLAGS.seed, FLAGS.max_chars, FLAGS.questions_per_context,
-                      FLAGS.continuations_per_context)
+                      FLAGS.continuations_per_context, FLAGS.finds_per_context)
     for (version, split), path in sorted(paths.items()):
         with open(path, encoding="utf-8") as file:
             answerable, impossible = count_questions(json.load(file))

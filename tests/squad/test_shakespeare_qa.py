@@ -115,3 +115,46 @@ def test_continuation_questions_answer_the_rest_of_a_quoted_line(qa_play_paths):
         assert line == f"{head} {answer['text']}" and len(answer["text"].split()) >= 3
         answered += 1
     assert not plain_ids and answered > 150 and answered / 2 <= unanswerable <= answered
+
+
+def test_find_questions_answer_the_quoted_line_where_it_stands(qa_play_paths):
+    """--finds_per_context adds "Find the line: '<line>'": the answer is that line, at its only
+    occurrence in the context; v2.0's unanswerable ones quote a line of the same scene outside
+    the context. The other questions are the same as without them, also with continuations."""
+    dev_play = qa_play_paths[1]
+    plain = shakespeare_qa.build(dev_play, "2.0", continuations_per_context=1)
+    mixed = shakespeare_qa.build(dev_play, "2.0", continuations_per_context=1,
+                                 finds_per_context=2)
+    plain_ids = {qa["id"]: qa for _, qa in questions(plain)}
+    answered, unanswerable = 0, 0
+    for context, qa in questions(mixed):
+        if qa["id"] in plain_ids:
+            assert qa == plain_ids.pop(qa["id"])
+            continue
+        line = re.fullmatch(r"Find the line: '(.*)'", qa["question"]).group(1)
+        assert len(line.split()) >= shakespeare_qa.MIN_WORDS
+        if not qa["answers"]:
+            assert line not in context and qa["is_impossible"]
+            unanswerable += 1
+            continue
+        (answer,) = qa["answers"]
+        start = answer["answer_start"]
+        assert answer["text"] == line and context[start:start + len(line)] == line
+        assert context.count(line) == 1 and line in context.split("\n")  # a whole line
+        answered += 1
+    assert not plain_ids and answered > 300 and answered / 2 <= unanswerable <= answered
+
+
+def test_find_questions_go_to_the_training_files_only(tmp_path, monkeypatch, qa_play_paths):
+    monkeypatch.setattr(shakespeare_qa, "split_plays", lambda: qa_play_paths)
+    plain = shakespeare_qa.write_all(str(tmp_path / "plain"))
+    finds = shakespeare_qa.write_all(str(tmp_path / "finds"), finds_per_context=1)
+    for key in plain:
+        with open(plain[key], encoding="utf-8") as a, open(finds[key], encoding="utf-8") as b:
+            before, after = json.load(a), json.load(b)
+        found = sum(qa["question"].startswith("Find the line: ") for _, qa in questions(after))
+        if key[1] == "dev":
+            assert after == before
+        else:
+            assert found > 50 and len(list(questions(after))) == \
+                len(list(questions(before))) + found
