@@ -84,6 +84,20 @@ def contexts(scene, max_chars, min_speakers=MIN_SPEAKERS):
     return result
 
 
+def renamed(blocks, names, rng):
+    """(context text, blocks) with every speaker renamed: each speaker of the context gets a
+    name of `names` that none of them has, the same for all their speeches, distinct for
+    distinct speakers. Lines and the blocks' order are kept; offsets are of the new text."""
+    speakers = sorted({speaker for speaker, _, _ in blocks if speaker})
+    new = dict(zip(speakers, rng.sample(sorted(set(names) - set(speakers)), len(speakers))))
+    result, offset = [], 0
+    for speaker, lines, _ in blocks:
+        lines = [new[speaker]] + lines[1:] if speaker else lines
+        result.append((new.get(speaker), lines, offset))
+        offset += len("\n".join(lines)) + 2
+    return "\n\n".join("\n".join(lines) for _, lines, _ in result) + "\n", result
+
+
 def _quotable(line, context):
     return len(line.split()) >= MIN_WORDS and context.count(line) == 1
 
@@ -210,24 +224,35 @@ def _paragraph(context, blocks, scene_lines, rng, prefix, num_questions, with_im
 
 
 def build(plays, version, seed=0, max_chars=300, questions_per_context=2,
-          continuations_per_context=CONTINUATIONS, finds_per_context=FINDS):
+          continuations_per_context=CONTINUATIONS, finds_per_context=FINDS,
+          rename_speakers=False):
     """A SQuAD-format dict for `plays` (paths of Markdown plays) and version "1.1" or "2.0".
 
     v2.0 has the same answerable questions as v1.1 (same seed) plus one unanswerable
-    question per two answerable ones in each context (rounded up).
+    question per two answerable ones in each context (rounded up). With `rename_speakers`
+    each context's speakers are renamed (`renamed`) with names of speakers of `plays`, drawn
+    per context: a line's speaker cannot be remembered from one context to the next, only
+    found in the context.
     """
     if version not in ("1.1", "2.0"):
         raise ValueError(f"--version={version!r}: expected 1.1 or 2.0")
+    texts = {}
+    for path in plays:
+        with open(path, encoding="utf-8") as file:
+            texts[path] = sources.play_scenes(file.read())
+    names = sorted({speaker for scenes in texts.values() for scene in scenes
+                    for speaker, _, _ in speeches(scene) if speaker}) if rename_speakers else []
     data = []
     for path in plays:
-        name = sources.play_name(path)
-        with open(path, encoding="utf-8") as file:
-            scenes = sources.play_scenes(file.read())
+        name, scenes = sources.play_name(path), texts[path]
         paragraphs = []
         for s, scene in enumerate(scenes):
             scene_lines = [line.strip() for speaker, lines, _ in speeches(scene) if speaker
                            for line in lines[1:] if len(line.split()) >= MIN_WORDS]
             for c, (context, blocks) in enumerate(contexts(scene, max_chars)):
+                if rename_speakers:
+                    context, blocks = renamed(blocks, names,
+                                              random.Random(f"{seed}-{name}-{s}-{c}-names"))
                 rng = random.Random(f"{seed}-{name}-{s}-{c}")  # independent of other contexts
                 paragraph = _paragraph(context, blocks, scene_lines, rng, f"{name}-s{s}-c{c}",
                                        questions_per_context, version == "2.0",
@@ -246,9 +271,11 @@ def split_plays(validation=sources.DEFAULT_VALIDATION_PLAYS):
 
 
 def write_all(output_dir, seed=0, max_chars=300, questions_per_context=2,
-              continuations_per_context=CONTINUATIONS, finds_per_context=FINDS):
-    """Write the four files; returns {(version, split): path}. "Find the line" questions go
-    to the training files only: the dev files hold the questions the scores are about."""
+              continuations_per_context=CONTINUATIONS, finds_per_context=FINDS,
+              rename_speakers=False):
+    """Write the four files; returns {(version, split): path}. "Find the line" questions and
+    renamed speakers are for the training files only: the dev files hold the plays' own text
+    and the questions the scores are about."""
     os.makedirs(output_dir, exist_ok=True)
     train, dev = split_plays()
     paths = {}
@@ -257,7 +284,8 @@ def write_all(output_dir, seed=0, max_chars=300, questions_per_context=2,
             path = os.path.join(output_dir, f"shakespeare-qa-v{version}-{split}.json")
             content = build(plays, version, seed, max_chars, questions_per_context,
                             continuations_per_context,
-                            finds_per_context if split == "train" else 0)
+                            finds_per_context if split == "train" else 0,
+                            rename_speakers and split == "train")
             with open(path + ".tmp", "w", encoding="utf-8") as file:
                 json.dump(content, file, ensure_ascii=False)
             os.replace(path + ".tmp", path)
@@ -288,6 +316,10 @@ flags.DEFINE_integer("finds_per_context", FINDS,
                      "'Find the line: ...' questions per context of the training files "
                      "(answer: the quoted line itself; v2.0 adds one unanswerable per two); "
                      "the dev files are unchanged.")
+flags.DEFINE_bool("rename_speakers", False,
+                  "Training files: rename each context's speakers with other speakers' names "
+                  "(drawn per context, the same within it), so that who says a line cannot be "
+                  "memorised, only read off the context; the dev files are unchanged.")
 
 
 def main(argv):
@@ -300,7 +332,8 @@ def main(argv):
         raise app.UsageError(f"--finds_per_context={FLAGS.finds_per_context}: expected 0 or "
                              "more questions per context")
     paths = write_all(FLAGS.output_dir, FLAGS.seed, FLAGS.max_chars, FLAGS.questions_per_context,
-                      FLAGS.continuations_per_context, FLAGS.finds_per_context)
+                      FLAGS.continuations_per_context, FLAGS.finds_per_context,
+                      FLAGS.rename_speakers)
     for (version, split), path in sorted(paths.items()):
         with open(path, encoding="utf-8") as file:
             answerable, impossible = count_questions(json.load(file))

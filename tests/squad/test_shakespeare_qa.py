@@ -145,16 +145,59 @@ def test_find_questions_answer_the_quoted_line_where_it_stands(qa_play_paths):
     assert not plain_ids and answered > 300 and answered / 2 <= unanswerable <= answered
 
 
-def test_find_questions_go_to_the_training_files_only(tmp_path, monkeypatch, qa_play_paths):
+def test_finds_and_renamed_speakers_go_to_the_training_files_only(tmp_path, monkeypatch, qa_play_paths):
     monkeypatch.setattr(shakespeare_qa, "split_plays", lambda: qa_play_paths)
     plain = shakespeare_qa.write_all(str(tmp_path / "plain"))
-    finds = shakespeare_qa.write_all(str(tmp_path / "finds"), finds_per_context=1)
+    finds = shakespeare_qa.write_all(str(tmp_path / "finds"), finds_per_context=1,
+                                     rename_speakers=True)
     for key in plain:
         with open(plain[key], encoding="utf-8") as a, open(finds[key], encoding="utf-8") as b:
             before, after = json.load(a), json.load(b)
         found = sum(qa["question"].startswith("Find the line: ") for _, qa in questions(after))
         if key[1] == "dev":
             assert after == before
-        else:
-            assert found > 50 and len(list(questions(after))) == \
-                len(list(questions(before))) + found
+        else:  # renamed: test_renamed_speakers_... checks the contexts
+            assert found > 50 and after["data"][0]["paragraphs"][0]["context"] != \
+                before["data"][0]["paragraphs"][0]["context"]
+
+
+def test_renamed_speakers_are_other_speakers_of_the_plays_the_same_within_a_context(
+        qa_play_paths):
+    """--rename_speakers: each context is the plays' context with every speech's heading
+    renamed (consistently within the context, distinct speakers kept distinct, never the
+    speaker's own name) to a speaker name of the plays; lines unchanged; every answer still
+    the speaker heading the quoted line's speech; v1.1 and v2.0 rename alike."""
+    plays = qa_play_paths[0] + qa_play_paths[1]
+    plain = shakespeare_qa.build(plays, "2.0")
+    renamed = shakespeare_qa.build(plays, "2.0", rename_speakers=True, finds_per_context=1)
+    names = {speaker for path in plays for scene in sources.play_scenes(open(path).read())
+             for speaker, _, _ in shakespeare_qa.speeches(scene) if speaker}
+    pairs = [(a, b) for x, y in zip(plain["data"], renamed["data"])
+             for a, b in zip(x["paragraphs"], y["paragraphs"])]
+    assert len(pairs) == sum(len(x["paragraphs"]) for x in plain["data"]) > 100
+    counts = {"who": 0, "find": 0}
+    for before, after in pairs:
+        old = [b.split("\n") for b in before["context"].strip("\n").split("\n\n")]
+        new = [b.split("\n") for b in after["context"].strip("\n").split("\n\n")]
+        assert [b[1:] for b in old] == [b[1:] for b in new]
+        mapping = {}
+        for o, n in zip(old, new):
+            if o[0] in names and len(o) > 1:
+                assert n[0] in names and n[0] != o[0] and mapping.setdefault(o[0], n[0]) == n[0]
+            else:
+                assert n == o  # a stage direction
+        assert len(set(mapping.values())) == len(mapping) >= 2
+        assert not set(mapping.values()) & set(mapping)  # no speaker keeps or swaps a name
+        for qa in after["qas"]:
+            for answer in qa["answers"]:
+                start, text = answer["answer_start"], answer["text"]
+                assert after["context"][start:start + len(text)] == text
+                if qa["question"].startswith("Who says: "):
+                    assert text == speaker_of(after["context"], quoted(qa))
+                    counts["who"] += 1
+                else:
+                    counts["find"] += 1
+    assert counts["who"] > 300 and counts["find"] > 150
+    v1 = shakespeare_qa.build(plays, "1.1", rename_speakers=True, finds_per_context=1)
+    assert [p["context"] for a in v1["data"] for p in a["paragraphs"]] == \
+        [p["context"] for a in renamed["data"] for p in a["paragraphs"]]
