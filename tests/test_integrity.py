@@ -109,6 +109,22 @@ def test_resume_falls_back_to_the_newest_intact_checkpoint(gpt_data, trained, tm
         assert os.path.exists(run / (name + integrity.DAMAGED_SUFFIX)), name
 
 
+def test_a_relative_model_dir_resumes_and_generates(gpt_data, trained, tmp_path, monkeypatch):
+    """The main job's --model_dir is relative (runs/gpt-small): its second run resumes from it
+    and tfbig-generate reads it (both joined the directory to the state file's paths twice)."""
+    from tfbig.generate import load_model
+
+    source, _ = trained
+    shutil.copytree(source, tmp_path / "runs" / "gpt")
+    monkeypatch.chdir(tmp_path)
+    assert integrity.newest_intact("runs/gpt") == ("runs/gpt/ckpt-4", {})
+    resumed = Trainer(make_cfg(gpt_data, "runs/gpt", max_steps=4, checkpoint_every=2))
+    assert resumed.restored_from == "runs/gpt/ckpt-4" and int(resumed.step.numpy()) == 4
+    model, _ = load_model("runs/gpt")
+    for ours, theirs in zip(model.weights, resumed.model.weights):
+        np.testing.assert_array_equal(ours.numpy(), theirs.numpy())
+
+
 def test_no_intact_checkpoint_is_an_error_that_changes_nothing(gpt_data, trained, tmp_path):
     source, _ = trained
     run = tmp_path / "run"

@@ -129,14 +129,16 @@ def verify_checkpoint(prefix):
 
 
 def checkpoints_newest_first(directory):
-    """Checkpoint prefixes listed in DIRECTORY/checkpoint (TensorFlow's state file)."""
+    """Checkpoint prefixes listed in DIRECTORY/checkpoint (TensorFlow's state file), as paths
+    from here: get_checkpoint_state has joined relative entries to `directory` already (a
+    second join broke a relative --model_dir, the main job's runs/gpt-small)."""
     import tensorflow as tf
 
     state = tf.train.get_checkpoint_state(directory)
     if state is None:
         return []
-    paths = list(state.all_model_checkpoint_paths) or [state.model_checkpoint_path]
-    return [p if os.path.isabs(p) else os.path.join(directory, p) for p in reversed(paths)]
+    return list(reversed(list(state.all_model_checkpoint_paths)
+                         or [state.model_checkpoint_path]))
 
 
 def _quarantined(prefix):
