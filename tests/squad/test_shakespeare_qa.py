@@ -17,6 +17,17 @@ def quoted(qa):
     return re.fullmatch(r"Who says: '(.*)'\?", qa["question"]).group(1)
 
 
+def added(plain, mixed):
+    """(context, qa) of the questions `mixed` adds to `plain`; the others must be the same."""
+    plain_ids = {qa["id"]: qa for _, qa in questions(plain)}
+    for context, qa in questions(mixed):
+        if qa["id"] in plain_ids:
+            assert qa == plain_ids.pop(qa["id"])
+        else:
+            yield context, qa
+    assert not plain_ids
+
+
 def speaker_of(context, line):
     """The speaker heading the speech (blank-line separated block) that holds `line`."""
     for block in context.split("\n\n"):
@@ -96,12 +107,8 @@ def test_continuation_questions_answer_the_rest_of_a_quoted_line(qa_play_paths):
     dev_play = qa_play_paths[1]
     plain = shakespeare_qa.build(dev_play, "2.0")
     mixed = shakespeare_qa.build(dev_play, "2.0", continuations_per_context=1)
-    plain_ids = {qa["id"]: qa for _, qa in questions(plain)}
     answered, unanswerable = 0, 0
-    for context, qa in questions(mixed):
-        if qa["id"] in plain_ids:
-            assert qa == plain_ids.pop(qa["id"])
-            continue
+    for context, qa in added(plain, mixed):
         head = re.fullmatch(r"How does the line '(.*) \.\.\.' go on\?", qa["question"]).group(1)
         if not qa["answers"]:
             assert head not in context and qa["is_impossible"]
@@ -114,7 +121,7 @@ def test_continuation_questions_answer_the_rest_of_a_quoted_line(qa_play_paths):
         line = context[context.index(head):].split("\n")[0]
         assert line == f"{head} {answer['text']}" and len(answer["text"].split()) >= 3
         answered += 1
-    assert not plain_ids and answered > 150 and answered / 2 <= unanswerable <= answered
+    assert answered > 150 and answered / 2 <= unanswerable <= answered
 
 
 def test_find_questions_answer_the_quoted_line_where_it_stands(qa_play_paths):
@@ -125,12 +132,8 @@ def test_find_questions_answer_the_quoted_line_where_it_stands(qa_play_paths):
     plain = shakespeare_qa.build(dev_play, "2.0", continuations_per_context=1)
     mixed = shakespeare_qa.build(dev_play, "2.0", continuations_per_context=1,
                                  finds_per_context=2)
-    plain_ids = {qa["id"]: qa for _, qa in questions(plain)}
     answered, unanswerable = 0, 0
-    for context, qa in questions(mixed):
-        if qa["id"] in plain_ids:
-            assert qa == plain_ids.pop(qa["id"])
-            continue
+    for context, qa in added(plain, mixed):
         line = re.fullmatch(r"Find the line: '(.*)'", qa["question"]).group(1)
         assert len(line.split()) >= shakespeare_qa.MIN_WORDS
         if not qa["answers"]:
@@ -142,7 +145,7 @@ def test_find_questions_answer_the_quoted_line_where_it_stands(qa_play_paths):
         assert answer["text"] == line and context[start:start + len(line)] == line
         assert context.count(line) == 1 and line in context.split("\n")  # a whole line
         answered += 1
-    assert not plain_ids and answered > 300 and answered / 2 <= unanswerable <= answered
+    assert answered > 300 and answered / 2 <= unanswerable <= answered
 
 
 def test_finds_and_renamed_speakers_go_to_the_training_files_only(tmp_path, monkeypatch, qa_play_paths):
