@@ -12,6 +12,10 @@ and the CPU model; the last line is the run's result.
         --train_file=runs/qa/shakespeare-qa-v2.0-train.json \\
         --predict_file=runs/qa/shakespeare-qa-v2.0-dev.json --max_steps=8000 --eval_every=1000
     python benchmarks/squad_curve.py --init_checkpoint=runs/albert ...   # a pretrained backbone
+    python benchmarks/squad_curve.py ... --also_score=finds=dev-finds.json:0   # another file, whole
+
+--also_score=NAME=FILE[:N] scores the first N questions of another SQuAD v2.0 file (all with N 0
+or no N) at each evaluation, under NAME: e.g. one question type of a mixed training set.
 """
 import argparse
 import json
@@ -52,7 +56,22 @@ def parse_args():
     parser.add_argument("--max_steps", type=int, default=2000)
     parser.add_argument("--eval_every", type=int, default=500)
     parser.add_argument("--train_questions", type=int, default=1000)
+    parser.add_argument("--also_score", action="append", default=[], metavar="NAME=FILE[:N]",
+                        help="another SQuAD v2.0 file scored at each evaluation (its first N "
+                             "questions; all without N or with 0)")
+    parser.add_argument("--dropout", type=float, default=-1.0,
+                        help="the model's dropout in training (negative keeps the config's)")
     args = parser.parse_args()
+    also = []
+    for entry in args.also_score:
+        name, _, rest = entry.partition("=")
+        path, _, count = rest.partition(":")
+        if name in ("train", "dev", "train_subset") or not name or not path \
+                or not (count or "0").isdigit():
+            parser.error(f"--also_score={entry}: expected NAME=FILE or NAME=FILE:N, NAME not "
+                         "train, dev or train_subset")
+        also.append((name, path, int(count or 0)))
+    args.also = also
     if not args.init_checkpoint and not args.tokenizer:
         parser.error("give --init_checkpoint (a pretrained run) or --tokenizer (random init)")
     if args.eval_every < 1 or args.max_steps < 1:
@@ -78,10 +97,14 @@ def main():
             hidden_size=args.hidden_size, num_layers=args.num_layers,
             num_groups=args.num_groups, num_heads=args.num_heads,
             seq_length=max(128, args.max_seq_length))
+    if args.dropout >= 0:
+        import dataclasses
+        config = dataclasses.replace(config, dropout=args.dropout)
     sets = {}
     for name, path, count in (("train", args.train_file, 0),
                               ("dev", args.predict_file, 0),
-                              ("train_subset", args.train_file, args.train_questions)):
+                              ("train_subset", args.train_file, args.train_questions),
+                              *args.also):
         with open(path, encoding="utf-8") as file:
             dataset = json.load(file)
         dataset = first_questions(dataset, count) if count else dataset
@@ -114,6 +137,7 @@ def main():
             "train_cpu_minutes": round((before - state["start_cpu"] - state["eval_cpu"]) / 60, 2),
             "wall_minutes": round((time.perf_counter() - state["start"]) / 60, 1),
             "dev": score("dev"), f"train_first_{args.train_questions}": score("train_subset"),
+            **{name: score(name) for name, _, _ in args.also},
             "load_average": [round(x, 1) for x in os.getloadavg()], "cpu": cpu_model()}
         state["eval_cpu"] += cpu_seconds() - before
         print(json.dumps(result), flush=True)
