@@ -20,12 +20,17 @@ first, as a one-step task; the dev files are unchanged):
 
     Find the line: 'Nay, answer me: stand, and unfold yourself.'   ->  Nay, answer me: stand, ...
 
+--rename_speakers gives each training context's speakers other speakers' names of the plays
+(the same within the context), so a line's speaker can only be read off the context.
+
 Dev uses the plays tfbig-prep holds out for validation (tfbig.data.DEFAULT_VALIDATION_PLAYS),
 so neither pretraining nor fine-tuning has read a dev context. Deterministic for a given seed.
 
 Example:
     python -m data_prep.shakespeare_qa --output_dir=/tmp/qa
     # /tmp/qa/shakespeare-qa-v1.1-{train,dev}.json, /tmp/qa/shakespeare-qa-v2.0-{train,dev}.json
+    # training files with "find" questions and renamed speakers:
+    python -m data_prep.shakespeare_qa --output_dir=/tmp/mix --finds_per_context=2 --rename_speakers
 """
 import json
 import os
