@@ -182,6 +182,12 @@ def _continuations(context, blocks, scene_lines, rng, prefix, count, with_imposs
     return qas
 
 
+def _outside(context, scene_lines, rng, count):
+    """Up to `count` lines of the scene that are not in `context` (unanswerable questions)."""
+    outside = sorted({line for line in scene_lines if line not in context})
+    return rng.sample(outside, min(count, len(outside)))
+
+
 def _finds(context, blocks, scene_lines, rng, prefix, count, with_impossible):
     """Up to `count` "find the line" questions, lines of different speakers where possible
     (v2.0: one unanswerable per two, a line of the scene outside the context).
@@ -198,8 +204,7 @@ def _finds(context, blocks, scene_lines, rng, prefix, count, with_impossible):
               "answers": [{"text": line, "answer_start": context.index(line)}]}
         qas.append({**qa, "is_impossible": False} if with_impossible else qa)
     if with_impossible and qas:
-        outside = sorted({line for line in scene_lines if line not in context})
-        for i, line in enumerate(rng.sample(outside, min(-(-len(qas) // 2), len(outside)))):
+        for i, line in enumerate(_outside(context, scene_lines, rng, -(-len(qas) // 2))):
             qas.append({"id": f"{prefix}-g{i}", "question": find(line), "answers": [],
                         "is_impossible": True})
     return qas
@@ -216,8 +221,7 @@ def _paragraph(context, blocks, scene_lines, rng, prefix, num_questions, with_im
               "answers": [{"text": speaker, "answer_start": offset}]}
         qas.append({**qa, "is_impossible": False} if with_impossible else qa)
     if with_impossible and qas:  # one unanswerable per two answerable, rounded up
-        outside = sorted({line for line in scene_lines if line not in context})
-        for i, line in enumerate(rng.sample(outside, min(-(-len(qas) // 2), len(outside)))):
+        for i, line in enumerate(_outside(context, scene_lines, rng, -(-len(qas) // 2))):
             qas.append({"id": f"{prefix}-n{i}", "question": question(line), "answers": [],
                         "is_impossible": True})
     if num_continuations:
