@@ -29,9 +29,15 @@ def test_the_timed_steps_end_late_in_a_long_warmup_and_skip_the_first_ones():
     assert budget.calibration_window(0, warmup_steps=2000) == (8, 24)
 
 
-def test_finish_counts_the_validation_forwards():
-    # 30 validation micro-batches, forward a third of a 0.6 s step of 2 micro-batches.
-    assert budget.finish_seconds(0.6, 30, 2) == pytest.approx(30 * 0.1 + budget.FINISH_SECONDS)
+def test_checkpoints_and_validation_passes_take_their_share_of_each_step():
+    # 30 s left; 0.5 s/step, a 2 s save every 20 steps (+0.1), a 6 s pass every 60 (+0.1).
+    pauses = [(2.0, 20), (6.0, 60)]
+    assert budget.steps_within(60.0, 20.0, 0.5, 10.0, done=8, pauses=pauses) == 8 + 42
+    # --eval_every=0: validation only at the end (in `finish`), no share of the steps
+    assert budget.steps_within(60.0, 20.0, 0.5, 10.0, done=8, pauses=[(2.0, 20), (6.0, 0)]) \
+        == 8 + 50
+    # the end of the run: a validation pass, the last checkpoint, the sample and the summary
+    assert budget.finish_seconds(2.0, 6.0) == pytest.approx(8.0 + budget.FINISH_SECONDS)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -71,9 +77,15 @@ def test_budgeted_run_fixes_its_steps_and_equals_an_explicit_run_of_that_count(g
     total = saved["budget"]["max_steps"]
     assert total > 12 and saved["train"]["max_steps"] == total == trainer.cfg.train.max_steps
     record = budget.Budget(**saved["budget"])
-    assert total == budget.steps_within(300.0, record.elapsed_seconds, record.seconds_per_step,
-                                        record.finish_seconds,
-                                        budget.calibration_window(0, warmup_steps=10)[1])
+    assert total == budget.steps_within(
+        300.0, record.elapsed_seconds, record.seconds_per_step, record.finish_seconds,
+        budget.calibration_window(0, warmup_steps=10)[1],
+        pauses=[(record.checkpoint_seconds, cfg.train.checkpoint_every)])
+    # measured at step 10: a save (the run's first checkpoint) and a validation pass
+    assert record.checkpoint_seconds > 0 and record.validation_seconds > 0
+    assert record.finish_seconds == pytest.approx(budget.finish_seconds(
+        record.checkpoint_seconds, record.validation_seconds))
+    assert os.path.exists(tmp_path / "budget" / "ckpt-10.index")
     schedule = WarmupDecay(3e-3, 10, total)
     for step in (0, 9, 11, total // 2, total - 1):
         assert float(learning_rate(trainer.optimizer, step)) == pytest.approx(
@@ -103,3 +115,14 @@ def test_tf_distribute_agrees_through_its_all_workers_collective():
     cfg.train.strategy = "mirrored"
     strategy = get_strategy("mirrored", cfg)
     assert strategy.max_over_processes([0.25, 41.5]) == [0.25, 41.5]
+
+
+def test_a_record_written_before_pauses_were_measured_still_resumes(tmp_path):
+    # config.json of a budgeted run of an earlier version: no checkpoint/validation seconds
+    record = {"minutes": 9.0, "max_steps": 1304, "seconds_per_step": 0.4,
+              "elapsed_seconds": 18.0, "finish_seconds": 9.0}
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump({"budget": record}, f)
+    saved = budget.saved(str(tmp_path), 9.0)
+    assert saved.max_steps == 1304 and saved.checkpoint_seconds == saved.validation_seconds == 0
+    assert budget.saved(str(tmp_path), 10.0) is None  # another budget: measured anew

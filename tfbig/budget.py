@@ -7,10 +7,14 @@ The step count is fixed once, early, from the measured speed of the run itself:
      (the first steps after compiling run slower: in an idle main job steps 3-8 took 1.20 s,
      the rest 1.08 s, which left 40 s of the budget unused);
   2. every process takes the slowest figures of all (so all agree on one number);
-  3. max_steps = steps done + (budget - elapsed - finish) / seconds per step, where `finish`
-     is the end of the run after the last step: the validation pass (its batches at a third
-     of a micro-step's time each: the forward only) and FINISH_SECONDS for the last
-     checkpoint, the sample and the summary.
+  3. at the window's end the run saves its first checkpoint and runs two validation batches
+     (the first compiles the forward, the second is timed), so the pauses to come are
+     measured too: a checkpoint every --checkpoint_every steps and a validation pass every
+     --eval_every steps count as their share of each step's time (in the idle main job the
+     six saves and the final validation's compilation, left out, ran 23 s over 9 minutes);
+  4. max_steps = steps done + (budget - elapsed - finish) / seconds per step, where `finish`
+     is the end of the run after the last step: the validation pass, the last checkpoint,
+     and FINISH_SECONDS for the sample and the summary.
 The calibration steps run inside the learning-rate warmup, whose rates do not depend on the
 total, so the first steps are the ones an explicit `--max_steps` of the same count would take.
 The count is written to MODEL_DIR/config.json (`budget`); a resumed run reads it back and
@@ -29,7 +33,7 @@ import os
 CALIBRATION_STEPS = 8  # steps 1-2 compile; the timing ends at step 8 at the earliest
 CALIBRATION_MAX = 24  # ... and at step 24 at the latest (inside a warmup of 24+ steps)
 TIMED_STEPS = 16  # the most steps timed: the last ones of the window
-FINISH_SECONDS = 5.0  # the last checkpoint, the sample text and the summary
+FINISH_SECONDS = 5.0  # the sample text and the summary
 
 
 @dataclasses.dataclass
@@ -41,11 +45,17 @@ class Budget:
     seconds_per_step: float
     elapsed_seconds: float  # from the command's start to the end of calibration
     finish_seconds: float
+    # measured at the calibration's end (0 in records of runs before they were): a checkpoint
+    # save and a whole validation pass; seconds_per_step is the training step's alone
+    checkpoint_seconds: float = 0.0
+    validation_seconds: float = 0.0
 
     def describe(self):
         return (f"time budget {self.minutes:g} min: {self.max_steps} steps at "
-                f"{self.seconds_per_step:.3f} s/step (measured), {self.elapsed_seconds:.0f} s "
-                f"spent before, {self.finish_seconds:.0f} s kept for the end of the run")
+                f"{self.seconds_per_step:.3f} s/step, a checkpoint {self.checkpoint_seconds:.1f} "
+                f"s, validation {self.validation_seconds:.1f} s (measured), "
+                f"{self.elapsed_seconds:.0f} s spent before, {self.finish_seconds:.0f} s kept "
+                f"for the end of the run")
 
 
 def check(cfg):
@@ -75,10 +85,16 @@ def calibration_window(step, warmup_steps):
     return max(step + 2, last - TIMED_STEPS), last
 
 
-def steps_within(budget_seconds, elapsed_seconds, seconds_per_step, finish_seconds, done):
-    """The run's step count: the `done` steps plus those that fit in what is left."""
+def steps_within(budget_seconds, elapsed_seconds, seconds_per_step, finish_seconds, done,
+                 pauses=()):
+    """The run's step count: the `done` steps plus those that fit in what is left.
+
+    `pauses`: (seconds, every) of what the loop does every `every` steps after a step (a
+    checkpoint save, a validation pass); each adds seconds / every to a step's share.
+    """
     left = budget_seconds - elapsed_seconds - finish_seconds
-    total = done + max(0, math.floor(left / seconds_per_step))
+    share = seconds_per_step + sum(seconds / every for seconds, every in pauses if every)
+    total = done + max(0, math.floor(left / share))
     if total <= done:
         raise ValueError(
             f"--time_budget_minutes={budget_seconds / 60:g} is used up: {elapsed_seconds:.0f} s "
@@ -87,10 +103,10 @@ def steps_within(budget_seconds, elapsed_seconds, seconds_per_step, finish_secon
     return total
 
 
-def finish_seconds(seconds_per_step, eval_batches, grad_accum_steps):
-    """Time after the last step: the validation pass (a forward is a third of a micro-step)
-    and FINISH_SECONDS for the checkpoint, sample and summary."""
-    return eval_batches * seconds_per_step / (3.0 * grad_accum_steps) + FINISH_SECONDS
+def finish_seconds(checkpoint_seconds, validation_seconds):
+    """Time after the last step: the validation pass, the last checkpoint and FINISH_SECONDS
+    for the sample and the summary."""
+    return validation_seconds + checkpoint_seconds + FINISH_SECONDS
 
 
 def saved(model_dir, minutes):

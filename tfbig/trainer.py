@@ -337,12 +337,19 @@ class Trainer:
         schedule's length and retrace the step with it; record it in config.json."""
         t = self.cfg.train
         first, last = min(timing), max(timing)
-        per_step, elapsed = self.strategy.max_over_processes(
-            [(timing[last] - timing[first]) / (last - first), time.monotonic() - self.started])
-        finish = budget_lib.finish_seconds(per_step, self.eval_batches, t.grad_accum_steps)
-        total = budget_lib.steps_within(t.time_budget_minutes * 60, elapsed, per_step, finish,
-                                        step)
-        self.budget = budget_lib.Budget(t.time_budget_minutes, total, per_step, elapsed, finish)
+        per_step = (timing[last] - timing[first]) / (last - first)
+        begin = time.monotonic()
+        self._check_finite(step)
+        self.save()  # the run's first checkpoint, timed: the saves to come take as long
+        save_seconds = time.monotonic() - begin
+        per_step, save_seconds, validation, elapsed = self.strategy.max_over_processes(
+            [per_step, save_seconds, self._time_validation(), time.monotonic() - self.started])
+        finish = budget_lib.finish_seconds(save_seconds, validation)
+        total = budget_lib.steps_within(
+            t.time_budget_minutes * 60, elapsed, per_step, finish, step,
+            pauses=[(save_seconds, t.checkpoint_every), (validation, t.eval_every)])
+        self.budget = budget_lib.Budget(t.time_budget_minutes, total, per_step, elapsed, finish,
+                                        save_seconds, validation)
         t.max_steps = self.logger.max_steps = total
         set_total_steps(self.optimizer, total)
         # The traced step holds the schedule's old length: trace it again (the compiled
@@ -352,6 +359,20 @@ class Trainer:
         if self.strategy.is_chief:
             self._save_config()
         self.logger.info(self.budget.describe())
+
+    def _time_validation(self):
+        """Seconds of a whole validation pass: a first batch compiles the forward, a second
+        one is timed (0 without a validation split)."""
+        if not self.eval_batches:
+            return 0.0
+        iterator = iter(self.strategy.distribute_dataset(
+            lambda ctx: self.task.dataset("validation", self.micro_batch, ctx, shuffle=False)))
+        seconds = []
+        for _ in range(min(2, self.eval_batches)):
+            begin = time.monotonic()
+            tf.nest.map_structure(lambda v: v.numpy(), self._eval_step(next(iterator)))
+            seconds.append(time.monotonic() - begin)
+        return self.eval_batches * seconds[-1]
 
     def _stop_preempted(self, step, last):
         self._check_finite(step)
