@@ -45,8 +45,6 @@ FP16, BF16 = {"precision": "mixed_float16"}, {"precision": "mixed_bfloat16"}
 SCENARIOS = {  # name: (zero_stage, shard_degree, data, train options, worker options)
     "z1_d2": (1, 2, "gpt_data", {}, {}),
     "z2_d4_lamb": (2, 4, "gpt_data", LAMB, {}),
-    "z2_d2_albert": (2, 2, "albert_data", ALBERT, {}),
-    "z1_d4_resumed": (1, 4, "gpt_data", {}, {"interrupt_at": 2}),
     # fp16 on stage 3 (the skip is the same code for stages 2 and 3: all_reduce_gradients)
     "z3_d2_fp16_skip": (3, 2, "gpt_data", {"precision": "mixed_float16"}, {"poison_rank": 3}),
     # stage 3: parameters sharded too, gathered per layer (tfbig/distribute/zero3.py)
@@ -61,15 +59,21 @@ SCENARIOS = {  # name: (zero_stage, shard_degree, data, train options, worker op
 # GPT at stage 3, degree 2, fp32, and BERT run in the slow launch: by default GPT's stage-3
 # gathers are checked at fp32 by z3_d4_lamb_resumed (degree 4) and at degree 2 by
 # z3_d2_fp16_skip, and the degree-2 (partition + replica group) sync of stage 3 at fp32 by
-# z3_d2_albert_lamb, first-batch gradients included.
+# z3_d2_albert_lamb, first-batch gradients included. ALBERT under stage 2 and a stage-1 resume
+# too: by default ALBERT runs under stage 3 (z3_d2_albert_lamb), resumes from slices under
+# stage 3 (z3_d4_lamb_resumed) and, for stage 1, under TP x ZeRO-1 (test_tensor_parallel).
 SLOW_SCENARIOS = {"z3_d2": (3, 2, "gpt_data", {}, {"first_gradients": True}),
+                  "z2_d2_albert": (2, 2, "albert_data", ALBERT, {}),
+                  "z1_d4_resumed": (1, 4, "gpt_data", {}, {"interrupt_at": 2}),
                   # BERT: a gather per block (one per layer), its word table per step (tied
                   # to the MLM head)
                   "z3_d2_bert": (3, 2, "bert_data", BERT, {"first_gradients": True}),
 }
 SLOW = [pytest.param(name, marks=pytest.mark.slow) for name in SLOW_SCENARIOS]
-EQUAL_TO_ONE_DEVICE = ["z1_d2", "z2_d4_lamb", "z2_d2_albert", "z1_d4_resumed",
-                       "z3_d4_lamb_resumed", "z3_d2_albert_lamb", "z3_d4_bf16_untied"] + SLOW
+SLOW_STAGE_3 = [pytest.param(name, marks=pytest.mark.slow) for name, scenario
+                in SLOW_SCENARIOS.items() if scenario[0] == 3]
+EQUAL_TO_ONE_DEVICE = ["z1_d2", "z2_d4_lamb", "z3_d4_lamb_resumed", "z3_d2_albert_lamb",
+                       "z3_d4_bf16_untied"] + SLOW
 # Tolerances against the single-device run: fp32 tight; bf16 compute rounds the activations
 # of a micro-batch of 2 (here) vs 8 (single device) sequences and sums the gradients in a
 # different order, each to 8 bits of mantissa: (losses rtol, weights and gradients atol).
@@ -179,7 +183,7 @@ def test_per_rank_model_state_is_the_closed_form(runs, name):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name", ["z3_d4_lamb_resumed"] + SLOW)
+@pytest.mark.parametrize("name", ["z3_d4_lamb_resumed"] + SLOW_STAGE_3)
 def test_stage_3_ranks_hold_only_their_slices(request, name):
     """(4 + 4 + 8) P / N: float32 parameter slices, gradient slices (transient, of the same
     size: not a variable) and m, v; the model's own variables hold no value at all."""
@@ -198,9 +202,9 @@ def test_stage_3_ranks_hold_only_their_slices(request, name):
 @pytest.mark.multiproc
 def test_slice_checkpoints_are_written_by_their_owners(runs):
     root, _ = runs
-    model_dir = root / "z1_d4_resumed"
+    model_dir = root / "z2_d4_lamb"
     assert json.loads((model_dir / "zero.json").read_text()) == {
-        "zero_stage": 1, "shard_degree": 4, "data": 4, "world_size": 4}
+        "zero_stage": 2, "shard_degree": 4, "data": 4, "world_size": 4}
     for j in range(1, 4):
         assert (model_dir / "zero" / f"shard-{j}" / "checkpoint").exists()
     # degree 2: the second partition group (ranks 2, 3) is a replica and writes nothing
@@ -272,9 +276,9 @@ MIXED_TOLERANCE = {"mixed_float16": (1e-6, 1e-6), "mixed_bfloat16": (1e-6, 1e-6)
 
 
 @pytest.fixture(scope="module")
-def slow_runs(gpt_data, bert_data, tmp_path_factory):
+def slow_runs(gpt_data, albert_data, bert_data, tmp_path_factory):
     return launch(tmp_path_factory.mktemp("slow"), {**MIXED_SLOW, **SLOW_SCENARIOS},
-                  {"gpt_data": gpt_data, "bert_data": bert_data})
+                  {"gpt_data": gpt_data, "albert_data": albert_data, "bert_data": bert_data})
 
 
 def check_sharded_mixed_equals_unsharded(ours, theirs):
