@@ -25,8 +25,10 @@ def test_steps_within_counts_what_is_left_after_the_finish():
 def test_the_timed_steps_end_late_in_a_long_warmup_and_skip_the_first_ones():
     assert budget.calibration_window(0, warmup_steps=10) == (2, 10)  # steps 3..10
     assert budget.calibration_window(0, warmup_steps=8) == (2, 8)
-    assert budget.calibration_window(0, warmup_steps=30) == (8, 24)  # the recipe: 9..24
-    assert budget.calibration_window(0, warmup_steps=2000) == (8, 24)
+    assert budget.calibration_window(0, warmup_steps=30) == (2, 30)  # steps 3..30
+    assert budget.calibration_window(0, warmup_steps=60) == (16, 48)  # the recipe: 17..48
+    assert budget.calibration_window(0, warmup_steps=2000) == (16, 48)
+    assert budget.calibration_window(100, warmup_steps=2000) == (116, 148)  # a resumed run
 
 
 def test_checkpoints_and_validation_passes_take_their_share_of_each_step():

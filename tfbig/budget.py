@@ -5,7 +5,9 @@ The step count is fixed once, early, from the measured speed of the run itself:
   1. steps 1-2 compile and warm up; then up to TIMED_STEPS steps are timed, ending at step
      CALIBRATION_STEPS or, with a longer warmup, at the warmup's end or step CALIBRATION_MAX
      (the first steps after compiling run slower: in an idle main job steps 3-8 took 1.20 s,
-     the rest 1.08 s, which left 40 s of the budget unused);
+     the rest 1.08 s, which left 40 s of the budget unused; and a short window catches the
+     machine's own swings: another idle main job timed 0.475 s a step over steps 9-24, then
+     ran at 0.40 s and left 51 s unused, so the window is up to 32 steps long);
   2. every process takes the slowest figures of all (so all agree on one number);
   3. at the window's end the run saves its first checkpoint and runs two validation batches
      (the first compiles the forward, the second is timed), so the pauses to come are
@@ -31,8 +33,8 @@ import math
 import os
 
 CALIBRATION_STEPS = 8  # steps 1-2 compile; the timing ends at step 8 at the earliest
-CALIBRATION_MAX = 24  # ... and at step 24 at the latest (inside a warmup of 24+ steps)
-TIMED_STEPS = 16  # the most steps timed: the last ones of the window
+CALIBRATION_MAX = 48  # ... and at step 48 at the latest (inside a warmup of 48+ steps)
+TIMED_STEPS = 32  # the most steps timed: the last ones of the window
 FINISH_SECONDS = 5.0  # the sample text and the summary
 
 
