@@ -1,6 +1,8 @@
 """--max_steps=0: as many steps as fit in --time_budget_minutes (tfbig.budget)."""
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -128,3 +130,13 @@ def test_a_record_written_before_pauses_were_measured_still_resumes(tmp_path):
     saved = budget.saved(str(tmp_path), 9.0)
     assert saved.max_steps == 1304 and saved.checkpoint_seconds == saved.validation_seconds == 0
     assert budget.saved(str(tmp_path), 10.0) is None  # another budget: measured anew
+
+
+def test_the_budget_counts_from_the_process_start(tmp_path):
+    # the interpreter's start and the imports before tfbig-train's main are part of the
+    # command's wall time: a process 1.5 s old says so
+    code = ("import time; time.sleep(1.5); from tfbig import budget; "
+            "print(time.monotonic() - budget.command_start())")
+    age = float(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                               text=True, cwd=tmp_path).stdout)
+    assert 1.5 <= age < 30

@@ -31,6 +31,7 @@ import dataclasses
 import json
 import math
 import os
+import time
 
 CALIBRATION_STEPS = 8  # steps 1-2 compile; the timing ends at step 8 at the earliest
 CALIBRATION_MAX = 48  # ... and at step 48 at the latest (inside a warmup of 48+ steps)
@@ -109,6 +110,21 @@ def finish_seconds(checkpoint_seconds, validation_seconds):
     """Time after the last step: the validation pass, the last checkpoint and FINISH_SECONDS
     for the sample and the summary."""
     return validation_seconds + checkpoint_seconds + FINISH_SECONDS
+
+
+def command_start():
+    """time.monotonic() of the process's start, so a budget and the wall time of the last line
+    include the interpreter's start and the imports (5 s in the main job); where /proc is
+    missing (not Linux), now."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return time.monotonic()
+    age = uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    return time.monotonic() - max(0.0, age)
 
 
 def saved(model_dir, minutes):

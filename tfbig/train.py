@@ -6,6 +6,7 @@ GPT, evaluates bits per byte on held-out plays and prints a generated sample.
 Example:
     tfbig-train --preset=tiny --max_steps=50 --model_dir=/tmp/run
 """
+import functools
 import os
 import sys
 import time
@@ -14,6 +15,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import flags  # noqa: E402
 
+from tfbig import budget  # noqa: E402
 from tfbig import config as config_lib  # noqa: E402
 from tfbig import recipes  # noqa: E402
 from tfbig.errors import UsageError  # noqa: E402
@@ -23,8 +25,10 @@ config_lib.define_flags()
 PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM: schedulers (TFJob ExitCode policy) restart it
 
 
-def main(argv):
-    started = time.monotonic()
+def main(argv, started=None):
+    """`started`: time.monotonic() of the command's start, which the time budget and the last
+    line count from (`run` gives the process's start; default: now)."""
+    started = time.monotonic() if started is None else started
     if len(argv) > 1:
         raise UsageError(f"unexpected arguments {argv[1:]}; every option is a --flag")
     recipes.apply(flags.FLAGS)  # e.g. LAMB for ALBERT, the main job's schedule for gpt/small
@@ -113,7 +117,9 @@ def help_sections():
 def run():
     from tfbig import cli
 
-    cli.run_app("tfbig-train", main, __doc__ + "\n" + recipes.describe(), help_sections())
+    # the process's start: the interpreter and the imports are part of the command's time
+    cli.run_app("tfbig-train", functools.partial(main, started=budget.command_start()),
+                __doc__ + "\n" + recipes.describe(), help_sections())
 
 
 if __name__ == "__main__":
