@@ -224,14 +224,17 @@ class Trainer:
             self.task, self.micro_batch, t.grad_accum_steps, t.seed,
             int(self.batches_consumed.numpy()))
 
+    def _validation_batches(self):
+        return iter(self.strategy.distribute_dataset(
+            lambda ctx: self.task.dataset("validation", self.micro_batch, ctx, shuffle=False)))
+
     def evaluate(self):
         """Mean validation metrics plus the task's summary (perplexity, bits per byte...)."""
         num_batches = self.eval_batches
         if not num_batches:
             return {}
 
-        iterator = iter(self.strategy.distribute_dataset(
-            lambda ctx: self.task.dataset("validation", self.micro_batch, ctx, shuffle=False)))
+        iterator = self._validation_batches()
         totals = None
         for _ in range(num_batches):
             metrics = self._eval_step(next(iterator))
@@ -365,8 +368,7 @@ class Trainer:
         one is timed (0 without a validation split)."""
         if not self.eval_batches:
             return 0.0
-        iterator = iter(self.strategy.distribute_dataset(
-            lambda ctx: self.task.dataset("validation", self.micro_batch, ctx, shuffle=False)))
+        iterator = self._validation_batches()
         seconds = []
         for _ in range(min(2, self.eval_batches)):
             begin = time.monotonic()
