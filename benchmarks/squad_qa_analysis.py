@@ -4,10 +4,13 @@ Without any model: how many answerable questions have their answer *and* the who
 line inside one feature window (--max_seq_length / --doc_stride / --max_query_length, as
 tfbig-squad cuts them), how far (tokens) the answer is from the quote, and what shortcuts
 score on "who says" questions: naming the context's first, last or most frequent speaker, or a
-uniformly random one of its speakers (HasAns exact-match share, percent).
+uniformly random one of its speakers (HasAns exact-match share, percent). With --train_file:
+how many answers hold a piece that the training file's contexts hold fewer than 5 times (a
+held-out play's new names: the fine-tuned model has never trained those pieces' embeddings).
 
     python benchmarks/squad_qa_analysis.py --tokenizer=runs/albert-data/tokenizer.model \\
-        --file=runs/qa/shakespeare-qa-v2.0-dev.json
+        --file=runs/qa/shakespeare-qa-v2.0-dev.json \\
+        --train_file=runs/qa/shakespeare-qa-v2.0-train.json
 """
 import argparse
 import collections
@@ -20,6 +23,7 @@ from data_prep.shakespeare_qa import _SPEAKER
 from tfbig.data import Tokenizer
 from tfbig.squad.features import convert_examples, read_squad, token_char_spans
 
+RARE = 5  # a piece seen fewer times than this in the training contexts is barely trained
 QUOTE = re.compile(r"Who says: '(.*)'\?|How does the line '(.*) \.\.\.' go on\?")
 
 
@@ -68,10 +72,38 @@ def speaker_shortcuts(dataset):
     return {k: round(100 * v / total, 1) for k, v in hits.items()}
 
 
+def rare_answers(dataset, train, tokenizer):
+    """Answers of `dataset` with a piece (as tfbig-squad tokenizes the context) seen fewer than
+    RARE times in `train`'s contexts: (share of answerable questions, {answer: its pieces'
+    counts in training} of the distinct answers with a rare piece)."""
+    seen = collections.Counter()
+    for article in train["data"]:
+        for paragraph in article["paragraphs"]:
+            seen.update(token_char_spans(tokenizer, paragraph["context"])[0].tolist())
+    rare, total, hits = {}, 0, 0
+    for article in dataset["data"]:
+        for paragraph in article["paragraphs"]:
+            ids, starts, ends = token_char_spans(tokenizer, paragraph["context"])
+            for qa in paragraph["qas"]:
+                if not qa["answers"]:
+                    continue
+                answer = qa["answers"][0]
+                begin, end = answer["answer_start"], answer["answer_start"] + len(answer["text"])
+                counts = [seen[int(i)] for i, s, e in zip(ids, starts, ends)
+                          if s < end and e > begin]
+                total += 1
+                if min(counts) < RARE:
+                    hits += 1
+                    rare[answer["text"]] = counts
+    return hits / total, rare
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokenizer", required=True)
     parser.add_argument("--file", required=True, help="SQuAD v2.0 JSON of the embedded set")
+    parser.add_argument("--train_file", default="",
+                        help="the training file: count the answers whose pieces it hardly holds")
     parser.add_argument("--max_seq_length", type=int, default=128)
     parser.add_argument("--doc_stride", type=int, default=64)
     parser.add_argument("--max_query_length", type=int, default=32)
@@ -84,6 +116,12 @@ def main():
         dataset = json.load(file)
     located, distances = window_coverage(examples, features, tokenizer)
     questions = [len(tokenizer.encode(e.question)) for e in examples]
+    extra = {}
+    if args.train_file:
+        with open(args.train_file, encoding="utf-8") as file:
+            share, rare = rare_answers(dataset, json.load(file), tokenizer)
+        extra = {"answers_with_a_piece_rare_in_training": round(share, 4),
+                 "rare_answers_piece_counts": rare}
     print(json.dumps({
         "file": args.file, "questions": len(examples), "features": len(features),
         "answer_and_quote_in_one_window": round(located, 4),
@@ -91,7 +129,7 @@ def main():
             np.array(questions) > args.max_query_length)), 4),
         "quote_to_answer_tokens_mean": round(float(np.mean(distances)), 1),
         "quote_to_answer_tokens_max": int(np.max(distances)),
-        "who_says_hasans_exact_of_shortcuts": speaker_shortcuts(dataset)}))
+        "who_says_hasans_exact_of_shortcuts": speaker_shortcuts(dataset), **extra}))
 
 
 if __name__ == "__main__":
