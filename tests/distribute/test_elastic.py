@@ -155,9 +155,14 @@ def test_rank_killed_and_replaced_run_matches_the_uninterrupted_one(gpt_data, tm
         assert [int(x) for part in ours for x in part] == \
             [fingerprint(r) for r in consumed[step - 1]], f"step {step} (world {world})"
         assert ranks[0]["loss"] == pytest.approx(logger.losses[step], rel=1e-5), step
+    # Weights after 24 steps: the world of 1 sums a step's micro-batch gradients in another
+    # order than the world of 2's all-reduce, and Adam turns a float32 difference in a
+    # near-zero gradient into a step of either sign: one entry of a 96-entry variable ended
+    # at 6.2e-7 against -4.9e-7 (1.1e-6 apart) with every loss within rtol 1e-5 (as
+    # WEIGHTS_ATOL in test_tensor_parallel).
     with np.load(out / "final.npz") as final_weights:
         for i, theirs in enumerate(weights(reference)):
-            np.testing.assert_allclose(final_weights[f"arr_{i}"], theirs, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(final_weights[f"arr_{i}"], theirs, rtol=1e-5, atol=5e-6)
 
 
 class Losses(RunLogger):
