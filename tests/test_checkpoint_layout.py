@@ -1,8 +1,9 @@
-"""The one reader of a sharded checkpoint's layout file and the checks before consolidating it
-(tfbig.checkpoint), shared by the tensor-parallel, ZeRO and cross-rank pipeline layouts."""
+"""The one reader of a sharded checkpoint's layout file (tfbig.checkpoint), shared by the
+tensor-parallel, ZeRO and cross-rank pipeline layouts, and the checks before consolidating one
+(tfbig.consolidate)."""
 import pytest
 
-from tfbig import checkpoint, config as config_lib
+from tfbig import checkpoint, config as config_lib, consolidate
 from tfbig.distribute import tensor_layout, zero_checkpoint
 from tfbig.pipeline import stage_checkpoint
 
@@ -30,16 +31,17 @@ def test_each_layout_reads_its_own_file_and_none_when_absent(tmp_path):
 
 def test_consolidation_input_returns_the_layout_and_the_runs_config(tmp_path):
     run = a_run(tmp_path, "zero.json", {"zero_stage": 1, "shard_degree": 2})
-    layout, cfg = checkpoint.consolidation_input(str(run), str(tmp_path / "out"), "zero.json",
-                                                 "a --zero_stage run")
+    layout, cfg = consolidate.consolidation_input(str(run), str(tmp_path / "out"), "zero.json",
+                                                  "a --zero_stage run")
     assert layout == {"zero_stage": 1, "shard_degree": 2}
     assert cfg.train.batch_size == 6
 
 
 @pytest.mark.parametrize("consolidate, message", [
-    (tensor_layout.consolidate, "no tensor.json: it is not a tensor-parallel run"),
-    (zero_checkpoint.consolidate, "no zero.json: it is not a --zero_stage run"),
-    (stage_checkpoint.consolidate, "no pipeline.json: it is not a cross-rank pipeline run"),
+    (consolidate.consolidate_tensor, "no tensor.json: it is not a tensor-parallel run"),
+    (consolidate.consolidate_zero, "no zero.json: it is not a --zero_stage run"),
+    (consolidate.consolidate_pipeline, "no pipeline.json: it is not a cross-rank pipeline run"),
+    (consolidate.consolidate, "zero.json: it is not a sharded run"),
 ])
 def test_every_layout_refuses_a_run_without_its_layout_file(tmp_path, consolidate, message):
     run = a_run(tmp_path, "other.json", {})
@@ -50,4 +52,4 @@ def test_every_layout_refuses_a_run_without_its_layout_file(tmp_path, consolidat
 def test_consolidation_refuses_to_write_into_the_run_it_reads(tmp_path):
     run = a_run(tmp_path, "pipeline.json", {"pipeline_stages": 2, "stages": []})
     with pytest.raises(ValueError, match="output directory must differ"):
-        stage_checkpoint.consolidate(str(run), str(run))
+        consolidate.consolidate(str(run), str(run))

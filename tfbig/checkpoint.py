@@ -78,23 +78,6 @@ def read_layout(model_dir, filename):
         return json.load(f)
 
 
-def consolidation_input(model_dir, out_dir, filename, what):
-    """The checks before consolidating run `model_dir` (layout `filename`, a run of `what`)
-    into a single-device checkpoint in `out_dir`; returns (layout, the run's config)."""
-    import tensorflow as tf
-    from tfbig import config as config_lib
-
-    layout = read_layout(model_dir, filename)
-    if layout is None:
-        raise ValueError(f"{model_dir} has no {filename}: it is not {what}")
-    if os.path.abspath(out_dir) == os.path.abspath(model_dir):
-        raise ValueError("the output directory must differ from the run's (it is only read)")
-    if tf.train.latest_checkpoint(out_dir):
-        raise ValueError(f"{out_dir} already holds a checkpoint; choose an empty directory")
-    with open(os.path.join(model_dir, "config.json")) as f:
-        return layout, config_lib.from_dict(json.load(f))
-
-
 def slot_owners(optimizer):
     """{id(optimizer slot variable): path of the weight it belongs to} (Adam/LAMB m and v)."""
     inner = getattr(optimizer, "inner_optimizer", optimizer)  # under a LossScaleOptimizer
@@ -104,22 +87,3 @@ def slot_owners(optimizer):
             if i < len(slots):
                 out[id(slots[i])] = v.path
     return out
-
-
-def consolidation_main(argv, command, what, consolidate, done):
-    """The `python -m COMMAND MODEL_DIR OUT_DIR` of a sharded layout: `consolidate(model_dir,
-    out_dir)` writes a single-device checkpoint; errors are one line and exit code 2."""
-    import sys
-
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2:
-        print(f"usage: python -m {command} MODEL_DIR OUT_DIR\n"
-              f"Assemble {what}'s newest checkpoint into a single-device one.", file=sys.stderr)
-        return 2
-    try:
-        path = consolidate(*args)
-    except (ValueError, FileNotFoundError) as error:
-        print(f"tfbig: error: {error}", file=sys.stderr)
-        return 2
-    print(f"wrote {path}: {done}")
-    return 0

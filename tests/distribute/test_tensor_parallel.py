@@ -30,7 +30,8 @@ from test_trainer import ReplicasTask, make_cfg, weights  # noqa: E402
 from horovod_worker import RecordingLogger  # noqa: E402
 from tfbig.config import ParallelConfig  # noqa: E402
 from tfbig.distribute.horovod import build_mesh  # noqa: E402
-from tfbig.distribute.tensor_layout import consolidate, join_slices, take_slice  # noqa: E402
+from tfbig.consolidate import consolidate  # noqa: E402
+from tfbig.distribute.tensor_layout import join_slices, take_slice  # noqa: E402
 from tfbig.generate import load_model  # noqa: E402
 from tfbig.optim import loss_scale  # noqa: E402
 from tfbig.tasks import get_task  # noqa: E402
@@ -317,8 +318,9 @@ def test_a_single_device_checkpoint_restores_into_each_ranks_slices(gpt_data, tm
     optimizer slot is its slice of the single-device state; dropout states as split_model."""
     import tensorflow as tf
 
-    from tfbig.distribute.tensor_layout import (OfflineSlice, _state_arrays,
-                                                restore_from_single_device)
+    from tfbig.consolidate import OfflineSlice
+    from tfbig.distribute.tensor_layout import state_arrays
+    from tfbig.distribute.tensor_parallel import restore_from_single_device
 
     class SliceOnLoad(OfflineSlice):
         def restore(self, trainer, path):
@@ -329,12 +331,12 @@ def test_a_single_device_checkpoint_restores_into_each_ranks_slices(gpt_data, tm
     single = Trainer(cfg)
     single.fit()
     path = tf.train.latest_checkpoint(str(tmp_path))
-    full = _state_arrays(single, {})
+    full = state_arrays(single, {})
     pieces = []
     for rank in range(2):
         trainer = Trainer(cfg, strategy=SliceOnLoad(cfg, rank, 2, path))
         assert trainer.restored_from == path and int(trainer.step.numpy()) == 2
-        pieces.append(_state_arrays(trainer, trainer.strategy.splits))
+        pieces.append(state_arrays(trainer, trainer.strategy.splits))
     assert set(pieces[0]) == set(full)
     assert sum(piece is not None for _, piece in pieces[0].values()) > 20  # weights and slots
     for name, (value, _) in full.items():

@@ -30,7 +30,7 @@ from test_trainer import ReplicasTask, make_cfg, weights  # noqa: E402
 from horovod_worker import PoisonedTask, RecordingLogger, UntiedTask  # noqa: E402
 from tfbig import config as config_lib  # noqa: E402
 from tfbig.config import ParallelConfig  # noqa: E402
-from tfbig.distribute import zero_checkpoint  # noqa: E402
+from tfbig.consolidate import main as consolidate_main  # noqa: E402
 from tfbig.distribute.horovod import build_mesh  # noqa: E402
 from tfbig.optim import loss_scale  # noqa: E402
 from tfbig.tasks import get_task  # noqa: E402
@@ -396,7 +396,7 @@ def single_device(data_dir, model_dir, replicas, **train):
 
 
 def consolidate(model_dir, out_dir):
-    assert zero_checkpoint.main([str(model_dir), str(out_dir)]) == 0
+    assert consolidate_main([str(model_dir), str(out_dir)]) == 0
     assert not (out_dir / "zero.json").exists()
 
 
@@ -488,9 +488,10 @@ def weights_of(model):
 
 
 def test_consolidation_refuses_a_run_without_slices(tmp_path, capsys):
-    assert zero_checkpoint.main([str(tmp_path), str(tmp_path / "out")]) == 2
-    assert "has no zero.json: it is not a --zero_stage run" in capsys.readouterr().err
-    assert zero_checkpoint.main([str(tmp_path)]) == 2
+    assert consolidate_main([str(tmp_path), str(tmp_path / "out")]) == 2
+    assert "has none of tensor.json, pipeline.json, zero.json: it is not a sharded run" in \
+        capsys.readouterr().err
+    assert consolidate_main([str(tmp_path)]) == 2
 
 
 def test_stage_3_refuses_a_model_without_a_gather_plan():

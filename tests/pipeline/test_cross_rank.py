@@ -22,6 +22,7 @@ from test_trainer import ReplicasTask, make_cfg  # noqa: E402
 from horovod_worker import RecordingLogger  # noqa: E402
 from tfbig import config as config_lib  # noqa: E402
 from tfbig.checkpoint import slot_owners  # noqa: E402
+from tfbig.consolidate import consolidate  # noqa: E402
 from tfbig.generate import load_model  # noqa: E402
 from tfbig.pipeline import stage_checkpoint  # noqa: E402
 from tfbig.pipeline.cross_rank import pipeline_mesh, stage_plan  # noqa: E402
@@ -160,7 +161,7 @@ def test_stage_checkpoints_assemble_into_the_single_device_model(gpt_data, runs,
     model, _ = load_model(model_dir)  # tfbig-generate / tfbig-export
     for v in model.trainable_variables:
         np.testing.assert_array_equal(v.numpy(), trained[v.path])
-    written = stage_checkpoint.consolidate(model_dir, str(tmp_path / "single"))
+    written = consolidate(model_dir, str(tmp_path / "single"))
     cfg = make_cfg(gpt_data, tmp_path / "single", **TRAIN)
     resumed = Trainer(cfg)
     assert resumed.restored_from == written and int(resumed.step.numpy()) == 3

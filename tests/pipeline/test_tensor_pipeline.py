@@ -35,6 +35,7 @@ from test_trainer import ReplicasTask, make_cfg  # noqa: E402
 from cross_rank_worker import PoisonedStageTask  # noqa: E402
 from horovod_worker import RecordingLogger  # noqa: E402
 
+from tfbig import consolidate  # noqa: E402
 from tfbig.checkpoint import slot_owners  # noqa: E402
 from tfbig.distribute import tensor_layout  # noqa: E402
 from tfbig.distribute.tensor_layout import TensorGroup, take_slice  # noqa: E402
@@ -283,9 +284,9 @@ def test_tp_pp_pieces_consolidate_into_the_single_device_model(gpt_data, pp2_tp2
     ranks = [load(out, "pp2_tp2_sequence", r) for r in range(4)]
     model, _ = load_model(model_dir)  # tfbig-generate / tfbig-export
     assert_holds(model, ranks)
-    # both consolidation commands write the same single-device checkpoint
-    assert tensor_layout.main([model_dir, str(tmp_path / "via_tensor")]) == 0
-    written = stage_checkpoint.consolidate(model_dir, str(tmp_path / "single"))
+    # the command (which finds pipeline.json) and the pipeline consolidation write the same
+    assert consolidate.main([model_dir, str(tmp_path / "via_tensor")]) == 0
+    written = consolidate.consolidate_pipeline(model_dir, str(tmp_path / "single"))
     resumed = Trainer(make_cfg(gpt_data, tmp_path / "single", **TRAIN))
     assert resumed.restored_from == written and int(resumed.step.numpy()) == 3
     assert_holds(resumed.model, ranks)

@@ -212,7 +212,7 @@ class Strategy:
                 f"{os.path.dirname(path)} holds a --zero_stage checkpoint (its {LAYOUT_FILE}): "
                 f"resume it with --strategy=horovod --zero_stage=1|2|3 (any number of "
                 f"processes, re-sharded on load) or write a single-device copy with "
-                f"python -m tfbig.distribute.zero MODEL_DIR OUT_DIR")
+                f"python -m tfbig.consolidate MODEL_DIR OUT_DIR")
         trainer.checkpoint.restore(path).assert_existing_objects_matched()
 
     def checkpoint_dir(self, model_dir):

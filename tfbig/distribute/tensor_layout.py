@@ -6,21 +6,18 @@ A *plan* maps attribute paths below the model ("*" matches every element of a li
 initialisation), an unbuilt twin whose planned layers are shrunk to 1/T, and copies rank t's
 slice into it; the Horovod backend (tfbig.distribute.tensor_parallel) also wraps the split
 layers' calls with the collectives. `assembled_weights` (tfbig-generate, tfbig-export) and
-`consolidate` (a single-device checkpoint that resumes under any layout) read the pieces each
-rank saved.
+`state_arrays` (tfbig.consolidate: a single-device checkpoint that resumes under any layout)
+read the pieces each rank saved.
 
-    python -m tfbig.distribute.tensor_layout MODEL_DIR OUT_DIR   # consolidate
+Below every backend (the layer map: tfbig/__init__.py): no Strategy, no Horovod, no trainer.
 """
 import dataclasses
-import os
 
 import numpy as np
 import tensorflow as tf
 
 from tfbig.checkpoint import read_layout as checkpoint_layout
-from tfbig.checkpoint import (consolidation_input, consolidation_main, piece_checkpoints,
-                              reader_key, slot_owners)
-from tfbig.distribute.base import Strategy
+from tfbig.checkpoint import piece_checkpoints, reader_key, slot_owners
 
 LAYOUT_FILE = "tensor.json"
 
@@ -273,39 +270,6 @@ def own_mask_states(model, group):
             for v in layer.non_trainable_variables if "seed_generator" in v.path}
 
 
-def restore_from_single_device(trainer, path, group, splits):
-    """Restore single-device checkpoint `path` into tensor rank `group.rank`'s slices.
-
-    The full model and its optimizer are built on this process for the duration of the restore
-    (P parameters and their slots, as one device of the single-device run held them), restored,
-    and every variable's slice assigned; dropout states as `split_model` offsets them. So a run
-    consolidated from any layout (`consolidate`) resumes under any --tensor_parallel."""
-    from types import SimpleNamespace
-
-    from tfbig.checkpoint import model_variables, rng_variables
-
-    full = trainer.task.build_model()
-    optimizer = Strategy(trainer.cfg).build_optimizer(trainer.cfg.train, full.trainable_variables)
-    counters = {name: tf.Variable(0, dtype=tf.int64, trainable=False, name=name)
-                for name in ("step", "batches_consumed", "nonfinite_steps")}
-    tf.train.Checkpoint(model=model_variables(full), rng_state=rng_variables(full),
-                        optimizer=optimizer, **counters).restore(
-        path).assert_existing_objects_matched()
-    source = _state_arrays(SimpleNamespace(model=full, optimizer=optimizer, **counters), splits)
-    own = own_mask_states(trainer.model, group)
-    own_rng = {f"rng/{i}" for i, v in enumerate(
-        v for v in trainer.model.variables if "seed_generator" in v.path) if id(v) in own}
-    for name, variable in _state_variables(trainer).items():
-        if name not in source:
-            raise ValueError(f"{path}: no {name} to restore (a checkpoint of another model?)")
-        value, piece = source[name]
-        if piece is not None:
-            value = take_slice(value, *piece, group.rank, group.size)
-        elif name in own_rng:
-            value = value + np.asarray(group.rank, value.dtype)
-        variable.assign(value)
-
-
 def _check_sequence_parallel(model, layers, seq_length, size):
     if not any(split.kind == "positions" for _, split in layers):
         raise ValueError(f"--sequence_parallel: no sequence-parallel plan for "
@@ -354,73 +318,7 @@ def assembled_weights(model_dir, model, warn=print):
     return out
 
 
-class OfflineSlice(Strategy):
-    """One tensor rank's piece of a run, built and restored in a plain process (no Horovod):
-    what `consolidate` reads the optimizer state through."""
-
-    def __init__(self, cfg, rank, size, restore_path):
-        super().__init__(cfg)
-        self.group = TensorGroup(None, rank, size)
-        self.restore_path = restore_path
-        self.splits = {}
-
-    @property
-    def is_chief(self):
-        return False
-
-    def build_model(self, task):
-        model, self.splits = split_model(task, self.group)
-        return model
-
-    def restore_dir(self, model_dir):
-        return os.path.dirname(self.restore_path)
-
-    def checkpoint_dir(self, model_dir):
-        return None
-
-
-def consolidate(model_dir, out_dir, warn=print):
-    """Write the newest checkpoint of tensor-parallel run `model_dir` as a single-device
-    checkpoint in `out_dir` (weights, optimizer slots, step, input position): it resumes under
-    any layout. `model_dir` is only read. Returns the checkpoint path written. A run with
-    pipeline stages too (pipeline.json) is consolidated by tfbig.pipeline.stage_checkpoint."""
-    from tfbig.pipeline import stage_checkpoint
-    from tfbig.trainer import Trainer
-
-    if read_layout(model_dir) is None and stage_checkpoint.read_layout(model_dir) is not None:
-        return stage_checkpoint.consolidate(model_dir, out_dir, warn)  # TP x PP
-
-    layout, cfg = consolidation_input(model_dir, out_dir, LAYOUT_FILE,
-                                      "a tensor-parallel run")
-    if os.path.exists(os.path.join(model_dir, "zero.json")):  # tfbig.distribute.tensor_zero
-        raise ValueError(f"{model_dir} was written with --tensor_parallel and --zero_stage=1 "
-                         f"(zero.json): its optimizer slots are sliced over data ranks too, "
-                         f"which this consolidation does not join; resume it with the same "
-                         f"flags (tfbig-generate and tfbig-export read its weights)")
-    layout = _with_tuples(layout)
-    paths = rank_checkpoints(model_dir, layout, warn)
-    cfg.train.strategy = "single"
-    cfg.parallel = type(cfg.parallel)()
-    size = layout["tensor_parallel"]
-    pieces = []
-    for rank, path in enumerate(paths):
-        cfg.train.model_dir = model_dir
-        trainer = Trainer(cfg, strategy=OfflineSlice(cfg, rank, size, path))
-        if trainer.restored_from is None or os.path.basename(trainer.restored_from) != \
-                os.path.basename(path):
-            raise ValueError(f"could not restore {path} (found {trainer.restored_from})")
-        pieces.append(_state_arrays(trainer, layout["splits"]))
-    cfg.train.model_dir = out_dir
-    os.makedirs(out_dir, exist_ok=True)
-    full = Trainer(cfg)
-    for name, variable in _state_variables(full).items():
-        piece = pieces[0][name][1]
-        values = [p[name][0] for p in pieces]
-        variable.assign(values[0] if piece is None else join_slices(values, *piece))
-    return full.save()
-
-
-def _state_variables(trainer):
+def state_variables(trainer):
     """{name: variable} of everything a checkpoint holds, named the same in every layout:
     model weights by path, optimizer variables by position, the counters by name."""
     seeds = [v for v in trainer.model.variables if "seed_generator" in v.path]
@@ -432,22 +330,11 @@ def _state_variables(trainer):
     return named
 
 
-def _state_arrays(trainer, splits):
+def state_arrays(trainer, splits):
     """{name: (value, split of the model variable it belongs to or None)} of one rank."""
     owner = slot_owners(trainer.optimizer)  # optimizer slot -> the weight it belongs to
     out = {}
-    for name, v in _state_variables(trainer).items():
+    for name, v in state_variables(trainer).items():
         path = name if not name.startswith("optimizer/") else owner.get(id(v))
         out[name] = (np.asarray(v.numpy()), splits.get(path) if path else None)
     return out
-
-
-def main(argv=None):
-    """python -m tfbig.distribute.tensor_layout MODEL_DIR OUT_DIR"""
-    return consolidation_main(
-        argv, "tfbig.distribute.tensor_layout", "a --tensor_parallel run", consolidate,
-        "resumes with any --tensor_parallel, read by tfbig-generate/export")
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -32,7 +32,7 @@ runs as a TensorFlow graph, not XLA-compiled (--xla is ignored with a notice).
 
 Checkpoints: each rank of the first data-parallel replica writes what it holds (tensor rank 0
 in --model_dir, rank t in MODEL_DIR/tensor/rank-t) and MODEL_DIR/tensor.json records the
-layout. `tensor_layout.consolidate(model_dir, out_dir)` assembles the full variables (weights
+layout. `python -m tfbig.consolidate MODEL_DIR OUT_DIR` assembles the full variables (weights
 and optimizer slots) into a single-device checkpoint; a tensor-parallel run started on a
 single-device checkpoint slices it on load (`restore_from_single_device`), so a run moves from
 one degree to another through one consolidation. tfbig-generate and tfbig-export read the
@@ -51,11 +51,12 @@ from keras import ops
 
 from tfbig.checkpoint import piece_dir, write_layout
 from tfbig.distribute import recompute
+from tfbig.distribute.base import Strategy
 from tfbig.distribute.horovod import HorovodStrategy
 from tfbig.distribute.horovod_keras import hvd
-from tfbig.distribute.tensor_layout import (LAYOUT_FILE, TensorGroup, join_slices,
-                                            restore_from_single_device, split_model,
-                                            whole_sequence_paths)
+from tfbig.distribute.tensor_layout import (LAYOUT_FILE, TensorGroup, join_slices, own_mask_states,
+                                            split_model, state_arrays, state_variables,
+                                            take_slice, whole_sequence_paths)
 
 
 # ---- the conjugate collectives (Megatron's mappings) -----------------------------------------
@@ -241,6 +242,39 @@ def skip_everywhere(grads, process_set):
     return [g + tf.cast(poison, g.dtype) for g in grads]
 
 
+def restore_from_single_device(trainer, path, group, splits):
+    """Restore single-device checkpoint `path` into tensor rank `group.rank`'s slices.
+
+    The full model and its optimizer are built on this process for the duration of the restore
+    (P parameters and their slots, as one device of the single-device run held them), restored,
+    and every variable's slice assigned; dropout states as `split_model` offsets them. So a run
+    consolidated from any layout (tfbig.consolidate) resumes under any --tensor_parallel."""
+    from types import SimpleNamespace
+
+    from tfbig.checkpoint import model_variables, rng_variables
+
+    full = trainer.task.build_model()
+    optimizer = Strategy(trainer.cfg).build_optimizer(trainer.cfg.train, full.trainable_variables)
+    counters = {name: tf.Variable(0, dtype=tf.int64, trainable=False, name=name)
+                for name in ("step", "batches_consumed", "nonfinite_steps")}
+    tf.train.Checkpoint(model=model_variables(full), rng_state=rng_variables(full),
+                        optimizer=optimizer, **counters).restore(
+        path).assert_existing_objects_matched()
+    source = state_arrays(SimpleNamespace(model=full, optimizer=optimizer, **counters), splits)
+    own = own_mask_states(trainer.model, group)
+    own_rng = {f"rng/{i}" for i, v in enumerate(
+        v for v in trainer.model.variables if "seed_generator" in v.path) if id(v) in own}
+    for name, variable in state_variables(trainer).items():
+        if name not in source:
+            raise ValueError(f"{path}: no {name} to restore (a checkpoint of another model?)")
+        value, piece = source[name]
+        if piece is not None:
+            value = take_slice(value, *piece, group.rank, group.size)
+        elif name in own_rng:
+            value = value + np.asarray(group.rank, value.dtype)
+        variable.assign(value)
+
+
 class TensorParallelStrategy(HorovodStrategy):
     """Horovod data parallelism over the data axis, each replica split over a tensor group."""
 
@@ -417,7 +451,7 @@ class TensorParallelStrategy(HorovodStrategy):
                 f"--model_dir={model_dir} was written with --tensor_parallel="
                 f"{saved['tensor_parallel']}; this run has {self.group.size}. Resume with the "
                 f"same degree, or assemble a single-device checkpoint first (it resumes with "
-                f"any degree): python -m tfbig.distribute.tensor_layout {model_dir} OUT_DIR")
+                f"any degree): python -m tfbig.consolidate {model_dir} OUT_DIR")
         return saved
 
     def after_checkpoint(self, directory):

@@ -33,7 +33,7 @@ records the layout. Stages 1-2 files also hold the full parameters (tfbig-genera
 read --model_dir as usual; with stage 3 they assemble the slices). Resuming with another stage
 (3 vs 1-2), shard degree or number of processes re-shards on load (zero_checkpoint.py: every
 piece is read, full values assembled, this rank's slices cut); a plain checkpoint loads too.
-`python -m tfbig.distribute.zero MODEL_DIR OUT_DIR` writes a single-device checkpoint.
+`python -m tfbig.consolidate MODEL_DIR OUT_DIR` writes a single-device checkpoint.
 
 Example:
     horovodrun -np 8 -H localhost:8 --gloo tfbig-train --strategy=horovod --zero_stage=3 \
@@ -292,6 +292,3 @@ class ZeroStrategy(HorovodStrategy):
         if self.is_chief:
             write_layout(directory, LAYOUT_FILE, self._layout())
 
-
-if __name__ == "__main__":  # python -m tfbig.distribute.zero MODEL_DIR OUT_DIR: consolidate
-    raise SystemExit(zero_checkpoint.main())

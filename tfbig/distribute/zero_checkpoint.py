@@ -12,8 +12,10 @@ Slice j of a variable is elements j*S..(j+1)*S-1 of it flattened and zero-padded
 `resharded_checkpoint` writes, for the process asking, a checkpoint of its own layout (its
 keys and shapes, taken from a `write` of its own fresh state): full values are assembled from
 every saved slice, then cut for the new layout (any stage, any shard degree, 1 process or
-many). `consolidate` writes a single-device checkpoint (`python -m tfbig.distribute.zero
-MODEL_DIR OUT_DIR`) that resumes without --zero_stage and that tfbig-generate/-export read.
+many). `python -m tfbig.consolidate MODEL_DIR OUT_DIR` writes a single-device checkpoint that
+resumes without --zero_stage; `assembled_weights` is what tfbig-generate/-export read.
+
+Below every backend (the layer map: tfbig/__init__.py): no Strategy, no Horovod, no trainer.
 """
 import os
 import re
@@ -22,7 +24,7 @@ import tempfile
 import numpy as np
 import tensorflow as tf
 
-from tfbig.checkpoint import consolidation_input, consolidation_main, model_key, piece_dir
+from tfbig.checkpoint import model_key, piece_dir
 from tfbig.checkpoint import read_layout as checkpoint_layout
 
 LAYOUT_FILE = "zero.json"
@@ -179,34 +181,3 @@ def assembled_weights(model_dir, model, warn=print):
     saved = SavedState(piece_paths(model_dir, layout, latest), layout)
     return {v.path: saved.parameter(i, model_key(model, v), tuple(v.shape))
             for i, v in enumerate(model.trainable_variables)}
-
-
-# ---- consolidation into a single-device checkpoint -----------------------------------------
-def consolidate(model_dir, out_dir, warn=print):
-    """Write the newest checkpoint of ZeRO run `model_dir` as a single-device checkpoint in
-    `out_dir` (weights, optimizer slots, step, input position). Returns its path."""
-    from tfbig import integrity
-    from tfbig.distribute.base import Strategy
-    from tfbig.distribute.zero3 import Partition
-    from tfbig.trainer import Trainer
-
-    layout, cfg = consolidation_input(model_dir, out_dir, LAYOUT_FILE, "a --zero_stage run")
-    latest, _ = integrity.newest_intact(model_dir, warn, keep_damaged=True)
-    if latest is None:
-        raise FileNotFoundError(f"--model_dir={model_dir} has no checkpoint")
-    cfg.train.strategy, cfg.train.model_dir = "single", out_dir
-    cfg.parallel = type(cfg.parallel)()
-    os.makedirs(out_dir, exist_ok=True)
-    trainer = Trainer(cfg, strategy=Strategy(cfg))
-    restore_resharded(trainer.checkpoint, model_dir, layout, latest, trainer.model,
-                      trainer.model.trainable_variables, trainer.optimizer,
-                      Partition(None, 1, 0))
-    return trainer.save()
-
-
-def main(argv=None):
-    """python -m tfbig.distribute.zero MODEL_DIR OUT_DIR"""
-    return consolidation_main(
-        argv, "tfbig.distribute.zero", "a --zero_stage run", consolidate,
-        "resumes with any --zero_stage, read by tfbig-generate/export")
-

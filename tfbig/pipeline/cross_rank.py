@@ -30,8 +30,8 @@ tfbig.pipeline.transport). One optimizer step, per rank:
 Checkpoints: each rank of data replica 0 writes its stage (stage 0 in --model_dir, stage k in
 MODEL_DIR/pipeline/stage-k) and the chief writes MODEL_DIR/pipeline.json (which stage owns
 which weight). Resuming needs the same --pipeline_stages; tfbig.pipeline.stage_checkpoint
-assembles the single-device model (tfbig-generate/export read it) or writes a single-device
-checkpoint: python -m tfbig.pipeline.stage_checkpoint MODEL_DIR OUT_DIR.
+assembles the single-device model (tfbig-generate/export read it), and
+python -m tfbig.consolidate MODEL_DIR OUT_DIR writes a single-device checkpoint.
 
 With --tensor_parallel=T each stage is also split over T ranks (tfbig.pipeline.tensor_stage;
 GPT, ALBERT and BERT, with or without --sequence_parallel). Not built (refused before

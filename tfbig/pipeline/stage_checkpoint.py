@@ -1,4 +1,4 @@
-"""Checkpoints of a pipeline whose stages live on different ranks: layout, assembly, consolidation.
+"""Checkpoints of a pipeline whose stages live on different ranks: layout and assembly.
 
 Each stage rank of data replica 0 saves the variables it holds (stage 0 in MODEL_DIR, stage k in
 MODEL_DIR/pipeline/stage-k, tfbig.checkpoint.piece_dir) and the chief writes
@@ -10,10 +10,11 @@ piece_dir(STAGE_DIR, "tensor", t) and the layout also holds "tensor_parallel" an
 
     assembled_weights(model_dir, model)   {path: array} of the single-device model
                                           (tfbig-generate and tfbig-export read it)
-    consolidate(model_dir, out_dir)       a single-device checkpoint (weights, optimizer
-                                          slots, step, input position): resumes anywhere
+    named_state(trainer)                  a piece's state, named alike in every layout
+                                          (tfbig.consolidate joins the pieces into a
+                                          single-device checkpoint that resumes anywhere)
 
-    python -m tfbig.pipeline.stage_checkpoint MODEL_DIR OUT_DIR   # consolidate
+Below every backend (the layer map: tfbig/__init__.py): no Strategy, no trainer.
 """
 import os
 import re
@@ -21,11 +22,9 @@ import re
 import numpy as np
 import tensorflow as tf
 
-from tfbig.checkpoint import (consolidation_input, consolidation_main, piece_checkpoints,
-                              piece_dir, reader_key, slot_owners)
+from tfbig.checkpoint import piece_checkpoints, piece_dir, reader_key
 from tfbig.checkpoint import read_layout as checkpoint_layout
-from tfbig.distribute.base import Strategy
-from tfbig.distribute.tensor_layout import TensorGroup, join_slices
+from tfbig.distribute.tensor_layout import join_slices
 
 LAYOUT_FILE = "pipeline.json"
 
@@ -48,8 +47,14 @@ def tensor_degree(saved):
     return saved.get("tensor_parallel", 1)
 
 
-def _splits(saved):
+def saved_splits(saved):
+    """{weight path: (axis, sections)} of a saved layout's tensor-split weights."""
     return {path: tuple(piece) for path, piece in saved.get("splits", {}).items()}
+
+
+def weight_owners(saved):
+    """{weight path: the stage that owns it} (a tied or shared weight: its first holder's)."""
+    return {path: s for s, stage in enumerate(saved["stages"]) for path in stage["weights"]}
 
 
 def read_layout(model_dir):
@@ -67,7 +72,7 @@ def check_resume(model_dir, num_stages, tensor_parallel=1):
                          f"this run has --pipeline_stages={num_stages} --tensor_parallel="
                          f"{tensor_parallel}. Resume with the same layout, or write a "
                          f"single-device checkpoint first: "
-                         f"python -m tfbig.pipeline.stage_checkpoint {model_dir} OUT_DIR")
+                         f"python -m tfbig.consolidate {model_dir} OUT_DIR")
     if saved is None and tf.train.latest_checkpoint(model_dir):
         raise ValueError(f"--model_dir={model_dir} holds a checkpoint without pipeline stages "
                          f"({LAYOUT_FILE} is missing); resume it without --pipeline_stages or "
@@ -103,8 +108,7 @@ def assembled_weights(model_dir, model, warn=print):
     saved = read_layout(model_dir)
     readers = [[tf.train.load_checkpoint(p) for p in stage]
                for stage in piece_paths(model_dir, saved, warn)]
-    owner = {path: s for s, stage in enumerate(saved["stages"]) for path in stage["weights"]}
-    splits = _splits(saved)
+    owner, splits = weight_owners(saved), saved_splits(saved)
     out = {}
     for v in model.variables:
         if "seed_generator" in v.path:
@@ -116,82 +120,7 @@ def assembled_weights(model_dir, model, warn=print):
     return out
 
 
-class OfflineStage(Strategy):
-    """One stage of a cross-rank pipeline run, built and restored in a plain process."""
-
-    def __init__(self, cfg, pipeline, stage_index, num_stages, restore_path, tensor_rank=0,
-                 tensor_parallel=1):
-        super().__init__(cfg)
-        self.pipeline = pipeline  # the run's PipelineConfig (its stage boundaries)
-        self.stage_index, self.num_stages = stage_index, num_stages
-        self.restore_path = restore_path
-        self.group = TensorGroup(None, tensor_rank, tensor_parallel)
-
-    @property
-    def is_chief(self):
-        return False
-
-    def build_model(self, task):
-        from tfbig.pipeline.cross_rank import stage_plan
-        from tfbig.pipeline.stage_model import build_stage_model
-        from tfbig.pipeline.tensor_stage import build_tensor_stage
-
-        specs, plan = stage_plan(task, self.pipeline, self.num_stages)
-        if self.group.size > 1:  # this tensor rank's slices, no collectives
-            return build_tensor_stage(task, plan, specs, self.stage_index, "/device:CPU:0",
-                                      self.group)[0].model
-        return build_stage_model(task, plan, specs, self.stage_index, "/device:CPU:0").model
-
-    def restore_dir(self, model_dir):
-        return os.path.dirname(self.restore_path)
-
-    def checkpoint_dir(self, model_dir):
-        return None
-
-
-def consolidate(model_dir, out_dir, warn=print):
-    """Write the newest checkpoint of cross-rank pipeline run `model_dir` as a single-device
-    checkpoint in `out_dir`; `model_dir` is only read. Returns the checkpoint path."""
-    from tfbig.trainer import Trainer
-
-    saved, cfg = consolidation_input(model_dir, out_dir, LAYOUT_FILE,
-                                     "a cross-rank pipeline run")
-    paths = piece_paths(model_dir, saved, warn)
-    pipeline, num_stages, size = cfg.pipeline, saved["pipeline_stages"], tensor_degree(saved)
-    cfg.train.strategy = "single"  # the Horovod/pipeline sections' flags do not apply
-    cfg.pipeline, cfg.horovod, cfg.parallel = (type(cfg.pipeline)(), type(cfg.horovod)(),
-                                               type(cfg.parallel)())
-    states = [[_restored_state(cfg, model_dir, OfflineStage(
-        cfg, pipeline, stage, num_stages, path, rank, size)) for rank, path in enumerate(pieces)]
-        for stage, pieces in enumerate(paths)]
-    owner = {path: s for s, stage in enumerate(saved["stages"]) for path in stage["weights"]}
-    splits = _splits(saved)
-    cfg.train.model_dir = out_dir
-    os.makedirs(out_dir, exist_ok=True)
-    full = Trainer(cfg)
-    slots = slot_owners(full.optimizer)
-    for name, variable in _named_variables(full).items():
-        weight = slots.get(id(variable), name)  # an optimizer slot: the weight it belongs to
-        stage, piece = states[owner.get(weight, 0)], splits.get(weight)
-        variable.assign(stage[0][name] if piece is None else
-                        join_slices([ranks[name] for ranks in stage], *piece))
-    return full.save()
-
-
-def _restored_state(cfg, model_dir, offline):
-    """The named state of one piece (stage, tensor rank) restored through `offline`."""
-    from tfbig.trainer import Trainer
-
-    cfg.train.model_dir = model_dir
-    trainer = Trainer(cfg, strategy=offline)
-    path = offline.restore_path
-    if trainer.restored_from is None or \
-            os.path.basename(trainer.restored_from) != os.path.basename(path):
-        raise ValueError(f"could not restore {path} (found {trainer.restored_from})")
-    return _named_state(trainer)
-
-
-def _named_variables(trainer):
+def named_variables(trainer):
     """{name: variable} of a checkpoint's content, named alike in every layout: weights and
     optimizer variables by path (slots carry their weight's path), counters by name."""
     named = {v.path: v for v in trainer.model.variables if "seed_generator" not in v.path}
@@ -207,16 +136,6 @@ def _optimizer_key(path):
     return re.sub(r"_\d+$", "", owner) + "/" + rest
 
 
-def _named_state(trainer):
-    return {name: np.asarray(v.numpy()) for name, v in _named_variables(trainer).items()}
-
-
-def main(argv=None):
-    """python -m tfbig.pipeline.stage_checkpoint MODEL_DIR OUT_DIR"""
-    return consolidation_main(
-        argv, "tfbig.pipeline.stage_checkpoint", "a cross-rank pipeline run", consolidate,
-        "a single-device checkpoint (resumes under any layout)")
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+def named_state(trainer):
+    """{name: array} of `named_variables(trainer)`."""
+    return {name: np.asarray(v.numpy()) for name, v in named_variables(trainer).items()}

@@ -42,8 +42,8 @@ stage adjacent, on one host). The rank at (data d, pipeline k, tensor t):
 Checkpoints: each rank of data replica 0 writes what it holds, stage k tensor rank t in
 piece_dir(piece_dir(MODEL_DIR, "pipeline", k), "tensor", t) (MODEL_DIR for 0/0,
 MODEL_DIR/pipeline/stage-k/tensor/rank-t in general); MODEL_DIR/pipeline.json records the
-stages and the tensor splits. `python -m tfbig.pipeline.stage_checkpoint MODEL_DIR OUT_DIR` (or
-tfbig.distribute.tensor_layout) writes a single-device checkpoint; tfbig-generate/export read
+stages and the tensor splits. `python -m tfbig.consolidate MODEL_DIR OUT_DIR` writes a
+single-device checkpoint; tfbig-generate/export read
 the pieces directly. Resuming needs the same --pipeline_stages and --tensor_parallel.
 
 --sequence_parallel: inside each stage the LayerNorm/dropout regions are split along the
