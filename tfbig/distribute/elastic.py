@@ -27,7 +27,6 @@ import tensorflow as tf
 from horovod.common.elastic import State, run_fn
 from horovod.common.exceptions import HorovodInternalError
 
-from tfbig.config import pipeline_stages
 from tfbig.distribute import horovod_keras
 from tfbig.distribute.horovod import HorovodStrategy
 from tfbig.distribute.horovod_keras import hvd
@@ -147,33 +146,3 @@ class ElasticHorovodStrategy(HorovodStrategy):
         records = task.dataset("train", micro_batch, None, seed=seed,
                                skip_batches=skip_batches * world)
         return iter(records.shard(world, rank).batch(grad_accum_steps, drop_remainder=True))
-
-
-def horovod_backend(cfg=None):
-    """--strategy=horovod: pipeline stages on ranks with --pipeline_stages > 1, elastic with
-    --elastic, tensor-parallel with --tensor_parallel (with ZeRO-1 if --zero_stage=1),
-    ZeRO-sharded with --zero_stage, else the fixed-world HorovodStrategy."""
-    horovod = getattr(cfg, "horovod", None)
-    parallel = getattr(cfg, "parallel", None)
-    tensor = getattr(parallel, "tensor_parallel", 1)
-    if cfg is not None and pipeline_stages(cfg) > 1:
-        from tfbig.pipeline.cross_rank import CrossRankPipeline
-        from tfbig.pipeline.tensor_stage import TensorPipeline
-
-        # Both refuse what they do not combine with (--elastic...).
-        return TensorPipeline(cfg) if tensor > 1 else CrossRankPipeline(cfg)
-    if horovod is not None and horovod.elastic:
-        return ElasticHorovodStrategy(cfg)  # refuses --tensor_parallel (check_elastic)
-    if tensor > 1 and getattr(parallel, "zero_stage", 0):
-        from tfbig.distribute.tensor_zero import TensorZeroStrategy
-
-        return TensorZeroStrategy(cfg)  # --zero_stage=1 (build_mesh refuses 2 and 3)
-    if tensor > 1:
-        from tfbig.distribute.tensor_parallel import TensorParallelStrategy
-
-        return TensorParallelStrategy(cfg)
-    if getattr(parallel, "zero_stage", 0):
-        from tfbig.distribute.zero import ZeroStrategy
-
-        return ZeroStrategy(cfg)
-    return HorovodStrategy(cfg)
