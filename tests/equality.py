@@ -94,18 +94,19 @@ def assert_weights_equal(ours, theirs, gradients, learning_rates, first_update=1
                 f"{allowed[i]:.3g}, reference gradient {g[0][i]:.3g})")
 
 
-# ---- the reference run's side: its first gradient and learning rates ------------------------
+# ---- the reference run's side: its gradients and learning rates ----------------------------
 class RecordedGradients:
-    """Records, without changing the run, the gradients of every update a Trainer applies from
-    now on up to --max_steps (create it before `fit`); `assert_equal` then compares other weights
+    """Records, without changing the run, the gradients of the first `updates` updates a Trainer
+    applies from now on (create it before `fit`); `assert_equal` then compares other weights
     with the trainer's under the rule above."""
 
-    def __init__(self, trainer):
+    def __init__(self, trainer, updates=32):
         import tensorflow as tf
 
         variables = trainer.model.trainable_variables
         self.start = int(trainer.optimizer.iterations.numpy())  # updates applied before
-        count = self._count = max(trainer.cfg.train.max_steps - self.start, 1)
+        # the first `updates` are enough: sqrt(v_t) >= sqrt(b_ts)|g_s| for any s <= t
+        count = self._count = max(min(trainer.cfg.train.max_steps - self.start, updates), 1)
         self._store = [tf.Variable(tf.zeros((count, *v.shape), tf.float32), trainable=False)
                        for v in variables]
         self.paths = [v.path for v in variables]
@@ -113,9 +114,14 @@ class RecordedGradients:
         apply = trainer.strategy.apply_gradients
 
         def recording(optimizer, grads, variables):
-            index = tf.minimum(tf.cast(optimizer.iterations, tf.int32) - self.start, count - 1)
-            for store, g in zip(self._store, grads):
-                store[index].assign(tf.cast(tf.convert_to_tensor(g), tf.float32))
+            index = tf.cast(optimizer.iterations, tf.int32) - self.start
+
+            def keep():
+                for store, g in zip(self._store, grads):
+                    store[index].assign(tf.cast(tf.convert_to_tensor(g), tf.float32))
+                return tf.constant(True)
+
+            tf.cond(index < count, keep, lambda: tf.constant(False))
             return apply(optimizer, grads, variables)
 
         trainer.strategy.apply_gradients = recording  # traced by the first step of `fit`
@@ -124,20 +130,42 @@ class RecordedGradients:
         """[[gradient of each weight] for each update applied since]."""
         done = int(self.trainer.optimizer.iterations.numpy()) - self.start
         assert done > 0, "no update was recorded: create RecordedGradients before fit"
-        steps = [[s[k].numpy() for s in self._store] for k in range(min(done, self._count))]
-        assert any(np.any(g) for g in steps[0]), "the recorded gradients are all zero"
-        return steps
+        if getattr(self, "_read", (None,))[0] != done:
+            steps = [[s[k].numpy() for s in self._store] for k in range(min(done, self._count))]
+            assert any(np.any(g) for g in steps[0]), "the recorded gradients are all zero"
+            self._read = (done, steps)
+        return self._read[1]
 
     def learning_rates(self):
         """The learning rates of the updates applied since."""
         from tfbig.optim import learning_rate
 
         done = int(self.trainer.optimizer.iterations.numpy())
-        return [float(learning_rate(self.trainer.optimizer, s)) for s in range(self.start, done)]
+        if getattr(self, "_rates", (None,))[0] != done:
+            self._rates = (done, [float(learning_rate(self.trainer.optimizer, s))
+                                  for s in range(self.start, done)])
+        return self._rates[1]
 
     def assert_equal(self, ours, rtol=1e-5, atol=1e-6, err_msg=""):
-        """Assert the arrays `ours` (in trainable-variable order) equal the trainer's weights."""
+        """Assert `ours` equals the trainer's weights: arrays in trainable-variable order, or
+        {variable path: array} for some of them (a stage's)."""
+        keep = [self.paths.index(path) for path in ours] if isinstance(ours, dict) \
+            else range(len(self.paths))
+        ours = list(ours.values()) if isinstance(ours, dict) else ours
+        theirs = [v.numpy() for v in self.trainer.model.trainable_variables]
         t = self.trainer.cfg.train
-        assert_weights_equal(ours, [v.numpy() for v in self.trainer.model.trainable_variables],
-                             self.gradients(), self.learning_rates(), self.start + 1,
-                             t.beta_1, t.beta_2, rtol, atol, self.paths, err_msg)
+        assert_weights_equal(ours, [theirs[k] for k in keep],
+                             [[step[k] for k in keep] for step in self.gradients()],
+                             self.learning_rates(), self.start + 1, t.beta_1, t.beta_2, rtol,
+                             atol, [self.paths[k] for k in keep], err_msg)
+
+    def assert_equal_piece(self, path, ours, piece=lambda full: full, rtol=1e-5, atol=1e-6,
+                           err_msg=""):
+        """Assert `ours` equals piece(the trainer's weight `path`): a rank's slice of it, say
+        (the same piece of each recorded gradient bounds it)."""
+        k = self.paths.index(path)
+        t = self.trainer.cfg.train
+        assert_weights_equal([ours], [piece(self.trainer.model.trainable_variables[k].numpy())],
+                             [[piece(step[k])] for step in self.gradients()],
+                             self.learning_rates(), self.start + 1, t.beta_1, t.beta_2, rtol,
+                             atol, [path], err_msg)

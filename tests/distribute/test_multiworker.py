@@ -21,6 +21,7 @@ import pytest
 import tensorflow as tf
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from equality import RecordedGradients  # noqa: E402
 from test_trainer import ReplicasTask, assert_weights_close, make_cfg, weights  # noqa: E402
 
 from launch.local import free_ports, tf_config  # noqa: E402
@@ -126,6 +127,7 @@ def reference(data_dir, model_dir, num_pipelines, steps=None, **train):
     """The single-device run on the examples `num_pipelines` workers read together."""
     cfg = make_cfg(data_dir, model_dir, **train)
     trainer = Trainer(cfg, task=ReplicasTask(cfg.train, num_pipelines, get_task(cfg.train, cfg)))
+    trainer.recorded = RecordedGradients(trainer)  # tests/equality.py
     return trainer, trainer.fit(steps)
 
 
@@ -158,7 +160,7 @@ def test_two_workers_equal_one_process_on_the_same_data(model, gpt_data, albert_
     for a, b in zip(w0, w1):
         np.testing.assert_array_equal(a, b)  # the workers hold identical weights
     single, summary = reference(data, tmp_path / "single", 2, **train)
-    assert_weights_close(w0, weights(single), rtol=1e-5)
+    single.recorded.assert_equal(w0, atol=1e-7)
     assert first["train"]["loss"] == pytest.approx(summary["train"]["loss"], rel=1e-5)
     assert "[worker 0]" in output and "[worker 1]" in output
     assert os.path.exists(first["checkpoint"] + ".index")  # the chief's, in --model_dir
@@ -218,7 +220,7 @@ def test_sigterm_saves_on_every_worker_and_a_restart_resumes_there(gpt_data, tmp
     for a, b in zip(w0, w1):
         np.testing.assert_array_equal(a, b)
     single, _ = reference(gpt_data, tmp_path / "single", 2, steps=step + 2, **PREEMPTION)
-    assert_weights_close(w0, weights(single), rtol=1e-5)
+    single.recorded.assert_equal(w0, atol=1e-7)
 
 
 @pytest.mark.multiproc
@@ -292,8 +294,9 @@ def test_mirrored_over_two_cpu_devices_equals_single_device(gpt_data, tmp_path):
     summary, mirrored = worker_result(tmp_path, 0)
     assert summary["num_replicas"] == 2
     single = Trainer(make_cfg(gpt_data, tmp_path / "single", **train))
+    recorded = RecordedGradients(single)
     single.fit()
-    assert_weights_close(mirrored, weights(single), rtol=1e-5)
+    recorded.assert_equal(mirrored, atol=1e-7)
 
 
 def free_port_pair(low=20000, high=40000):

@@ -164,12 +164,12 @@ def check_scenario(data_dir, out, tmp_path, name):
         for suffix in TIED.get(train.get("model"), [TABLE]):
             assert [p for p in held(result, "w") if p.endswith(suffix) and p in splits], suffix
         for path, value in held(result, "w").items():
-            # atol 5e-6 on weights ~1e-2 after 3 Adam steps of lr 3e-3: the split matmuls sum
-            # their partial products in another order, and m/sqrt(v) turns the float32
-            # rounding of a near-zero gradient entry into up to ~1e-3 of one update (3.2e-6
-            # measured on 4 of 4k entries); the gradients themselves agree to rtol 1e-5.
-            np.testing.assert_allclose(value, as_held(result, path, expected[path]), rtol=1e-5,
-                                       atol=5e-6, err_msg=f"{where}: {path}")
+            # the split matmuls sum their partial products in another order, and Adam turns
+            # the float32 rounding of a near-zero gradient entry into up to ~lr per update:
+            # tests/equality.py bounds each entry through the reference's gradients
+            single.recorded.assert_equal_piece(
+                path, value, lambda full, path=path: as_held(result, path, full),
+                err_msg=f"{where}:")
             covered.add((path, t if path in splits else None))
         for path, value in held(result, "g").items():  # the tied copy's included
             np.testing.assert_allclose(value, as_held(result, path, grads[path]), rtol=1e-5,
