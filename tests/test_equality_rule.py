@@ -43,6 +43,8 @@ def test_float32_noise_in_a_near_zero_gradient_passes_where_a_flat_atol_fails(ru
     assert gap > sum(LEARNING_RATES)  # Adam moved it the other way every update (eps damps it)
     assert not np.allclose(ours, theirs, rtol=1e-5, atol=1e-6)
     assert_weights_equal([ours], [theirs], [[g] for g in reference], LEARNING_RATES)
+    with pytest.raises(AssertionError, match="flat tolerance"):  # LAMB: no Adam allowance
+        assert_weights_equal([ours], [theirs], [], [])
     # and every other entry still within the tight tolerance
     assert np.allclose(np.delete(ours, NOISE_ENTRY), np.delete(theirs, NOISE_ENTRY),
                        rtol=1e-5, atol=1e-6)
