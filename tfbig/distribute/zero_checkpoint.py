@@ -1,4 +1,4 @@
-"""Reading a ZeRO run's checkpoint under another layout: re-sharding on load and consolidation.
+"""Reading a ZeRO run's checkpoint under another layout: re-sharding on load, whole weights.
 
 A ZeRO checkpoint (tfbig.distribute.zero) is one file per partition position j of the first
 replica group (position 0 in MODEL_DIR, j in MODEL_DIR/zero/shard-j) and MODEL_DIR/zero.json
