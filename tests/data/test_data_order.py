@@ -117,7 +117,7 @@ def checkpoint_at(model_dir, step, into):
             for name in glob.glob(glob.escape(path) + ".*"):
                 os.remove(name)
     prefix = os.path.join(into, os.path.basename(kept[-1]))
-    tf.train.update_checkpoint_state(into, prefix, [os.path.join(into, os.path.basename(p)) for p in kept])
+    tf.compat.v1.train.update_checkpoint_state(into, prefix, [os.path.join(into, os.path.basename(p)) for p in kept])
     return into
 
 
