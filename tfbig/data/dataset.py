@@ -30,7 +30,8 @@ from tfbig.data import formats, mixture
 from tfbig.data.manifest import load_manifest
 from tfbig.data.order import MixtureOrder, RecordReader
 
-MAX_PARALLEL_FILES = 8  # batches read at once (each a numpy_function of preads)
+MAX_PARALLEL_FILES = 8  # reads in flight (each a numpy_function of preads)
+READ_RECORDS = 64  # records one read fetches (whole batches of this pipeline)
 _DTYPES = {"int64": tf.int64, "float32": tf.float32}
 
 
@@ -95,22 +96,30 @@ def make_dataset(data_dir: str, split: str, batch_size: int, *, format: str = "g
 
 
 def _slices(order, total, start, batch_size, num_pipelines, pipeline_id, trace) -> tf.data.Dataset:
-    """Serialized records, one batch of this pipeline's slice of each global batch."""
+    """Serialized records, one batch of this pipeline's slice of each global batch. Repeating,
+    `group` consecutive batches are read by one call (a Python call per batch of a few records
+    costs more than its reads)."""
     stride = batch_size * num_pipelines
     first = start + pipeline_id * batch_size
+    group = max(1, READ_RECORDS // batch_size) if total is None else 1
     stop = np.iinfo(np.int64).max if total is None else total
-    firsts = tf.data.Dataset.range(first, stop, stride)
+    firsts = tf.data.Dataset.range(first, stop, stride * group)
 
     def read(position):
-        end = position + batch_size if total is None else min(position + batch_size, total)
-        positions = np.arange(position, end, dtype=np.int64)
+        if total is None:
+            positions = (position + stride * np.arange(group)[:, None] + np.arange(batch_size)).reshape(-1)
+        else:
+            positions = np.arange(position, min(position + batch_size, total), dtype=np.int64)
         return trace(positions, order.read(positions))
 
-    def read_batch(position):
+    def read_batches(position):
         records = tf.numpy_function(read, [position], tf.string, stateful=False)
-        return tf.ensure_shape(records, [batch_size] if total is None else [None])
+        if total is None:
+            return tf.reshape(tf.ensure_shape(records, [group * batch_size]), [group, batch_size])
+        return tf.ensure_shape(records, [None])[None]
 
-    return firsts.map(read_batch, num_parallel_calls=MAX_PARALLEL_FILES, deterministic=True)
+    batches = firsts.map(read_batches, num_parallel_calls=MAX_PARALLEL_FILES, deterministic=True)
+    return batches.unbatch()
 
 
 def _tracer(directory: str, pipeline_id: int):
