@@ -77,6 +77,10 @@ class TrainConfig:
     keep_checkpoints: int = field(3, "Keep the last N checkpoints.")
     skip_corrupt: bool = field(False, "Skip corrupt TFRecord shards (counted in the logs) "
                                       "instead of failing.")
+    data_trace: str = field("", "Directory where each input pipeline appends, per training "
+                                "example it reads, its global position and the CRC-32 of its "
+                                "record (pipeline-<id>-<pid>.tsv; read-ahead included): to check "
+                                "which examples a run trained on (empty: none).")
     sample_tokens: int = field(200, "Tokens of text generated at the end of training "
                                     "(0: none).")
     plan_only: bool = field(False, "Print the plan of these flags on this machine (memory per "

@@ -99,6 +99,8 @@ class Trainer:
             self.model = self.strategy.build_model(self.task)
             self.optimizer = self.strategy.build_optimizer(t, self.model.trainable_variables)
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
+            # Global batches of --batch_size examples read: the input position, the same on
+            # any layout (tfbig.data.order), so a resume on another one continues exactly.
             self.batches_consumed = tf.Variable(0, dtype=tf.int64, trainable=False,
                                                 name="batches_consumed")
             self.nonfinite_steps = tf.Variable(0, dtype=tf.int64, trainable=False,
@@ -145,7 +147,7 @@ class Trainer:
         finite = tf.math.is_finite(out["loss"]) & tf.math.is_finite(out["grad_norm"])
         self.nonfinite_steps.assign_add(tf.cast(tf.logical_not(finite), tf.int64))
         self.step.assign_add(1)
-        self.batches_consumed.assign_add(self.cfg.train.grad_accum_steps)
+        self.batches_consumed.assign_add(1)  # one global batch per optimizer step
         return out
 
     @tf.function
@@ -222,7 +224,7 @@ class Trainer:
         t = self.cfg.train
         return self.strategy.train_batches(  # (accum, micro, ...) batches
             self.task, self.micro_batch, t.grad_accum_steps, t.seed,
-            int(self.batches_consumed.numpy()))
+            int(self.batches_consumed.numpy()) * t.batch_size)  # global examples consumed
 
     def _validation_batches(self):
         return iter(self.strategy.distribute_dataset(
@@ -258,7 +260,7 @@ class Trainer:
         values["skipped_steps"] = float(self.nonfinite_steps.numpy())
         values.update(data.source_tokens(  # per-source tokens of a --data_dir mixture ({} otherwise)
             getattr(self.task, "data_dir", ""), self.cfg.train.seed,
-            int(self.batches_consumed.numpy()) * self.micro_batch, self.strategy.num_replicas))
+            int(self.batches_consumed.numpy()) * self.cfg.train.batch_size))
         if self.cfg.train.precision != "mixed_float16":
             values.pop("loss_scale")
         self.logger.progress(step, values)

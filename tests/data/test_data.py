@@ -1,5 +1,6 @@
 """make_dataset: per-pipeline coverage, determinism, exact skip, corruption, manifest checks."""
 import os
+import zlib
 from collections import Counter
 
 import numpy as np
@@ -8,6 +9,7 @@ import tensorflow as tf
 
 from tfbig.data import count_records, make_dataset
 from tfbig.data import load_manifest
+from tfbig.data.order import RecordReader
 
 
 def _rows(dataset, limit=None) -> list[tuple]:
@@ -15,24 +17,45 @@ def _rows(dataset, limit=None) -> list[tuple]:
     return [tuple(row) for batch in batches for row in batch["input_ids"].numpy().tolist()]
 
 
-def _pipeline(data_dir, count, index, **kwargs):
+def _pipeline(data_dir, count, index, batch_size=4, **kwargs):
     context = tf.distribute.InputContext(num_input_pipelines=count, input_pipeline_id=index)
-    return make_dataset(data_dir, "train", 4, input_context=context, repeat=False, drop_remainder=False, **kwargs)
+    return make_dataset(data_dir, "train", batch_size, input_context=context, **kwargs)
 
 
-@pytest.mark.parametrize("data_dir_fixture,count,by_file", [
-    ("multi_shard_dir", 2, True), ("multi_shard_dir", 3, True), ("single_shard_dir", 3, False),
-    ("multi_shard_dir", 10, False)])
-def test_pipelines_cover_every_record_exactly_once(request, data_dir_fixture, count, by_file):
+@pytest.mark.parametrize("data_dir_fixture,count", [
+    ("multi_shard_dir", 2), ("multi_shard_dir", 3), ("single_shard_dir", 3), ("multi_shard_dir", 10)])
+def test_global_batches_do_not_depend_on_the_number_of_pipelines(request, data_dir_fixture, count):
     data_dir = request.getfixturevalue(data_dir_fixture)
-    files = len(load_manifest(data_dir).split("train").shards)
-    assert (files >= count) == by_file
-    everything = Counter(_rows(make_dataset(data_dir, "train", 4, repeat=False, drop_remainder=False)))
-    assert sum(everything.values()) == count_records(data_dir, "train")
-    # Each pipeline shuffles with its own seed: coverage must not depend on seeds agreeing.
-    parts = [Counter(_rows(_pipeline(data_dir, count, index, seed=index))) for index in range(count)]
-    assert all(parts), "every pipeline gets records"
-    assert sum(parts, Counter()) == everything
+    one = _rows(make_dataset(data_dir, "train", 4 * count, seed=7), 25)  # 25 global batches, past an epoch
+    parts = [_rows(_pipeline(data_dir, count, index, seed=7), 25) for index in range(count)]
+    for step in range(25):  # pipeline i holds the i-th contiguous quarter... of each global batch
+        assert sum((part[step * 4:(step + 1) * 4] for part in parts), []) == one[step * 4 * count:(step + 1) * 4 * count]
+    # One epoch of the global order holds every record exactly once.
+    records = count_records(data_dir, "train")
+    epoch = Counter(_rows(make_dataset(data_dir, "train", 1, seed=7), records))
+    assert epoch == Counter(_rows(make_dataset(data_dir, "train", 1, shuffle=False, repeat=False)))
+    # Not one every pipeline and a copy: the slices differ.
+    assert parts[0][:4] != parts[1][:4]
+
+
+def test_a_resume_at_a_global_position_reads_what_the_straight_run_reads(multi_shard_dir):
+    straight = _rows(make_dataset(multi_shard_dir, "train", 12, seed=2), 10)
+    # Three pipelines stopped after 4 global batches of 12; resumed as two pipelines at position 48.
+    resumed = [_rows(_pipeline(multi_shard_dir, 2, index, 6, seed=2, start=48), 6) for index in range(2)]
+    for step in range(6):
+        assert resumed[0][step * 6:(step + 1) * 6] + resumed[1][step * 6:(step + 1) * 6] == \
+            straight[(4 + step) * 12:(5 + step) * 12]
+
+
+def test_data_trace_lists_what_each_pipeline_read(multi_shard_dir, tmp_path):
+    _rows(_pipeline(multi_shard_dir, 2, 1, seed=3, trace=str(tmp_path)), 3)
+    (path,) = tmp_path.iterdir()
+    assert path.name.startswith("pipeline-1-") and path.name.endswith(".tsv")
+    lines = sorted(tuple(map(int, line.split("\t"))) for line in path.read_text().splitlines())  # read in parallel
+    positions = [p for p, _ in lines[:12]]
+    assert positions == [p for step in range(3) for p in range(step * 8 + 4, step * 8 + 8)]  # its halves
+    reader = RecordReader.for_split(load_manifest(multi_shard_dir), "train", 3, shuffle=True)
+    assert [crc for _, crc in lines[:12]] == [zlib.crc32(r) for r in reader.read(np.array(positions))]
 
 
 def test_batches_are_int32_and_drop_remainder(multi_shard_dir):
@@ -44,7 +67,7 @@ def test_batches_are_int32_and_drop_remainder(multi_shard_dir):
 
 def test_deterministic_mode_repeats_batches_exactly(multi_shard_dir):
     def first_batches(seed):
-        return _rows(make_dataset(multi_shard_dir, "train", 8, seed=seed, deterministic=True, shuffle_buffer=64), 30)
+        return _rows(make_dataset(multi_shard_dir, "train", 8, seed=seed, deterministic=True, ), 30)
 
     assert first_batches(5) == first_batches(5)
     assert first_batches(5) != first_batches(6)
@@ -75,10 +98,11 @@ def test_corrupt_shard_error_names_the_shard(copy_of, multi_shard_dir, how):
     data_dir = copy_of(multi_shard_dir)
     bad = load_manifest(data_dir).shard_paths("train")[1]
     _damage(bad, how)
-    with pytest.raises(tf.errors.InvalidArgumentError, match=os.path.basename(bad) + ".*corrupt or truncated"):
-        _rows(make_dataset(data_dir, "train", 4, repeat=False))
-    with pytest.raises(tf.errors.InvalidArgumentError, match=os.path.basename(bad)):
-        _rows(make_dataset(data_dir, "train", 4, shuffle=False, repeat=True), 10_000)
+    with pytest.raises(ValueError, match=os.path.basename(bad) + " is corrupt or truncated: read .* records listed "
+                                         "in manifest.json; prepare the data again or pass --skip_corrupt"):
+        make_dataset(data_dir, "train", 4, repeat=False)
+    with pytest.raises(ValueError, match=os.path.basename(bad)):
+        make_dataset(data_dir, "train", 4, shuffle=False, repeat=True)
 
 
 def test_skip_corrupt_skips_and_logs(copy_of, multi_shard_dir, capfd):
@@ -112,9 +136,11 @@ def test_a_pipeline_without_records_is_an_error(single_shard_dir):
     records = count_records(single_shard_dir, "validation")
     context = tf.distribute.InputContext(num_input_pipelines=records + 1, input_pipeline_id=records)
     with pytest.raises(ValueError, match=rf"input pipeline {records} of {records + 1} no records"):
-        make_dataset(single_shard_dir, "validation", 1, input_context=context)
+        make_dataset(single_shard_dir, "validation", 1, input_context=context, repeat=False)
     last = tf.distribute.InputContext(num_input_pipelines=records + 1, input_pipeline_id=records - 1)
     assert len(_rows(make_dataset(single_shard_dir, "validation", 1, input_context=last, repeat=False))) == 1
+    # Repeating, a global batch larger than the split runs on into the next epoch: no pipeline starves.
+    assert len(_rows(make_dataset(single_shard_dir, "validation", 1, input_context=context), 3)) == 3
 
 
 def test_validation_split_reads(multi_shard_dir):

@@ -74,9 +74,9 @@ def test_mixture_file_validation_split_and_token_counts(sources, tmp_path):
     validation = make_dataset(str(mixture_file), "validation", 1, shuffle=False, repeat=False)
     assert sum(1 for _ in validation) == manifest.split("validation").records
     counts = source_counts(np.array([0.7, 0.3]), 3, 1000)
-    tokens = source_tokens(str(mixture_file), 3, 1000, num_pipelines=2)
-    assert tokens == {f"tokens/{os.path.basename(d)}": float(c * 2 * (SEQ + 1)) for d, c in zip(sources, counts)}
-    assert source_tokens(sources[0], 3, 1000, 2) == {}
+    tokens = source_tokens(str(mixture_file), 3, 1000)  # 1000 global examples
+    assert tokens == {f"tokens/{os.path.basename(d)}": float(c * (SEQ + 1)) for d, c in zip(sources, counts)}
+    assert source_tokens(sources[0], 3, 1000) == {}
 
 
 def test_bad_mixtures_are_refused_with_the_item(sources, tmp_path, corpus_writer):
@@ -142,24 +142,23 @@ def test_groups_of_one_prep_are_weighted_as_sources(tmp_path, document_maker, mu
     observed = np.bincount([owner[tuple(row)] for row in rows], minlength=2)
     np.testing.assert_array_equal(observed, source_counts(np.array([0.8, 0.2]), 3, len(rows)))
     assert abs(observed[0] / len(rows) - 0.8) <= 4 * math.sqrt(0.8 * 0.2 / len(rows))
-    assert set(source_tokens(spec, 3, 100, 1)) == {"tokens/pile-cc", "tokens/github"}
+    assert set(source_tokens(spec, 3, 100)) == {"tokens/pile-cc", "tokens/github"}
     with pytest.raises(ValueError, match=r"pile\[Books3\]: .* has no shards of group 'Books3'; its groups are "
                                          r"\['Github', 'Pile-CC'\]"):
         open_manifest(f"{pile.data_dir}[Books3]:1")
 
 
-def test_input_pipelines_draw_the_same_sources_from_their_own_shards(sources):
+def test_input_pipelines_read_their_slices_of_the_one_mixture_stream(sources):
     import tensorflow as tf
 
-    owner, shard_of = {}, {}
-    for index, data_dir in enumerate(sources):
-        for row in _records(data_dir):
-            owner[row] = index
     spec = _spec(sources)
-    per_pipeline = [_rows(spec, 30, input_context=tf.distribute.InputContext(2, i, 1)) for i in range(2)]
-    owners = [[owner[tuple(row)] for row in rows] for rows in per_pipeline]
-    assert owners[0] == owners[1]  # one source sequence for every pipeline
-    for i, rows in enumerate(per_pipeline):
-        for row in rows:
-            shard_of.setdefault(tuple(row), set()).add(i)
-    assert all(len(pipelines) == 1 for pipelines in shard_of.values())  # no record in both pipelines
+    per_pipeline = [_rows(spec, 30, batch_size=4, input_context=tf.distribute.InputContext(2, i, 1))
+                    for i in range(2)]
+    one = _rows(spec, 30)  # global batches of 8
+    for step in range(30):  # every source's position is exact in each slice of the one order
+        np.testing.assert_array_equal(np.concatenate([rows[step * 4:(step + 1) * 4] for rows in per_pipeline]),
+                                      one[step * 8:(step + 1) * 8])
+    # Resumed as two pipelines at global example 40: the examples of the straight run.
+    resumed = [_rows(spec, 10, batch_size=4, start=40, input_context=tf.distribute.InputContext(2, i, 1))
+               for i in range(2)]
+    np.testing.assert_array_equal(np.concatenate([rows[:4] for rows in resumed]), one[40:48])

@@ -106,6 +106,17 @@ def test_validation_fraction_is_spread_and_checked():
     train, validation = sources.split_pieces(pieces, 0.05, None)
     assert [p.path for p in validation] == ["f10", "f30", "f50", "f70", "f90"]
     assert len(train) == 95
+    tfds = [sources.Piece("tfds", "wiki", 0, 10, size=1)]  # examples: no documents to hold out one by one
     with pytest.raises(ValueError, match="only 1 piece"):
-        sources.split_pieces(pieces[:1], 0.01, None)
+        sources.split_pieces(tfds, 0.01, None)
     assert sources.split_pieces(pieces[:1], 0.0, None) == (pieces[:1], [])
+    # One piece of documents: held out by document inside it.
+    train, validation = sources.split_pieces(pieces[:1], 0.01, None)
+    assert [(p.path, p.side, p.fraction) for p in train + validation] == [("f0", "train", 0.01),
+                                                                          ("f0", "validation", 0.01)]
+
+
+def test_hold_out_by_document_takes_every_1_over_fraction_th_document():
+    held = [i for i in range(300) if sources.held_out_document(i, 0.01)]
+    assert held == [49, 149, 249]  # 1% of 300, spread, the same every time
+    assert sum(sources.held_out_document(i, 0.2) for i in range(1000)) == 200

@@ -10,12 +10,11 @@ seq_length.
 Training examples are drawn source by source: example k of the stream comes from the source
 `choice(seed, k)`, a counter-based draw with probabilities weight / sum(weights) (numpy's
 generator seeded with (seed, k // CHOICE_BLOCK), so any stretch of the sequence is
-recomputed without the rest). Hence the checkpoint's input position (batches consumed) fixes
-the position of every source exactly: a resumed run recounts how many examples each source
-gave (`source_counts`), skips that many in each, and continues every source where it stopped.
-Every input pipeline draws the same source sequence from its own shard of each source, so the
-global count per source is the pipeline count times the number of pipelines (what the trainer
-logs as `tokens/<source>`).
+recomputed without the rest). Example k is then the next example of that source's own global
+order (`tfbig.data.order.MixtureOrder`), so a global position (examples consumed, as a checkpoint
+holds it) fixes the position of every source exactly, whatever the number of input pipelines:
+each reads its slice of the same global stream. `source_counts` recounts how many examples each
+source gave (what the trainer logs as `tokens/<source>`).
 
 The validation split of a mixture is every source's validation split, read one after another
 (unweighted), so its loss and bits per byte cover all of them.
@@ -160,24 +159,25 @@ def source_counts(probabilities: np.ndarray, seed: int, stop: int, start: int = 
 _COUNTED: dict[tuple[str, int], tuple[int, np.ndarray]] = {}
 
 
-def source_tokens(data_dir: str, seed: int, examples_per_pipeline: int, num_pipelines: int) -> dict[str, float]:
+def source_tokens(data_dir: str, seed: int, examples: int) -> dict[str, float]:
     """{"tokens/<source>": tokens read from it so far} for a mixture; {} for one directory.
 
-    Tokens per example are the source's stored tokens per record (exactly seq_length + 1 for GPT).
-    Counting is incremental across calls (the trainer logs it every --log_every steps).
+    `examples`: global examples consumed (every replica's together). Tokens per example are the
+    source's stored tokens per record (exactly seq_length + 1 for GPT). Counting is incremental
+    across calls (the trainer logs it every --log_every steps).
     """
     if not is_mixture(data_dir):
         return {}
     mixture = parse_mixture(data_dir)
     done, counts = _COUNTED.get((data_dir, seed), (0, np.zeros(len(mixture.data_dirs), dtype=np.int64)))
-    if examples_per_pipeline < done:
+    if examples < done:
         done, counts = 0, np.zeros_like(counts)
-    counts = counts + source_counts(mixture.probabilities, seed, examples_per_pipeline, done)
-    _COUNTED[data_dir, seed] = (examples_per_pipeline, counts)
+    counts = counts + source_counts(mixture.probabilities, seed, examples, done)
+    _COUNTED[data_dir, seed] = (examples, counts)
     result = {}
     for name, data_dir_i, group, count in zip(mixture.names, mixture.data_dirs, mixture.groups, counts):
         train = source_manifest(data_dir_i, group).split("train")
-        result[f"tokens/{name}"] = float(count * num_pipelines * train.tokens / max(train.records, 1))
+        result[f"tokens/{name}"] = float(count * train.tokens / max(train.records, 1))
     return result
 
 

@@ -335,7 +335,7 @@ def _sample(pieces: list[sources.Piece], budget: float) -> list[sources.Piece]:
 
 
 def _pieces_key(pieces: list[sources.Piece]) -> str:
-    return hashlib.sha256(json.dumps([dataclasses.astuple(p) for p in pieces]).encode()).hexdigest()
+    return hashlib.sha256(json.dumps([p.key() for p in pieces]).encode()).hexdigest()
 
 
 def _prep_key(settings: dict, train, validation, tokenizer_sha: str) -> str:
@@ -453,10 +453,22 @@ def _manifest(output_dir, settings, jobs, results, spec, key, record_format) -> 
     info = {"source": spec.describe(), "prep_key": key, "shard_size_mb": settings["shard_size_mb"],
             "replaced_chars": sum(replaced.values()), "replaced_chars_by_file": dict(replaced.most_common(100)),
             "features": record_format.features(settings["seq_length"], **settings.get("format_options", {})),
-            "format_options": settings.get("format_options", {}), **counts}
+            "format_options": settings.get("format_options", {}), "validation_split": _held_out_by(jobs),
+            **counts}
     info = json.loads(json.dumps(info))  # as load_manifest will see it
     return Manifest(output_dir, settings["format"], settings["seq_length"], tokenizer.vocab_size, name,
                     tokenizer.eos_id, tokenizer.pad_id, splits, tokenizer_sha256(tokenizer.path), info)
+
+
+def _held_out_by(jobs) -> dict:
+    """How the validation split was held out, for the manifest: whole pieces (files, line ranges,
+    plays) or, for an input of too few pieces, documents inside them (`sources.held_out_document`)."""
+    sides = [piece for job in jobs for piece in job.pieces if piece.side]
+    if not sides:
+        return {"by": "piece"}
+    return {"by": "document", "fraction": sides[0].fraction,
+            "rule": "document i of each piece (a paragraph of a one-document file) is held out when "
+                    "floor((i + 1) * fraction + 0.5) > floor(i * fraction + 0.5)"}
 
 
 def _group_counts(jobs, results) -> dict:

@@ -70,7 +70,7 @@ class ShardJob:
 
     def fingerprint(self) -> str:
         """Hash of everything that decides this shard's bytes."""
-        content = {"file": self.file, "pieces": [dataclasses.astuple(p) for p in self.pieces],
+        content = {"file": self.file, "pieces": [p.key() for p in self.pieces],
                    "spec": dataclasses.asdict(self.spec), "seed": self.seed, "group": self.group, **self.config()}
         return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
 

@@ -79,6 +79,10 @@ class Piece:
     play, a scene is a document), "wiki" (a MediaWiki XML dump, an article is a document)
     or "tfds" (examples [start, stop) of the split). A compressed file is read whole
     (start=0, stop=its size on disk, size=estimated text bytes).
+
+    side: "" (every document of the piece), or "train" / "validation": only that side of a
+    hold-out by document (`held_out_document`) of `fraction` of its documents; how an input
+    that is one piece (a compressed file, a dump part, one file) still gets a validation split.
     """
 
     kind: str
@@ -87,6 +91,20 @@ class Piece:
     stop: int = 0
     size: int = 0  # source bytes (estimated for tfds and compressed files)
     stamp: str = ""  # changes when the underlying file changes (size, mtime)
+    side: str = ""
+    fraction: float = 0.0
+
+    def key(self) -> tuple:
+        """The piece as plain values for prep keys (a whole piece keys as before `side` existed)."""
+        values = dataclasses.astuple(self)
+        return values if self.side else values[:6]
+
+
+def held_out_document(index: int, fraction: float) -> bool:
+    """Whether document `index` of a piece split by document is held out for validation: every
+    1/fraction-th one, the first near index 1/(2 fraction), so the share is exact and the choice
+    depends on nothing but the index."""
+    return math.floor((index + 1) * fraction + 0.5) > math.floor(index * fraction + 0.5)
 
 
 # ---------------------------------------------------------------- planning
@@ -184,6 +202,9 @@ def _stamp(path: str) -> str:
     return f"{stat.st_size}:{stat.st_mtime_ns}"
 
 
+_BY_DOCUMENT = ("text", "lines", "jsonl", "wiki")  # kinds whose documents can be held out one by one
+
+
 def split_pieces(pieces: list[Piece], validation_fraction: float,
                  validation_plays: tuple[str, ...] | None = None) -> tuple[list[Piece], list[Piece]]:
     """(train, validation) pieces: named plays, or an evenly spread fraction of the pieces."""
@@ -192,6 +213,12 @@ def split_pieces(pieces: list[Piece], validation_fraction: float,
     if not 0 <= validation_fraction < 1:
         raise ValueError(f"--validation_fraction={validation_fraction}: expected a value in [0, 1)")
     count = max(1, round(len(pieces) * validation_fraction)) if validation_fraction > 0 else 0
+    if count >= len(pieces) and all(p.kind in _BY_DOCUMENT for p in pieces):
+        # Too few pieces to hold out whole ones: hold out documents inside each piece instead.
+        f = validation_fraction  # sizes: the expected share, for shard planning and logs
+        return ([dataclasses.replace(p, side="train", fraction=f, size=round(p.size * (1 - f))) for p in pieces],
+                [dataclasses.replace(p, side="validation", fraction=f, size=max(1, round(p.size * f)))
+                 for p in pieces])
     if count >= len(pieces):
         raise ValueError(f"--validation_fraction={validation_fraction} leaves no training data: the input "
                          f"has only {len(pieces)} piece(s) (a piece is a file, 1 MiB of lines, or 16 MiB of "
@@ -221,8 +248,11 @@ def read_documents(piece: Piece, spec: SourceSpec, replaced: Counter, skipped: C
 
 
 def read_records(piece: Piece, spec: SourceSpec, replaced: Counter, skipped: Counter) -> Iterator[tuple[str, str]]:
-    """(group, document) pairs of one piece; the group is "" unless spec.jsonl_group_field is set."""
-    if piece.kind == "text":
+    """(group, document) pairs of one piece; the group is "" unless spec.jsonl_group_field is set.
+    A piece split by document (`Piece.side`) gives only its side's documents."""
+    if piece.side:
+        yield from _one_side(piece, read_records(dataclasses.replace(piece, side=""), spec, replaced, skipped))
+    elif piece.kind == "text":
         with _open(piece.path) as file:
             text = _decode(file.read(), piece.path, replaced)
         if text.strip():
@@ -239,6 +269,21 @@ def read_records(piece: Piece, spec: SourceSpec, replaced: Counter, skipped: Cou
         yield from (("", text) for text in _tfds_documents(piece, spec, replaced))
     else:
         raise ValueError(f"unknown piece kind {piece.kind!r}")
+
+
+def _one_side(piece: Piece, records: Iterator[tuple[str, str]]) -> Iterator[tuple[str, str]]:
+    """The documents of `piece.side`. A "text" piece is one document: its paragraphs (split at
+    blank lines) are held out instead, each side's joined back into one document."""
+    validation = piece.side == "validation"
+    if piece.kind != "text":
+        yield from (record for index, record in enumerate(records)
+                    if held_out_document(index, piece.fraction) == validation)
+        return
+    for group, text in records:
+        paragraphs = re.split(r"\n\s*\n", text)
+        kept = [p for index, p in enumerate(paragraphs) if held_out_document(index, piece.fraction) == validation]
+        if "".join(kept).strip():
+            yield group, "\n\n".join(kept)
 
 
 def _open(path: str):

@@ -245,12 +245,14 @@ class Strategy:
     def shutdown(self):
         """Release backend resources at the end of the run."""
 
-    def train_batches(self, task, micro_batch, grad_accum_steps, seed, skip_batches):
-        """Iterator of this process's (grad_accum_steps, micro_batch, ...) training batches,
-        after the first `skip_batches` micro-batches of its input (a resumed run)."""
+    def train_batches(self, task, micro_batch, grad_accum_steps, seed, start):
+        """Iterator of this process's (grad_accum_steps, micro_batch, ...) training batches: its
+        contiguous slice of each global batch from global example `start` on (a resumed run),
+        cut into micro-batches. The data layer fixes the global order (tfbig.data.order)."""
         def dataset_fn(ctx):
-            ds = task.dataset("train", micro_batch, ctx, seed=seed, skip_batches=skip_batches)
-            return ds.batch(grad_accum_steps, drop_remainder=True)
+            ds = task.dataset("train", grad_accum_steps * micro_batch, ctx, seed=seed, start=start)
+            return ds.map(lambda batch: tf.nest.map_structure(  # (accum * micro, ...) -> (accum, micro, ...)
+                lambda t: tf.reshape(t, [grad_accum_steps, micro_batch, *t.shape[1:]]), batch))
 
         return iter(self.distribute_dataset(dataset_fn))
 

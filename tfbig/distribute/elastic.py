@@ -15,10 +15,10 @@ prints the usable `host:slots` lines; see launch/horovod_elastic.sh). What happe
 - The global batch stays `--batch_size`: the per-rank micro-batch is
   batch_size / (world x grad_accum_steps), so every world size the run may have must divide
   batch_size / grad_accum_steps (else the run stops with an error naming the sizes).
-- The input is one global order of records, the same for every world size: each global
-  micro-batch of batch_size / grad_accum_steps records is cut into `world` consecutive slices,
-  rank r taking slice r. A changed world resumes at the committed input position, so no
-  record is repeated or skipped. The price: every rank reads (and discards) the whole stream.
+- The input is the data layer's one global order (tfbig.data.order), the same for every world
+  size: each rank reads its contiguous slice of every global batch, and a changed world
+  resumes at the committed input position (global batches consumed), so no example is
+  repeated or skipped.
 - Plain data parallelism only: --zero_stage, --tensor_parallel, --sequence_parallel,
   --shard_degree and --scale_lr are refused (a mesh or learning rate that changes with the
   world would need re-partitioned state).
@@ -140,9 +140,3 @@ class ElasticHorovodStrategy(HorovodStrategy):
         self.state.commit()  # every rank, always before a checkpoint
         return super().checkpoint_dir(model_dir)
 
-    def train_batches(self, task, micro_batch, grad_accum_steps, seed, skip_batches):
-        """Slice `rank` of every global micro-batch of one world-independent record order."""
-        world, rank = self.num_replicas, self.rank
-        records = task.dataset("train", micro_batch, None, seed=seed,
-                               skip_batches=skip_batches * world)
-        return iter(records.shard(world, rank).batch(grad_accum_steps, drop_remainder=True))

@@ -10,9 +10,10 @@ The post's six steps, each done once, here:
        after building the optimizer's slots and restoring a checkpoint)
     6. only rank 0 writes checkpoints, logs, events -> is_chief
 
-Everything else is the single-device loop: each process reads its own shard of the data
-(`input_context`), runs the same XLA-compiled forward/backward with gradient accumulation inside
-it, and the allreduce runs outside XLA (Horovod ops have no XLA kernels).
+Everything else is the single-device loop: each process reads its slice of every global batch
+of one global order of examples (`input_context`, tfbig.data.order), runs the same XLA-compiled
+forward/backward with gradient accumulation inside it, and the allreduce runs outside XLA
+(Horovod ops have no XLA kernels).
 
 Example:
     horovodrun -np 2 -H localhost:2 --gloo tfbig-train --strategy=horovod --preset=tiny

@@ -56,13 +56,14 @@ class GPTTask:
         return model
 
     def dataset(self, split, batch_size, input_context=None, *, seed=0, repeat=True,
-                shuffle=True, skip_batches=0):
+                shuffle=True, start=0):
         """Batches of {"input_ids": int32 (batch_size, seq_length + 1)} for one pipeline."""
         return data.make_dataset(
             self.data_dir, split, batch_size, format=self.format, seq_length=self.seq_length,
             vocab_size=self.model_config.vocab_size, input_context=input_context, seed=seed,
             shuffle=shuffle, repeat=repeat, deterministic=self.train.deterministic,
-            skip_corrupt=self.train.skip_corrupt, skip_batches=skip_batches)
+            skip_corrupt=self.train.skip_corrupt, start=start,
+            trace=getattr(self.train, "data_trace", "") if split == "train" else "")
 
     def flops_per_token(self):
         """Model training FLOPs per token at this task's seq_length (for MFU)."""

@@ -79,18 +79,22 @@ class MaskedLMTask:
         return model
 
     def dataset(self, split, batch_size, input_context=None, *, seed=0, repeat=True,
-                shuffle=True, skip_batches=0):
+                shuffle=True, start=0):
         """Batches of the seven standard features, int32 (float32 weights), for one pipeline."""
         batches = data.make_dataset(
             self.data_dir, split, batch_size, format=self.format, seq_length=self.seq_length,
             vocab_size=self.model_config.vocab_size, input_context=input_context, seed=seed,
             shuffle=shuffle, repeat=repeat, deterministic=self.train.deterministic,
-            skip_corrupt=self.train.skip_corrupt, skip_batches=skip_batches)
+            skip_corrupt=self.train.skip_corrupt, start=start,
+            trace=getattr(self.train, "data_trace", "") if split == "train" else "")
         if self._masking is None or split != "train":
             return batches
+        # Masks are drawn per batch of this pipeline (so they differ between layouts; the
+        # examples do not): keyed by pipeline and by the global batch number.
         key = seed * 65536 + getattr(input_context, "input_pipeline_id", 0)
+        first = start // (batch_size * getattr(input_context, "num_input_pipelines", 1))
         masking = self._masking
-        return batches.enumerate(start=skip_batches).map(
+        return batches.enumerate(start=first).map(
             lambda index, batch: masking(batch, tf.stack([tf.constant(key, tf.int64), index])),
             num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
 
