@@ -178,6 +178,9 @@ class MultiWorker(Strategy):
     def all_gather(self, values):
         # tf.distribute: replicas in global order (worker by worker, then local replica), the
         # order in which distribute_datasets_from_function hands out a global batch's rows.
+        # tf.identity: a replica input passed straight through has no device, and the
+        # gather would find no destination for it ("destinations can not be empty").
+        values = tf.nest.map_structure(tf.identity, values)
         return tf.distribute.get_replica_context().all_gather(values, axis=0)
 
     def prepare_optimizer(self, optimizer):
