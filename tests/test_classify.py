@@ -17,6 +17,8 @@ from tfbig.errors import UsageError
 from tfbig.models.bert import BertConfig, BertForPretraining
 
 WORDS = "the a cat dog sat ran on mat big small red blue".split()
+# MFU against a given peak: no CPU matmul probe (seconds at each process's first fit)
+FAST = {"peak_tflops": 1.0}
 
 
 def _rows(count, seed):
@@ -58,7 +60,7 @@ def test_learns_a_pair_task_and_scores_match_predictions(bert_run, tmp_path):
     result = fine_tune(ClassifyOptions(
         init_checkpoint=str(bert_run / "run"), train_file=str(train), eval_file=str(dev),
         output_dir=str(tmp_path / "out"), max_seq_length=24, train_batch_size=16,
-        learning_rate=3e-3, max_steps=150))
+        learning_rate=3e-3, max_steps=150), **FAST)
     assert result["accuracy"] >= 0.9
     rows = [json.loads(line) for line in
             (tmp_path / "out" / "predictions.jsonl").read_text().splitlines()]
@@ -136,12 +138,12 @@ def test_two_processes_equal_one_on_the_same_global_batches(strategy, bert_run, 
                   eval_file=str(dev), max_seq_length=24, train_batch_size=8,
                   learning_rate=3e-3, max_steps=4)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    flags = [f"--{k}={v}" for k, v in common.items()] + ["--noxla"]
+    flags = [f"--{k}={v}" for k, v in common.items()] + ["--noxla", "--peak_tflops=1"]
     done = _launch(strategy, flags, tmp_path / "two", root)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     saved = json.loads((tmp_path / "two" / "config.json").read_text())
     assert saved["train"]["strategy"] == strategy and saved["train"]["batch_size"] == 8
-    fine_tune(ClassifyOptions(output_dir=str(tmp_path / "one"), xla=False, **common))
+    fine_tune(ClassifyOptions(output_dir=str(tmp_path / "one"), xla=False, **common), **FAST)
     losses = [json.loads((tmp_path / run / "train_losses.json").read_text())
               for run in ("two", "one")]
     assert len(losses[0]) == 4 and losses[0][0] != losses[0][-1]
@@ -184,7 +186,8 @@ def test_mixed_precision_computes_in_half_and_stays_close_to_fp32(bert_run, tmp_
     for precision in ("fp32", "mixed_float16", "mixed_bfloat16"):
         out = tmp_path / precision
         fine_tune(ClassifyOptions(init_checkpoint=str(bert_run / "run"), train_file=str(train),
-                                  output_dir=str(out), precision=precision, **PRECISION))
+                                  output_dir=str(out), precision=precision, **PRECISION),
+                  **FAST)
         losses[precision] = np.array(json.loads((out / "train_losses.json").read_text()))
         assert keras.mixed_precision.global_policy().name == "float32"
     assert json.loads((tmp_path / "mixed_float16" / "loss_scales.json").read_text()) == \

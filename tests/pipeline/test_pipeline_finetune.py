@@ -107,7 +107,7 @@ def test_classifier_stages_equal_one_device(files, tmp_path, capsys):
     from tfbig.trainer import Trainer
 
     options = _classify_options(files, output_dir=str(tmp_path / "grads"), strategy="pipeline")
-    cfg = finetune.experiment(options, "classify", **PIPELINE)
+    cfg = finetune.experiment(options, "classify", **PIPELINE, peak_tflops=1.0)
     task = ClassifyTask(cfg.train, options)
     finetune.set_steps(cfg, options, len(task.examples["train"]))
     trainer = Trainer(cfg, task=task)
@@ -126,12 +126,12 @@ def test_classifier_stages_equal_one_device(files, tmp_path, capsys):
     assert float(loss) == pytest.approx(float(value), rel=1e-6)
 
     classify(_classify_options(files, output_dir=str(tmp_path / "pipe"), strategy="pipeline"),
-             **PIPELINE)
+             **PIPELINE, peak_tflops=1.0)
     printed = capsys.readouterr().out
     assert "pipeline: 4 stages, --schedule=gpipe, 2 micro-batches of 96 tokens" in printed
     for layer in ("embedding", "block_0", "block_1", "heads"):  # one layer per stage
         assert f" {layer} " in printed
-    classify(_classify_options(files, output_dir=str(tmp_path / "one")))
+    classify(_classify_options(files, output_dir=str(tmp_path / "one")), peak_tflops=1.0)
     runs = [tmp_path / "pipe", tmp_path / "one"]
     losses = [json.loads((run / "train_losses.json").read_text()) for run in runs]
     assert len(losses[0]) == 4 and losses[0][0] != losses[0][-1]
