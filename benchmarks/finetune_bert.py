@@ -5,8 +5,8 @@ parameters; --num_layers to shorten it), the same batches (random WordPiece ids 
 two segments, --num_classes labels; the same arrays through the same tf.data pipeline), the
 same optimizer (tfbig-classify's: AdamW, linear warmup and decay, weight decay off norms and
 biases, clipping at 1), dropout 0.1 (BERT's) and XLA. tfbig trains the way tfbig-classify does
-(`build_classifier` + `replica_batches` on one device: XLA forward and backward, the optimizer
-outside); keras-hub the way its users do, `BertTextClassifier.compile(jit_compile=True)` +
+(the Trainer's step on tfbig.tasks.classify, one device: XLA forward and backward, the
+optimizer outside); keras-hub the way its users do, `BertTextClassifier.compile(jit_compile=True)` +
 `fit`. Each trains 1 + --steps steps; the first (compilation) is left out and sequences/s
 covers the --steps after it, in wall time and per CPU-second of the process (`ratio_cpu`:
 robust to other processes on a shared machine). The sides alternate for --repeats rounds
@@ -17,6 +17,7 @@ robust to other processes on a shared machine). The sides alternate for --repeat
 Prints one JSON line last: sequences/s of each, `ratio` = tfbig / keras-hub, the CPU model and
 the load average before and after.
 """
+import dataclasses
 import json
 import os
 
@@ -44,11 +45,11 @@ def bert_config():
     return BertConfig.from_preset(FLAGS.preset, **overrides)
 
 
-def options():
+def options(output_dir="runs/classify"):
     from tfbig.classify import ClassifyOptions
 
     return ClassifyOptions(max_seq_length=FLAGS.seq_length, train_batch_size=FLAGS.batch_size,
-                           xla=True)
+                           xla=True, output_dir=output_dir)
 
 
 def batches(config, count=4, seed=0):
@@ -72,26 +73,57 @@ def examples(data):
     return tf.data.Dataset.from_tensor_slices(data).repeat()
 
 
-def run_tfbig(data):
-    from tfbig.classify import build_classifier
-    from tfbig.distribute.base import SingleDevice
-    from tfbig.distribute.finetune import replica_batches
+def trainer_of(data, steps):
+    """tfbig-classify's Trainer (tfbig.tasks.classify on one device) over `data`, with a
+    randomly initialised BERT of bert_config()."""
+    import tempfile
 
-    config, strategy, steps = bert_config(), SingleDevice(), 1 + FLAGS.steps
-    model, _, step = build_classifier(config, FLAGS.num_classes, options(), steps, strategy)
-    inputs = replica_batches(strategy, lambda: examples(data), FLAGS.batch_size)
+    from tfbig import finetune
+    from tfbig.models.bert import BertClassifier
+    from tfbig.tasks.classify import ClassifyTask, Examples
+    from tfbig.trainer import Trainer
+
+    class RandomBert(ClassifyTask):  # the command's task without a run directory
+        def __init__(self, train):
+            self.train, self.model_config, self.seq_length = train, bert_config(), \
+                FLAGS.seq_length
+            self.names = [str(i) for i in range(FLAGS.num_classes)]
+            self.arrays, self.eval_names = {"train": data}, []
+            self.examples = {"train": [None] * len(data["labels"])}
+            vocab = os.path.join(tempfile.mkdtemp(prefix="finetune_bert-vocab-"), "vocab.txt")
+            with open(vocab, "w") as file:
+                file.write("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]) + "\n")
+            self.manifest = Examples(vocab, {"train": len(data["labels"])})
+
+        def build_model(self):
+            model = BertClassifier(self.model_config, num_classes=FLAGS.num_classes,
+                                   name="bert_classifier")
+            model.build()
+            return model
+
+    directory = tempfile.mkdtemp(prefix="finetune_bert-")
+    cfg = finetune.experiment(options(directory), "classify", peak_tflops=1.0,
+                              monitor_interval_ms=0, checkpoint_every=10**6)
+    cfg.train.max_steps = steps
+    return Trainer(cfg, task=RandomBert(cfg.train))
+
+
+def run_tfbig(data):
+    steps = 1 + FLAGS.steps
+    trainer = trainer_of(data, steps)
+    inputs = trainer._train_iterator()  # noqa: SLF001 - the Trainer's own input and step
     marks = []
     for _ in range(steps):
-        float(step(next(inputs)))  # the loss read back: the step has finished
+        float(trainer._train_step(next(inputs))["loss"])  # noqa: SLF001 - read: step done
         marks.append(_timing.clock())
-    return {**_timing.rates(marks, FLAGS.batch_size), "params": model.count_params()}
+    return {**_timing.rates(marks, FLAGS.batch_size), "params": trainer.model.count_params()}
 
 
 def run_keras_hub(data):
     import keras
     import keras_hub
 
-    from tfbig.classify import training_settings
+    from tfbig import finetune
     from tfbig.optim import build_optimizer
 
     config, steps = bert_config(), 1 + FLAGS.steps
@@ -102,8 +134,9 @@ def run_keras_hub(data):
         max_sequence_length=config.seq_length, num_segments=config.type_vocab_size)
     model = keras_hub.models.BertTextClassifier(backbone, FLAGS.num_classes, preprocessor=None,
                                                 dropout=config.dropout)
-    model.compile(optimizer=build_optimizer(training_settings(options(), steps),
-                                            model.trainable_variables),
+    cfg = finetune.experiment(options(), "classify")
+    finetune.set_steps(cfg, dataclasses.replace(options(), max_steps=steps), steps)
+    model.compile(optimizer=build_optimizer(cfg.train, model.trainable_variables),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=[], weighted_metrics=[], jit_compile=True)
     dataset = examples(data).batch(FLAGS.batch_size, drop_remainder=True).map(

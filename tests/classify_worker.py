@@ -1,6 +1,6 @@
 """Runs under `horovodrun` or `tfbig-launch` for tests/test_classify.py: fine-tune a BERT
-classifier as tfbig-classify does (its own pieces), the loss of one step made non-finite on
-one process, and save what each process ends with.
+classifier as tfbig-classify does (its task on the Trainer), one step at a time, the loss of
+one step made non-finite on one process, and save what each process ends with.
 
     horovodrun -np 2 -H localhost:2 --gloo python classify_worker.py RUN_JSON
 
@@ -22,27 +22,25 @@ import numpy as np  # noqa: E402
 def poisoned_run(options, poison_step, poisoned):
     """Fine-tune for options.max_steps steps; during step `poison_step` the classifier's bias
     is +inf where `poisoned` (this process's loss and gradients are NaN), then restored.
-    Returns (strategy, {losses, scales, initial*, after*, final*})."""
-    import keras
+    Returns (trainer, {losses, scales, initial*, after*, final*})."""
+    import tensorflow as tf
 
-    from tfbig.classify import _examples, build_classifier, encode, read_data
-    from tfbig.distribute.finetune import (current_loss_scale, fine_tune_strategy,
-                                           precision_policy, replica_batches)
-    from tfbig.squad.finetune import pretrained_config
+    from tfbig import finetune
+    from tfbig.optim import loss_scale
+    from tfbig.tasks.classify import ClassifyTask
+    from tfbig.trainer import Trainer, precision_policy
 
-    strategy = fine_tune_strategy(options.strategy, "classify_worker", options.init_checkpoint)
+    cfg = finetune.experiment(options, "classify")
     with precision_policy(options.precision):
-        config, tokenizer = pretrained_config(options.init_checkpoint)
-        train, _, names = read_data(options)
-        data = encode(train, tokenizer, options.max_seq_length,
-                      {name: i for i, name in enumerate(names)})
-        keras.utils.set_random_seed(options.seed)
-        model, optimizer, step = build_classifier(config, len(names), options,
-                                                  options.max_steps, strategy)
-        batches = replica_batches(strategy, lambda: _examples(data, options.seed),
-                                  options.train_batch_size)
+        strategy = finetune.strategy(cfg)
+        task = ClassifyTask(cfg.train, options)
+        finetune.set_steps(cfg, options, len(task.examples["train"]))
+        logger = finetune.LossRecorder(options.output_dir, False, cfg.train.max_steps)
+        trainer = Trainer(cfg, strategy=strategy, task=task, logger=logger)
+        model = trainer.model
         bias = model.classifier_head.bias
-        result = {"losses": [], "scales": [current_loss_scale(optimizer)]}
+        scale = lambda: float(tf.convert_to_tensor(loss_scale(trainer.optimizer)))  # noqa: E731
+        result = {"scales": [scale()]}
         for index in range(options.max_steps):
             if index == poison_step:
                 result.update({f"initial{i}": v.numpy()
@@ -50,14 +48,15 @@ def poisoned_run(options, poison_step, poisoned):
                 kept = bias.numpy()
                 if poisoned:
                     bias.assign(np.full_like(kept, np.inf))
-            result["losses"].append(float(step(next(batches))))
-            result["scales"].append(current_loss_scale(optimizer))
+            trainer.fit(steps=1)
+            result["scales"].append(scale())
             if index == poison_step:
                 bias.assign(kept)
                 result.update({f"after{i}": v.numpy()
                                for i, v in enumerate(model.trainable_variables)})
         result.update({f"final{i}": v.numpy() for i, v in enumerate(model.trainable_variables)})
-    return strategy, result
+    result["losses"] = logger.losses
+    return trainer, result
 
 
 def main(path):
@@ -68,11 +67,11 @@ def main(path):
     options = ClassifyOptions(**run["options"])
     rank = int(os.environ.get("HOROVOD_RANK", json.loads(
         os.environ.get("TF_CONFIG", '{"task": {"index": 0}}'))["task"]["index"]))
-    strategy, result = poisoned_run(options, run["poison_step"],
-                                    poisoned=rank == run["poisoned_rank"])
-    assert strategy.rank == rank and strategy.num_replicas == 2
+    trainer, result = poisoned_run(options, run["poison_step"],
+                                   poisoned=rank == run["poisoned_rank"])
+    assert trainer.strategy.rank == rank and trainer.strategy.num_replicas == 2
     np.savez(os.path.join(run["out"], f"rank{rank}.npz"), **result)
-    strategy.shutdown()
+    trainer.strategy.shutdown()
 
 
 if __name__ == "__main__":

@@ -10,12 +10,15 @@ import numpy as np
 import pytest
 
 from tfbig.checkpoint import model_variables
-from tfbig.classify import ClassifyOptions, fine_tune, read_examples, scores
+from tfbig.classify import ClassifyOptions, fine_tune
+from tfbig.tasks.classify import read_examples, scores
 from tfbig.convert import run_dir
 from tfbig.errors import UsageError
 from tfbig.models.bert import BertConfig, BertForPretraining
 
 WORDS = "the a cat dog sat ran on mat big small red blue".split()
+# MFU against a given peak: no CPU matmul probe (seconds at each process's first fit)
+FAST = {"peak_tflops": 1.0}
 
 
 def _rows(count, seed):
@@ -57,7 +60,7 @@ def test_learns_a_pair_task_and_scores_match_predictions(bert_run, tmp_path):
     result = fine_tune(ClassifyOptions(
         init_checkpoint=str(bert_run / "run"), train_file=str(train), eval_file=str(dev),
         output_dir=str(tmp_path / "out"), max_seq_length=24, train_batch_size=16,
-        learning_rate=3e-3, max_steps=150))
+        learning_rate=3e-3, max_steps=150), **FAST)
     assert result["accuracy"] >= 0.9
     rows = [json.loads(line) for line in
             (tmp_path / "out" / "predictions.jsonl").read_text().splitlines()]
@@ -78,20 +81,11 @@ def test_example_index_is_glues_column_or_the_row_number(tmp_path):
     assert [e[3] for e in read_examples(str(jsonl), ClassifyOptions())] == [3, 1]
 
 
-def test_a_multiworker_restore_mismatch_names_the_commands_flag():
-    """MultiWorker's "workers hold different weights" error names what the command read:
-    --init_checkpoint for the fine-tuning commands (they have no --model_dir)."""
-    from tfbig.config import ExperimentConfig
-    from tfbig.distribute.finetune import fine_tune_config
-    from tfbig.distribute.multiworker import restored_from
-
-    assert restored_from(fine_tune_config("runs/bert").train) == "--init_checkpoint=runs/bert"
-    assert restored_from(ExperimentConfig().train) == "--model_dir=runs/gpt-small"
-
-
 def test_scores_f1_by_hand():
     labels, predicted = np.array([0, 1, 1, 1, 0]), np.array([0, 1, 0, 1, 1])
-    assert scores(labels, predicted, 2) == {"accuracy": 0.6, "f1": pytest.approx(2 / 3)}
+    # MCC: (TP x TN - FP x FN) / sqrt(...) = (2 x 1 - 1 x 1) / sqrt(3 x 3 x 2 x 2) = 1/6
+    assert scores(labels, predicted, 2) == {"accuracy": 0.6, "f1": pytest.approx(2 / 3),
+                                            "mcc": pytest.approx(1 / 6)}
     three = scores(np.array([0, 1, 2]), np.array([0, 1, 1]), 3)  # F1s 1, 2/3, 0: macro 5/9
     assert three["f1"] == pytest.approx(5 / 9)
 
@@ -131,40 +125,51 @@ def _launch(strategy, flags, out, root):
     "multiworker",  # two TF_CONFIG workers (tfbig-launch): ~15 s idle
     pytest.param("horovod", marks=pytest.mark.slow)])  # one horovodrun launch: ~25 s idle
 def test_two_processes_equal_one_on_the_same_global_batches(strategy, bert_run, tmp_path):
+    """Training: losses and every weight of the final checkpoint; prediction on both
+    processes, gathered: the same predictions.jsonl and scores on 13 examples (uneven)."""
     import os
 
     import tensorflow as tf
 
-    train = tmp_path / "train.jsonl"
+    train, dev = tmp_path / "train.jsonl", tmp_path / "dev.jsonl"
     train.write_text("".join(json.dumps(r) + "\n" for r in _rows(64, 2)))
+    dev.write_text("".join(json.dumps(r) + "\n" for r in _rows(13, 5)))
     common = dict(init_checkpoint=str(bert_run / "run"), train_file=str(train),
-                  max_seq_length=24, train_batch_size=8, learning_rate=3e-3, max_steps=4)
+                  eval_file=str(dev), max_seq_length=24, train_batch_size=8,
+                  learning_rate=3e-3, max_steps=4)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    flags = [f"--{k}={v}" for k, v in common.items()] + ["--noxla"]
+    flags = [f"--{k}={v}" for k, v in common.items()] + ["--noxla", "--peak_tflops=1"]
     done = _launch(strategy, flags, tmp_path / "two", root)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    for rank in (0, 1):  # two processes, each training on its half of every global batch
-        assert f"4 steps on 2 replica(s) (rank {rank})" in done.stdout + done.stderr
-    fine_tune(ClassifyOptions(output_dir=str(tmp_path / "one"), xla=False, **common))
+    saved = json.loads((tmp_path / "two" / "config.json").read_text())
+    assert saved["train"]["strategy"] == strategy and saved["train"]["batch_size"] == 8
+    fine_tune(ClassifyOptions(output_dir=str(tmp_path / "one"), xla=False, **common), **FAST)
     losses = [json.loads((tmp_path / run / "train_losses.json").read_text())
               for run in ("two", "one")]
     assert len(losses[0]) == 4 and losses[0][0] != losses[0][-1]
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
-    readers = [tf.train.load_checkpoint(str(tmp_path / run / "finetuned"))
+    readers = [tf.train.load_checkpoint(tf.train.latest_checkpoint(str(tmp_path / run)))
                for run in ("two", "one")]
     keys = [k for k in readers[1].get_variable_to_shape_map() if k.startswith("model/")]
     assert len(keys) > 30
     for key in keys:
         ours, theirs = readers[0].get_tensor(key), readers[1].get_tensor(key)
         np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6, err_msg=key)
+    predictions = [(tmp_path / run / "predictions.jsonl").read_text().splitlines()
+                   for run in ("two", "one")]
+    assert len(predictions[1]) == 13 and predictions[0] == predictions[1]
+    scores_ = [json.loads((tmp_path / run / "eval_results.json").read_text())
+               for run in ("two", "one")]
+    assert scores_[0] == pytest.approx(scores_[1], abs=1e-12)
 
 
-@pytest.mark.parametrize("strategy", ["mirrored"])
-def test_other_strategies_are_refused_naming_the_flag(strategy, bert_run):
-    with pytest.raises(UsageError, match=rf"--strategy='{strategy}': tfbig-classify runs on "
-                                         r"single \| horovod \| multiworker \| pipeline$"):
-        fine_tune(ClassifyOptions(init_checkpoint=str(bert_run / "run"), train_file="t.tsv",
-                                  strategy=strategy))
+def test_an_unknown_strategy_is_refused_naming_the_flag(bert_run, tmp_path):
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in _rows(8, 0)))
+    with pytest.raises(ValueError, match=r"--strategy='tpu': expected one of"):
+        fine_tune(ClassifyOptions(init_checkpoint=str(bert_run / "run"), train_file=str(train),
+                                  output_dir=str(tmp_path / "o"), strategy="tpu",
+                                  max_seq_length=24))
 
 
 PRECISION = dict(max_seq_length=24, train_batch_size=8, learning_rate=3e-3, max_steps=4,
@@ -181,11 +186,12 @@ def test_mixed_precision_computes_in_half_and_stays_close_to_fp32(bert_run, tmp_
     for precision in ("fp32", "mixed_float16", "mixed_bfloat16"):
         out = tmp_path / precision
         fine_tune(ClassifyOptions(init_checkpoint=str(bert_run / "run"), train_file=str(train),
-                                  output_dir=str(out), precision=precision, **PRECISION))
+                                  output_dir=str(out), precision=precision, **PRECISION),
+                  **FAST)
         losses[precision] = np.array(json.loads((out / "train_losses.json").read_text()))
         assert keras.mixed_precision.global_policy().name == "float32"
     assert json.loads((tmp_path / "mixed_float16" / "loss_scales.json").read_text()) == \
-        [2.0 ** 15] * 5  # before each step and after the last: no step skipped
+        [2.0 ** 15] * 4  # at each step: none skipped
     assert not (tmp_path / "fp32" / "loss_scales.json").exists()
     for precision, rtol in (("mixed_float16", 5e-3), ("mixed_bfloat16", 3e-2)):
         assert not np.array_equal(losses[precision], losses["fp32"]), precision
@@ -228,20 +234,19 @@ def test_fp16_two_processes_skip_a_poisoned_step_and_equal_one(strategy, bert_ru
     it within fp16 rounding."""
     from classify_worker import poisoned_run
 
-    from tfbig.distribute.finetune import skipped_steps
-
     train = tmp_path / "train.jsonl"
     train.write_text("".join(json.dumps(r) + "\n" for r in _rows(64, 2)))
     common = dict(init_checkpoint=str(bert_run / "run"), train_file=str(train),
-                  precision="mixed_float16", **PRECISION)
+                  output_dir=str(tmp_path / "run"), precision="mixed_float16", **PRECISION)
     done = _launch_worker(strategy, {"options": {**common, "strategy": strategy},
                                      "poison_step": 1, "poisoned_rank": 1,
                                      "out": str(tmp_path)}, tmp_path)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     ranks = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in (0, 1)]
-    _, single = poisoned_run(ClassifyOptions(**common), 1, poisoned=True)
+    _, single = poisoned_run(ClassifyOptions(**{**common, "output_dir": str(tmp_path / "one")}),
+                             1, poisoned=True)
     scales = np.array(single["scales"])
-    assert skipped_steps(scales) == 1 and scales[2] == scales[1] / 2
+    assert np.sum(scales[1:] < scales[:-1]) == 1 and scales[2] == scales[1] / 2  # 1 skipped
     count = len([k for k in single if k.startswith("final")])
     assert count > 30
     for rank, result in enumerate(ranks):
@@ -264,3 +269,60 @@ def test_fp16_two_processes_skip_a_poisoned_step_and_equal_one(strategy, bert_ru
         assert np.mean(np.abs(ours - initial) > 1e-4) > 0.3, where
     for i in range(count):  # the two processes hold the same weights
         np.testing.assert_array_equal(ranks[0][f"final{i}"], ranks[1][f"final{i}"])
+
+
+@pytest.mark.slow  # ~85 s on a loaded 2-core machine: three runs of the command
+def test_kill_9_and_the_same_command_again_equal_an_uninterrupted_run(bert_run, tmp_path):
+    """tfbig-classify --deterministic killed (SIGKILL) after a random checkpointed step, then
+    started again with the same flags: it resumes from the last checkpoint in --output_dir and
+    ends with bit-identical weights and predictions."""
+    import os
+    import random
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    import tensorflow as tf
+
+    train, dev = tmp_path / "train.jsonl", tmp_path / "dev.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in _rows(48, 7)))
+    dev.write_text("".join(json.dumps(r) + "\n" for r in _rows(11, 8)))
+    steps, kill_after = 8, random.Random().randint(2, 6)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def command(out):
+        return [sys.executable, "-m", "tfbig.classify", f"--init_checkpoint={bert_run / 'run'}",
+                f"--train_file={train}", f"--eval_file={dev}", "--max_seq_length=24",
+                "--train_batch_size=8", "--learning_rate=3e-3", f"--max_steps={steps}",
+                "--deterministic", "--checkpoint_every=1", "--noxla", "--peak_tflops=1",
+                "--monitor_interval_ms=0", f"--output_dir={out}"]
+
+    env = {**os.environ, "PYTHONPATH": root, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    proc = subprocess.Popen(command(tmp_path / "killed"), cwd=root, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    for line in proc.stdout:  # the checkpoint of step kill_after is written before step + 1
+        if f"step {kill_after + 1}/{steps}" in line:
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.wait(timeout=600)
+    assert proc.returncode == -signal.SIGKILL, f"ended before step {kill_after + 1}"
+    assert not (tmp_path / "killed" / "predictions.jsonl").exists()
+    for run in ("killed", "straight"):
+        done = subprocess.run(command(tmp_path / run), cwd=root, env=env, text=True,
+                              capture_output=True, timeout=600)
+        assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+        if run == "killed":  # resumed at the newest intact checkpoint (a save the kill cut
+            # short is skipped as damaged)
+            resumed = re.search(r"resumed from \S*ckpt-(\d+)", done.stdout + done.stderr)
+            assert resumed and int(resumed.group(1)) in (kill_after, kill_after + 1)
+    readers = [tf.train.load_checkpoint(tf.train.latest_checkpoint(str(tmp_path / run)))
+               for run in ("killed", "straight")]
+    keys = [k for k in readers[1].get_variable_to_shape_map() if k.startswith("model/")]
+    assert len(keys) > 30
+    for key in keys:
+        np.testing.assert_array_equal(readers[0].get_tensor(key), readers[1].get_tensor(key),
+                                      err_msg=key)
+    for output in ("predictions.jsonl", "eval_results.json"):
+        assert (tmp_path / "killed" / output).read_text() == \
+            (tmp_path / "straight" / output).read_text(), output

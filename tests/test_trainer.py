@@ -49,6 +49,8 @@ class ReplicasTask:
         return getattr(self.task, name)
 
     def dataset(self, split, batch_size, input_context=None, **kwargs):
+        if split != "train":  # evaluation reads the split in order whatever the layout
+            return self.task.dataset(split, batch_size, input_context, **kwargs)
         n = self.num_replicas
         parts = tuple(self.task.dataset(split, batch_size // n,
                                         tf.distribute.InputContext(n, i, n), **kwargs)

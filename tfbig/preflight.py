@@ -3,14 +3,15 @@
     batches = validation_batches(task, micro_batch=8, num_replicas=2, eval_steps=50, say=print)
     check_tokenizer(task)   # the file the end-of-run sample needs
 """
+from tfbig import evaluation
 from tfbig.errors import UsageError
 
 
 def validation_batches(task, micro_batch, num_replicas, eval_steps, say):
-    """Validation batches every replica evaluates (at most `eval_steps`; 0: the whole split).
+    """Global validation batches of micro_batch x num_replicas records (at most `eval_steps`;
+    0: the whole split, its last batch padded: tfbig.trainer evaluates every record once).
 
     0 when the data has no validation split: the run trains without evaluating and `say`s so.
-    A split smaller than one batch per replica is an error now, not after training.
     """
     split = task.manifest.splits.get("validation")
     records = split.records if split is not None else 0
@@ -18,13 +19,7 @@ def validation_batches(task, micro_batch, num_replicas, eval_steps, say):
         say(f"no validation split in {task.data_dir}: training without evaluation "
             f"(prepare the data with tfbig-prep --validation_fraction > 0 to evaluate)")
         return 0
-    available = records // (micro_batch * num_replicas)
-    if available == 0:
-        raise UsageError(
-            f"the validation split of {task.data_dir} has {records} records, fewer than one "
-            f"batch of {micro_batch} per replica x {num_replicas} replicas; lower --batch_size "
-            f"(or raise --grad_accum_steps), or prepare more validation data")
-    return min(available, eval_steps or available)
+    return evaluation.num_batches(records, micro_batch * num_replicas, eval_steps)
 
 
 def check_tokenizer(task):

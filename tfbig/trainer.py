@@ -5,6 +5,7 @@ One optimizer step = `grad_accum_steps` micro-batches per data-parallel replica:
     average gradients over replicas (once per step)        -> strategy.all_reduce_gradients
     unscale, clip by global norm, apply (skip if not finite) -> optimizer.apply
 """
+import contextlib
 import dataclasses
 import functools
 import json
@@ -19,7 +20,7 @@ from tensorflow.python.framework import config as op_config
 
 from tfbig import budget as budget_lib
 from tfbig import config as config_lib
-from tfbig import data, init_checkpoint, integrity, preflight
+from tfbig import data, evaluation, init_checkpoint, integrity, preflight
 from tfbig.checkpoint import rng_variables
 from tfbig.distribute import get_strategy
 from tfbig.logs import RunLogger
@@ -40,6 +41,18 @@ def set_precision(precision):
     if precision not in PRECISIONS:
         raise ValueError(f"--precision={precision!r}: expected one of {sorted(PRECISIONS)}")
     keras.mixed_precision.set_global_policy(PRECISIONS[precision])
+
+
+@contextlib.contextmanager
+def precision_policy(precision):
+    """set_precision(precision) within the context, the previous policy restored after it
+    (a command run in-process leaves later models in float32)."""
+    previous = keras.mixed_precision.global_policy()
+    set_precision(precision)
+    try:
+        yield
+    finally:
+        keras.mixed_precision.set_global_policy(previous)
 
 
 def micro_batch_size(batch_size, num_replicas, grad_accum_steps):
@@ -118,7 +131,7 @@ class Trainer:
             self.step, self.batches_consumed, self.nonfinite_steps])
         self.forward_backward = self.strategy.make_forward_backward(
             self._loss_fn, self.model.trainable_variables, self._scale_loss, t.xla)
-        self.forward = self.strategy.make_forward(self._loss_fn, t.xla)
+        self.validation_step = self.strategy.make_validation_step(self.task, self.model, t.xla)
         self.eval_batches = preflight.validation_batches(  # 0: no validation split
             self.task, self.micro_batch, self.strategy.num_replicas, t.eval_steps,
             self.logger.info)
@@ -150,10 +163,15 @@ class Trainer:
         self.batches_consumed.assign_add(1)  # one global batch per optimizer step
         return out
 
+    def _replica_validation(self, batch):
+        rows = {k: v for k, v in batch.items() if k != evaluation.VALID}
+        return self.strategy.all_gather({**self.validation_step(rows),
+                                         evaluation.VALID: batch[evaluation.VALID]})
+
     @tf.function
     def _eval_step(self, batch):
-        replica = lambda b: self.strategy.all_reduce_mean(self.forward(b))  # noqa: E731
-        return self.strategy.local_result(self.strategy.run(replica, (batch,)))
+        """This replica's validation outputs, gathered from every replica in dataset order."""
+        return self.strategy.local_result(self.strategy.run(self._replica_validation, (batch,)))
 
     # ---- run directory, checkpoints ----------------------------------------------------------
     def _check_run_dir(self):
@@ -226,23 +244,34 @@ class Trainer:
             self.task, self.micro_batch, t.grad_accum_steps, t.seed,
             int(self.batches_consumed.numpy()) * t.batch_size)  # global examples consumed
 
-    def _validation_batches(self):
-        return iter(self.strategy.distribute_dataset(
-            lambda ctx: self.task.dataset("validation", self.micro_batch, ctx, shuffle=False)))
+    def _validation_batches(self, split="validation", num_batches=None):
+        global_batch = self.micro_batch * self.strategy.num_replicas
+        records = lambda: self.task.dataset(  # noqa: E731 - every record once, in order
+            split, global_batch, None, shuffle=False, repeat=False, drop_remainder=False)
+        return iter(self.strategy.distribute_dataset(evaluation.padded_batches(
+            records, global_batch, num_batches or self.eval_batches)))
+
+    def predict(self, split="validation", num_batches=0):
+        """{name: numpy array} of the task's validation outputs on `split` (its first
+        `num_batches` global batches; 0: all): every replica computes its rows, all are
+        gathered in dataset order, the padding dropped. Every process calls it."""
+        num_batches = evaluation.num_batches(
+            self.task.manifest.splits[split].records,
+            self.micro_batch * self.strategy.num_replicas, num_batches)
+        batches = self._validation_batches(split, num_batches)
+        gathered = []
+        for _ in range(num_batches):
+            gathered.append({k: v.numpy() for k, v in self._eval_step(next(batches)).items()})
+        return evaluation.drop_padding(gathered)
 
     def evaluate(self):
-        """Mean validation metrics plus the task's summary (perplexity, bits per byte...)."""
-        num_batches = self.eval_batches
-        if not num_batches:
+        """The task's validation metrics over the split (or --eval_steps global batches):
+        every replica evaluates its share, the metric runs once over the gathered outputs
+        (kept in `self.predictions`)."""
+        if not self.eval_batches:
             return {}
-
-        iterator = self._validation_batches()
-        totals = None
-        for _ in range(num_batches):
-            metrics = self._eval_step(next(iterator))
-            totals = metrics if totals is None else {k: totals[k] + v for k, v in metrics.items()}
-        means = {k: float(v) / num_batches for k, v in totals.items()}
-        return self.task.eval_summary(means)
+        self.predictions = self.predict("validation", self.eval_batches)
+        return self.task.reduce_aggregated_logs(self.predictions)
 
     # ---- the loop ----------------------------------------------------------------------------
     def _check_finite(self, step):

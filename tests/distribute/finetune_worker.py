@@ -24,9 +24,11 @@ Horovod stays up between scenarios (HOROVOD_DYNAMIC_PROCESS_SETS=1; a command's 
 `shutdown` is a barrier here), so one launch runs them all: each start of TensorFlow costs
 seconds.
 """
+import dataclasses
 import json
 import os
 import sys
+import types
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -64,7 +66,7 @@ def albert_features(config, count, seq_length, seed):
 
 # ---- what each command trains: (model builder, config, loss, variables, one global batch) -----
 def classify_setup(options):
-    from tfbig import classify
+    from tfbig.tasks import classify
     from tfbig.convert import run_dir
     from tfbig.models.bert import BertClassifier
     from tfbig.squad.finetune import pretrained_config
@@ -262,9 +264,22 @@ def scenario(run):
         gradients(strategy, setup, run["options"]["config"]["seq_length"], grads_path)
         run_albert(run, features)
         return
-    kind = {"classify": (classify.ClassifyOptions, classify_setup, classify.fine_tune),
-            "squad": (cli.SquadOptions, squad_setup, cli.fine_tune)}[run["command"]]
-    options = kind[0](**run["options"], output_dir=os.path.join(run["out"], run["name"]))
+    out = os.path.join(run["out"], run["name"])
+    if run["command"] == "classify":  # on the Trainer: the split flags are its own
+        own = {f.name for f in dataclasses.fields(classify.ClassifyOptions)}
+        command_options = classify.ClassifyOptions(
+            **{k: v for k, v in run["options"].items() if k in own}, output_dir=out)
+        split = {k: v for k, v in run["options"].items() if k not in own}
+        kind = (None, classify_setup, lambda o: classify.fine_tune(command_options, **split))
+        # the first-step gradients and fp16 skip through the backends' fine-tuning adapters
+        from tfbig.distribute.finetune_pipeline import PipelineOptions
+
+        options = types.SimpleNamespace(**{
+            **dataclasses.asdict(ParallelOptions()), **dataclasses.asdict(PipelineOptions()),
+            **dataclasses.asdict(command_options), **run["options"], "output_dir": out})
+    else:
+        kind = (cli.SquadOptions, squad_setup, cli.fine_tune)
+        options = kind[0](**run["options"], output_dir=out)
     strategy = fine_tune_strategy(options.strategy, "test", options)
     with precision_policy(options.precision):
         if options.precision == "fp32":

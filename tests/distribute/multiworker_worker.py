@@ -48,7 +48,8 @@ def main(config_path, out_dir, steps=None, cpu_devices=0, hang_rank=-1):
         json.dump({"restored_step": restored_step, "step": summary["step"],
                    "preempted": bool(summary.get("preempted")),
                    "num_replicas": trainer.strategy.num_replicas,
-                   "checkpoint": summary["checkpoint"], "train": summary["train"]}, f)
+                   "checkpoint": summary["checkpoint"], "train": summary["train"],
+                   "eval": summary["eval"]}, f)
     trainer.strategy.shutdown()
     return 143 if summary.get("preempted") else 0
 

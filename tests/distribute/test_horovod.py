@@ -39,7 +39,8 @@ TIMEOUT = 1200  # a launch takes ~1 min idle; 8 when other jobs load the 2 cores
 
 # Clipping at 0.5 is active (the averaged gradient norm is above it at every step), so
 # averaging twice, summing, or clipping before averaging would all change the weights.
-EQUIVALENCE = dict(max_steps=4, batch_size=8, grad_clip_norm=0.5, dropout=0.0)
+# eval_steps=0: the whole validation split (217 GPT records: the last global batch padded)
+EQUIVALENCE = dict(max_steps=4, batch_size=8, grad_clip_norm=0.5, dropout=0.0, eval_steps=0)
 # ALBERT (MLM + SOP, LAMB as its recipe) on the same loop; shards of seq_length 32.
 ALBERT = dict(model="albert", seq_length=32, optimizer="lamb", learning_rate=1e-2,
               weight_decay=0.01, epsilon=1e-6)
@@ -266,6 +267,8 @@ def test_two_ranks_equal_one_process_on_the_same_data(request, shared, tmp_path_
                 path, np.delete(ours, np.s_[24:48]), lambda full: np.delete(full, np.s_[24:48]))
         else:
             single.recorded.assert_equal_piece(path, ours, err_msg=name)
+    # each rank evaluated its share of the split, gathered in order: one process's figures
+    assert float(first["eval_loss"]) == pytest.approx(single.evaluate()["loss"], rel=1e-5)
 
 
 @pytest.mark.multiproc

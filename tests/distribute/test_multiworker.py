@@ -149,6 +149,7 @@ ALBERT = dict(model="albert", seq_length=32, optimizer="lamb", weight_decay=0.01
 def test_two_workers_equal_one_process_on_the_same_data(model, gpt_data, albert_data, tmp_path):
     data, train = (gpt_data, EQUIVALENCE) if model == "gpt" else (albert_data,
                                                                   {**EQUIVALENCE, **ALBERT})
+    train = {**train, "eval_steps": 0}  # the whole validation split: 217 records, uneven
     cfg = make_cfg(data, tmp_path / "run", strategy="multiworker", **train)
     # ALBERT's workers recompute every call of its shared block; the reference does not
     cfg.pipeline.activation_checkpointing = model == "albert"
@@ -162,6 +163,8 @@ def test_two_workers_equal_one_process_on_the_same_data(model, gpt_data, albert_
     single, summary = reference(data, tmp_path / "single", 2, **train)
     single.recorded.assert_equal(w0, atol=1e-7)
     assert first["train"]["loss"] == pytest.approx(summary["train"]["loss"], rel=1e-5)
+    # each worker evaluated its share (the last batch padded); gathered, every record once
+    assert first["eval"] == pytest.approx(summary["eval"], rel=1e-5)
     assert "[worker 0]" in output and "[worker 1]" in output
     assert os.path.exists(first["checkpoint"] + ".index")  # the chief's, in --model_dir
     assert second["checkpoint"] is not None and not os.path.exists(

@@ -96,46 +96,48 @@ def assert_same_gradients(ours, reference):
         np.testing.assert_allclose(ours[path], grad, rtol=1e-5, atol=1e-7, err_msg=path)
 
 
-PIPELINE = dict(strategy="pipeline", pipeline_stages=4, num_microbatches=2, schedule="gpipe")
+PIPELINE = dict(pipeline_stages=4, num_microbatches=2, schedule="gpipe")  # Trainer flags
 
 
 def test_classifier_stages_equal_one_device(files, tmp_path, capsys):
-    from tfbig import classify as command
-    from tfbig.models.bert import BertClassifier
-    from tfbig.squad.finetune import pretrained_config
+    """tfbig-classify --strategy=pipeline on the Trainer: the first step's per-variable
+    gradients equal one device's; the run's losses, checkpoint, predictions and scores too."""
+    from tfbig import finetune
+    from tfbig.tasks.classify import ClassifyTask
+    from tfbig.trainer import Trainer
 
-    config, tokenizer = pretrained_config(str(files / "run"))
-    options = _classify_options(files, **PIPELINE)
-    train, _, names = command.read_data(options)
-    data = command.encode(train, tokenizer, options.max_seq_length,
-                          {n: i for i, n in enumerate(names)})
-    batch = {k: v[:options.train_batch_size] for k, v in data.items()}
+    options = _classify_options(files, output_dir=str(tmp_path / "grads"), strategy="pipeline")
+    cfg = finetune.experiment(options, "classify", **PIPELINE, peak_tflops=1.0)
+    task = ClassifyTask(cfg.train, options)
+    finetune.set_steps(cfg, options, len(task.examples["train"]))
+    trainer = Trainer(cfg, task=task)
+    batch = {k: tf.constant(v[:options.train_batch_size]) for k, v in task.arrays["train"].items()}
+    loss, grads, _ = trainer.forward_backward(tf.nest.map_structure(lambda t: t[None], batch))
+    ours = {v.path: np.asarray(g) for v, g in zip(trainer.model.trainable_variables, grads)}
+    whole = task.build_model()  # one device, holding the stages' initial weights
+    by_path = {v.path: v for v in trainer.model.variables}
+    for v in whole.variables:
+        v.assign(by_path[v.path])
+    with tf.GradientTape() as tape:
+        value = task.loss(whole, batch, training=True)[0]
+    reference = {v.path: np.asarray(tf.convert_to_tensor(g)) for v, g in
+                 zip(whole.trainable_variables, tape.gradient(value, whole.trainable_variables))}
+    assert_same_gradients(ours, reference)
+    assert float(loss) == pytest.approx(float(value), rel=1e-6)
 
-    def build():  # the command's: random head, backbone from --init_checkpoint
-        model = BertClassifier(config, num_classes=len(names), name="bert_classifier")
-        model.build()
-        return run_dir.restore_backbone(model, str(files / "run"))
-
-    grads = [first_gradients(fine_tune_strategy("pipeline", "test", options), build,
-                             command.classification_loss, lambda m: m.trainable_variables,
-                             batch, config),
-             reference_gradients(build, command.classification_loss,
-                                 lambda m: m.trainable_variables, batch)]
-    assert_same_gradients(grads[0][0], grads[1][0])
-    assert grads[0][1] == pytest.approx(grads[1][1], rel=1e-6)
-
-    classify(_classify_options(files, output_dir=str(tmp_path / "pipe"), **PIPELINE))
+    classify(_classify_options(files, output_dir=str(tmp_path / "pipe"), strategy="pipeline"),
+             **PIPELINE, peak_tflops=1.0)
     printed = capsys.readouterr().out
     assert "pipeline: 4 stages, --schedule=gpipe, 2 micro-batches of 96 tokens" in printed
     for layer in ("embedding", "block_0", "block_1", "heads"):  # one layer per stage
         assert f" {layer} " in printed
-    classify(_classify_options(files, output_dir=str(tmp_path / "one")))
+    classify(_classify_options(files, output_dir=str(tmp_path / "one")), peak_tflops=1.0)
     runs = [tmp_path / "pipe", tmp_path / "one"]
     losses = [json.loads((run / "train_losses.json").read_text()) for run in runs]
     assert len(losses[0]) == 4 and losses[0][0] != losses[0][-1]
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
-    assert_same_checkpoints(*[run / "finetuned" for run in runs])
-    for output in ("eval_results.json", "predictions.jsonl"):  # single-device model's
+    assert_same_checkpoints(*[tf.train.latest_checkpoint(str(run)) for run in runs])
+    for output in ("eval_results.json", "predictions.jsonl"):  # every stage predicted
         assert (runs[0] / output).read_text() == (runs[1] / output).read_text(), output
 
 
@@ -244,28 +246,32 @@ def test_squad_command_stages_equal_one_device(files, tmp_path):
      r"--stage_boundaries='block_7': 'block_7' is neither a layer index nor a layer name; "
      r"layers are \['embedding', 'block_0', 'block_1', 'heads'\]"),
 ])
-@pytest.mark.parametrize("command", ["classify", "squad"])
-def test_bad_pipeline_flags_are_refused_before_training(command, flags, message, files,
-                                                        tmp_path):
+def test_bad_pipeline_flags_are_refused_before_training(flags, message, files, tmp_path):
     out = tmp_path / "o"
-    if command == "classify":
-        run = lambda: classify(_classify_options(files, output_dir=str(out), **flags))  # noqa
-    else:
-        run = lambda: squad(SquadOptions(  # noqa: E731
-            init_checkpoint=str(files / "run"), train_file=str(files / "train.json"),
-            doc_stride=8, max_query_length=8, output_dir=str(out), **STEPS, **flags))
     with pytest.raises(ValueError, match=message):
-        run()
+        squad(SquadOptions(init_checkpoint=str(files / "run"), train_file=str(files / "train.json"),
+                           doc_stride=8, max_query_length=8, output_dir=str(out), **STEPS,
+                           **flags))
     assert not (out / "finetuned.index").exists()
 
 
-def test_pipeline_under_horovodrun_is_refused(files, monkeypatch):
-    """Data-parallel replicas of a fine-tuning pipeline are not built: a process started by
-    horovodrun (its launcher's variables) is stopped before Horovod or any device starts."""
-    monkeypatch.setenv("HOROVOD_RANK", "0")
-    with pytest.raises(ValueError, match=r"--strategy=pipeline under horovodrun: tfbig-classify "
-                                         r"runs the pipeline in one process"):
-        classify(_classify_options(files, strategy="pipeline"))
+@pytest.mark.parametrize("strategy, flags, message", [
+    ("single", dict(num_microbatches=2),
+     r"--num_microbatches=2 has no effect with --strategy=single"),
+    ("pipeline", dict(num_microbatches=3), r"does not split into --num_microbatches=3"),
+    ("pipeline", dict(tensor_parallel=2),
+     r"--tensor_parallel=2 has no effect with --strategy=pipeline"),
+    ("pipeline", dict(pipeline_stages=3, stage_boundaries="block_1"),
+     r"--stage_boundaries='block_1' gives 1 boundaries; --pipeline_stages=3 needs 2"),
+])
+def test_bad_pipeline_flags_of_tfbig_classify_are_the_trainers_errors(strategy, flags, message,
+                                                                      files, tmp_path):
+    """tfbig-classify runs the Trainer: its pipeline flags are checked as tfbig-train's,
+    before any step."""
+    out = tmp_path / "o"
+    with pytest.raises(ValueError, match=message):
+        classify(_classify_options(files, output_dir=str(out), strategy=strategy), **flags)
+    assert not list(out.glob("ckpt-*"))
 
 
 def test_more_stages_than_layers_is_refused_naming_the_flag():

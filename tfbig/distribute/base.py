@@ -143,6 +143,18 @@ class Strategy:
         return tf.function(lambda batch: loss_fn(batch, training=False)[1],
                            jit_compile=jit_compile)
 
+    def make_validation_step(self, task, model, jit_compile):
+        """A function batch -> the task's per-example validation outputs ({name: (rows, ...)}:
+        `task.validation_step`); a backend that splits the model (the pipeline) runs its own
+        forward and hands the model's outputs to `task.validation_outputs`."""
+        return tf.function(lambda batch: task.validation_step(model, batch),
+                           jit_compile=jit_compile)
+
+    def all_gather(self, values):
+        """Concatenate a nest of per-replica (rows, ...) tensors over data-parallel replicas
+        along rows, in replica (= input pipeline) order; every replica gets the whole."""
+        return values
+
     def all_reduce_gradients(self, grads):
         """Average gradients over data-parallel replicas (called once per optimizer step)."""
         return grads

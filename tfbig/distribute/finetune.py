@@ -1,4 +1,5 @@
-"""The fine-tuning commands (tfbig-classify, tfbig-squad) on the one Strategy surface.
+"""tfbig-squad's own training loop on the one Strategy surface (tfbig-classify runs the
+Trainer instead: tfbig.finetune, tfbig.tasks.classify; this loop goes once SQuAD does too).
 
 Fine-tuning is data parallel (on Horovod also split or sharded: --tensor_parallel, --zero_stage,
 tfbig.distribute.finetune_parallel; or pipelined over this process's devices: --strategy=pipeline,

@@ -89,15 +89,10 @@ class FineTuneTask:
 
 
 def fine_tune_specs(config, seq_length):
-    """Embedding and transformer layers of `config` (tfbig.plan.models.layer_specs), then the
-    fine-tuning head in place of pretraining's: the pooler and a classifier or span head
-    (scopes of whichever the model has; costs of a 2-output head: next to a block's, noise)."""
-    from tfbig.plan.models import LayerSpec, layer_specs
+    """tfbig.plan.models.fine_tune_specs (kept here for tfbig-squad's loop)."""
+    from tfbig.plan.models import fine_tune_specs as specs
 
-    h, t = config.hidden_size, seq_length
-    head = LayerSpec("heads", ("pooler", "classifier_head", "span_head"),
-                     (h * h + h) + (2 * h + 2), 6 * (h * h / t + 2 * h))
-    return layer_specs(config, seq_length)[:-1] + [head]
+    return specs(config, seq_length)
 
 
 def _asked(options):

@@ -151,6 +151,10 @@ class HorovodStrategy(Strategy):
     def all_reduce_mean(self, values):
         return horovod_keras.average_values(values, self.process_set)
 
+    def all_gather(self, values):
+        # Horovod: the data-parallel group's rows, in data rank order.
+        return horovod_keras.gather_values(values, self.process_set)
+
     def max_over_processes(self, values):
         # Every rank of the job, whatever its place in the grid.
         return [float(v) for v in hvd.allreduce(tf.constant(values, tf.float64), op=hvd.Max)]

@@ -190,3 +190,16 @@ def average_values(values, process_set=hvd.global_process_set):
     reduced = hvd.grouped_allreduce([tf.convert_to_tensor(v) for v in flat], op=hvd.Average,
                                     process_set=process_set)
     return tf.nest.pack_sequence_as(values, reduced)
+
+
+def gather_values(values, process_set=hvd.global_process_set):
+    """Concatenate a nest of (rows, ...) tensors over processes along rows, in rank order
+    (evaluation outputs gathered to every rank)."""
+    flat = tf.nest.flatten(values)
+    if not flat or process_set is None:
+        return values
+    # Horovod: one allgather per tensor; ranks of the set in increasing global rank.
+    gathered = [hvd.allgather(tf.convert_to_tensor(v), process_set=process_set,
+                              name=f"tfbig.gather.{i}", ignore_name_scope=True)
+                for i, v in enumerate(flat)]
+    return tf.nest.pack_sequence_as(values, gathered)

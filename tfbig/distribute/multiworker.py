@@ -175,6 +175,14 @@ class MultiWorker(Strategy):
     def all_reduce_mean(self, values):
         return tf.distribute.get_replica_context().all_reduce(MEAN, values, self.communication)
 
+    def all_gather(self, values):
+        # tf.distribute: replicas in global order (worker by worker, then local replica), the
+        # order in which distribute_datasets_from_function hands out a global batch's rows.
+        # tf.identity: a replica input passed straight through has no device, and the
+        # gather would find no destination for it ("destinations can not be empty").
+        values = tf.nest.map_structure(tf.identity, values)
+        return tf.distribute.get_replica_context().all_gather(values, axis=0)
+
     def prepare_optimizer(self, optimizer):
         """Stop Keras from summing the already averaged gradients over replicas again.
 

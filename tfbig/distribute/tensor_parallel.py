@@ -363,6 +363,9 @@ class TensorParallelStrategy(HorovodStrategy):
     def make_forward(self, loss_fn, jit_compile):
         return super().make_forward(loss_fn, False)
 
+    def make_validation_step(self, task, model, jit_compile):
+        return super().make_validation_step(task, model, False)  # collectives inside
+
     def _sum_split_squares(self, squares):
         return _all_reduce_sum(squares, self.group.process_set)
 

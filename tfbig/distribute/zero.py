@@ -180,6 +180,9 @@ class ZeroStrategy(HorovodStrategy):
         # Stage 3 gathers inside the forward: Horovod ops have no XLA kernels.
         return super().make_forward(loss_fn, jit_compile and self.stage < 3)
 
+    def make_validation_step(self, task, model, jit_compile):
+        return super().make_validation_step(task, model, jit_compile and self.stage < 3)
+
     def _reduce_scatter(self, grads):
         """Full-size gradients -> this rank's slices, averaged over the partition group."""
         # Horovod: one grouped reduce-scatter inside the partition group (hop 1).

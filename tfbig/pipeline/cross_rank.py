@@ -327,6 +327,44 @@ class CrossRankPipeline(HorovodStrategy):
 
         return tf.function(forward, autograph=False)
 
+    def make_validation_step(self, task, model, jit_compile):
+        """batch -> per-example validation outputs, computed on the last stage and summed
+        over the pipeline group (the other stages add zeros), so every stage holds them."""
+        stage, link = self.make_stage(jit_compile), StageLink(
+            self.mesh, self.stage_index, self.num_stages, "validation")
+
+        def validation_step(batch):
+            size = tf.nest.flatten(batch)[0].shape[0]
+            num_micro = math.gcd(self.pipeline.num_microbatches, size) if size else 1
+            micro_batches = split_microbatches(batch, num_micro)
+            stage.begin_step(None, num_micro)
+            link.begin(runtime_zero(micro_batches[0]))
+            specs, _ = self._specs(micro_batches[0])
+            _, spec = boundary_specs(self.built.layers, self.plan, task, micro_batches[0],
+                                     head=task.validation_outputs)
+            parts = []
+            for m, micro in enumerate(micro_batches):
+                x = micro if stage.is_first else link.receive_forward(m, specs[stage.index - 1])
+                out = stage.infer(x, micro)
+                if stage.is_last:
+                    parts.append(task.validation_outputs(out[0], micro))
+                else:
+                    link.send_forward(m, out)
+            if parts:
+                mine = tf.nest.map_structure(lambda *p: tf.concat(p, 0), *parts)
+            else:
+                mine = tf.nest.map_structure(
+                    lambda s: tf.zeros([s.shape[0] * num_micro, *s.shape[1:]], s.dtype), spec)
+            flat = [unfoldable(tf.cast(t, tf.float32), link.exchanges_done(), i + 1)
+                    for i, t in enumerate(tf.nest.flatten(mine))]
+            # Horovod: the last stage's outputs to every stage (the others add zeros).
+            total = hvd.grouped_allreduce(flat, op=hvd.Sum, process_set=self.pipeline_set,
+                                          name="pipeline.validation.outputs",
+                                          ignore_name_scope=True)
+            return tf.nest.pack_sequence_as(mine, total)
+
+        return tf.function(validation_step, autograph=False)
+
     def all_reduce_gradients(self, grads):
         """Average over the stage's data group, then agree across stages on the norm,
         non-finite gradients and stop requests (one all-reduce of three scalars)."""

@@ -58,6 +58,11 @@ class HorovodGrid:
 
         return horovod_keras.average_values(values)  # Horovod: metrics over all replicas
 
+    def gather_values(self, values):
+        from tfbig.distribute import horovod_keras
+
+        return horovod_keras.gather_values(values)  # Horovod: rows of all replicas, rank order
+
     def broadcast(self, variables):
         from tfbig.distribute import horovod_keras
 

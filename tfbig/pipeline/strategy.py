@@ -261,6 +261,20 @@ class PipelineStrategy(Strategy):
 
         return tf.function(forward, autograph=False)
 
+    def make_validation_step(self, task, model, jit_compile):
+        """batch -> the task's per-example validation outputs of the last stage's outputs."""
+        stages = self.make_stages(jit_compile)
+
+        def validation_step(batch):
+            size = tf.nest.flatten(batch)[0].shape[0]
+            num_micro = math.gcd(self.options.num_microbatches, size) if size else 1
+            outputs, _ = schedules.run_forward(stages, split_microbatches(batch, num_micro),
+                                               with_outputs=True)
+            with tf.device(self.devices[-1]):
+                return task.validation_outputs(outputs, batch)
+
+        return tf.function(validation_step, autograph=False)
+
     def predict(self, inputs_batch, jit_compile=False):
         """(merged outputs, mean loss, mean metrics) of a batch run through the stages."""
         stages = self.make_stages(jit_compile)
@@ -299,6 +313,9 @@ class PipelineStrategy(Strategy):
 
     def all_reduce_mean(self, values):
         return self.grid.average_values(values) if self.grid else values
+
+    def all_gather(self, values):
+        return self.grid.gather_values(values) if self.grid else values
 
     def broadcast_variables(self, variables):
         if self.grid is not None:

@@ -61,9 +61,11 @@ def _float_specs(nest):
     return [s for s in tf.nest.flatten(nest) if s.dtype.is_floating]
 
 
-def boundary_specs(layers, plan, task, micro_batch):
+def boundary_specs(layers, plan, task, micro_batch, head=None):
     """([spec nest of stage s's output for s < K-1], spec nest of the task's metrics) for one
-    micro-batch like `micro_batch`, from a trace of the whole model that never runs."""
+    micro-batch like `micro_batch`, from a trace of the whole model that never runs; `head`
+    (model outputs, batch) -> nest replaces the metrics (e.g. task.validation_outputs)."""
+    head = head or (lambda x, batch: task.loss_from_outputs(x, batch)[1])
     variables = list({id(v): v for layer in layers for v in layer.variables + layer.rng_state}
                      .values())
 
@@ -75,7 +77,7 @@ def boundary_specs(layers, plan, task, micro_batch):
                 for layer in layers[stage.start:stage.stop]:
                     x = layer.call(x, True)
                 outputs.append(x)
-            _, metrics = task.loss_from_outputs(x, batch)
+            metrics = head(x, batch)
         return outputs[:-1], metrics
 
     spec = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), micro_batch)

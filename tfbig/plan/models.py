@@ -92,6 +92,16 @@ def layer_specs(cfg, seq_length, masked_per_seq=None):
     return list(shape_of(cfg, family_of(cfg), seq_length, masked_per_seq).pipe_layers)
 
 
+def fine_tune_specs(cfg, seq_length):
+    """Embedding and transformer layers of `cfg`, then the fine-tuning head in place of
+    pretraining's: the pooler and a classifier or span head (scopes of whichever the model
+    has; costs of a 2-output head: next to a block's, noise)."""
+    h, t = cfg.hidden_size, seq_length
+    head = LayerSpec("heads", ("pooler", "classifier_head", "span_head"),
+                     (h * h + h) + (2 * h + 2), 6 * (h * h / t + 2 * h))
+    return layer_specs(cfg, seq_length)[:-1] + [head]
+
+
 def _end_params(cfg, family):
     """(first stage's, last stage's) weights besides their transformer layers."""
     v, c = cfg.vocab_size, cfg.hidden_size

@@ -56,14 +56,15 @@ class GPTTask:
         return model
 
     def dataset(self, split, batch_size, input_context=None, *, seed=0, repeat=True,
-                shuffle=True, start=0):
+                shuffle=True, start=0, drop_remainder=True):
         """Batches of {"input_ids": int32 (batch_size, seq_length + 1)} for one pipeline."""
         return data.make_dataset(
             self.data_dir, split, batch_size, format=self.format, seq_length=self.seq_length,
             vocab_size=self.model_config.vocab_size, input_context=input_context, seed=seed,
             shuffle=shuffle, repeat=repeat, deterministic=self.train.deterministic,
             skip_corrupt=self.train.skip_corrupt, start=start,
-            trace=getattr(self.train, "data_trace", "") if split == "train" else "")
+            trace=getattr(self.train, "data_trace", "") if split == "train" else "",
+            drop_remainder=drop_remainder)
 
     def flops_per_token(self):
         """Model training FLOPs per token at this task's seq_length (for MFU)."""
@@ -82,9 +83,20 @@ class GPTTask:
     def loss(self, model, batch, training=False):
         return self.loss_from_outputs(model(self.model_inputs(batch), training=training), batch)
 
-    def eval_summary(self, metrics):
-        """Loss, perplexity and bits per byte (tokenizer-independent) of validation metrics."""
-        loss = float(metrics["loss"])
+    def validation_outputs(self, logits, batch):
+        """Per-sequence mean next-token cross-entropy {"loss": float32 (B,)}."""
+        targets = batch["input_ids"][:, 1:]
+        losses = self.vocab_cross_entropy(targets, tf.cast(logits, tf.float32))  # (B, T)
+        return {"loss": tf.reduce_mean(losses, axis=1)}
+
+    def validation_step(self, model, batch):
+        """What the metric needs from one batch (single replica; the trainer gathers it)."""
+        return self.validation_outputs(model(self.model_inputs(batch), training=False), batch)
+
+    def reduce_aggregated_logs(self, outputs):
+        """Loss, perplexity and bits per byte (tokenizer-independent) of the gathered
+        validation outputs (numpy, one row per sequence)."""
+        loss = float(outputs["loss"].mean())
         return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)),
                 "bits_per_byte": self.manifest.bits_per_byte(loss)}
 

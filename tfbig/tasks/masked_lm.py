@@ -79,14 +79,15 @@ class MaskedLMTask:
         return model
 
     def dataset(self, split, batch_size, input_context=None, *, seed=0, repeat=True,
-                shuffle=True, start=0):
+                shuffle=True, start=0, drop_remainder=True):
         """Batches of the seven standard features, int32 (float32 weights), for one pipeline."""
         batches = data.make_dataset(
             self.data_dir, split, batch_size, format=self.format, seq_length=self.seq_length,
             vocab_size=self.model_config.vocab_size, input_context=input_context, seed=seed,
             shuffle=shuffle, repeat=repeat, deterministic=self.train.deterministic,
             skip_corrupt=self.train.skip_corrupt, start=start,
-            trace=getattr(self.train, "data_trace", "") if split == "train" else "")
+            trace=getattr(self.train, "data_trace", "") if split == "train" else "",
+            drop_remainder=drop_remainder)
         if self._masking is None or split != "train":
             return batches
         # Masks are drawn per batch of this pipeline (so they differ between layouts; the
@@ -127,9 +128,34 @@ class MaskedLMTask:
     def loss(self, model, batch, training=False):
         return self.loss_from_outputs(model(self.model_inputs(batch), training=training), batch)
 
-    def eval_summary(self, metrics):
-        """Validation loss, MLM and sentence-pair losses and accuracies (floats)."""
-        return {name: float(metrics[name]) for name in ("loss", *self.metric_names)}
+    def validation_outputs(self, outputs, batch):
+        """Per-sequence sums the metrics are ratios of: float32 (B,) each."""
+        ids, weights = batch["masked_lm_ids"], tf.cast(batch["masked_lm_weights"], tf.float32)
+        logits = tf.cast(outputs["mlm_logits"], tf.float32)  # (B, P, V)
+        hits = tf.cast(tf.equal(self.vocab_argmax(logits, ids.dtype), ids), tf.float32)
+        labels = batch["next_sentence_labels"][:, 0]
+        pair_logits = tf.cast(outputs[f"{self.pair}_logits"], tf.float32)  # (B, 2)
+        pair_hits = tf.equal(tf.argmax(pair_logits, -1, output_type=labels.dtype), labels)
+        return {"mlm_loss_sum": tf.reduce_sum(self.vocab_cross_entropy(ids, logits) * weights, 1),
+                "mlm_hits": tf.reduce_sum(hits * weights, 1),
+                "mlm_weight": tf.reduce_sum(weights, 1),
+                "pair_loss": tf.nn.sparse_softmax_cross_entropy_with_logits(labels, pair_logits),
+                "pair_hit": tf.cast(pair_hits, tf.float32)}
+
+    def validation_step(self, model, batch):
+        """What the metric needs from one batch (single replica; the trainer gathers it)."""
+        return self.validation_outputs(model(self.model_inputs(batch), training=False), batch)
+
+    def reduce_aggregated_logs(self, outputs):
+        """Validation loss, MLM and sentence-pair losses and accuracies over every gathered
+        sequence (MLM figures per masked token of the whole split)."""
+        count = float(outputs["mlm_weight"].sum()) + 1e-5
+        mlm_loss = float(outputs["mlm_loss_sum"].sum()) / count
+        pair_loss = float(outputs["pair_loss"].mean())
+        return {"loss": mlm_loss + pair_loss, "mlm_loss": mlm_loss,
+                f"{self.pair}_loss": pair_loss,
+                "mlm_accuracy": float(outputs["mlm_hits"].sum()) / count,
+                f"{self.pair}_accuracy": float(outputs["pair_hit"].mean())}
 
     def tokenizer(self):
         return data.load_tokenizer(self.manifest.tokenizer_path)

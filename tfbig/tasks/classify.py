@@ -1,0 +1,268 @@
+"""Sentence and sentence-pair classification (GLUE-style) as a task of the one Trainer.
+
+The single-replica view, like tasks.gpt: the examples (TSV with a header row or JSON lines, or
+a TFDS `glue/*` dataset prepared on disk: tfbig.glue), the model (BertClassifier: the backbone
+of --init_checkpoint, a tfbig-convert BERT, and a new classifier on the pooled [CLS]), the
+loss (cross-entropy), and a validation step returning class logits with labels. The metric
+runs once over the gathered outputs: accuracy, F1 (of the second class for two classes, else
+macro-averaged) and Matthews correlation, as GLUE scores its tasks.
+
+Features: [CLS] a [SEP] b [SEP], the longer text cut first to fit --max_seq_length. Training
+order: one seeded shuffle per epoch, the same on every process; global batch s is examples
+[s x B, (s + 1) x B) of it whatever the layout, each replica taking its rows.
+
+    task = ClassifyTask(train_config, ClassifyData(init_checkpoint="runs/bert",
+                                                   train_file="train.tsv", eval_file="dev.tsv"))
+"""
+import csv
+import dataclasses
+import json
+import os
+
+import numpy as np
+import tensorflow as tf
+
+from tfbig.config import field
+from tfbig.errors import UsageError
+
+INPUTS = ("input_ids", "segment_ids", "input_mask")
+
+
+@dataclasses.dataclass
+class ClassifyData:
+    """What to fine-tune and on which examples (tfbig-classify's flags)."""
+
+    init_checkpoint: str = field("", "A tfbig-convert --output_dir holding a BERT.")
+    train_file: str = field("", "Training examples: .tsv (header row) or .jsonl.")
+    eval_file: str = field("", "Examples to score (same columns).")
+    text_a: str = field("sentence1", "Column (JSON key, TFDS feature) of the first text; "
+                                     "with --tfds_name=glue/* the default is the task's own.")
+    text_b: str = field("sentence2", "Column of the second text; empty for single sentences.")
+    label: str = field("label", "Column of the label (TFDS: a ClassLabel feature).")
+    max_seq_length: int = field(128, "Tokens per example: [CLS] a [SEP] b [SEP].")
+    tfds_name: str = field("", "A TFDS dataset prepared in --tfds_data_dir, e.g. glue/mnli "
+                               "(instead of --train_file/--eval_file; never downloaded).")
+    tfds_data_dir: str = field("", "TFDS data directory holding --tfds_name (empty: TFDS's "
+                                   "default, ~/tensorflow_datasets).")
+    tfds_split: str = field("train", "The TFDS split to train on.")
+    tfds_eval_splits: str = field("", "Comma-separated TFDS splits to score (empty: validation, "
+                                      "or every validation_* split: glue/mnli's matched and "
+                                      "mismatched).")
+
+
+class Examples:
+    """What the Trainer reads of a task's data (a prepared manifest's role): the tokenizer file
+    copied into the run directory and the records of each split."""
+
+    def __init__(self, tokenizer_path, records):
+        self.tokenizer_path = tokenizer_path
+        self.splits = {name: _Split(count) for name, count in records.items()}
+
+
+@dataclasses.dataclass
+class _Split:
+    records: int
+
+
+class ClassifyTask:
+    """BertClassifier fine-tuning on labelled examples; splits "train", "validation" (the
+    first eval set) and each eval set by name ("" for --eval_file, TFDS split names)."""
+
+    format = "classify"
+    data_dir = ""
+
+    def __init__(self, train, options):
+        from tfbig.convert import run_dir
+        from tfbig.wordpiece import WordPieceTokenizer
+
+        self.train, self.options = train, options
+        check_sources(options)
+        if not options.init_checkpoint:
+            raise UsageError("--init_checkpoint: give a tfbig-convert --output_dir holding a "
+                             "BERT (its config.json, vocab.txt and checkpoint)")
+        config, saved = run_dir.read_config(options.init_checkpoint, families=("bert",))
+        if train.dropout >= 0:
+            config = dataclasses.replace(config, dropout=train.dropout)
+        config.check_inputs(seq_length=options.max_seq_length)
+        self.model_config, self.seq_length = config, options.max_seq_length
+        tokenizer = WordPieceTokenizer.from_run(options.init_checkpoint, saved["tokenizer"])
+        examples, evals, self.names = read_data(options)
+        label_ids = {name: i for i, name in enumerate(self.names)}
+        self.examples = {"train": examples, **evals}
+        self.arrays = {name: encode(rows, tokenizer, self.seq_length, label_ids)
+                       for name, rows in self.examples.items()}
+        self.eval_names = list(evals)
+        if evals:
+            self.arrays["validation"] = self.arrays[self.eval_names[0]]
+        self.manifest = Examples(tokenizer.vocab_file, {k: len(v["labels"])
+                                                        for k, v in self.arrays.items()})
+
+    def build_model(self):
+        """BertClassifier, built; its backbone from --init_checkpoint, its head fresh."""
+        from tfbig.convert import run_dir
+        from tfbig.models.bert import BertClassifier
+
+        model = BertClassifier(self.model_config, num_classes=len(self.names),
+                               name="bert_classifier")
+        model.build()
+        run_dir.restore_backbone(model, self.options.init_checkpoint)
+        return model
+
+    def layer_specs(self):
+        """The layers the pipeline cuts the model by (the classifier on the last stage)."""
+        from tfbig.plan.models import fine_tune_specs
+
+        return fine_tune_specs(self.model_config, self.seq_length)
+
+    def dataset(self, split, batch_size, input_context=None, *, seed=0, repeat=True,
+                shuffle=True, start=0, drop_remainder=True):
+        """Batches of {input_ids, segment_ids, input_mask (B, T), labels (B,)} for one input
+        pipeline: of every `batch_size x replicas` examples in the seeded order, this
+        pipeline's rows, cut into per-replica batches of `batch_size`; from global example
+        `start` on (a resumed run)."""
+        return example_batches(self.arrays[split], batch_size, input_context, seed=seed,
+                               repeat=repeat, shuffle=shuffle, start=start,
+                               drop_remainder=drop_remainder)
+
+    def flops_per_token(self):
+        return self.model_config.flops_per_token(self.seq_length)
+
+    def model_inputs(self, batch):
+        return {name: batch[name] for name in INPUTS}
+
+    def loss_from_outputs(self, outputs, batch):
+        """Mean cross-entropy of the class logits (float32) and its metrics."""
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            batch["labels"], tf.cast(outputs["logits"], tf.float32)))
+        return loss, {"loss": loss}
+
+    def loss(self, model, batch, training=False):
+        return self.loss_from_outputs(model(self.model_inputs(batch), training=training), batch)
+
+    def validation_outputs(self, outputs, batch):
+        return {"logits": tf.cast(outputs["logits"], tf.float32), "labels": batch["labels"]}
+
+    def validation_step(self, model, batch):
+        return self.validation_outputs(model(self.model_inputs(batch), training=False), batch)
+
+    def reduce_aggregated_logs(self, outputs):
+        """Accuracy, F1 and Matthews correlation of the gathered logits."""
+        return scores(outputs["labels"], outputs["logits"].argmax(-1), len(self.names))
+
+
+def example_batches(arrays, batch_size, input_context=None, *, seed=0, repeat=True,
+                    shuffle=True, start=0, drop_remainder=True):
+    """Batches of `arrays` ({name: (N, ...)}) for one input pipeline (see ClassifyTask),
+    from global example `start` (a multiple of the global batch) on."""
+    pipelines = input_context.num_input_pipelines if input_context else 1
+    pipeline = input_context.input_pipeline_id if input_context else 0
+    replicas = input_context.num_replicas_in_sync if input_context else 1
+    chunk = batch_size * replicas  # one micro-step of every replica
+    share = chunk // pipelines
+    examples = tf.data.Dataset.from_tensor_slices(arrays)
+    if shuffle:
+        examples = examples.shuffle(len(arrays["labels"]), seed=seed,
+                                    reshuffle_each_iteration=True)
+    if repeat:
+        examples = examples.repeat()
+    if pipelines == 1 and replicas == 1:
+        return examples.batch(batch_size, drop_remainder=drop_remainder).skip(
+            start // batch_size).prefetch(2)
+    rows = examples.batch(chunk, drop_remainder=True).skip(start // chunk).map(
+        lambda b: {k: v[pipeline * share:(pipeline + 1) * share] for k, v in b.items()})
+    return rows.unbatch().batch(batch_size, drop_remainder=True).prefetch(2)
+
+
+def check_sources(options):
+    """One source of examples: files or a TFDS dataset."""
+    files = [f"--{flag}={getattr(options, flag)}" for flag in ("train_file", "eval_file")
+             if getattr(options, flag)]
+    if options.tfds_name and files:
+        raise UsageError(f"--tfds_name={options.tfds_name} and {' '.join(files)}: give one "
+                         "source of examples")
+    if not options.tfds_name and not options.train_file:
+        raise UsageError("no training examples: give --train_file (.tsv or .jsonl) or "
+                         "--tfds_name (e.g. glue/mnli, prepared in --tfds_data_dir)")
+
+
+def read_data(options):
+    """(train examples, {eval name: examples}, class names) of the files or of --tfds_name;
+    the eval name is "" for --eval_file. File labels are the training file's, sorted."""
+    if options.tfds_name:
+        from tfbig.glue import read_tfds
+
+        return read_tfds(options)
+    train = read_examples(options.train_file, options)
+    evals = {"": read_examples(options.eval_file, options)} if options.eval_file else {}
+    names = sorted({label for _, _, label, _ in train})
+    for examples in evals.values():
+        unknown = sorted({label for _, _, label, _ in examples} - set(names))
+        if unknown:
+            raise UsageError(f"{options.eval_file}: labels {unknown[:5]} are not in "
+                             f"{options.train_file} ({names})")
+    return train, evals, names
+
+
+def read_examples(path, options):
+    """[(text_a, text_b or None, label string, idx)] of a .tsv or .jsonl file; idx is the row's
+    "idx" (JSON lines) or "index" (GLUE's TSV files) value, else its 0-based row number."""
+    if not os.path.isfile(path):
+        raise UsageError(f"{path}: file not found")
+    with open(path, encoding="utf-8") as file:
+        rows = [json.loads(line) for line in file if line.strip()] if path.endswith(".jsonl") \
+            else list(csv.DictReader(file, delimiter="\t", quoting=csv.QUOTE_NONE))
+    columns = [options.text_a, options.label] + ([options.text_b] if options.text_b else [])
+    missing = [c for c in columns if rows and c not in rows[0]]
+    if missing or not rows:
+        raise UsageError(f"{path}: no examples or no column {missing}; columns: "
+                         f"{sorted(rows[0]) if rows else []} (--text_a/--text_b/--label)")
+    return [(row[options.text_a], row[options.text_b] if options.text_b else None,
+             str(row[options.label]), example_index(row, number))
+            for number, row in enumerate(rows)]
+
+
+def example_index(row, number):
+    """A row's GLUE index: its "idx" or "index" field (an int when it spells one), else
+    `number`, so predictions files carry the column GLUE submissions are keyed on."""
+    value = row.get("idx", row.get("index", number))
+    return int(value) if str(value).isdigit() else value
+
+
+def encode(examples, tokenizer, max_seq_length, label_ids):
+    """{input_ids, segment_ids, input_mask (N, T), labels (N,)} numpy arrays."""
+    cls_id, sep_id = tokenizer.piece_id("[CLS]"), tokenizer.piece_id("[SEP]")
+    arrays = {k: np.zeros((len(examples), max_seq_length), np.int32) for k in INPUTS}
+    for row, (a, b, *_) in enumerate(examples):
+        a, b = tokenizer.encode(a), tokenizer.encode(b) if b is not None else []
+        room = max_seq_length - (3 if b else 2)
+        while len(a) + len(b) > room:  # cut the longer text first (BERT's run_classifier)
+            (a if len(a) >= len(b) else b).pop()
+        tokens = [cls_id, *a, sep_id] + ([*b, sep_id] if b else [])
+        arrays["input_ids"][row, :len(tokens)] = tokens
+        arrays["segment_ids"][row, len(a) + 2:len(tokens)] = 1
+        arrays["input_mask"][row, :len(tokens)] = 1
+    arrays["labels"] = np.array([label_ids.get(label, -1) for _, _, label, _ in examples],
+                                np.int32)
+    return arrays
+
+
+def scores(labels, predicted, num_classes):
+    """Accuracy, F1 (of class 1 for two classes, else macro-averaged over classes) and
+    Matthews correlation (GLUE's CoLA metric; its multi-class form)."""
+    f1s = []
+    for c in range(num_classes):
+        tp = np.sum((predicted == c) & (labels == c))
+        fp, fn = np.sum((predicted == c) & (labels != c)), np.sum((predicted != c) & (labels == c))
+        f1s.append(2 * tp / (2 * tp + fp + fn) if tp + fp + fn else 0.0)
+    f1 = f1s[1] if num_classes == 2 else float(np.mean(f1s))
+    return {"accuracy": float(np.mean(predicted == labels)), "f1": float(f1),
+            "mcc": matthews(labels, predicted, num_classes)}
+
+
+def matthews(labels, predicted, num_classes):
+    """Matthews correlation coefficient (Gorodkin's R_K for more than two classes)."""
+    confusion = np.zeros((num_classes, num_classes))
+    np.add.at(confusion, (labels, predicted), 1)
+    t, p, c, s = confusion.sum(1), confusion.sum(0), np.trace(confusion), confusion.sum()
+    denominator = np.sqrt((s * s - p @ p) * (s * s - t @ t))
+    return float((c * s - t @ p) / denominator) if denominator else 0.0
