@@ -9,8 +9,8 @@ below it, "*" is a shell glob.
 Modules in one layer may import each other (without a circle). Lowest first:
 
     base:      tfbig tfbig.errors tfbig.config tfbig.cli tfbig.integrity tfbig.checkpoint
-               tfbig.optim tfbig.perf tfbig.wordpiece tfbig.profiling
-    models:    tfbig.models
+               tfbig.optim tfbig.perf tfbig.wordpiece tfbig.profiling tfbig.evaluation
+    models:    tfbig.models tfbig.plan.models
     inputs:    tfbig.data tfbig.squad tfbig.glue tfbig.convert.run_dir tfbig.init_checkpoint
     tasks:     tfbig.tasks
     layouts:   tfbig.plan tfbig.pipeline.partition tfbig.distribute.zero_checkpoint
@@ -21,7 +21,7 @@ Modules in one layer may import each other (without a circle). Lowest first:
     trainer:   tfbig.trainer tfbig.budget tfbig.logs tfbig.preflight
     commands:  tfbig.train tfbig.recipes tfbig.generate tfbig.export tfbig.consolidate
                tfbig.convert tfbig.plan.cli tfbig.plan.__main__ tfbig.plan.local
-               tfbig.plan.measure tfbig.squad.cli tfbig.squad.finetune tfbig.classify
+               tfbig.plan.measure tfbig.squad.cli tfbig.squad.finetune tfbig.classify tfbig.finetune
                tfbig.distribute.finetune*
 
 layouts .. registry are one family, the parallel backends, in that order: what a sharded run's
