@@ -84,6 +84,15 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
     return ops.cast(out, out_a.dtype), lse
 
 
+def _after(index, tensor):
+    """`index`, once `tensor` exists. TensorFlow's while loop starts up to 10 iterations at once
+    whenever their inputs are ready, and a tile's inputs are only the loop index and the
+    blocks: without this, every tile of a loop was formed at the same time (measured: the
+    activation memory of a step grew with T^2 again). Reading the loop's carry orders them."""
+    first = ops.reshape(tensor, (-1,))[0]
+    return index + ops.cast(ops.isnan(ops.cast(first, "float32")), "int32") * 0
+
+
 def _dim(x, axis):
     """x's size along `axis`: a Python int where it is static, else a scalar tensor."""
     static = x.shape[axis]
@@ -196,10 +205,12 @@ def _forward(tiling, q, k, v, mask, offset, seed):
 
     def query_block(i, buffers):
         out, lse = buffers
+        i = _after(i, lse)  # the previous query block is done
         q_i = ops.take(qb, i, axis=0)  # (B, nh, rows, hs)
 
         def key_block(j, state):
             m, l, acc = state  # (B, nh, rows), (B, nh, rows), (B, nh, rows, hs) float32
+            j = _after(j, m)  # the previous tile's scores are reduced
             scores, _ = _tile(tiling, q_i, ops.take(kb, j, axis=0), i, j, offset, keep, fill)
             m_new = ops.maximum(m, ops.max(scores, axis=-1))
             probs = ops.exp(scores - m_new[..., None])  # (B, nh, rows, cols)
@@ -244,10 +255,12 @@ def _backward(tiling, q, k, v, mask, offset, seed, out, lse, d_out, d_lse):
 
     def key_block(j, buffers):
         dq, dk, dv = buffers
+        j = _after(j, dv)  # the previous key block is done
         k_j, v_j = ops.take(kb, j, axis=0), ops.take(vb, j, axis=0)  # (B, nh, cols, hs)
 
         def query_block(i, state):
             dq, dk_j, dv_j = state
+            i = _after(i, dk_j)  # the previous tile's gradients are summed
             q_i, do_i = ops.take(qb, i, axis=0), ops.take(dob, i, axis=0)  # (B, nh, rows, hs)
             scores, counts = _tile(tiling, q_i, k_j, i, j, offset, keep, fill)
             probs = ops.exp(scores - ops.take(lseb, i, axis=0)[..., None])  # (B,nh,rows,cols)
