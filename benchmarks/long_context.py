@@ -102,6 +102,16 @@ def planned_activations(attention, length):
                                       1, "fp32")
 
 
+def cpu_name():
+    """The CPU's model name (platform.processor() is often empty on Linux)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
 def available_bytes():
     with open("/proc/meminfo") as f:
         fields = dict(line.split(":", 1) for line in f)
@@ -178,7 +188,7 @@ def main(argv):
     budget = FLAGS.memory_gib * 2 ** 30
     result = {
         "benchmark": "long_context", "model": "gpt small, batch 1, fp32", "block_size":
-            FLAGS.block_size, "cpu": platform.processor() or platform.machine(),
+            FLAGS.block_size, "cpu": cpu_name(),
         "cores": os.cpu_count(), "load_before": [round(x, 2) for x in load_before],
         "memory_no_xla": {a: {str(k): {n: round(x, 1) for n, x in v.items()}
                               for k, v in m.items()} for a, m in memory.items()},

@@ -105,7 +105,7 @@ def gradients(attend, q, k, v):
     with tf.GradientTape() as tape:
         tape.watch([q, k, v])
         out, lse = attend(q, k, v)
-        loss = tf.reduce_sum(out * rng.normal(size=out.shape)) + tf.reduce_sum(
+        loss = tf.reduce_sum(tf.cast(out, tf.float32) * rng.normal(size=out.shape)) + tf.reduce_sum(
             tf.where(tf.math.is_finite(lse), lse, 0.0) * rng.normal(size=lse.shape))
     return [out, lse] + tape.gradient(loss, [q, k, v])
 
@@ -165,6 +165,18 @@ def test_queries_after_the_keys_start_see_keys_up_to_their_position():
                     gradients(lambda *t: dense_reference(*t, causal=True, query_offset=9),
                               q, k, v)):
         close(a, e)
+
+
+def test_mixed_precision_keeps_float32_statistics():
+    q, k, v = qkv(11)
+    half = [tf.cast(t, tf.bfloat16) for t in (q, k, v)]
+    out, lse, *grads = gradients(lambda *t: blockwise_attention(*t, causal=True, block_size=4),
+                                 *half)
+    assert out.dtype == tf.bfloat16 and lse.dtype == tf.float32
+    assert all(g.dtype == tf.bfloat16 for g in grads)
+    expected, expected_lse = dense_reference(q, k, v, causal=True)
+    np.testing.assert_allclose(tf.cast(out, tf.float32), expected, atol=0.05)
+    np.testing.assert_allclose(lse, expected_lse, atol=0.05)
 
 
 def gpt(attention, seq_length=20):
