@@ -167,6 +167,16 @@ def test_queries_after_the_keys_start_see_keys_up_to_their_position():
         close(a, e)
 
 
+def test_lengths_known_only_at_run_time():
+    # an export's signature leaves T open: the tiling is then computed in the graph
+    dense, blockwise = attention_pair(True, 4)
+    run = lambda layer: tf.function(layer, input_signature=[  # noqa: E731
+        tf.TensorSpec((None, None, 32))])
+    for length in (3, 10):
+        x = np.random.default_rng(length).normal(size=(2, length, 32)).astype("float32")
+        close(run(blockwise)(x), dense(x))
+
+
 def test_mixed_precision_keeps_float32_statistics():
     q, k, v = qkv(11)
     half = [tf.cast(t, tf.bfloat16) for t in (q, k, v)]

@@ -156,9 +156,9 @@ class MultiHeadAttention(keras.layers.Layer):
 
     def _blockwise(self, keys):
         """Whether this call runs blockwise: `attention`, with "auto" decided by the number of
-        keys (blockwise when it is not known before the call)."""
+        keys (dense when it is not known before the call, e.g. an export for any length)."""
         if keys is None:
-            return self.attention != "dense"
+            return self.attention == "blockwise"
         return uses_blockwise(self.attention, keys)
 
     def _dense_attention(self, q, k, v, input_mask, training, cache_index):
