@@ -183,3 +183,16 @@ def test_flags_of_another_backend_are_refused(gpt_data, tmp_path, section, flag,
     with pytest.raises(ValueError, match=message):
         Trainer(cfg)
     assert not os.path.exists(tmp_path / "config.json")  # refused before touching the run dir
+
+
+def test_attention_flag_reaches_the_model_and_a_run_resumes_under_another(gpt_data, tmp_path):
+    # --attention changes how scores are computed, not the weights: a resume may change it
+    first = Trainer(make_cfg(gpt_data, tmp_path, max_steps=2, attention="blockwise",
+                             attention_block_size=8))
+    assert (first.model.blocks[0].attn.attention, first.model.blocks[1].attn.attention_block_size
+            ) == ("blockwise", 8)
+    first.fit()
+    second = Trainer(make_cfg(gpt_data, tmp_path, max_steps=3, attention="dense"))
+    assert second.restored_from and second.model.blocks[0].attn.attention == "dense"
+    with pytest.raises(ValueError, match="--attention='flash': expected one of"):
+        Trainer(make_cfg(gpt_data, tmp_path / "c", attention="flash"))

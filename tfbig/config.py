@@ -63,6 +63,15 @@ class TrainConfig:
     grad_accum_steps: int = field(1, "Micro-steps accumulated into one optimizer update.")
     precision: str = field("fp32", "fp32 | mixed_float16 (dynamic loss scaling) | "
                                    "mixed_bfloat16.")
+    attention: str = field("auto", "How attention computes its scores: dense (the whole "
+                                   "T x T softmax, kept for the backward) | blockwise (tiles "
+                                   "of --attention_block_size with an online softmax and a "
+                                   "recomputing backward: memory linear in T) | auto "
+                                   "(blockwise from 1024 tokens on, where it measured no "
+                                   "slower than dense on a CPU; dense below: "
+                                   "docs/guides/long-sequences.md).")
+    attention_block_size: int = field(512, "Rows of the query and key tiles of blockwise "
+                                           "attention.")
     xla: bool = field(True, "Compile the forward/backward pass with XLA (jit_compile).")
     seed: int = field(0, "Random seed for initialisation, dropout and data order.")
     deterministic: bool = field(False, "Deterministic ops and data order: exact resume, "

@@ -127,6 +127,9 @@ def apply(task, cfg):
                              "architecture is the checkpoint's)")
     if t.dropout >= 0:
         config = dataclasses.replace(config, dropout=t.dropout)
+    # how attention is computed is this run's choice, not the checkpoint's
+    config = dataclasses.replace(config, attention=t.attention,
+                                 attention_block_size=t.attention_block_size)
     try:
         config.check_inputs(task.seq_length, task.manifest.vocab_size)
     except ValueError as error:

@@ -24,6 +24,7 @@ from tfbig import data, evaluation, init_checkpoint, integrity, preflight
 from tfbig.checkpoint import rng_variables
 from tfbig.distribute import get_strategy
 from tfbig.logs import RunLogger
+from tfbig.models.common import COMPUTE_FIELDS
 from tfbig.optim import learning_rate, loss_scale, set_total_steps
 from tfbig.profiling.profiler import RunProfiler
 from tfbig.tasks import get_task
@@ -188,7 +189,8 @@ class Trainer:
                     "overwritten. Continue training it with --init_checkpoint="
                     f"{self.cfg.train.model_dir} and another --model_dir.")
             saved = saved.get("model_config", {})
-            diff = {k: (saved.get(k), v) for k, v in model_config.items() if saved.get(k) != v}
+            diff = {k: (saved.get(k), v) for k, v in model_config.items()
+                    if saved.get(k) != v and k not in COMPUTE_FIELDS}
             if diff and tf.train.latest_checkpoint(self.cfg.train.model_dir):
                 raise ValueError(
                     f"--model_dir={self.cfg.train.model_dir} holds a checkpoint of a different "

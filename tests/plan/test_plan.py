@@ -262,3 +262,26 @@ def test_search_cuts_stages_as_tfbig_train_does():
                                   cluster)
     uneven = estimate.step_time(shape, even, best.micro_batch, "mixed_bfloat16", cluster)
     assert balanced["compute"] / uneven["compute"] == pytest.approx(7 / (6 + 618 / 352), 0.01)
+
+
+def test_blockwise_attention_keeps_no_sequence_squared_term():
+    # per token and layer: dense keeps the (T, T) softmax (2 a s bytes in 16 bits), blockwise
+    # a float32 log-sum-exp per head (4 a bytes) whatever the length
+    layout = estimate.Layout()
+    per_token = {}
+    for attention in ("dense", "blockwise"):
+        for seq in (1024, 4096):
+            cfg = models.model_config("gpt", "small", seq_length=seq, attention=attention)
+            shape = models.shape_of(cfg, "gpt", seq)
+            assert shape.blockwise == (attention == "blockwise")
+            per_token[attention, seq] = estimate.layer_activation_bytes(shape, layout, "bf16")
+    heads = models.model_config("gpt", "small").num_heads
+    assert per_token["blockwise", 1024] == per_token["blockwise", 4096]
+    for seq in (1024, 4096):
+        assert per_token["dense", seq] - per_token["blockwise", seq] == 2 * heads * seq - 4 * heads
+    # auto: dense below 1024 tokens, blockwise from there (tfbig.models.common.BLOCKWISE_FROM)
+    assert [models.shape_of(models.model_config("gpt", "small"), "gpt", s).blockwise
+            for s in (512, 1024)] == [False, True]
+    values, _, _ = plan(["--preset=small", "--seq_length=4096", "--attention=dense",
+                         "--gpus_per_node=1"])
+    assert not cli.shape_from_flags(values).blockwise

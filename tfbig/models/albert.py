@@ -57,7 +57,8 @@ class AlbertBackbone(keras.layers.Layer):
                 cfg.hidden_size, cfg.num_heads, cfg.intermediate_size, cfg.dropout,
                 cfg.layer_norm_epsilon, pre_layer_norm=False, causal=False, style="bert",
                 initializer="truncated_normal", initializer_range=cfg.initializer_range,
-                name=f"group_{g}"))
+                attention=cfg.attention,
+                attention_block_size=cfg.attention_block_size, name=f"group_{g}"))
         self.pooler = keras.layers.Dense(cfg.hidden_size, activation="tanh", name="pooler",
                                          kernel_initializer=_truncated_normal(
                                              cfg.initializer_range))

@@ -54,7 +54,8 @@ class BertBackbone(keras.layers.Layer):
             cfg.hidden_size, cfg.num_heads, cfg.intermediate_size, cfg.dropout,
             cfg.layer_norm_epsilon, pre_layer_norm=False, causal=False, style="bert",
             initializer="truncated_normal", initializer_range=cfg.initializer_range,
-            approximate_gelu=cfg.approximate_gelu, name=f"block_{i}")
+            approximate_gelu=cfg.approximate_gelu, attention=cfg.attention,
+            attention_block_size=cfg.attention_block_size, name=f"block_{i}")
             for i in range(cfg.num_layers)]
         self.pooler = keras.layers.Dense(cfg.hidden_size, activation="tanh", name="pooler",
                                          kernel_initializer=_truncated_normal(

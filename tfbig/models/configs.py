@@ -30,6 +30,8 @@ class GPTConfig(ArchitectureConfig):
     pre_layer_norm: bool = True  # GPT-2 pre-LN (True) or post-LN (False)
     tie_embeddings: bool = True  # output projection reuses the token embedding
     initializer_range: float = 0.02  # std of the normal initialiser
+    attention: str = "auto"  # auto | dense | blockwise: how attention scores are computed
+    attention_block_size: int = 512  # rows of the query and key tiles of blockwise attention
 
     def __post_init__(self):
         if self.intermediate_size == 0:
@@ -92,6 +94,8 @@ class AlbertConfig(ArchitectureConfig):
     dropout: float = 0.0  # dropout on embeddings, attention and residual branches (0 in v2)
     layer_norm_epsilon: float = 1e-12  # LayerNorm epsilon
     initializer_range: float = 0.02  # std of the truncated-normal initialiser
+    attention: str = "auto"  # auto | dense | blockwise: how attention scores are computed
+    attention_block_size: int = 512  # rows of the query and key tiles of blockwise attention
 
     def __post_init__(self):
         if self.intermediate_size == 0:
@@ -166,6 +170,8 @@ class BertConfig(ArchitectureConfig):
     layer_norm_epsilon: float = 1e-12  # LayerNorm epsilon
     initializer_range: float = 0.02  # std of the truncated-normal initialiser
     approximate_gelu: bool = True  # GELU's tanh form (original BERT, keras-hub); False: erf
+    attention: str = "auto"  # auto | dense | blockwise: how attention scores are computed
+    attention_block_size: int = 512  # rows of the query and key tiles of blockwise attention
 
     def __post_init__(self):
         if self.intermediate_size == 0:

@@ -37,7 +37,9 @@ class GPT(keras.Model):
                                         cfg.dropout, cfg.layer_norm_epsilon, cfg.pre_layer_norm,
                                         causal=True, style="gpt2",
                                         initializer_range=cfg.initializer_range,
-                                        output_initializer_range=residual_std, name=f"block_{i}")
+                                        output_initializer_range=residual_std, name=f"block_{i}",
+                                        attention=cfg.attention,
+                                        attention_block_size=cfg.attention_block_size)
                        for i in range(cfg.num_layers)]
         self.final_norm = (keras.layers.LayerNormalization(epsilon=cfg.layer_norm_epsilon,
                                                            name="final_norm")

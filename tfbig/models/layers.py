@@ -28,6 +28,9 @@ import math
 import keras
 from keras import ops
 
+from tfbig.models.attention import blockwise_attention
+from tfbig.models.common import check_attention, uses_blockwise
+
 INITIALIZERS = {"normal": keras.initializers.RandomNormal,
                 "truncated_normal": keras.initializers.TruncatedNormal}
 
@@ -89,15 +92,21 @@ class MultiHeadAttention(keras.layers.Layer):
 
     causal=True masks future positions (GPT) and supports a key/value cache for generation;
     `input_mask` (B, T) masks padded keys (BERT/ALBERT). `output_dropout` adds the residual
-    dropout after the output projection (the gpt2 block style).
+    dropout after the output projection (the gpt2 block style). `attention` picks how the
+    scores are computed (ATTENTION_KINDS): "dense" forms the (B, nh, T, S) probabilities,
+    "blockwise" never does (tfbig.models.attention, tiles of `attention_block_size` rows),
+    "auto" is blockwise from common.BLOCKWISE_FROM keys on, where it is not slower.
     """
 
     def __init__(self, hidden_size, num_heads, dropout=0.0, causal=False, output_dropout=False,
                  initializer="normal", initializer_range=0.02, output_initializer_range=None,
-                 **kwargs):
+                 attention="auto", attention_block_size=512, **kwargs):
         super().__init__(**kwargs)
         if hidden_size % num_heads:
             raise ValueError(f"hidden_size={hidden_size} is not divisible by num_heads={num_heads}")
+        check_attention(attention, attention_block_size)
+        self.attention = attention
+        self.attention_block_size = attention_block_size
         self.hidden_size = hidden_size  # the width of the heads this layer holds
         self.num_heads = num_heads
         self.dropout = dropout
@@ -136,6 +145,25 @@ class MultiHeadAttention(keras.layers.Layer):
             v = ops.slice_update(cache[1], start, ops.cast(v, cache.dtype))
             cache = ops.stack([k, v])
             k, v = ops.cast(k, q.dtype), ops.cast(v, q.dtype)
+        if self._blockwise(k.shape[1]):
+            y = self._blockwise_attention(q, k, v, input_mask, training, cache_index)
+        else:
+            y = self._dense_attention(q, k, v, input_mask, training, cache_index)
+        y = self.proj(ops.reshape(y, (batch, length, self.hidden_size)))
+        if self.resid_dropout is not None:
+            y = self.resid_dropout(y, training=training)
+        return y if cache is None else (y, cache)
+
+    def _blockwise(self, keys):
+        """Whether this call runs blockwise: `attention`, with "auto" decided by the number of
+        keys (dense when it is not known before the call, e.g. an export for any length)."""
+        if keys is None:
+            return self.attention == "blockwise"
+        return uses_blockwise(self.attention, keys)
+
+    def _dense_attention(self, q, k, v, input_mask, training, cache_index):
+        """(B, T, nh, hs) -> (B, T, nh, hs) through the whole (B, nh, T, S) softmax."""
+        length = ops.shape(q)[1]
         scores = ops.einsum("bqhd,bkhd->bhqk", q, k)  # (B, nh, T, S)
         scores = ops.cast(scores, "float32") / math.sqrt(self.head_size)
         keep = self._keep(length, ops.shape(k)[1], input_mask, cache_index)
@@ -143,11 +171,18 @@ class MultiHeadAttention(keras.layers.Layer):
             scores = ops.where(keep, scores, -1e9)
         probs = ops.cast(ops.softmax(scores, axis=-1), q.dtype)
         probs = self.attn_dropout(probs, training=training)
-        y = ops.einsum("bhqk,bkhd->bqhd", probs, v)  # (B, T, nh, hs)
-        y = self.proj(ops.reshape(y, (batch, length, self.hidden_size)))
-        if self.resid_dropout is not None:
-            y = self.resid_dropout(y, training=training)
-        return y if cache is None else (y, cache)
+        return ops.einsum("bhqk,bkhd->bqhd", probs, v)  # (B, T, nh, hs)
+
+    def _blockwise_attention(self, q, k, v, input_mask, training, cache_index):
+        """(B, T, nh, hs) -> (B, T, nh, hs), one tile of scores at a time; the dropout masks
+        are drawn from the dropout layer's own seed generator (one draw per call)."""
+        rate = self.dropout if training else 0.0
+        seed = self.attn_dropout.seed_generator.next() if rate else None
+        y, _ = blockwise_attention(q, k, v, causal=self.causal, key_mask=input_mask,
+                                   query_offset=0 if cache_index is None else cache_index,
+                                   block_size=self.attention_block_size, dropout=rate,
+                                   seed=seed)
+        return y
 
     def _keep(self, length, keys, input_mask, cache_index):
         """Which scores count, broadcastable to (B, nh, T, S); None: all of them."""
@@ -167,7 +202,9 @@ class MultiHeadAttention(keras.layers.Layer):
                 "num_heads": self.num_heads, "dropout": self.dropout, "causal": self.causal,
                 "output_dropout": self.output_dropout, "initializer": self.initializer,
                 "initializer_range": self.initializer_range,
-                "output_initializer_range": self.output_initializer_range}
+                "output_initializer_range": self.output_initializer_range,
+                "attention": self.attention,
+                "attention_block_size": self.attention_block_size}
 
 
 class FeedForward(keras.layers.Layer):
@@ -237,7 +274,7 @@ class TransformerBlock(keras.layers.Layer):
     def __init__(self, hidden_size, num_heads, intermediate_size, dropout=0.0,
                  layer_norm_epsilon=1e-5, pre_layer_norm=True, causal=False, style="gpt2",
                  initializer="normal", initializer_range=0.02, output_initializer_range=None,
-                 approximate_gelu=True, **kwargs):
+                 approximate_gelu=True, attention="auto", attention_block_size=512, **kwargs):
         super().__init__(**kwargs)
         if style not in STYLES:
             raise ValueError(f"style={style!r}: expected one of {sorted(STYLES)}")
@@ -253,6 +290,8 @@ class TransformerBlock(keras.layers.Layer):
         self.initializer_range = initializer_range
         self.output_initializer_range = output_initializer_range
         self.approximate_gelu = approximate_gelu
+        self.attention = attention
+        self.attention_block_size = attention_block_size
         names = STYLES[style]
         branch_dropout = not names.block_dropout
         init = dict(initializer=initializer, initializer_range=initializer_range,
@@ -260,7 +299,9 @@ class TransformerBlock(keras.layers.Layer):
         setattr(self, names.attn_norm, keras.layers.LayerNormalization(
             epsilon=layer_norm_epsilon, name=names.attn_norm))
         self.attn = MultiHeadAttention(hidden_size, num_heads, dropout, causal, branch_dropout,
-                                       name="attn", **init)
+                                       attention=attention,
+                                       attention_block_size=attention_block_size, name="attn",
+                                       **init)
         setattr(self, names.mlp_norm, keras.layers.LayerNormalization(
             epsilon=layer_norm_epsilon, name=names.mlp_norm))
         setattr(self, names.mlp, FeedForward(hidden_size, intermediate_size, dropout,
@@ -303,7 +344,8 @@ class TransformerBlock(keras.layers.Layer):
                 "style": self.style, "initializer": self.initializer,
                 "initializer_range": self.initializer_range,
                 "output_initializer_range": self.output_initializer_range,
-                "approximate_gelu": self.approximate_gelu}
+                "approximate_gelu": self.approximate_gelu, "attention": self.attention,
+                "attention_block_size": self.attention_block_size}
 
 
 class Embeddings(keras.layers.Layer):

@@ -28,6 +28,8 @@ FLAGS_SPEC = {
     "dropout": ("float", -1.0, "Override the preset's dropout (its masks are kept for the "
                                "backward pass; negative keeps it)."),
     "seq_length": ("integer", 0, "Tokens per sequence (0: the preset's)."),
+    "attention": ("string", "auto", "dense | blockwise | auto (blockwise from 1024 tokens on), as "
+                                    "tfbig-train's: blockwise keeps no T x T term."),
     "batch_size": ("integer", 0, "Global batch in sequences (0: about 2**20 tokens, rounded up "
                                  "to a multiple of the data-parallel degree)."),
     "precision": ("string", "mixed_bfloat16", "fp32 | mixed_float16 | mixed_bfloat16 "
@@ -69,6 +71,7 @@ def shape_from_flags(values):
                                                 "vocab_size", "embedding_size", "num_groups",
                                                 "seq_length")}
     overrides["dropout"] = values["dropout"] if values["dropout"] >= 0 else None
+    overrides["attention"] = values["attention"]
     cfg = models.model_config(values["model"], values["preset"], **overrides)
     return models.shape_of(cfg, values["model"], values["seq_length"] or cfg.seq_length)
 

@@ -7,7 +7,8 @@ Memory (the busiest pipeline stage, first or last):
     optimizer               Adam/LAMB's two float32 slots, 8 bytes per weight, sharded from stage 1
     activations             per layer and token, Korthikanti et al. (2022) in 16 bits:
                             (8 + 24/t) h + 2 a s / t without dropout, (10 + 24/t) h + 5 a s / t
-                            with its masks, plus 4 h: keras' LayerNorm keeps its normalised
+                            with its masks (--attention=blockwise: no a s term, 4 a / t bytes
+                            of float32 log-sum-exp instead), plus 4 h: keras' LayerNorm keeps its normalised
                             output beside its input for the backward (2 bytes x h, twice a
                             layer; tfbig's GELU keeps only its input, as a fused kernel does)
                             (the 12-14 h kept around LayerNorms and dropout is split too under
@@ -54,6 +55,8 @@ SCHEDULES = ("1f1b", "gpipe")
 # Bytes per token (16-bit) a layer's two keras LayerNorms keep beyond their inputs: each saves
 # its normalised output (h values) for the backward; Megatron's fused kernel keeps statistics.
 LAYERNORM_OUTPUTS = 4
+# Bytes per head and token blockwise attention keeps for its backward: the float32 log-sum-exp.
+LSE_BYTES = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,12 +144,17 @@ def stage_params(shape, layout, last=False, stage=None):
 
 
 def layer_activation_bytes(shape, layout, precision):
-    """Bytes per token one transformer layer keeps for its backward pass."""
+    """Bytes per token one transformer layer keeps for its backward pass. Dense attention
+    keeps its (T, T) softmax (and dropout mask and output) per head: the `a s` term, quadratic
+    in T per sequence. Blockwise attention keeps none of it, only a float32 log-sum-exp per
+    head (tfbig.models.attention); its dropout masks are drawn again, not kept."""
     h, a, s, t = shape.hidden_size, shape.num_heads, shape.seq_length, layout.tensor
     replicated = ((10 if shape.dropout else 8) + LAYERNORM_OUTPUTS) * h / (
         t if layout.sequence_parallel else 1)
-    split = (24 * h + (5 if shape.dropout else 2) * a * s) / t
-    return (replicated + split) * _act_bytes(precision) / 2
+    scores = 0 if shape.blockwise else (5 if shape.dropout else 2) * a * s
+    split = (24 * h + scores) / t
+    statistics = LSE_BYTES * a / t if shape.blockwise else 0
+    return (replicated + split) * _act_bytes(precision) / 2 + statistics
 
 
 def head_bytes(shape, layout, precision):
@@ -303,7 +311,10 @@ def tick_time(shape, layout, micro_batch, precision, cluster, stage):
              * (4 / 3 if recompute else 1))
     layers = layers_on(shape, layout, stage)
     last = stage == layout.pipeline - 1
-    traffic = ((5 if recompute else 4) * layer_activation_bytes(shape, layout, precision) * layers
+    # blockwise attention's tiles are written and read as dense attention's scores are (Keras
+    # ops, no fused kernel keeps them on chip) and recomputed in the backward: dense's traffic
+    dense = dataclasses.replace(shape, blockwise=False)
+    traffic = ((5 if recompute else 4) * layer_activation_bytes(dense, layout, precision) * layers
                + (2 * logits_traffic(shape, layout, precision) if last else 0)) * tokens
     boundary = tokens * shape.hidden_size * _act_bytes(precision)
     return {"compute": flops / (device.peak_flops * device.matmul_fraction),

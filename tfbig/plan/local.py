@@ -68,7 +68,7 @@ def training_plan(cfg, device=None, world_size=None):
                      num_heads=t.num_heads or None, seq_length=t.seq_length or None,
                      embedding_size=cfg.albert.embedding_size or None,
                      num_groups=cfg.albert.num_groups or None,
-                     dropout=t.dropout if t.dropout >= 0 else None)
+                     dropout=t.dropout if t.dropout >= 0 else None, attention=t.attention)
     model_cfg = models.model_config(t.model, t.preset, **overrides)
     shape = models.shape_of(model_cfg, t.model, t.seq_length or model_cfg.seq_length)
     fixed = search.layout_from_config(cfg)

@@ -15,6 +15,7 @@ Example:
 """
 import dataclasses
 
+from tfbig.models.common import uses_blockwise
 from tfbig.models.configs import (ALBERT_PRESETS, GPT_PRESETS, AlbertConfig, BertConfig,
                                   GPTConfig)
 
@@ -59,6 +60,9 @@ class Shape:
     # the pipeline layers (LayerSpecs: embedding, transformer layers, head) whose FLOPs
     # tfbig-train's partition balances over stages
     pipe_layers: tuple = ()
+    # attention runs blockwise (--attention; "auto" by seq_length): no (T, T) tensor is kept,
+    # only a float32 log-sum-exp per head and token
+    blockwise: bool = False
 
     @property
     def shared_layers(self):
@@ -75,7 +79,8 @@ def shape_of(cfg, family, seq_length, masked_per_seq=None):
     specs = SPECS[family_of(cfg)](cfg, seq_length, masked_per_seq)
     return Shape(family, cfg.num_layers, c, cfg.num_heads, f, cfg.vocab_size, seq_length,
                  cfg.dropout > 0, cfg.num_params(), layer, distinct * layer,
-                 cfg.flops_per_token(seq_length), *_end_params(cfg, family), tuple(specs))
+                 cfg.flops_per_token(seq_length), *_end_params(cfg, family), tuple(specs),
+                 uses_blockwise(cfg.attention, seq_length))
 
 
 def family_of(cfg):

@@ -47,7 +47,8 @@ class GPTTask:
             t.preset, vocab_size=self.manifest.vocab_size,
             seq_length=max(self.seq_length, GPTConfig.from_preset(t.preset).seq_length),
             num_layers=t.num_layers or None, hidden_size=t.hidden_size or None,
-            num_heads=t.num_heads or None, dropout=t.dropout if t.dropout >= 0 else None)
+            num_heads=t.num_heads or None, dropout=t.dropout if t.dropout >= 0 else None,
+            attention=t.attention, attention_block_size=t.attention_block_size)
 
     def build_model(self):
         """The model, built (variables created) so it can be checkpointed and counted."""

@@ -66,11 +66,13 @@ class MaskedLMTask:
                                    format_options=options)
 
     def _overrides(self):
-        """The --num_layers/--hidden_size/--num_heads/--dropout overrides (None keeps)."""
+        """The --num_layers/--hidden_size/--num_heads/--dropout overrides (None keeps) and
+        --attention/--attention_block_size."""
         t = self.train
         return dict(num_layers=t.num_layers or None, hidden_size=t.hidden_size or None,
                     num_heads=t.num_heads or None,
-                    dropout=t.dropout if t.dropout >= 0 else None)
+                    dropout=t.dropout if t.dropout >= 0 else None, attention=t.attention,
+                    attention_block_size=t.attention_block_size)
 
     def build_model(self):
         """The model, built (variables created) so it can be checkpointed and counted."""

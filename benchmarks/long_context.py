@@ -1,0 +1,220 @@
+"""Long sequences: peak memory and step time of dense vs blockwise attention (--attention).
+
+The same GPT (the `small` preset: 4 layers, hidden 256, 4 heads, vocabulary 8000) at batch 1,
+one training step (forward, backward, AdamW's apply) at each sequence length:
+- memory: the CPU allocator's peak during a step above what was held before it, in a
+  TensorFlow graph without XLA (what tfbig-plan counts; least of --repeats steps), minus the
+  step's float32 gradients = the activations; beside it the plan's activation term;
+- time: wall and CPU seconds per step (mean of --steps after a compiling one), XLA-compiled
+  as tfbig-train runs by default, at --time_lengths;
+- the longest sequence that trains in --memory_gib: each attention's measured peaks fitted
+  (dense: a + b T + c T^2; blockwise: a + b T) and solved, beside the plan's answer. Nothing
+  is run at that length: the machine is shared.
+Each case runs in its own process (a clean allocator). Dense cases whose planned activations
+exceed half of the memory available now are skipped and named (the machine is shared).
+
+    python benchmarks/long_context.py            # ~10 minutes on 2 busy cores
+
+Prints one JSON line last: the CPU, the load average before and after, and every figure.
+"""
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from absl import app, flags  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("lengths", ["1024", "2048", "4096", "8192"], "Sequence lengths measured.")
+flags.DEFINE_list("time_lengths", ["1024", "4096"], "Lengths whose step time is measured.")
+flags.DEFINE_integer("block_size", 512, "--attention_block_size of the blockwise runs.")
+flags.DEFINE_integer("repeats", 2, "Steps whose least allocator peak is the memory figure.")
+flags.DEFINE_integer("steps", 3, "Timed steps per case (after one that compiles).")
+flags.DEFINE_bool("time_xla", True, "Time XLA-compiled steps (tfbig-train's default); "
+                                    "--notime_xla: TensorFlow graphs.")
+flags.DEFINE_float("memory_gib", 24.0, "Memory of the machine the longest sequence is for.")
+flags.DEFINE_string("case", "", "Internal: run one case 'attention,length,memory|time'.")
+
+MODEL = dict(num_layers=4, hidden_size=256, num_heads=4, vocab_size=8000)  # the small preset
+
+
+def build(attention, length):
+    import keras
+
+    from tfbig.config import TrainConfig
+    from tfbig.models.gpt import GPT, GPTConfig
+    from tfbig.optim import build_optimizer
+
+    keras.utils.set_random_seed(0)
+    model = GPT(GPTConfig(**MODEL, seq_length=length, attention=attention,
+                          attention_block_size=FLAGS.block_size))
+    model.build()
+    optimizer = build_optimizer(TrainConfig(max_steps=10, warmup_steps=1),
+                                model.trainable_variables)
+    return model, optimizer
+
+
+def run_case(attention, length, kind):
+    """One case in this process: {"step_peak", "gradients"} bytes or {"wall_s", "cpu_s"}."""
+    import tensorflow as tf
+
+    from tfbig.plan.measure import allocator_peak
+
+    model, optimizer = build(attention, length)
+    ids = tf.random.uniform((1, length + 1), 0, MODEL["vocab_size"], tf.int32, seed=0)
+
+    @tf.function(jit_compile=kind == "time" and FLAGS.time_xla)
+    def forward_backward(batch):
+        with tf.GradientTape() as tape:
+            logits = model(batch[:, :-1], training=True)  # (1, T, V)
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+                batch[:, 1:], logits))
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    @tf.function
+    def step(batch):
+        loss, grads = forward_backward(batch)
+        optimizer.apply(grads, model.trainable_variables)
+        return loss
+
+    if kind == "memory":
+        peak = allocator_peak(lambda: step(ids).numpy(), repeats=FLAGS.repeats)
+        grads = sum(4 * v.shape.num_elements() for v in model.trainable_variables)
+        return {"step_peak": peak, "gradients": grads}
+    step(ids).numpy()  # compiles
+    wall, cpu = time.perf_counter(), time.process_time()
+    for _ in range(FLAGS.steps):
+        step(ids).numpy()
+    return {"wall_s": (time.perf_counter() - wall) / FLAGS.steps,
+            "cpu_s": (time.process_time() - cpu) / FLAGS.steps}
+
+
+def planned_activations(attention, length):
+    """tfbig-plan's activation bytes of this step (fp32, batch 1, one device)."""
+    from tfbig.plan import estimate, models
+
+    cfg = models.model_config("gpt", "small", seq_length=length, attention=attention)
+    return estimate.activation_memory(models.shape_of(cfg, "gpt", length), estimate.Layout(),
+                                      1, "fp32")
+
+
+def cpu_name():
+    """The CPU's model name (platform.processor() is often empty on Linux)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def available_bytes():
+    with open("/proc/meminfo") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return int(fields["MemAvailable"].split()[0]) * 1024
+
+
+def in_subprocess(attention, length, kind):
+    argv = [sys.executable, os.path.abspath(__file__), f"--case={attention},{length},{kind}",
+            f"--block_size={FLAGS.block_size}", f"--repeats={FLAGS.repeats}",
+            f"--steps={FLAGS.steps}", f"--time_xla={FLAGS.time_xla}"]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def longest(lengths, peaks, degree, budget):
+    """The longest T (to 256 tokens) whose fitted step peak (a polynomial of `degree` in T)
+    plus the model state (weights and AdamW's two slots; the position table grows with T)
+    fits `budget` bytes."""
+    import numpy as np
+
+    from tfbig.models.configs import GPTConfig
+
+    fit = np.polyfit(np.array(lengths, float), np.array(peaks, float), degree)
+
+    def fits(t):
+        state = 12 * GPTConfig(**MODEL, seq_length=t).num_params()
+        return np.polyval(fit, t) + state <= budget
+
+    t = 256
+    while fits(t + 256) and t < 2 ** 22:
+        t += 256
+    return t
+
+
+def planned_longest(attention, budget):
+    """The longest T (to 256 tokens) whose planned state + activations fit `budget` bytes."""
+    from tfbig.plan import estimate, hardware, models
+
+    cpu = hardware.Device("cpu", 1e11, 2 ** 50, 1e10, 1e10, 1.0, 0.0)
+    t = 256
+    while t < 2 ** 22:
+        cfg = models.model_config("gpt", "small", seq_length=t + 256, attention=attention)
+        mem = estimate.memory(models.shape_of(cfg, "gpt", t + 256), estimate.Layout(), 1,
+                              "fp32", cpu)
+        if sum(mem.values()) > budget:
+            break
+        t += 256
+    return t
+
+
+def main(argv):
+    if FLAGS.case:
+        attention, length, kind = FLAGS.case.split(",")
+        print(json.dumps(run_case(attention, int(length), kind)))
+        return
+    load_before = os.getloadavg()
+    lengths = [int(n) for n in FLAGS.lengths]
+    memory, skipped = {"dense": {}, "blockwise": {}}, []
+    for length in lengths:
+        for attention in ("dense", "blockwise"):
+            planned = planned_activations(attention, length)
+            if attention == "dense" and 2 * planned > available_bytes():
+                skipped.append(f"dense at {length}: planned {planned / 2**30:.1f} GiB, more "
+                               f"than half of the {available_bytes() / 2**30:.1f} GiB available")
+                continue
+            held = in_subprocess(attention, length, "memory")
+            memory[attention][length] = {
+                "step_peak_mib": held["step_peak"] / 2 ** 20,
+                "activations_mib": (held["step_peak"] - held["gradients"]) / 2 ** 20,
+                "planned_activations_mib": planned / 2 ** 20}
+    times = {}
+    for length in (int(n) for n in FLAGS.time_lengths):
+        times[length] = {a: in_subprocess(a, length, "time") for a in ("dense", "blockwise")}
+    budget = FLAGS.memory_gib * 2 ** 30
+    result = {
+        "benchmark": "long_context", "model": "gpt small, batch 1, fp32", "block_size":
+            FLAGS.block_size, "cpu": cpu_name(),
+        "cores": os.cpu_count(), "load_before": [round(x, 2) for x in load_before],
+        "memory_no_xla": {a: {str(k): {n: round(x, 1) for n, x in v.items()}
+                              for k, v in m.items()} for a, m in memory.items()},
+        "activation_ratio_blockwise_over_dense": {
+            str(n): round(memory["blockwise"][n]["activations_mib"]
+                          / memory["dense"][n]["activations_mib"], 3)
+            for n in lengths if n in memory["dense"] and n in memory["blockwise"]},
+        "step_time": "xla" if FLAGS.time_xla else "graph",
+        "step_time_s": {str(n): {a: {k: round(x, 3) for k, x in t.items()}
+                                   for a, t in v.items()} for n, v in times.items()},
+        "speed_blockwise_over_dense_wall": {
+            str(n): round(v["dense"]["wall_s"] / v["blockwise"]["wall_s"], 3)
+            for n, v in times.items()},
+        "speed_blockwise_over_dense_cpu": {
+            str(n): round(v["dense"]["cpu_s"] / v["blockwise"]["cpu_s"], 3)
+            for n, v in times.items()},
+        "longest_in_memory_gib": FLAGS.memory_gib,
+        "longest_fitted": {
+            a: longest(sorted(m), [m[n]["step_peak_mib"] * 2 ** 20 for n in sorted(m)],
+                       2 if a == "dense" else 1, budget)
+            for a, m in memory.items() if len(m) >= 3},
+        "longest_planned": {a: planned_longest(a, budget) for a in ("dense", "blockwise")},
+        "skipped": skipped, "load_after": [round(x, 2) for x in os.getloadavg()]}
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    app.run(main)
