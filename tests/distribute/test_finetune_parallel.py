@@ -237,6 +237,9 @@ def _check(out, name, files, tmp_path):
             _check_skipped(out, name)
         return
     ours = out / name
+    if command == "classify" and parallel.get("zero_stage"):  # the Trainer's ZeRO pieces
+        layout = json.loads((ours / "zero.json").read_text())
+        assert layout["zero_stage"] == parallel["zero_stage"], layout
     losses = [json.loads((run / "train_losses.json").read_text()) for run in (ours, one)]
     assert len(losses[0]) == 4 and losses[0][0] != losses[0][-1]
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
