@@ -79,10 +79,6 @@ def experiment(options, model, **overrides):
         if section is None:
             raise UsageError(f"--{name}: not a flag of the fine-tuning commands")
         setattr(section, name, value)
-    if cfg.parallel.zero_stage == 3:
-        raise UsageError(f"--zero_stage=3 with tfbig-{model}: ZeRO-3 creates the parameters "
-                         "in slices (deferred initialisation), so --init_checkpoint's backbone "
-                         "cannot be loaded into them yet; use --zero_stage=1 or 2")
     return cfg
 
 

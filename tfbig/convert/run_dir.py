@@ -19,7 +19,7 @@ import shutil
 import numpy as np
 import tensorflow as tf
 
-from tfbig.checkpoint import model_variables
+from tfbig.checkpoint import model_key, model_variables
 from tfbig.errors import UsageError
 from tfbig.models.configs import AlbertConfig, BertConfig, GPTConfig
 
@@ -81,10 +81,23 @@ def read_weights(run_dir):
 
 
 def restore_backbone(model, run_dir):
-    """Load a run directory's backbone weights into a tfbig BERT model (any head)."""
-    backbone = {k: v for k, v in model_variables(model).items() if k.startswith("backbone/")}
-    status = tf.train.Checkpoint(model=backbone).restore(tf.train.latest_checkpoint(run_dir))
-    status.expect_partial().assert_existing_objects_matched()
+    """Load a run directory's backbone weights into a tfbig BERT model (any head).
+
+    Assigned through the model's Keras variables, so that inside a `keras.StatelessScope`
+    (ZeRO-3's deferred build, tfbig.distribute.zero3.build_unmaterialised) the values go to
+    the scope, which the backend slices, instead of to variables that hold none."""
+    weights = read_weights(run_dir)
+    backbone = {model_key(model, v): v for v in model.variables
+                if model_key(model, v).startswith("backbone/") and "seed_generator" not in v.path}
+    missing = sorted(set(backbone) - set(weights))
+    if missing:
+        raise UsageError(f"--init_checkpoint={run_dir}: its checkpoint lacks {len(missing)} "
+                         f"backbone weights of {model.name}: {missing[:3]}")
+    for key, variable in backbone.items():
+        if tuple(weights[key].shape) != tuple(variable.shape):
+            raise UsageError(f"--init_checkpoint={run_dir}: {key} has shape "
+                             f"{tuple(weights[key].shape)}, the model's is {tuple(variable.shape)}")
+        variable.assign(weights[key])
     return model
 
 

@@ -122,6 +122,8 @@ class ZeroStrategy(HorovodStrategy):
                                       name=v.path.replace("/", "__") + "__zero_slice")
                        for v in variables]
         self._shard_of.update({id(v): s for v, s in zip(variables, self.shards)})
+        for v in variables if self.stage == 3 else ():  # sliced: a loaded value is freed
+            self._initialisers.pop(id(v), None)
         excluded = {id(v) for v in no_decay_variables(variables)}
         self.optimizer = build_optimizer(
             train, self.shards, no_decay=[s for s, v in zip(self.shards, variables)

@@ -4,7 +4,9 @@ The model is built with Keras' deferred initialisation (`build_unmaterialised`):
 exist (paths, shapes, initialisers) but hold no values, and reading one outside a gather raises.
 Each rank keeps only the float32 slices of its partition position (tfbig.distribute.zero's
 layout: flattened, zero-padded to N equal slices), made one variable at a time from the
-variable's own initialiser (`initial_slice`), so they equal the single-device initialisation.
+variable's own initialiser (`initial_slice`), so they equal the single-device initialisation;
+a weight the task's build assigns (tfbig-classify's --init_checkpoint backbone) is sliced from
+that value instead.
 
 Which parameters are gathered when is data (`PLANS`, attribute paths below the model):
     per call   each transformer block, and the embedding, final norm and head where only
@@ -155,8 +157,13 @@ class Partition:
 # ---- delayed initialisation ---------------------------------------------------------------
 def build_unmaterialised(task):
     """The task's model with its trainable variables created but never given a value; the
-    non-trainable ones (dropout generator states, a few bytes) are initialised as usual."""
-    with keras.StatelessScope(initialize_variables=False):
+    non-trainable ones (dropout generator states, a few bytes) are initialised as usual.
+    Returns (model, {id(variable): initialiser}).
+
+    Values the task's `build_model` assigns (a fine-tuning task's --init_checkpoint backbone)
+    are caught by the StatelessScope and become those variables' initialisers: each rank cuts
+    its slices from them, so the loaded weights are whole once per rank, at the start."""
+    with keras.StatelessScope(initialize_variables=False) as scope:
         model = task.build_model()
     mine = {id(v) for v in model.variables}
     pending = global_state.get_global_attribute("uninitialized_variables") or []
@@ -164,11 +171,18 @@ def build_unmaterialised(task):
                                       [v for v in pending if id(v) not in mine])
     for v in model.non_trainable_variables:
         v._deferred_initialize()
+        if scope.get_current_value(v) is not None:
+            v.assign(scope.get_current_value(v))
     initialisers = {}
     for v in model.trainable_variables:
-        initialisers[id(v)] = v._initializer
+        loaded = scope.get_current_value(v)
+        initialisers[id(v)] = v._initializer if loaded is None else _loaded(loaded)
         v._initializer = _not_gathered(v.path)  # Keras calls it for a read without a value
     return model, initialisers
+
+
+def _loaded(value):
+    return lambda shape, dtype=None: value
 
 
 def _not_gathered(path):
