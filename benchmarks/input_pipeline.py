@@ -11,6 +11,7 @@ by the same Python loop for the same number of batches, after a warm-up pass (pa
 Prints one JSON line last: {"reader_tokens_per_s", "raw_tokens_per_s", "ratio", ...}.
 """
 
+import _record  # --record: append the result to benchmarks/results (strips the flag from sys.argv)
 import json
 import os
 import tempfile
@@ -71,13 +72,13 @@ def main(argv):
                   for _ in range(FLAGS.repeats))
         reader = max(tokens_per_second(make_dataset(data_dir, "train", FLAGS.batch_size, seed=r), num_batches)
                      for r in range(FLAGS.repeats))
-    print(json.dumps({"benchmark": "input_pipeline", "reader_tokens_per_s": round(reader),
+    _record.emit({"benchmark": "input_pipeline", "reader_tokens_per_s": round(reader),
                       "raw_tokens_per_s": round(raw), "ratio": round(reader / raw, 3),
                       "raw_baseline": "TFRecordDataset(files) sequential + batch + parse_example",
                       "file_read_mb_per_s": round(file_mb_s, 1), "shards": len(files),
                       "seq_length": manifest.seq_length, "batch_size": FLAGS.batch_size,
                       "tokens_per_measurement": num_batches * FLAGS.batch_size * (manifest.seq_length + 1),
-                      "cpus": os.cpu_count()}))
+                      "cpus": os.cpu_count()})
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ without `dp` in --layouts there is no step_time_vs_dp.
 
     python benchmarks/sharded_memory.py --hidden_size=512 --num_layers=8 --layouts=dp,zero3_d2
 """
+import _record  # --record: append the result to benchmarks/results (strips the flag from sys.argv)
 import argparse
 import json
 import math
@@ -193,12 +194,12 @@ def main():
             figures["step_time_vs_dp"] = round(figures["step_seconds"] / dp, 3)
         figures["state_vs_closed_form"] = round(figures["state_total"] /
                                                 figures["closed_form"], 4)
-    print(json.dumps({"benchmark": "sharded_memory", "ranks": 4, "preset": args.preset,
+    _record.emit({"benchmark": "sharded_memory", "ranks": 4, "preset": args.preset,
                       "num_layers": args.num_layers, "hidden_size": args.hidden_size or None,
                       "seq_length": args.seq_length,
                       "layouts": results, "load_average": [round(x, 2) for x in
                                                            os.getloadavg()],
-                      "cpu": cpu_model()}))
+                      "cpu": cpu_model()})
 
 
 def cpu_model():
