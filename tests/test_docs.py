@@ -224,14 +224,15 @@ def _fixture_wiki(directory):
     from xml.sax.saxutils import escape
 
     docs = _fixture_text(directory)
-    pages = "".join(f"<page><title>Page {i}</title><ns>0</ns><id>{i}</id><revision><id>{i}</id>"
-                    f'<text xml:space="preserve">{escape("[[Link]] " + doc)}</text></revision></page>'
-                    for i, doc in enumerate(docs))
-    xml = ('<mediawiki xmlns="http://www.mediawiki.org/xml/export-0.11/" version="0.11" xml:lang="en">'
-           f"<siteinfo><sitename>Wikipedia</sitename></siteinfo>{pages}</mediawiki>\n")
     os.makedirs(os.path.join(directory, "dumps"), exist_ok=True)
-    with open(os.path.join(directory, "dumps", "enwiki-20240601-pages-articles1.xml.bz2"), "wb") as f:
-        f.write(bz2.compress(xml.encode()))
+    for part in range(1, 4):  # a dump comes in parts, each one piece
+        pages = "".join(f"<page><title>Page {i}</title><ns>0</ns><id>{i}</id><revision><id>{i}</id>"
+                        f'<text xml:space="preserve">{escape("[[Link]] " + doc)}</text></revision></page>'
+                        for i, doc in enumerate(docs) if i % 3 == part - 1)
+        xml = ('<mediawiki xmlns="http://www.mediawiki.org/xml/export-0.11/" version="0.11" xml:lang="en">'
+               f"<siteinfo><sitename>Wikipedia</sitename></siteinfo>{pages}</mediawiki>\n")
+        with open(os.path.join(directory, "dumps", f"enwiki-20240601-pages-articles{part}.xml.bz2"), "wb") as f:
+            f.write(bz2.compress(xml.encode()))
 
 
 FIXTURES = {"text": _fixture_text, "pile": _fixture_pile, "wiki": _fixture_wiki}
