@@ -263,3 +263,17 @@ def test_the_quick_shell_blocks_of_the_guides_run(page, tmp_path):
 @pytest.mark.parametrize("page", [p for p in GUIDE_PAGES if any(m == "test: slow" for m, _, _ in shell_blocks(p))])
 def test_the_long_shell_blocks_of_the_guides_run(page, tmp_path):
     assert run_blocks(page, {"test: run", "test: slow"}, tmp_path, timeout=1200)
+
+
+@pytest.mark.slow
+def test_a_newcomer_sees_the_navigation_and_code_blocks_in_a_real_browser(tmp_path):
+    """docs/check_site.py: the site built, served on 127.0.0.1, home page and a guide opened in
+    headless Chromium (Debian: apt-get install chromium); screenshots land in tmp_path."""
+    import shutil
+
+    assert shutil.which("chromium") or shutil.which("chromium-browser"), "apt-get install chromium"
+    done = subprocess.run([sys.executable, os.path.join(DOCS, "check_site.py"), "--site", str(tmp_path / "site"),
+                           "--out", str(tmp_path)], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert (tmp_path / "home.png").stat().st_size > 10000 and (tmp_path / "guide.png").stat().st_size > 10000
