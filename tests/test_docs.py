@@ -193,6 +193,48 @@ def test_every_shell_block_is_run_by_a_test_or_says_what_it_needs(page):
     assert ci in ([], [THE_THREE_COMMANDS])  # the README's three commands, which .ci/run runs
 
 
+def _commands(code):
+    """(script, [flags]) of each tfbig-* command in a shell block (continuations joined; a
+    command ends at `--`, `|`, `&&`, `;` or the next command it launches)."""
+    for line in code.replace("\\\n", " ").splitlines():
+        prog, used = None, []
+        for token in line.split(" #")[0].split():
+            name = os.path.basename(token)
+            if name.startswith("tfbig-"):
+                if prog:
+                    yield prog, used
+                prog, used = name, []
+            elif token in ("--", "|", "&&", ";"):
+                if prog:
+                    yield prog, used
+                prog, used = None, []
+            elif prog and re.match(r"--\w", token):
+                used.append(re.match(r"--(\w+)", token).group(1))
+        if prog:
+            yield prog, used
+
+
+def test_every_flag_in_the_docs_exists_also_where_no_test_runs_it(site):
+    """Blocks marked needs: cluster/gpu/download are not run; their flags are still checked
+    against the generated reference (what each script defines)."""
+    defined = {}
+    for prog, _ in generate.console_scripts():
+        page = open(site[0] / "reference" / "cli" / prog / "index.html").read()
+        defined[prog] = {n.split()[-1] for n in re.findall(r"<tr>\s*<td><code>--([^<]+)</code></td>", page)}
+    pages = GUIDE_PAGES + ["index.md", os.path.join("..", "README.md")]
+    unknown, checked = [], 0
+    for page in pages:
+        for _, _, code in shell_blocks(page):
+            for prog, used in _commands(code):
+                checked += len(used)
+                if prog in defined:
+                    unknown += [f"{page}: {prog} --{f}" for f in used if f not in defined[prog]
+                            and not (f.startswith("no") and f[2:] in defined[prog])
+                            and f not in ("help", "flagfile")]
+    assert not unknown, unknown
+    assert checked > 200  # the parser found the commands
+
+
 def _fixture_text(directory):
     rng = random.Random(0)
     words = ("the a river stone light night green house open field quiet letter morning garden "
