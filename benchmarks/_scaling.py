@@ -9,6 +9,7 @@ per-step checks. Runs alternate (1, 2, 1, 2, ...) --repeats times and the fastes
 counts, since other load on the machine only ever slows a run down; the JSON line carries the
 1-minute load average (it should stay below the core count).
 """
+import _record  # --record: append the result to benchmarks/results (strips the flag from sys.argv)
 import argparse
 import json
 import os
@@ -107,11 +108,11 @@ def run(args, name, unit, measure):
     print(f"tokens/s: 1 {unit} {speed[1]:,.0f}, 2 {unit}s {speed[2]:,.0f}; "
           f"scaling efficiency {efficiency:.3f}", file=sys.stderr)
     flags = {k: v for k, v in vars(args).items() if k not in ("worker", "data_dir")}
-    print(json.dumps({"benchmark": name, "efficiency": round(efficiency, 4),
+    _record.emit({"benchmark": name, "efficiency": round(efficiency, 4),
                       "tokens_per_sec": {"1": round(speed[1], 1), "2": round(speed[2], 1)},
                       "all_tokens_per_sec": {str(n): [round(t["tokens_per_sec"], 1) for t in r]
                                              for n, r in runs.items()},
                       "communication_fraction_2": round(
                           best[2].get("time_fraction/communication", float("nan")), 4),
                       **flags, f"threads_per_{unit}": 1,
-                      "load_average": round(os.getloadavg()[0], 2)}))
+                      "load_average": round(os.getloadavg()[0], 2)})

@@ -4,6 +4,7 @@ model.safetensors (the floor any converter pays) in the same run. Prints one JSO
 
     python benchmarks/convert_bert.py [--preset=large] [--dir=/tmp/bench_convert]
 """
+import _record  # --record: append the result to benchmarks/results (strips the flag from sys.argv)
 import argparse
 import json
 import os
@@ -58,11 +59,11 @@ def main():
     load = os.getloadavg()[0]
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                 if line.startswith("model name")), "?")
-    print(json.dumps({"benchmark": "convert_bert", "preset": args.preset,
+    _record.emit({"benchmark": "convert_bert", "preset": args.preset,
                       "params": config.num_params(), "convert_seconds": round(convert_seconds, 1),
                       "read_safetensors_seconds": round(read_seconds, 2),
                       "convert_over_read": round(convert_seconds / read_seconds, 1),
-                      "load_average": load, "cpu": cpu}))
+                      "load_average": load, "cpu": cpu})
     shutil.rmtree(args.dir, ignore_errors=True)
 
 

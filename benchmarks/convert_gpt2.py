@@ -5,6 +5,7 @@ vocabulary), in and back out (--to=huggingface), against just reading its model.
 
     python benchmarks/convert_gpt2.py [--dir=/tmp/bench_convert_gpt2]
 """
+import _record  # --record: append the result to benchmarks/results (strips the flag from sys.argv)
 import argparse
 import json
 import os
@@ -74,13 +75,13 @@ def main():
     load = os.getloadavg()[0]
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                 if line.startswith("model name")), "?")
-    print(json.dumps({"benchmark": "convert_gpt2", "size": "gpt2-medium",
+    _record.emit({"benchmark": "convert_gpt2", "size": "gpt2-medium",
                       "params": config.num_params(), "convert_seconds": round(convert_seconds, 1),
                       "export_seconds": round(export_seconds, 1),
                       "read_safetensors_seconds": round(read_seconds, 2),
                       "convert_over_read": round(convert_seconds / read_seconds, 1),
                       "export_over_read": round(export_seconds / read_seconds, 1),
-                      "load_average": load, "cpu": cpu}))
+                      "load_average": load, "cpu": cpu})
     shutil.rmtree(args.dir, ignore_errors=True)
 
 

@@ -16,6 +16,7 @@ Example:
     python benchmarks/elastic.py --preset=tiny --seq_length=128 --per_rank_batch=16
 Prints one JSON line last.
 """
+import _record  # --record: append the result to benchmarks/results (strips the flag from sys.argv)
 import glob
 import json
 import os
@@ -161,7 +162,7 @@ def main():
     print(f"rank lost -> next step {result['death_to_step_seconds']:.1f} s; new rank -> first "
           f"step {result['arrival_to_step_seconds']:.1f} s (goal < {GOAL_SECONDS:.0f} s)",
           file=sys.stderr)
-    print(json.dumps({
+    _record.emit({
         "benchmark": "elastic", **{k: round(v, 3) for k, v in result.items()},
         "death_to_step_in_steps": round(result["death_to_step_seconds"] / step, 1),
         "arrival_to_step_in_steps": round(result["arrival_to_step_seconds"] / step, 1),
@@ -170,7 +171,7 @@ def main():
                            result["arrival_to_step_seconds"]) < GOAL_SECONDS,
         **{k: v for k, v in vars(args).items()
            if k not in ("worker", "data_dir", "steps", "repeats")},
-        "load_average": [round(x, 2) for x in os.getloadavg()]}))
+        "load_average": [round(x, 2) for x in os.getloadavg()]})
 
 
 if __name__ == "__main__":

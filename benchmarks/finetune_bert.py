@@ -17,6 +17,7 @@ robust to other processes on a shared machine). The sides alternate for --repeat
 Prints one JSON line last: sequences/s of each, `ratio` = tfbig / keras-hub, the CPU model and
 the load average before and after.
 """
+import _record  # --record: append the result to benchmarks/results (strips the flag from sys.argv)
 import dataclasses
 import json
 import os
@@ -185,7 +186,7 @@ def main(argv):
     best = {n: max(r["tokens_per_sec"] for r in runs) for n, runs in rounds.items()}
     best_cpu = {n: max(r["tokens_per_cpu_sec"] for r in runs) for n, runs in rounds.items()}
     config = bert_config()
-    print(json.dumps({
+    _record.emit({
         "benchmark": "finetune_bert", "preset": FLAGS.preset, "num_layers": config.num_layers,
         "hidden_size": config.hidden_size, "batch_size": FLAGS.batch_size,
         "seq_length": FLAGS.seq_length, "num_classes": FLAGS.num_classes, "xla": True,
@@ -199,7 +200,7 @@ def main(argv):
         "ratio_cpu": round(best_cpu["tfbig"] / best_cpu["keras_hub"], 3),
         "ratio": round(best["tfbig"] / best["keras_hub"], 3),
         "cpu": cpu_model(), "load_average_before": [round(x, 2) for x in load_before],
-        "load_average_after": [round(x, 2) for x in os.getloadavg()]}))
+        "load_average_after": [round(x, 2) for x in os.getloadavg()]})
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ Times every decoded token (greedy, batch 1) after one warm-up generation, report
 tokens 5..15 and 195..205 over repeats, their ratio (goal <= 2), and the same for decoding
 without the cache (the whole prefix recomputed per token) for comparison. One JSON line last.
 """
+import _record  # --record: append the result to benchmarks/results (strips the flag from sys.argv)
 import json
 import os
 import time
@@ -72,7 +73,7 @@ def main(argv):
         print(f"{key}: token 10 {early * 1e3:.2f} ms, token 200 {late * 1e3:.2f} ms, "
               f"ratio {late / early:.2f}")
     result["ratio"] = result["cache_ratio"]
-    print(json.dumps(result))
+    _record.emit(result)
 
 
 if __name__ == "__main__":

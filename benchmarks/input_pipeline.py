@@ -16,6 +16,7 @@ Prints one JSON line last: {"raw_tokens_per_s", "pipelines": {"N": {"reader_toke
 measured with the other tree's `make_dataset` on the same data in the same run.
 """
 
+import _record  # --record: append the result to benchmarks/results (strips the flag from sys.argv)
 import json
 import os
 import subprocess
@@ -124,7 +125,7 @@ def main(argv):
                    "seq_length": manifest.seq_length, "batch_size": FLAGS.batch_size,
                    "tokens_per_measurement": num_batches * FLAGS.batch_size * (manifest.seq_length + 1),
                    "cpus": os.cpu_count()})
-    print(json.dumps(result))
+    _record.emit(result)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ backward times and free communication: the gap between it and the measured bubbl
 exchange's cost (and, on a busy 2-core machine, the ranks' waits for a core). One JSON line,
 with the load average and the CPU model.
 """
+import _record  # --record: append the result to benchmarks/results (strips the flag from sys.argv)
 import argparse
 import json
 import os
@@ -152,13 +153,13 @@ def main():
                 "measured_vs_theory": round(measured / theory, 3),
                 "forward_ms_per_stage": [round(1e3 * t, 2) for t in fwd],
                 "backward_ms_per_stage": [round(1e3 * t, 2) for t in bwd]}
-    print(json.dumps({"benchmark": "pipeline_cross_rank", "stages": args.stages,
+    _record.emit({"benchmark": "pipeline_cross_rank", "stages": args.stages,
                       "tensor_parallel": args.tensor_parallel,
                       "schedule": args.schedule, "micro_batch": args.micro_batch,
                       "seq_length": args.seq_length, "hidden_size": args.hidden_size,
                       "num_layers": args.num_layers, "results": results,
                       "load_average": [round(x, 2) for x in os.getloadavg()],
-                      "cpu_model": cpu_model()}))
+                      "cpu_model": cpu_model()})
 
 
 if __name__ == "__main__":

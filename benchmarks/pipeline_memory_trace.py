@@ -12,6 +12,7 @@ peak of the tensors' bytes and of the allocator's chunks holding them, the live 
 tensors' peak by op (F<m>/B<m> and the stage function call), and the largest live tensors with
 the op that made them.
 """
+import _record  # --record: append the result to benchmarks/results (strips the flag from sys.argv)
 import argparse
 import collections
 import dataclasses
@@ -61,7 +62,7 @@ def main():
     for size, op, _ in live.values():
         by_call["/".join(op.split("/")[:2])] += size
     largest = sorted(live.values(), reverse=True)[:12]
-    print(json.dumps({
+    _record.emit({
         "case": vars(args), "allocator_peak_mb": round(measured / 1e6, 2),
         "tensor_peak_mb": round(tensors / 1e6, 2),
         "planned_mb": round(planned_stage_peak(PIPELINE, MICRO_BATCH, layout, args.stage) / 1e6,
@@ -69,7 +70,7 @@ def main():
         "traced_peak_mb": round(peak / 1e6, 2),
         "traced_allocator_peak_mb": round(live_at_peak(events, "allocation_bytes")[0] / 1e6, 2),
         "live_by_call_mb": {k: round(v / 1e6, 2) for k, v in by_call.most_common()},
-        "largest": [[round(size / 1e6, 3), op, str(shape)] for size, op, shape in largest]}))
+        "largest": [[round(size / 1e6, 3), op, str(shape)] for size, op, shape in largest]})
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ machine; a compressed file is one piece, so .zst scales over files: `zst_scaling
 `ratio` = prepare with 1 worker / tokenizer alone; with the load average and CPU model.
 """
 
+import _record  # --record: append the result to benchmarks/results (strips the flag from sys.argv)
 import json
 import os
 import subprocess
@@ -97,7 +98,7 @@ def main(argv):
                     out = os.path.join(scratch, f"out-{kind}-{workers}-{repeat}")
                     speed = prepare_mb_per_s(inputs[kind], out, tokenizer.path, workers, megabytes)
                     runs[kind, workers] = max(runs.get((kind, workers), 0.0), speed)
-    print(json.dumps({"benchmark": "prep", "text_mb": round(megabytes, 1), "zst_mb": round(compressed_mb, 1),
+    _record.emit({"benchmark": "prep", "text_mb": round(megabytes, 1), "zst_mb": round(compressed_mb, 1),
                       "files": FLAGS.files, "tokenizer_alone_mb_per_s": round(alone, 2),
                       "plain_1_worker_mb_per_s": round(runs["plain", 1], 2),
                       "plain_2_workers_mb_per_s": round(runs["plain", 2], 2),
@@ -107,7 +108,7 @@ def main(argv):
                       "scaling_2_workers": round(runs["plain", 2] / runs["plain", 1], 3),
                       "zst_scaling_2_workers": round(runs["zst", 2] / runs["zst", 1], 3),
                       "ratio": round(runs["plain", 1] / alone, 3), "cpus": os.cpu_count(),
-                      "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)], "cpu": cpu_model()}))
+                      "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)], "cpu": cpu_model()})
 
 
 if __name__ == "__main__":

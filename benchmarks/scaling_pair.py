@@ -14,6 +14,7 @@ processes get from this machine's cores, caches and memory when both compute
 (`corun_ceiling`); `of_ceiling` = efficiency / ceiling is the share of it a backend keeps, the
 part that communication and its threads decide.
 """
+import _record  # --record: append the result to benchmarks/results (strips the flag from sys.argv)
 import threading
 import json
 import os
@@ -48,7 +49,7 @@ def main():
     best = {key: max(values) for key, values in runs.items()}
     efficiency = {b: best[b, 2] / (2 * best[b, 1]) for b in BACKENDS}
     ceiling = max(corun) / (2 * max(best["horovod", 1], best["multiworker", 1]))
-    print(json.dumps({
+    _record.emit({
         "benchmark": "scaling_pair", "efficiency": {b: round(e, 4) for b, e in efficiency.items()},
         "horovod_over_multiworker": round(efficiency["horovod"] / efficiency["multiworker"], 4),
         "corun_ceiling": round(ceiling, 4),
@@ -61,7 +62,7 @@ def main():
         "hvd_thread_policy": args.hvd_thread_policy,
         "horovod_cycle_time_ms": os.environ.get("HOROVOD_CYCLE_TIME", "1 (default)"),
         "load_average_before": [round(x, 2) for x in load_before],
-        "load_average_after": [round(x, 2) for x in os.getloadavg()], "cpu": cpu_model()}))
+        "load_average_after": [round(x, 2) for x in os.getloadavg()], "cpu": cpu_model()})
 
 
 def two_at_once(args, directory):

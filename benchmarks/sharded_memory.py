@@ -19,12 +19,13 @@ counted), the full single-process state 16P for the RSS comparison, step time re
 plain DP measured in the same run, the load average and the CPU model. One-thread processes,
 no XLA (the ZeRO collectives sit between TF ops; see tfbig/distribute/zero.py). The launches
 get a Gloo timeout of --gloo_timeout_seconds (300 s; horovodrun's 30 s default kills runs
-whose large messages stall on loopback TCP, see the README). A layout whose launch fails
+whose large messages stall on loopback TCP, see docs/guides/scale-out.md, ZeRO). A layout whose launch fails
 stops the run with the last lines of its ranks' output (Horovod/Gloo errors included);
 without `dp` in --layouts there is no step_time_vs_dp.
 
     python benchmarks/sharded_memory.py --hidden_size=512 --num_layers=8 --layouts=dp,zero3_d2
 """
+import _record  # --record: append the result to benchmarks/results (strips the flag from sys.argv)
 import argparse
 import json
 import math
@@ -174,7 +175,7 @@ def main():
                         "needs dp among them)")
     parser.add_argument("--gloo_timeout_seconds", "--gloo-timeout-seconds", type=int,
                         default=300, help="horovodrun's Gloo timeout (its default, 30 s, ends "
-                        "a run when a large message stalls on loopback TCP; see the README)")
+                        "a run when a large message stalls on loopback TCP; see docs/guides/scale-out.md, ZeRO)")
     parser.add_argument("--tensor_bytes", action="store_true",
                         help="ranks allocate tensors with TensorFlow's BFC allocator and report "
                         "the peak bytes of live tensors during the timed steps "
@@ -193,12 +194,12 @@ def main():
             figures["step_time_vs_dp"] = round(figures["step_seconds"] / dp, 3)
         figures["state_vs_closed_form"] = round(figures["state_total"] /
                                                 figures["closed_form"], 4)
-    print(json.dumps({"benchmark": "sharded_memory", "ranks": 4, "preset": args.preset,
+    _record.emit({"benchmark": "sharded_memory", "ranks": 4, "preset": args.preset,
                       "num_layers": args.num_layers, "hidden_size": args.hidden_size or None,
                       "seq_length": args.seq_length,
                       "layouts": results, "load_average": [round(x, 2) for x in
                                                            os.getloadavg()],
-                      "cpu": cpu_model()}))
+                      "cpu": cpu_model()})
 
 
 def cpu_model():

@@ -17,6 +17,7 @@ and the CPU model; the last line is the run's result.
 --also_score=NAME=FILE[:N] scores the first N questions of another SQuAD v2.0 file (all with N 0
 or no N) at each evaluation, under NAME: e.g. one question type of a mixed training set.
 """
+import _record  # --record: append the result to benchmarks/results (strips the flag from sys.argv)
 import argparse
 import json
 import os
@@ -140,7 +141,7 @@ def main():
             **{name: score(name) for name, _, _ in args.also},
             "load_average": [round(x, 1) for x in os.getloadavg()], "cpu": cpu_model()}
         state["eval_cpu"] += cpu_seconds() - before
-        print(json.dumps(result), flush=True)
+        _record.emit(result, "squad_curve")  # one line per evaluation: the curve
 
     print(json.dumps({"config": vars(args), "train_features": len(sets["train"][2]),
                       "dev_features": len(sets["dev"][2])}), flush=True)

@@ -12,6 +12,7 @@ held-out play's new names: the fine-tuned model has never trained those pieces' 
         --file=runs/qa/shakespeare-qa-v2.0-dev.json \\
         --train_file=runs/qa/shakespeare-qa-v2.0-train.json
 """
+import _record  # --record: append the result to benchmarks/results (strips the flag from sys.argv)
 import argparse
 import collections
 import json
@@ -122,14 +123,14 @@ def main():
             share, rare = rare_answers(dataset, json.load(file), tokenizer)
         extra = {"answers_with_a_piece_rare_in_training": round(share, 4),
                  "rare_answers_piece_counts": rare}
-    print(json.dumps({
+    _record.emit({
         "file": args.file, "questions": len(examples), "features": len(features),
         "answer_and_quote_in_one_window": round(located, 4),
         "questions_cut_by_max_query_length": round(float(np.mean(
             np.array(questions) > args.max_query_length)), 4),
         "quote_to_answer_tokens_mean": round(float(np.mean(distances)), 1),
         "quote_to_answer_tokens_max": int(np.max(distances)),
-        "who_says_hasans_exact_of_shortcuts": speaker_shortcuts(dataset), **extra}))
+        "who_says_hasans_exact_of_shortcuts": speaker_shortcuts(dataset), **extra})
 
 
 if __name__ == "__main__":

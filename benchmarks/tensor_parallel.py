@@ -13,6 +13,7 @@ TP 1 measured in the same run, and the load average. One-thread processes, no XL
 collectives sit inside the TP forward/backward; see tfbig/distribute/tensor_parallel.py). On a
 2-core machine, 4 ranks share 2 cores: step times there measure oversubscription as much as TP.
 """
+import _record  # --record: append the result to benchmarks/results (strips the flag from sys.argv)
 import argparse
 import json
 import os
@@ -126,10 +127,10 @@ def main():
         figures["bytes_vs_p_over_t_plus_replicated"] = round(
             held["parameters"] / (full / tensor + held["replicated_parameters"]), 4)
         figures["bytes_vs_p_over_t"] = round(held["parameters"] / (full / tensor), 4)
-    print(json.dumps({"benchmark": "tensor_parallel", "preset": args.preset,
+    _record.emit({"benchmark": "tensor_parallel", "preset": args.preset,
                       "num_layers": args.num_layers, "seq_length": args.seq_length,
                       "batch_size": args.batch_size, "degrees": results,
-                      "load_average": [round(x, 2) for x in os.getloadavg()]}))
+                      "load_average": [round(x, 2) for x in os.getloadavg()]})
 
 
 if __name__ == "__main__":

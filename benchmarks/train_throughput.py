@@ -14,6 +14,7 @@ cores. Modes are run in turns for --repeats rounds and the best round of each is
 
 Prints one JSON line last; `mfu` is the XLA fp32 figure.
 """
+import _record  # --record: append the result to benchmarks/results (strips the flag from sys.argv)
 import json
 import os
 import tempfile
@@ -91,7 +92,7 @@ def main(argv):
         result[f"{mode}_input_wait"] = round(run["input_wait"], 4)
     if "fp32_xla_mfu" in result:
         result["mfu"] = result["fp32_xla_mfu"]
-    print(json.dumps(result))
+    _record.emit(result)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ which stays meaningful while other processes share the cores.
 
 Prints one JSON line last: tokens/s and MFU of each, `ratio` = tfbig / keras-hub.
 """
+import _record  # --record: append the result to benchmarks/results (strips the flag from sys.argv)
 import json
 import os
 import tempfile
@@ -147,7 +148,7 @@ def main(argv):
                  else None for n in sides},
               "ratio_cpu": round(best_cpu["tfbig"] / best_cpu["keras_hub"], 3),
               "ratio": round(best["tfbig"] / best["keras_hub"], 3)}
-    print(json.dumps(result))
+    _record.emit(result)
 
 
 if __name__ == "__main__":

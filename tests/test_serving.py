@@ -44,9 +44,10 @@ CLIENT = textwrap.dedent("""
 
 
 def readme_request():
-    """The JSON body of the README's TF Serving curl line."""
-    readme = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")).read()
-    (body,) = re.findall(r"curl -s \S+:predict -d '([^']+)'", readme)
+    """The JSON body of the TF Serving curl line in the export guide."""
+    guide = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "guides",
+                              "export-serve.md")).read()
+    (body,) = re.findall(r"curl -s \S+:predict -d '([^']+)'", guide)
     return body
 
 

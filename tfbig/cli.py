@@ -34,6 +34,24 @@ _FILE_ERRORS = (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirec
                 PermissionError)
 _HELP = ("--help", "-h", "--helpshort", "-help", "-?")
 _CORRUPT_SHARD = "tfbig.data: shard"
+# The last line of each console script's --help: its guide in the docs (docs/, mkdocs.yml).
+GUIDES = {
+    "tfbig-prep": "guides/prepare-data.md",
+    "tfbig-train": "guides/train-gpt.md",
+    "tfbig-generate": "guides/export-serve.md",
+    "tfbig-squad": "guides/fine-tune.md",
+    "tfbig-export": "guides/export-serve.md",
+    "tfbig-profile": "guides/observe.md",
+    "tfbig-launch": "guides/scale-out.md",
+    "tfbig-plan": "guides/plan.md",
+    "tfbig-convert": "guides/fine-tune.md",
+    "tfbig-classify": "guides/fine-tune.md",
+}
+
+
+def guide_line(prog):
+    """`Guide: docs/guides/NAME.md` for --help's last line ('' for a script without a guide)."""
+    return f"Guide: docs/{GUIDES[prog]}" if prog in GUIDES else ""
 
 
 def _raised_by_own_code(error):
@@ -113,6 +131,7 @@ def format_help(prog, summary, sections, flag_values=None, width=100):
                                    subsequent_indent="      ")
         lines.append("")
     lines.append("--flagfile=FILE reads flags from a file; --helpfull lists absl's own flags too.")
+    lines.append(guide_line(prog))
     return "\n".join(lines)
 
 
@@ -131,6 +150,9 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message):
         fail(self.prog, f"{message}; see {self.prog} --help")
+
+    def format_help(self):
+        return super().format_help().rstrip("\n") + "\n\n" + guide_line(self.prog) + "\n"
 
 
 # ---- running a command -------------------------------------------------------------------------

@@ -4,7 +4,7 @@ values used are in MODEL_DIR/config.json like any other flag.
 
 The `gpt/small` recipe is the main job's (`tfbig-train`, no flags: the small GPT on the
 embedded plays in a 9-minute budget), width and schedule tuned at the step count that budget
-gives on a 2-core CPU (README, "the main job"). Other presets keep the TrainConfig defaults.
+gives on a 2-core CPU (docs/results.md, "The main job"). Other presets keep the TrainConfig defaults.
 
 Example:
     recipe_for("gpt", "small")   # {"learning_rate": ..., "warmup_steps": ..., ...}
@@ -18,8 +18,8 @@ RECIPES = {
     # steps the budget gives each there (batch 16), 1235 steps of hidden 128 reach 2.143 bits
     # per byte at lr 3e-3 and 2.156 at 2e-3, against 2.261 for 554 steps of hidden 256 at 2e-3
     # (6 layers of 128, 970 steps, 2e-3: 2.202). On a faster CPU's budget, hidden 256: batch
-    # 16 x 950 steps 2.1468, batch 8 x 1900 2.1378, batch 32 x 479 2.236. README, "the main
-    # job".
+    # 16 x 950 steps 2.1468, batch 8 x 1900 2.1378, batch 32 x 479 2.236. docs/results.md, "The
+    # main job".
     "gpt/small": {"hidden_size": 128, "learning_rate": 3e-3, "warmup_steps": 60,
                   "batch_size": 16},
 }

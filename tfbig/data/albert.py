@@ -27,7 +27,7 @@ Copy pairs (`copy_prob`, tfbig-prep --copy_prob; not in ALBERT): that share of p
 label 0. A masked token of either copy can be read off the other, so the masked LM is rewarded
 for finding where segment A's words occur in segment B: the match between a question's quote and
 its context that extractive QA needs and that plain MLM pretraining hardly rewards (not learnt
-within the embedded run's budget: README, "The embedded ALBERT run, measured").
+within the embedded run's budget: docs/results.md, "ALBERT question answering").
 
 This module imports no TensorFlow (prep workers stay light).
 

@@ -12,6 +12,7 @@ import sys
 
 from absl import flags
 
+from tfbig import cli
 from tfbig.plan import hardware, models, report, search
 
 # flag -> (definer name, default, help); layout flags are searched unless given.
@@ -104,7 +105,7 @@ def main(argv):
     flag_values = flags.FlagValues()
     define_flags(flag_values)
     if any(arg in ("-h", "--help", "--helpfull") for arg in argv[1:]):
-        print(__doc__ + "\n" + flag_values.get_help())
+        print(__doc__ + "\n" + flag_values.get_help() + "\n\n" + cli.guide_line("tfbig-plan"))
         return 0
     try:
         rest = flag_values(argv)
