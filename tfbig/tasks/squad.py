@@ -80,8 +80,8 @@ class SquadTask:
                                                                     read_squad)
             with open(options.predict_file, encoding="utf-8") as file:
                 self.dataset_json = json.load(file)
-            self.arrays["validation"] = {
-                **{k: self.features.arrays[k] for k in INPUTS},
+            self.arrays["validation"] = {  # labels of the first gold answer: the pipeline's
+                **{k: self.features.arrays[k] for k in INPUTS + LABELS},  # last stage reads them
                 "feature_index": np.arange(len(self.features), dtype=np.int32)}
         path = getattr(tokenizer, "vocab_file", None) or tokenizer.path
         self.manifest = Examples(path, {k: len(v["input_ids"]) for k, v in self.arrays.items()})
@@ -115,7 +115,7 @@ class SquadTask:
     def dataset(self, split, batch_size, input_context=None, *, seed=0, repeat=True,
                 shuffle=True, start=0, drop_remainder=True):
         """Batches of {input_ids, segment_ids, input_mask (B, T), start/end_positions (B,)}
-        ("validation": feature_index (B,) instead of positions) for one input pipeline."""
+        ("validation": also feature_index (B,)) for one input pipeline."""
         return example_batches(self.arrays[split], batch_size, input_context, seed=seed,
                                repeat=repeat, shuffle=shuffle, start=start,
                                drop_remainder=drop_remainder)
