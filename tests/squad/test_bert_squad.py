@@ -1,6 +1,9 @@
 """tfbig-squad on BERT: a random BERT written in the Hugging Face format, converted by
 tfbig-convert, fine-tuned and scored from its run directory; WordPiece character spans give
-back every answer; predicting again from --output_dir reads the BERT back."""
+back every answer; predicting again from --output_dir reads the BERT back. Two processes
+(MultiWorkerMirrored workers under tfbig-launch, or horovodrun) equal one process on the same
+global batches: losses, every trained weight (tests/equality.py), predictions and scores.
+Slow: mixed_float16 against fp32, and kill -9 + rerun of a --deterministic run."""
 import json
 import os
 import re
@@ -207,3 +210,58 @@ def test_two_processes_equal_one_on_the_same_global_batches(strategy, bert_run, 
               before_fit=lambda trainer: recorded.append(RecordedGradients(trainer)),
               dropout=0.0, **FAST)
     assert_same_run(tmp_path / "two", tmp_path / "one", recorded[0])
+
+
+@pytest.mark.slow  # three runs of the command on a loaded 2-core machine
+def test_kill_9_and_the_same_command_again_equal_an_uninterrupted_run(bert_run, qa_sets,
+                                                                      tmp_path):
+    """tfbig-squad --deterministic killed (SIGKILL) after a random checkpointed step, then
+    started again with the same flags: it resumes from the last checkpoint in --output_dir and
+    ends with bit-identical weights and predictions.json."""
+    import random
+    import signal
+    import subprocess
+
+    import tensorflow as tf
+
+    for name, split in (("train.json", "train"), ("dev.json", "dev")):
+        (tmp_path / name).write_text(json.dumps(_first(qa_sets["2.0", split], 6)))
+    steps, kill_after = 8, random.Random().randint(2, 6)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+    def command(out):
+        return [sys.executable, "-m", "tfbig.squad.cli", f"--init_checkpoint={bert_run[0]}",
+                f"--train_file={tmp_path / 'train.json'}",
+                f"--predict_file={tmp_path / 'dev.json'}", "--max_seq_length=64",
+                "--doc_stride=32", "--max_query_length=24", "--train_batch_size=8",
+                "--learning_rate=1e-3", f"--max_steps={steps}", "--log_every=1",
+                "--deterministic", "--checkpoint_every=1", "--noxla", "--peak_tflops=1",
+                "--monitor_interval_ms=0", f"--output_dir={out}"]
+
+    env = {**os.environ, "PYTHONPATH": root, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    proc = subprocess.Popen(command(tmp_path / "killed"), cwd=root, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    for line in proc.stdout:  # the checkpoint of step kill_after is written before step + 1
+        if f"step {kill_after + 1}/{steps}" in line:
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.wait(timeout=600)
+    assert proc.returncode == -signal.SIGKILL, f"ended before step {kill_after + 1}"
+    assert not (tmp_path / "killed" / "predictions.json").exists()
+    for run in ("killed", "straight"):
+        done = subprocess.run(command(tmp_path / run), cwd=root, env=env, text=True,
+                              capture_output=True, timeout=600)
+        assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+        if run == "killed":  # resumed at the newest intact checkpoint
+            resumed = re.search(r"resumed from \S*ckpt-(\d+)", done.stdout + done.stderr)
+            assert resumed and int(resumed.group(1)) in (kill_after, kill_after + 1)
+    readers = [tf.train.load_checkpoint(tf.train.latest_checkpoint(str(tmp_path / run)))
+               for run in ("killed", "straight")]
+    keys = [k for k in readers[1].get_variable_to_shape_map() if k.startswith("model/")]
+    assert len(keys) > 30
+    for key in keys:
+        np.testing.assert_array_equal(readers[0].get_tensor(key), readers[1].get_tensor(key),
+                                      err_msg=key)
+    for output in ("predictions.json", "null_odds.json", "eval_results.json"):
+        assert (tmp_path / "killed" / output).read_text() == \
+            (tmp_path / "straight" / output).read_text(), output
