@@ -131,8 +131,8 @@ def launch(root, command, flags, files):
 
 
 def whole_weights(run, command):
-    """{variable path: array} of run directory `run`'s newest checkpoint, a tensor-parallel or
-    ZeRO run's pieces joined."""
+    """{variable path: array} of the trained weights in run directory `run`'s newest checkpoint,
+    a tensor-parallel or ZeRO run's pieces joined."""
     from tfbig.checkpoint import reader_key
     from tfbig.distribute import tensor_layout, zero_checkpoint
     from tfbig.models.bert import BertClassifier
@@ -147,8 +147,7 @@ def whole_weights(run, command):
         if (run / layout).exists():
             return module.assembled_weights(str(run), model)
     reader = tf.train.load_checkpoint(tf.train.latest_checkpoint(str(run)))
-    return {v.path: reader.get_tensor(reader_key(model, v)) for v in model.variables
-            if "seed_generator" not in v.path}
+    return {v.path: reader.get_tensor(reader_key(model, v)) for v in model.trainable_variables}
 
 
 def _check(name, files, tmp_path):
