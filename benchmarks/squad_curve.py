@@ -86,11 +86,12 @@ def main():
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     from tfbig.data import Tokenizer
     from tfbig.models.albert import AlbertConfig
-    from tfbig.squad import evaluate, finetune, postprocess
+    from tfbig.squad import evaluate, postprocess
+    from tfbig.squad.model import pretrained_config
     from tfbig.squad.features import convert_examples, examples_from_dataset, first_questions
 
     if args.init_checkpoint:
-        config, tokenizer = finetune.pretrained_config(args.init_checkpoint)
+        config, tokenizer = pretrained_config(args.init_checkpoint)
     else:
         tokenizer = Tokenizer.load(args.tokenizer)
         config = AlbertConfig(
@@ -112,11 +113,37 @@ def main():
         examples = examples_from_dataset(dataset, path)
         sets[name] = (dataset, examples, convert_examples(
             examples, tokenizer, args.max_seq_length, args.doc_stride, args.max_query_length))
-    model = finetune.build_model(config, args.init_checkpoint or None, seed=0)
+    import tempfile
+
+    import numpy as np
+
+    from tfbig import finetune as recipe
+    from tfbig.squad.cli import SquadOptions
+    from tfbig.squad.model import INPUTS
+    from tfbig.tasks.squad import LABELS, SquadTask
+    from tfbig.trainer import Trainer
+
+    options = SquadOptions(  # the Trainer running tfbig.tasks.squad, as tfbig-squad does
+        train_file=args.train_file, predict_file=args.predict_file,
+        init_checkpoint=args.init_checkpoint, max_seq_length=args.max_seq_length,
+        doc_stride=args.doc_stride, max_query_length=args.max_query_length,
+        train_batch_size=args.batch_size, learning_rate=args.learning_rate,
+        warmup_proportion=args.warmup_proportion, weight_decay=args.weight_decay,
+        max_steps=args.max_steps, log_every=args.eval_every,
+        output_dir=tempfile.mkdtemp(prefix="squad_curve_"))
+    cfg = recipe.experiment(options, "squad", dropout=args.dropout)
+    task = SquadTask(cfg.train, options, config, tokenizer)
+    for name, (_, _, features) in sets.items():  # every set a split the Trainer predicts
+        task.arrays[name] = {**{k: features.arrays[k] for k in INPUTS + LABELS},
+                             "feature_index": np.arange(len(features), dtype=np.int32)}
+        task.manifest.splits[name] = type(task.manifest.splits["train"])(len(features))
+    recipe.set_steps(cfg, options, len(sets["train"][2]))
+    trainer = Trainer(cfg, task=task)
 
     def score(name):
         dataset, examples, features = sets[name]
-        starts, ends = finetune.predict(model, features)
+        outputs = trainer.predict(name)  # every replica's rows, gathered in dataset order
+        starts, ends = outputs["start_logits"], outputs["end_logits"]
         answers, diffs, _ = postprocess.best_spans(examples, features, starts, ends)
         threshold, _ = evaluate.tune_null_threshold(dataset, answers, diffs)
         scores = evaluate.evaluate(dataset, postprocess.apply_null_threshold(
@@ -129,12 +156,11 @@ def main():
     state = {"evaluations": 0, "eval_cpu": 0.0, "start_cpu": cpu_seconds(),
              "start": time.perf_counter()}
 
-    def evaluate_now(line):  # finetune.train calls it every eval_every steps and at the end
+    def evaluate_now(summary):  # every eval_every steps and at the end
         state["evaluations"] += 1
         before = cpu_seconds()
         result = {
-            "step": min(state["evaluations"] * args.eval_every, args.max_steps),
-            "train_log": line,
+            "step": summary["step"], "train_loss": summary["train"].get("loss"),
             "train_cpu_minutes": round((before - state["start_cpu"] - state["eval_cpu"]) / 60, 2),
             "wall_minutes": round((time.perf_counter() - state["start"]) / 60, 1),
             "dev": score("dev"), f"train_first_{args.train_questions}": score("train_subset"),
@@ -145,9 +171,8 @@ def main():
 
     print(json.dumps({"config": vars(args), "train_features": len(sets["train"][2]),
                       "dev_features": len(sets["dev"][2])}), flush=True)
-    finetune.train(model, sets["train"][2], args.batch_size, learning_rate=args.learning_rate,
-                   warmup_fraction=args.warmup_proportion, weight_decay=args.weight_decay,
-                   max_steps=args.max_steps, log_every=args.eval_every, log=evaluate_now)
+    while int(trainer.step.numpy()) < args.max_steps:
+        evaluate_now(trainer.fit(steps=args.eval_every))
 
 
 if __name__ == "__main__":

@@ -257,7 +257,7 @@ def test_a_clean_package_passes_and_an_unmapped_module_is_named(tmp_path):
 
 @pytest.mark.parametrize("module, layer", [("tfbig.distribute", "registry"),
                                            ("tfbig.distribute.zero", "backends"),
-                                           ("tfbig.distribute.finetune_parallel", "commands"),
+                                           ("tfbig.squad.cli", "commands"),
                                            ("tfbig.squad.features", "inputs"),
                                            ("tfbig.plan.local", "commands")])
 def test_the_longest_pattern_wins(module, layer):

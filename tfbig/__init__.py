@@ -21,8 +21,7 @@ Modules in one layer may import each other (without a circle). Lowest first:
     trainer:   tfbig.trainer tfbig.budget tfbig.logs tfbig.preflight
     commands:  tfbig.train tfbig.recipes tfbig.generate tfbig.export tfbig.consolidate
                tfbig.convert tfbig.plan.cli tfbig.plan.__main__ tfbig.plan.local
-               tfbig.plan.measure tfbig.squad.cli tfbig.squad.finetune tfbig.classify tfbig.finetune
-               tfbig.distribute.finetune*
+               tfbig.plan.measure tfbig.squad.cli tfbig.classify tfbig.finetune
 
 layouts .. registry are one family, the parallel backends, in that order: what a sharded run's
 pieces hold (below every backend, so tfbig-generate reads them without one); the data, ZeRO and

@@ -47,9 +47,10 @@ class ClassifyOptions(ClassifyData, finetune.FineTuneOptions):
                                      "config.json and checkpoints (a rerun resumes).")
 
 
-def fine_tune(options, **overrides):
+def fine_tune(options, before_fit=None, **overrides):
     """Train on --train_file (or --tfds_name), score the eval data; returns the scores dict
-    (on the chief; {} elsewhere). `overrides`: other Trainer flags by name."""
+    (on the chief; {} elsewhere). `overrides`: other Trainer flags by name; `before_fit(trainer)`
+    runs before training (tests record the reference's gradients)."""
     from tfbig.tasks.classify import ClassifyTask
     from tfbig.trainer import Trainer, precision_policy
 
@@ -61,6 +62,8 @@ def fine_tune(options, **overrides):
         logger = finetune.LossRecorder(options.output_dir, strategy.is_chief,
                                        cfg.train.max_steps)
         trainer = Trainer(cfg, strategy=strategy, task=task, logger=logger)
+        if before_fit:
+            before_fit(trainer)
         summary = trainer.fit()
         result = {} if summary.get("preempted") else _outputs(trainer, task, options, summary)
         chief = trainer.strategy.is_chief

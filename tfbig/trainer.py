@@ -199,7 +199,9 @@ class Trainer:
             self._save_config()
             files, _ = data.run_tokenizer_files(self.task.manifest.tokenizer_path)
             for name, source in files.items():  # tokenizer.model, or GPT-2's BPE files
-                shutil.copyfile(source, os.path.join(self.cfg.train.model_dir, name))
+                target = os.path.join(self.cfg.train.model_dir, name)
+                if not os.path.exists(target) or not os.path.samefile(source, target):
+                    shutil.copyfile(source, target)  # (tfbig-squad predicts from its own)
 
     def _save_config(self):
         """MODEL_DIR/config.json: the flags, the model's config and what was resolved."""

@@ -42,7 +42,7 @@ def test_resume_is_exact(bert_data_dir, tmp_path):
     import filecmp
     import json
 
-    from tfbig.squad.finetune import pretrained_config
+    from tfbig.squad.model import pretrained_config
 
     assert filecmp.cmp(tmp_path / "whole" / "vocab.txt", f"{bert_data_dir}/vocab.txt",
                        shallow=False)

@@ -20,7 +20,7 @@ from tfbig.convert import ConvertOptions, convert, run_dir
 from tfbig.data.albert_spm import AlbertSentencePiece
 from tfbig.errors import UsageError
 from tfbig.models.albert import AlbertConfig, AlbertForPretraining, AlbertForQuestionAnswering
-from tfbig.squad.finetune import pretrained_config
+from tfbig.squad.model import pretrained_config
 
 SIZES = dict(vocabulary_size=101, num_layers=4, num_groups=2, num_heads=3, embedding_dim=10,
              hidden_dim=36, intermediate_dim=52, max_sequence_length=40, num_segments=2,

@@ -1,9 +1,13 @@
 """tfbig-squad on BERT: a random BERT written in the Hugging Face format, converted by
 tfbig-convert, fine-tuned and scored from its run directory; WordPiece character spans give
-back every answer; predicting again from --output_dir reads the BERT back."""
+back every answer; predicting again from --output_dir reads the BERT back. Two processes
+(MultiWorkerMirrored workers under tfbig-launch, or horovodrun) equal one process on the same
+global batches: losses, every trained weight (tests/equality.py), predictions and scores.
+Slow: mixed_float16 against fp32, and kill -9 + rerun of a --deterministic run."""
 import json
 import os
 import re
+import sys
 
 import keras
 import numpy as np
@@ -14,8 +18,11 @@ from tfbig.checkpoint import model_variables
 from tfbig.convert import ConvertOptions, bert_names, convert
 from tfbig.models.bert import BertConfig, BertForPretraining
 from tfbig.squad import features as squad_features
-from tfbig.squad import finetune
+from tfbig.squad import model as squad_model
 from tfbig.squad.cli import SquadOptions, fine_tune
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from equality import RecordedGradients  # noqa: E402
 
 
 def _contexts(squad):
@@ -71,7 +78,7 @@ def bert_run(tmp_path_factory, qa_sets):
 
 
 def test_wordpiece_spans_give_back_every_answer(bert_run, qa_sets):
-    config, tokenizer = finetune.pretrained_config(bert_run[0])
+    config, tokenizer = squad_model.pretrained_config(bert_run[0])
     assert isinstance(config, BertConfig) and tokenizer.lowercase
     squad = qa_sets["1.1", "train"]
     checked = 0
@@ -90,9 +97,15 @@ def test_wordpiece_spans_give_back_every_answer(bert_run, qa_sets):
     assert checked > 20
 
 
+# MFU against a given peak: no CPU matmul probe (seconds at each process's first fit)
+FAST = {"peak_tflops": 1.0}
+
+
 def test_fine_tune_bert_from_a_converted_run(bert_run, qa_sets, tmp_path):
+    """Fine-tune, predict, score; a predict-only rerun (no --train_file) reads the fine-tuned
+    BERT and its WordPiece vocabulary back from --output_dir and predicts the same."""
     run, weights = bert_run
-    model = finetune.build_model(finetune.pretrained_config(run)[0], run)
+    model = squad_model.build_model(squad_model.pretrained_config(run)[0], run)
     np.testing.assert_array_equal(model.backbone.blocks[1].ffn.fc.kernel.numpy(),
                                   weights["backbone/block_1/ffn/fc/kernel"])
     for name, split in (("train.json", "train"), ("dev.json", "dev")):
@@ -101,70 +114,154 @@ def test_fine_tune_bert_from_a_converted_run(bert_run, qa_sets, tmp_path):
                            predict_file=str(tmp_path / "dev.json"), output_dir=str(tmp_path / "o"),
                            max_seq_length=64, doc_stride=32, max_query_length=24,
                            train_batch_size=16, max_steps=3, learning_rate=1e-3, xla=False)
-    scores = fine_tune(options)
+    scores = fine_tune(options, **FAST)
     assert {"exact", "f1", "HasAns_f1", "best_f1"} <= set(scores)
+    assert json.loads((tmp_path / "o" / "eval_results.json").read_text()) == \
+        pytest.approx(scores)
     saved = json.loads((tmp_path / "o" / "squad_config.json").read_text())
     assert saved["model_format"] == "bert" and saved["tokenizer"]["lowercase"] is True
     predictions = json.loads((tmp_path / "o" / "predictions.json").read_text())
-    again = fine_tune(SquadOptions(**{**options.__dict__, "train_file": ""}))
-    assert again == scores  # the fine-tuned BERT and its WordPiece vocabulary read back
+    again = fine_tune(SquadOptions(**{**options.__dict__, "train_file": ""}), **FAST)
+    assert again == pytest.approx(scores)  # the fine-tuned BERT and its vocabulary read back
     assert json.loads((tmp_path / "o" / "predictions.json").read_text()) == predictions
     assert os.path.isfile(tmp_path / "o" / "vocab.txt")
 
 
 @pytest.mark.slow  # two fine-tunes; the fp16 step is tfbig-classify's, tested in the default run
-def test_fine_tune_bert_in_mixed_float16(bert_run, qa_sets, tmp_path, capsys):
+def test_fine_tune_bert_in_mixed_float16(bert_run, qa_sets, tmp_path):
     """--precision=mixed_float16: the same steps as fp32 with the loss scaled by 2**15 (none
-    skipped, as the log says) give close but not equal losses."""
+    skipped) give close but not equal losses."""
     (tmp_path / "train.json").write_text(json.dumps(_first(qa_sets["2.0", "train"], 12)))
     common = dict(init_checkpoint=bert_run[0], train_file=str(tmp_path / "train.json"),
                   max_seq_length=64, doc_stride=32, max_query_length=24, train_batch_size=16,
-                  max_steps=3, learning_rate=1e-3, dropout=0.0, xla=False)
+                  max_steps=3, learning_rate=1e-3, xla=False, log_every=1)
     losses = {}
     for precision in ("fp32", "mixed_float16"):
         fine_tune(SquadOptions(output_dir=str(tmp_path / precision), precision=precision,
-                               **common))
+                               **common), dropout=0.0, **FAST)
         losses[precision] = json.loads((tmp_path / precision / "train_losses.json").read_text())
-    assert "| loss scale 32768, 0 skipped" in capsys.readouterr().out
+    assert json.loads((tmp_path / "mixed_float16" / "loss_scales.json").read_text()) == \
+        [2.0 ** 15] * 3
     assert not np.array_equal(losses["mixed_float16"], losses["fp32"])
     np.testing.assert_allclose(losses["mixed_float16"], losses["fp32"], rtol=5e-3)
 
 
-@pytest.mark.slow  # one horovodrun or tfbig-launch launch: ~25 s idle
-@pytest.mark.multiproc
-@pytest.mark.parametrize("strategy", ["horovod", "multiworker"])
-def test_two_processes_equal_one_on_the_same_global_batches(strategy, bert_run, qa_sets,
-                                                            tmp_path):
+def launch(strategy, flags, out, root):
+    """Two processes of `python -m tfbig.squad.cli` under horovodrun or tfbig-launch."""
     import subprocess
     import sys
 
-    import tensorflow as tf
-
-    (tmp_path / "train.json").write_text(json.dumps(_first(qa_sets["2.0", "train"], 12)))
-    common = dict(init_checkpoint=bert_run[0], train_file=str(tmp_path / "train.json"),
-                  max_seq_length=64, doc_stride=32, max_query_length=24, train_batch_size=8,
-                  max_steps=4, learning_rate=1e-3, dropout=0.0, xla=False)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     launcher = ([os.path.join(os.path.dirname(sys.executable), "horovodrun"), "-np", "2", "-H",
                  "localhost:2", "--gloo"] if strategy == "horovod" else
                 [sys.executable, "-m", "launch.local", "--workers=2", "--"])
     command = launcher + [sys.executable, "-m", "tfbig.squad.cli", f"--strategy={strategy}",
-                          f"--output_dir={tmp_path / 'two'}",
-                          *[f"--{k}={v}" for k, v in common.items() if k != "xla"], "--noxla"]
-    done = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600,
+                          f"--output_dir={out}", *flags]
+    return subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": root, "TF_CPP_MIN_LOG_LEVEL": "2"})
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-4000:]
-    for rank in (0, 1):  # two processes, each training on its half of every global batch
-        assert f"4 steps on 2 replica(s) (rank {rank})" in output
-    fine_tune(SquadOptions(output_dir=str(tmp_path / "one"), **common))
-    losses = [json.loads((tmp_path / run / "train_losses.json").read_text())
-              for run in ("two", "one")]
+
+
+def checkpoint_reader(directory):
+    import tensorflow as tf
+
+    return tf.train.load_checkpoint(tf.train.latest_checkpoint(str(directory)))
+
+
+def assert_same_run(two, one, recorded):
+    """Losses over steps, every fine-tuned weight (tests/equality.py's rule), predictions
+    and scores of the two-process run `two` equal the one-process run's."""
+    losses = [json.loads((run / "train_losses.json").read_text()) for run in (two, one)]
     assert len(losses[0]) == 4 and losses[0][0] != losses[0][-1]
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
-    readers = [tf.train.load_checkpoint(str(tmp_path / run / "finetuned")) for run in ("two", "one")]
+    from tfbig.checkpoint import reader_key
+
+    reader, model = checkpoint_reader(two), recorded.trainer.model
+    by_path = {v.path: v for v in model.trainable_variables}
+    ours = {p: reader.get_tensor(reader_key(model, by_path[p])) for p in recorded.paths}
+    assert len(ours) > 30
+    recorded.assert_equal(ours)
+    for name in ("predictions.json", "null_odds.json", "eval_results.json"):
+        texts = [json.loads((run / name).read_text()) for run in (two, one)]
+        assert texts[0] == pytest.approx(texts[1], abs=1e-4), name
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("strategy", [
+    "multiworker",  # two TF_CONFIG workers (tfbig-launch)
+    pytest.param("horovod", marks=pytest.mark.slow)])  # one horovodrun launch: ~25 s idle
+def test_two_processes_equal_one_on_the_same_global_batches(strategy, bert_run, qa_sets,
+                                                            tmp_path):
+    """Training on each process's half of every global batch, prediction on both processes
+    gathered in dataset order: the same losses, weights, predictions and scores as one."""
+    for name, split in (("train.json", "train"), ("dev.json", "dev")):
+        (tmp_path / name).write_text(json.dumps(_first(qa_sets["2.0", split], 12)))
+    common = dict(init_checkpoint=bert_run[0], train_file=str(tmp_path / "train.json"),
+                  predict_file=str(tmp_path / "dev.json"), max_seq_length=64, doc_stride=32,
+                  max_query_length=24, train_batch_size=8, max_steps=4, learning_rate=1e-3,
+                  log_every=1)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    flags = [f"--{k}={v}" for k, v in common.items()] + [
+        "--noxla", "--dropout=0.0", "--peak_tflops=1"]
+    done = launch(strategy, flags, tmp_path / "two", root)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    saved = json.loads((tmp_path / "two" / "config.json").read_text())
+    assert saved["train"]["strategy"] == strategy and saved["train"]["batch_size"] == 8
+    recorded = []
+    fine_tune(SquadOptions(output_dir=str(tmp_path / "one"), xla=False, **common),
+              before_fit=lambda trainer: recorded.append(RecordedGradients(trainer)),
+              dropout=0.0, **FAST)
+    assert_same_run(tmp_path / "two", tmp_path / "one", recorded[0])
+
+
+@pytest.mark.slow  # three runs of the command on a loaded 2-core machine
+def test_kill_9_and_the_same_command_again_equal_an_uninterrupted_run(bert_run, qa_sets,
+                                                                      tmp_path):
+    """tfbig-squad --deterministic killed (SIGKILL) after a random checkpointed step, then
+    started again with the same flags: it resumes from the last checkpoint in --output_dir and
+    ends with bit-identical weights and predictions.json."""
+    import random
+    import signal
+    import subprocess
+
+    import tensorflow as tf
+
+    for name, split in (("train.json", "train"), ("dev.json", "dev")):
+        (tmp_path / name).write_text(json.dumps(_first(qa_sets["2.0", split], 6)))
+    steps, kill_after = 8, random.Random().randint(2, 6)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+    def command(out):
+        return [sys.executable, "-m", "tfbig.squad.cli", f"--init_checkpoint={bert_run[0]}",
+                f"--train_file={tmp_path / 'train.json'}",
+                f"--predict_file={tmp_path / 'dev.json'}", "--max_seq_length=64",
+                "--doc_stride=32", "--max_query_length=24", "--train_batch_size=8",
+                "--learning_rate=1e-3", f"--max_steps={steps}", "--log_every=1",
+                "--deterministic", "--checkpoint_every=1", "--noxla", "--peak_tflops=1",
+                "--monitor_interval_ms=0", f"--output_dir={out}"]
+
+    env = {**os.environ, "PYTHONPATH": root, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    proc = subprocess.Popen(command(tmp_path / "killed"), cwd=root, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    for line in proc.stdout:  # the checkpoint of step kill_after is written before step + 1
+        if f"step {kill_after + 1}/{steps}" in line:
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.wait(timeout=600)
+    assert proc.returncode == -signal.SIGKILL, f"ended before step {kill_after + 1}"
+    assert not (tmp_path / "killed" / "predictions.json").exists()
+    for run in ("killed", "straight"):
+        done = subprocess.run(command(tmp_path / run), cwd=root, env=env, text=True,
+                              capture_output=True, timeout=600)
+        assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+        if run == "killed":  # resumed at the newest intact checkpoint
+            resumed = re.search(r"resumed from \S*ckpt-(\d+)", done.stdout + done.stderr)
+            assert resumed and int(resumed.group(1)) in (kill_after, kill_after + 1)
+    readers = [tf.train.load_checkpoint(tf.train.latest_checkpoint(str(tmp_path / run)))
+               for run in ("killed", "straight")]
     keys = [k for k in readers[1].get_variable_to_shape_map() if k.startswith("model/")]
     assert len(keys) > 30
     for key in keys:
-        np.testing.assert_allclose(readers[0].get_tensor(key), readers[1].get_tensor(key),
-                                   rtol=1e-5, atol=1e-6, err_msg=key)
+        np.testing.assert_array_equal(readers[0].get_tensor(key), readers[1].get_tensor(key),
+                                      err_msg=key)
+    for output in ("predictions.json", "null_odds.json", "eval_results.json"):
+        assert (tmp_path / "killed" / output).read_text() == \
+            (tmp_path / "straight" / output).read_text(), output

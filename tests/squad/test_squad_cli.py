@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfbig.squad import finetune
+from tfbig.squad import model as squad_model
 from tfbig.squad.cli import SquadOptions, fine_tune
 
 
@@ -53,21 +53,25 @@ def options(tmp_path, qa_sets, **overrides):
     return SquadOptions(**{**fields, **overrides})
 
 
+# MFU against a given peak: no CPU matmul probe (seconds at each process's first fit)
+FAST = {"peak_tflops": 1.0}
+
+
 def test_backbone_starts_from_the_pretrained_checkpoint(pretrained_run):
-    config, tokenizer = finetune.pretrained_config(pretrained_run)
+    config, tokenizer = squad_model.pretrained_config(pretrained_run)
     assert os.path.basename(tokenizer.path) == "tokenizer.model" and config.vocab_size == 600
-    model = finetune.build_model(config, pretrained_run)
+    model = squad_model.build_model(config, pretrained_run)
     reader = tf.train.load_checkpoint(pretrained_run)
     (key,) = [k for k in reader.get_variable_to_shape_map()
               if k.startswith("model/") and all(p in k for p in ("group_0", "ffn", "fc", "kernel"))]
     saved = reader.get_tensor(key)
     np.testing.assert_array_equal(model.backbone.group_0.ffn.fc.kernel.numpy(), saved)
-    fresh = finetune.build_model(config, None, seed=5)
+    fresh = squad_model.build_model(config, None, seed=5)
     assert not np.array_equal(fresh.backbone.group_0.ffn.fc.kernel.numpy(), saved)
 
 
 def test_fine_tune_predict_and_score_v2(pretrained_run, qa_sets, tmp_path):
-    scores = fine_tune(options(tmp_path, qa_sets, init_checkpoint=pretrained_run))
+    scores = fine_tune(options(tmp_path, qa_sets, init_checkpoint=pretrained_run), **FAST)
     out = tmp_path / "out"
     predictions = json.loads((out / "predictions.json").read_text())
     ids = {qa["id"] for a in qa_sets["2.0", "dev"]["data"] for p in a["paragraphs"]
@@ -84,7 +88,7 @@ def test_fine_tune_predict_and_score_v2(pretrained_run, qa_sets, tmp_path):
                     f"--predict_file={tmp_path / 'dev.json'}",
                     "--max_seq_length=64", "--doc_stride=32", "--max_query_length=24",
                     f"--null_score_diff_threshold={scores['null_score_diff_threshold']}",
-                    "--noxla"], check=True, capture_output=True)
+                    "--noxla", "--peak_tflops=1"], check=True, capture_output=True)
     assert json.loads((out / "predictions.json").read_text()) == predictions
 
 
@@ -92,7 +96,8 @@ def test_v1_from_random_init(pretrained_run, qa_sets, tmp_path):
     scores = fine_tune(options(tmp_path, qa_sets, init_checkpoint=pretrained_run,
                                random_init=True,
                                train_file=write(tmp_path, "t1.json", qa_sets["1.1", "train"]),
-                               predict_file=write(tmp_path, "d1.json", qa_sets["1.1", "dev"])))
+                               predict_file=write(tmp_path, "d1.json", qa_sets["1.1", "dev"])),
+                       **FAST)
     assert set(scores) == {"exact", "f1", "total"} and 0 <= scores["f1"] <= 100
     predictions = json.loads((tmp_path / "out" / "predictions.json").read_text())
     nbest = json.loads((tmp_path / "out" / "nbest_predictions.json").read_text())

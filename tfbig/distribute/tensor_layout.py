@@ -96,7 +96,7 @@ def masked_lm_plan(blocks, pair_head):
 
 
 def fine_tune_plan(blocks, head):
-    """A fine-tuning model's plan (tfbig.distribute.finetune_parallel): the backbone's entries
+    """A fine-tuning model's plan (tfbig.tasks.classify, tfbig.tasks.squad): the backbone's entries
     of masked_lm_plan; the task `head` (classifier on the pooled [CLS], span head on every
     position) is small and stays replicated, in the region after the backbone."""
     backbone = tuple(entry for entry in masked_lm_plan(blocks, head)

@@ -14,7 +14,7 @@ heads`, its layers reusing num_groups shared blocks, possibly across stages. BER
 `embedding, block_0 .. block_{L-1}, heads`, ALBERT's heads on blocks of their own. `heads` is
 the model's: pretraining's (masked-LM + sentence pair), or a fine-tuning head (BERT's
 classifier on the pooled [CLS], BERT's and ALBERT's span head for SQuAD) whose loss the
-fine-tuning task computes (tfbig.distribute.finetune_pipeline).
+fine-tuning task computes (tfbig.tasks.classify, tfbig.tasks.squad).
 
 Example:
     layers = layer_sequence(model)            # [PipeLayer("embedding"), PipeLayer("block_0"), ...]

@@ -77,7 +77,7 @@ def stage_memory(task, plan, options, micro_batch_tokens, precision="fp32"):
 
 def task_layer_specs(task):
     """The LayerSpecs `task`'s model is cut by: the task's own when it has them (a fine-tuning
-    head: tfbig.distribute.finetune_pipeline), else its model config's (pretraining)."""
+    head: tfbig.tasks.classify, tfbig.tasks.squad), else its model config's (pretraining)."""
     own = getattr(task, "layer_specs", None)
     if own is not None:
         return own()
@@ -163,18 +163,6 @@ class PipelineStrategy(Strategy):
             if self.is_chief:
                 print(self.describe(micro * task.seq_length), flush=True)
         return model
-
-    def assembled_model(self, model):
-        """A single-device model of `model`'s class holding the weights its stages hold on
-        their devices (what the fine-tuning commands predict with and write:
-        tfbig.distribute.finetune_pipeline)."""
-        whole = type(model).from_config(model.get_config())
-        whole.build()
-        by_path = {v.path: v for v in whole.variables}
-        for variable in model.variables:
-            if "seed_generator" not in variable.path:  # dropout states: not weights
-                by_path[variable.path].assign(variable)
-        return whole
 
     def _check_placement(self):
         for stage in self.plan:

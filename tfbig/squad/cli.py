@@ -1,4 +1,5 @@
-"""`tfbig-squad`: fine-tune ALBERT or BERT on SQuAD v1.1/v2.0, predict, and score officially.
+"""`tfbig-squad`: fine-tune ALBERT or BERT on SQuAD v1.1/v2.0, predict, and score officially:
+the Trainer running tfbig.tasks.squad.
 
     tfbig-squad --init_checkpoint=runs/albert --train_file=train-v2.0.json \\
         --predict_file=dev-v2.0.json --output_dir=runs/squad
@@ -6,261 +7,170 @@
 
 Writes to --output_dir: predictions.json ({id: answer}), null_odds.json (v2.0: null score
 minus best span score per question), nbest_predictions.json, eval_results.json (exact, f1 and
-for v2.0 HasAns/NoAns splits, best_f1 and the threshold used), the fine-tuned checkpoint and
-squad_config.json. v2.0 answers "" when null_odds > --null_score_diff_threshold; unset, the
-threshold is the one that maximises F1 on the predict file (the official evaluation's
-best_f1 search, as the BERT/ALBERT papers report v2.0 dev scores).
+for v2.0 HasAns/NoAns splits, best_f1 and the threshold used), train_losses.json,
+squad_config.json (the model and tokenizer, read by a predict-only rerun) and the Trainer's run:
+config.json, checkpoints (a rerun of the command resumes from the last one), TensorBoard events.
+v2.0 answers "" when null_odds > --null_score_diff_threshold; unset, the threshold is the one
+that maximises F1 on the predict file (the official evaluation's best_f1 search, as the
+BERT/ALBERT papers report v2.0 dev scores). Without --train_file: predict with the model
+fine-tuned earlier in --output_dir.
 
-Every flag is a field of `SquadOptions`. On Horovod the model may be split or sharded too
-(--tensor_parallel, --zero_stage=1|2|3; tfbig.distribute.finetune_parallel):
+Every tfbig-train backend and feature applies (tfbig.finetune): --strategy=horovod |
+multiworker | mirrored | pipeline, --zero_stage=1|2, --pipeline_stages,
+--precision, --grad_accum_steps, --checkpoint_every, --deterministic, --dropout. Prediction
+runs on every data-parallel rank in batches of the training micro-batch, gathered in dataset
+order. Refused by name: --zero_stage=3 (the backbone cannot be loaded into its slices yet) and
+--tensor_parallel (its first step fails in Horovod; see docs/guides/fine-tune-trainer.md).
 
-    horovodrun -np 4 -H localhost:4 --gloo tfbig-squad --strategy=horovod --tensor_parallel=2 ...
-
-or pipelined over this process's devices, the span head and its loss on the last stage
-(--strategy=pipeline --pipeline_stages --num_microbatches --schedule;
-tfbig.distribute.finetune_pipeline):
-
+    horovodrun -np 4 -H localhost:4 --gloo tfbig-squad --strategy=horovod --zero_stage=2 ...
     tfbig-squad --strategy=pipeline --pipeline_stages=2 --num_microbatches=4 ...
 """
 import dataclasses
 import json
 import os
-import shutil
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import flags  # noqa: E402
 
-from tfbig.config import field  # noqa: E402
-from tfbig.distribute.finetune_parallel import ParallelOptions  # noqa: E402
-from tfbig.distribute.finetune_pipeline import PipelineOptions  # noqa: E402
+from tfbig import finetune  # noqa: E402
 from tfbig.errors import UsageError  # noqa: E402
+from tfbig.tasks.squad import SquadData  # noqa: E402
+
+OUTPUTS = {"predictions": "predictions.json", "nbest": "nbest_predictions.json",
+           "null_odds": "null_odds.json", "scores": "eval_results.json"}
 
 
 @dataclasses.dataclass
-class SquadOptions(PipelineOptions, ParallelOptions):
-    """What to fine-tune, on which SQuAD files, and how (and how Horovod or the pipeline
-    splits it)."""
+class SquadOptions(SquadData, finetune.FineTuneOptions):
+    """What to fine-tune, on which SQuAD files, and the recipe (tfbig-squad's flags)."""
 
-    train_file: str = field("", "SQuAD JSON (v1.1 or v2.0) to fine-tune on; empty: predict only, "
-                                "with the model fine-tuned earlier in --output_dir.")
-    predict_file: str = field("", "SQuAD JSON to predict (and score, if it has answers).")
-    output_dir: str = field("runs/squad", "Where predictions, scores and the fine-tuned "
-                                          "checkpoint go.")
-    init_checkpoint: str = field("", "A tfbig-train --model=albert --model_dir or a "
-                                     "tfbig-convert --output_dir (BERT or ALBERT): its config, "
-                                     "tokenizer and latest checkpoint initialise the backbone.")
-    random_init: bool = field(False, "Take --init_checkpoint's config and tokenizer but start "
-                                     "from random weights (the no-pretraining baseline).")
-    preset: str = field("small", "Without --init_checkpoint: ALBERT preset of a randomly "
-                                 "initialised model (needs --tokenizer).")
-    tokenizer: str = field("", "Without --init_checkpoint: the SentencePiece .model to use.")
-    version: str = field("auto", "SQuAD version: auto (from the files) | 1.1 | 2.0.")
-    max_seq_length: int = field(384, "Tokens per feature: [CLS] question [SEP] context [SEP].")
-    doc_stride: int = field(128, "Tokens between the starts of a long context's windows.")
-    max_query_length: int = field(64, "Question tokens kept.")
-    max_answer_length: int = field(30, "Longest answer, in tokens.")
-    n_best_size: int = field(20, "Start and end candidates per window; answers kept per "
-                                 "question in nbest_predictions.json.")
-    null_score_diff_threshold: float = field(float("nan"), "v2.0: answer '' when the null score "
-                                             "minus the best span score is above this; unset: "
-                                             "tuned for F1 on --predict_file.")
-    train_batch_size: int = field(32, "Features per training step.")
-    predict_batch_size: int = field(64, "Features per prediction batch.")
-    learning_rate: float = field(5e-5, "Peak AdamW learning rate.")
-    num_train_epochs: float = field(2.0, "Epochs over the training features.")
-    max_steps: int = field(0, "Training steps (0: from --num_train_epochs).")
-    warmup_proportion: float = field(0.1, "Share of steps of linear warmup.")
-    weight_decay: float = field(0.01, "AdamW weight decay (not on LayerNorm, biases, "
-                                      "embeddings).")
-    dropout: float = field(-1.0, "Override the model's dropout (negative keeps it).")
-    seed: int = field(0, "Seed for the span head, dropout and data order.")
-    xla: bool = field(True, "Compile the training and prediction steps with XLA.")
-    log_every: int = field(50, "Log the training loss every N steps.")
-    strategy: str = field("single", "single (one process) | horovod (one process per device, "
-                                    "started by horovodrun) | multiworker (MultiWorkerMirrored, "
-                                    "TF_CONFIG) | pipeline (stages on this process's "
-                                    "devices); --train_batch_size is global.")
-    precision: str = field("fp32", "fp32 | mixed_float16 (dynamic loss scaling, as tfbig-train; "
-                                   "a step with non-finite gradients is skipped) | "
-                                   "mixed_bfloat16.")
+    output_dir: str = finetune.field("runs/squad", "Run directory: predictions, scores, "
+                                     "config.json and checkpoints (a rerun resumes).")
+    preset: str = finetune.field("small", "Without --init_checkpoint: ALBERT preset of a "
+                                           "randomly initialised model (needs --tokenizer).")
+    learning_rate: float = finetune.field(5e-5, "Peak AdamW learning rate.")
+    num_train_epochs: float = finetune.field(2.0, "Epochs over the training features.")
+    log_every: int = finetune.field(50, "Log the training loss every N steps.")
 
 
-def define_flags():
-    definers = {bool: flags.DEFINE_bool, int: flags.DEFINE_integer,
-                float: flags.DEFINE_float, str: flags.DEFINE_string}
-    for f in dataclasses.fields(SquadOptions):
-        if f.name not in flags.FLAGS:
-            definers[f.type](f.name, f.default, f.metadata["help"])
-
-
-def _model_config_and_tokenizer(options):
+def model_config_and_tokenizer(options):
+    """(config, tokenizer): the fine-tuned model of --output_dir (no --train_file), else
+    --init_checkpoint's, else a random ALBERT --preset with --tokenizer."""
     from tfbig.models.albert import AlbertConfig
-    from tfbig.squad.finetune import pretrained_config, read_model_dir, sentencepiece_tokenizer
+    from tfbig.squad.model import pretrained_config, read_model_dir, sentencepiece_tokenizer
 
-    saved = os.path.join(options.output_dir, "squad_config.json")
-    if not options.train_file and os.path.isfile(saved):  # predict with a fine-tuned model
+    if not options.train_file:
+        saved = os.path.join(options.output_dir, "squad_config.json")
         with open(saved) as file:
-            content = json.load(file)
-        config, tokenizer = read_model_dir(options.output_dir, {
-            "model_format": "albert", **content}, flag="--output_dir")
-    elif options.init_checkpoint:
-        config, tokenizer = pretrained_config(options.init_checkpoint)
-    else:
-        if not options.tokenizer:
-            raise ValueError("give --init_checkpoint (a tfbig-train ALBERT run), --tokenizer "
-                             "(with --preset, for a randomly initialised model), or an "
-                             "--output_dir holding a fine-tuned model")
-        tokenizer = sentencepiece_tokenizer(options.tokenizer)
-        config = AlbertConfig.from_preset(options.preset, vocab_size=tokenizer.vocab_size,
-                                          seq_length=max(options.max_seq_length, 128))
-    if options.dropout >= 0:
-        config = dataclasses.replace(config, dropout=options.dropout)
-    config.check_inputs(seq_length=options.max_seq_length)
-    return config, tokenizer
+            return read_model_dir(options.output_dir, json.load(file), flag="--output_dir")
+    if options.init_checkpoint:
+        return pretrained_config(options.init_checkpoint)
+    if not options.tokenizer:
+        raise UsageError("give --init_checkpoint (a tfbig-train ALBERT run), --tokenizer "
+                         "(with --preset, for a randomly initialised model), or an "
+                         "--output_dir holding a fine-tuned model")
+    tokenizer = sentencepiece_tokenizer(options.tokenizer)
+    return AlbertConfig.from_preset(options.preset, vocab_size=tokenizer.vocab_size,
+                                    seq_length=max(options.max_seq_length, 128)), tokenizer
 
 
-def _save_tokenizer(tokenizer, output_dir):
-    """Copy the tokenizer beside the fine-tuned model; its entry for squad_config.json."""
-    if hasattr(tokenizer, "vocab_file"):  # WordPiece (BERT)
-        shutil.copyfile(tokenizer.vocab_file, os.path.join(output_dir, "vocab.txt"))
-        return {"vocab_file": "vocab.txt", "lowercase": tokenizer.lowercase}
-    shutil.copyfile(tokenizer.path, os.path.join(output_dir, "tokenizer.model"))
-    return {"vocab_file": "tokenizer.model"}
+def fine_tune(options, before_fit=None, **overrides):
+    """Train on --train_file (unless predicting only), predict and score --predict_file;
+    returns the scores (on the chief; {} elsewhere). `overrides`: other Trainer flags;
+    `before_fit(trainer)` runs before training (tests record the reference's gradients)."""
+    from tfbig.tasks.squad import SquadTask
+    from tfbig.trainer import Trainer, precision_policy
 
-
-def _read(path, version, tokenizer, options):
-    from tfbig.squad.features import convert_examples, read_squad
-
-    examples, found = read_squad(path)
-    if version not in ("auto", found):
-        raise ValueError(f"{path} is SQuAD {found} but --version={version}")
-    features = convert_examples(examples, tokenizer, options.max_seq_length, options.doc_stride,
-                                options.max_query_length)
-    print(f"{path}: SQuAD {found}, {len(examples)} questions, {len(features)} features")
-    return examples, features, found
-
-
-def _write_json(directory, name, content):
-    with open(os.path.join(directory, name), "w", encoding="utf-8") as file:
-        json.dump(content, file, indent=1, ensure_ascii=False)
-
-
-def fine_tune(options):
-    """Train and/or predict as `options` say; returns the scores dict (or {} if none)."""
-    from tfbig.distribute.finetune import precision_policy
-
+    if not options.train_file:  # the fine-tuned weights come from --output_dir's checkpoint
+        options = dataclasses.replace(options, init_checkpoint="", max_steps=_saved_steps(
+            options.output_dir))
+    if (options.strategy == "horovod" and overrides.get("tensor_parallel", 1) > 1
+            and overrides.get("zero_stage", 0) <= 1):  # a layout the Trainer would build
+        raise UsageError(f"--tensor_parallel={overrides['tensor_parallel']} with tfbig-squad: "
+                         "not working yet; the first step of the split span model fails in "
+                         "Horovod ('Process set does not exist'; tfbig-classify's split model "
+                         "trains). Use --zero_stage=1|2 or --strategy=pipeline to spread it")
+    if overrides.get("zero_stage", 0) == 3:  # tfbig-classify's ZeRO-3 path is tested; not this one
+        raise UsageError("--zero_stage=3 with tfbig-squad: not tested yet with the span model's "
+                         "backbone loaded into ZeRO-3's slices; use --zero_stage=1 or 2")
+    cfg = finetune.experiment(options, "squad", **overrides)
     with precision_policy(options.precision):  # the model computes in float16 / bfloat16
-        return _fine_tune(options)
+        strategy = finetune.strategy(cfg)  # before any TensorFlow op (MultiWorkerMirrored)
+        config, tokenizer = model_config_and_tokenizer(options)
+        task = SquadTask(cfg.train, options, config, tokenizer)
+        train = task.manifest.splits.get("train")
+        finetune.set_steps(cfg, options, train.records if train else 0)
+        logger = finetune.LossRecorder(options.output_dir, strategy.is_chief,
+                                       cfg.train.max_steps)
+        trainer = Trainer(cfg, strategy=strategy, task=task, logger=logger)
+        if before_fit:
+            before_fit(trainer)
+        if options.train_file:
+            summary = trainer.fit()
+        else:
+            summary = {"eval": trainer.evaluate()}
+        scores = {} if summary.get("preempted") else _outputs(trainer, task, options)
+        chief = trainer.strategy.is_chief
+        if chief and options.train_file:
+            finetune.write_losses(trainer, logger, options)
+            _write_model(options, config, tokenizer, int(trainer.step.numpy()))
+        trainer.strategy.shutdown()  # every process waits for the chief's files
+    return scores if chief else {}
 
 
-def _fine_tune(options):
-    import tensorflow as tf
-
-    from tfbig.squad import finetune
-
-    from tfbig.distribute import finetune_parallel
-    from tfbig.distribute.finetune import fine_tune_strategy, write_checkpoint
-
-    if options.strategy != "single" and not options.train_file:
-        raise ValueError(f"--strategy={options.strategy} needs a --train_file (prediction runs "
-                         "in one process)")
-    strategy = fine_tune_strategy(options.strategy, "tfbig-squad", options,
-                                  "" if options.random_init else options.init_checkpoint)
-    config, tokenizer = _model_config_and_tokenizer(options)
-    os.makedirs(options.output_dir, exist_ok=True)
-    checkpoint_prefix = os.path.join(options.output_dir, "finetuned")
-    if options.train_file:
-        init = None if options.random_init else options.init_checkpoint or None
-        with strategy.scope():  # tf.distribute: mirrored; --tensor_parallel: split; pipeline
-            model = finetune_parallel.build_model(
-                strategy, lambda: finetune.build_model(config, init, seed=options.seed),
-                options.max_seq_length, config, finetune.span_loss)
-        _, features, _ = _read(options.train_file, options.version, tokenizer, options)
-        losses = finetune.train(
-            model, features, options.train_batch_size, options.num_train_epochs,
-            options.learning_rate, options.warmup_proportion, options.weight_decay,
-            options.max_steps, options.seed, options.xla, options.log_every,
-            log=print if strategy.is_chief else None, strategy=strategy)
-        print(f"{len(losses)} steps on {strategy.num_replicas} replica(s) (rank "
-              f"{strategy.rank})")
-        model = finetune_parallel.assembled_model(strategy, model)  # TP, pipeline: one device
-        write_checkpoint(strategy, model, options.output_dir)  # collective under tf.distribute
-        if not strategy.is_chief:
-            strategy.shutdown()  # wait for the chief, then stop
-            return {}
-        _write_json(options.output_dir, "train_losses.json", losses)
-        _write_json(options.output_dir, "squad_config.json",
-                    {"model_format": finetune.family_of(config),
-                     "tokenizer": _save_tokenizer(tokenizer, options.output_dir),
-                     "model_config": dataclasses.asdict(config),
-                     "options": {k: None if v != v else v  # NaN (unset) is not JSON
-                                 for k, v in dataclasses.asdict(options).items()}})
-    else:
-        model = finetune.build_model(config)
-        if not tf.io.gfile.exists(checkpoint_prefix + ".index"):
-            raise ValueError(f"no --train_file and no fine-tuned model in --output_dir="
-                             f"{options.output_dir}; give a --train_file")
-        finetune.restore_model(model, checkpoint_prefix)
-    scores = predict_and_score(model, tokenizer, options) if options.predict_file else {}
-    strategy.shutdown()  # Horovod: the chief is done; every process stops together
-    return scores
+def _saved_steps(output_dir):
+    """The steps of the model fine-tuned in `output_dir` (what a predict-only run restores)."""
+    path = os.path.join(output_dir, "squad_config.json")
+    if not os.path.isfile(path):
+        raise UsageError(f"no --train_file and no fine-tuned model in --output_dir="
+                         f"{output_dir}; give a --train_file")
+    with open(path) as file:
+        return json.load(file)["steps"]
 
 
-def predict_and_score(model, tokenizer, options):
-    """Write predictions for --predict_file and return the official scores."""
-    import math
+def _outputs(trainer, task, options):
+    """The chief writes predictions, n-best, null odds and scores of the final prediction."""
+    if not options.predict_file:
+        return {}
+    result = task.result  # of the final evaluation's reduce_aggregated_logs, on every rank
+    if trainer.strategy.is_chief:
+        for key, name in OUTPUTS.items():
+            if key in result:
+                finetune.write_json(options.output_dir, name, result[key])
+    return result.get("scores", {})
 
-    from tfbig.squad import evaluate, finetune, postprocess
 
-    examples, features, version = _read(options.predict_file, options.version, tokenizer,
-                                        options)
-    starts, ends = finetune.predict(model, features, options.predict_batch_size, options.xla)
-    answers, diffs, nbest = postprocess.best_spans(examples, features, starts, ends,
-                                                   options.n_best_size, options.max_answer_length)
-    with open(options.predict_file, encoding="utf-8") as file:
-        dataset = json.load(file)
-    has_answers = any(not e.is_impossible for e in examples)
-    scores = {}
-    if version == "2.0":
-        threshold = options.null_score_diff_threshold
-        if math.isnan(threshold):
-            threshold, best_f1 = evaluate.tune_null_threshold(dataset, answers, diffs)
-            scores["best_f1"] = best_f1
-        predictions = postprocess.apply_null_threshold(answers, diffs, threshold)
-        scores["null_score_diff_threshold"] = threshold
-        _write_json(options.output_dir, "null_odds.json",
-                    {qid: min(diff, 1e9) for qid, diff in diffs.items()})
-    else:
-        predictions = answers
-    _write_json(options.output_dir, "predictions.json", predictions)
-    _write_json(options.output_dir, "nbest_predictions.json", nbest)
-    if has_answers:
-        scores = {**evaluate.evaluate(dataset, predictions, version), **scores}
-        _write_json(options.output_dir, "eval_results.json", scores)
-    return scores
+def _write_model(options, config, tokenizer, steps):
+    """squad_config.json: what a predict-only rerun reads (the Trainer copied the tokenizer)."""
+    from tfbig.data.tokenizer import run_tokenizer_files
+    from tfbig.squad.model import family_of
+
+    path = getattr(tokenizer, "vocab_file", None) or tokenizer.path
+    finetune.write_json(options.output_dir, "squad_config.json", {
+        "model_format": family_of(config), "tokenizer": run_tokenizer_files(path)[1],
+        "model_config": dataclasses.asdict(config), "steps": steps,
+        "options": {k: None if v != v else v  # NaN (unset) is not JSON
+                    for k, v in dataclasses.asdict(options).items()}})
 
 
 def main(argv):
     if len(argv) > 1:
         raise UsageError(f"unexpected arguments {argv[1:]}; every option is a --flag")
-    options = SquadOptions(**{f.name: flags.FLAGS[f.name].value
-                              for f in dataclasses.fields(SquadOptions)})
-    scores = fine_tune(options)
-    for key, value in scores.items():
+    own = [f.name for f in dataclasses.fields(SquadOptions)]
+    options = SquadOptions(**{name: flags.FLAGS[name].value for name in own})
+    overrides = finetune.overrides_from_flags(SquadOptions)
+    for key, value in fine_tune(options, **overrides).items():
         print(f"{key}: {value:.4f}" if isinstance(value, float) else f"{key}: {value}")
 
 
 def run():
     from tfbig import cli
 
-    define_flags()
-    parallel = [f.name for f in dataclasses.fields(ParallelOptions)]
-    pipeline = [f.name for f in dataclasses.fields(PipelineOptions)]
+    finetune.define_flags(SquadOptions)
+    own = [f.name for f in dataclasses.fields(SquadOptions)]
     cli.run_app("tfbig-squad", main, __doc__, [
-        ("squad", [f.name for f in dataclasses.fields(SquadOptions)
-                   if f.name not in parallel + pipeline]),
-        ("parallel", parallel), ("pipeline", pipeline)])
+        ("squad", own), ("trainer", finetune.trainer_flags(SquadOptions))])
 
 
 if __name__ == "__main__":

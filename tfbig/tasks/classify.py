@@ -161,7 +161,7 @@ def example_batches(arrays, batch_size, input_context=None, *, seed=0, repeat=Tr
     share = chunk // pipelines
     examples = tf.data.Dataset.from_tensor_slices(arrays)
     if shuffle:
-        examples = examples.shuffle(len(arrays["labels"]), seed=seed,
+        examples = examples.shuffle(len(next(iter(arrays.values()))), seed=seed,
                                     reshuffle_each_iteration=True)
     if repeat:
         examples = examples.repeat()

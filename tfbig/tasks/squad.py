@@ -1,0 +1,178 @@
+"""SQuAD v1.1 / v2.0 extractive question answering as a task of the one Trainer.
+
+The single-replica view, like tasks.classify: the examples (SQuAD JSON -> windowed features:
+tfbig.squad.features), the model (ALBERT or BERT with a span head: the backbone of
+--init_checkpoint, or random with --random_init; tfbig.squad.model), the loss (mean of the start
+and end cross-entropies over positions, BERT's), and a validation step returning start/end logits
+with each feature's index. The metric runs once over the gathered outputs: n-best spans, the v2.0
+null threshold (given, or tuned for F1 on the predict file) and the official EM/F1
+(tfbig.squad.postprocess, tfbig.squad.evaluate).
+
+Splits: "train" (--train_file's features) and "validation" (--predict_file's). Training order:
+one seeded shuffle per epoch, global batch s is features [s x B, (s + 1) x B) of it whatever the
+layout (tfbig.tasks.classify.example_batches).
+
+    task = SquadTask(train_config, SquadData(init_checkpoint="runs/albert",
+                                             train_file="train-v2.0.json",
+                                             predict_file="dev-v2.0.json"))
+"""
+import dataclasses
+import json
+import math
+
+import numpy as np
+import tensorflow as tf
+
+from tfbig.config import field
+from tfbig.errors import UsageError
+from tfbig.squad.model import INPUTS
+from tfbig.tasks.classify import Examples, example_batches
+
+LABELS = ("start_positions", "end_positions")
+
+
+@dataclasses.dataclass
+class SquadData:
+    """What to fine-tune and on which SQuAD files (tfbig-squad's own flags)."""
+
+    train_file: str = field("", "SQuAD JSON (v1.1 or v2.0) to fine-tune on; empty: predict only, "
+                                "with the model fine-tuned earlier in --output_dir.")
+    predict_file: str = field("", "SQuAD JSON to predict (and score, if it has answers).")
+    init_checkpoint: str = field("", "A tfbig-train --model=albert --model_dir or a "
+                                     "tfbig-convert --output_dir (BERT or ALBERT): its config, "
+                                     "tokenizer and latest checkpoint initialise the backbone.")
+    random_init: bool = field(False, "Take --init_checkpoint's config and tokenizer but start "
+                                     "from random weights (the no-pretraining baseline).")
+    tokenizer: str = field("", "Without --init_checkpoint: the SentencePiece .model to use.")
+    version: str = field("auto", "SQuAD version: auto (from the files) | 1.1 | 2.0.")
+    max_seq_length: int = field(384, "Tokens per feature: [CLS] question [SEP] context [SEP].")
+    doc_stride: int = field(128, "Tokens between the starts of a long context's windows.")
+    max_query_length: int = field(64, "Question tokens kept.")
+    max_answer_length: int = field(30, "Longest answer, in tokens.")
+    n_best_size: int = field(20, "Start and end candidates per window; answers kept per "
+                                 "question in nbest_predictions.json.")
+    null_score_diff_threshold: float = field(float("nan"), "v2.0: answer '' when the null score "
+                                             "minus the best span score is above this; unset: "
+                                             "tuned for F1 on --predict_file.")
+
+
+class SquadTask:
+    """Span fine-tuning of ALBERT or BERT on SQuAD features. `config` and `tokenizer` are the
+    model's (tfbig.squad.model.pretrained_config, or a random ALBERT preset's)."""
+
+    format = "squad"
+    data_dir = ""
+
+    def __init__(self, train, options, config, tokenizer):
+        from tfbig.squad.features import read_squad
+
+        self.train, self.options, self._tokenizer = train, options, tokenizer
+        if train.dropout >= 0:
+            config = dataclasses.replace(config, dropout=train.dropout)
+        config.check_inputs(seq_length=options.max_seq_length)
+        self.model_config, self.seq_length = config, options.max_seq_length
+        self.features, self.arrays = {}, {}
+        if options.train_file:
+            _, features, _ = self._read(options.train_file, read_squad)
+            self.arrays["train"] = {k: features.arrays[k] for k in INPUTS + LABELS}
+        if options.predict_file:
+            self.examples, self.features, self.version = self._read(options.predict_file,
+                                                                    read_squad)
+            with open(options.predict_file, encoding="utf-8") as file:
+                self.dataset_json = json.load(file)
+            self.arrays["validation"] = {  # labels of the first gold answer: the pipeline's
+                **{k: self.features.arrays[k] for k in INPUTS + LABELS},  # last stage reads them
+                "feature_index": np.arange(len(self.features), dtype=np.int32)}
+        path = getattr(tokenizer, "vocab_file", None) or tokenizer.path
+        self.manifest = Examples(path, {k: len(v["input_ids"]) for k, v in self.arrays.items()})
+
+    def _read(self, path, read_squad):
+        from tfbig.squad.features import convert_examples
+
+        o = self.options
+        examples, found = read_squad(path)
+        if o.version not in ("auto", found):
+            raise UsageError(f"{path} is SQuAD {found} but --version={o.version}")
+        features = convert_examples(examples, self._tokenizer, o.max_seq_length, o.doc_stride,
+                                    o.max_query_length)
+        print(f"{path}: SQuAD {found}, {len(examples)} questions, {len(features)} features")
+        return examples, features, found
+
+    def build_model(self):
+        """The QA model, built: its backbone from --init_checkpoint (unless --random_init), its
+        span head fresh."""
+        from tfbig.squad.model import build_model
+
+        init = None if self.options.random_init else self.options.init_checkpoint or None
+        return build_model(self.model_config, init, seed=self.train.seed)
+
+    def layer_specs(self):
+        """The layers the pipeline cuts the model by (the span head on the last stage)."""
+        from tfbig.plan.models import fine_tune_specs
+
+        return fine_tune_specs(self.model_config, self.seq_length)
+
+    def dataset(self, split, batch_size, input_context=None, *, seed=0, repeat=True,
+                shuffle=True, start=0, drop_remainder=True):
+        """Batches of {input_ids, segment_ids, input_mask (B, T), start/end_positions (B,)}
+        ("validation": also feature_index (B,)) for one input pipeline."""
+        return example_batches(self.arrays[split], batch_size, input_context, seed=seed,
+                               repeat=repeat, shuffle=shuffle, start=start,
+                               drop_remainder=drop_remainder)
+
+    def flops_per_token(self):
+        return self.model_config.flops_per_token(self.seq_length)
+
+    def model_inputs(self, batch):
+        return {name: batch[name] for name in INPUTS}
+
+    def loss_from_outputs(self, outputs, batch):
+        """Mean of the start and end cross-entropies over positions (float32)."""
+        start, end = (tf.nn.sparse_softmax_cross_entropy_with_logits(
+            batch[label], tf.cast(outputs[name], tf.float32))
+            for label, name in zip(LABELS, ("start_logits", "end_logits")))
+        loss = tf.reduce_mean(start + end) / 2.0
+        return loss, {"loss": loss}
+
+    def loss(self, model, batch, training=False):
+        return self.loss_from_outputs(model(self.model_inputs(batch), training=training), batch)
+
+    def validation_outputs(self, outputs, batch):
+        return {"start_logits": tf.cast(outputs["start_logits"], tf.float32),
+                "end_logits": tf.cast(outputs["end_logits"], tf.float32),
+                "feature_index": batch["feature_index"]}
+
+    def validation_step(self, model, batch):
+        return self.validation_outputs(model(self.model_inputs(batch), training=False), batch)
+
+    def answers(self, outputs):
+        """{predictions, nbest, null_odds (v2.0), scores} of the gathered logits: the best
+        spans, the null threshold applied (v2.0) and, if the file has answers, the official
+        scores."""
+        from tfbig.squad import evaluate, postprocess
+
+        order = np.argsort(outputs["feature_index"], kind="stable")  # dataset order already
+        o = self.options
+        answers, diffs, nbest = postprocess.best_spans(
+            self.examples, self.features, outputs["start_logits"][order],
+            outputs["end_logits"][order], o.n_best_size, o.max_answer_length)
+        result, scores = {"predictions": answers, "nbest": nbest}, {}
+        if self.version == "2.0":
+            threshold = o.null_score_diff_threshold
+            if math.isnan(threshold):
+                threshold, scores["best_f1"] = evaluate.tune_null_threshold(
+                    self.dataset_json, answers, diffs)
+            result["predictions"] = postprocess.apply_null_threshold(answers, diffs, threshold)
+            scores["null_score_diff_threshold"] = threshold
+            result["null_odds"] = {qid: min(diff, 1e9) for qid, diff in diffs.items()}
+        if any(not e.is_impossible for e in self.examples):
+            scores = {**evaluate.evaluate(self.dataset_json, result["predictions"],
+                                          self.version), **scores}
+            result["scores"] = scores
+        self.result = result  # what tfbig-squad writes
+        return result
+
+    def reduce_aggregated_logs(self, outputs):
+        """EM, F1 (v2.0: HasAns/NoAns, best_f1, the threshold) of the gathered logits; {}
+        for a predict file without answers."""
+        return self.answers(outputs).get("scores", {})
