@@ -276,20 +276,14 @@ def test_kill_9_and_the_same_command_again_equal_an_uninterrupted_run(bert_run, 
     """tfbig-classify --deterministic killed (SIGKILL) after a random checkpointed step, then
     started again with the same flags: it resumes from the last checkpoint in --output_dir and
     ends with bit-identical weights and predictions."""
-    import os
-    import random
-    import re
-    import signal
-    import subprocess
     import sys
 
-    import tensorflow as tf
+    from kill_and_resume import assert_killed_and_rerun_equals_uninterrupted
 
     train, dev = tmp_path / "train.jsonl", tmp_path / "dev.jsonl"
     train.write_text("".join(json.dumps(r) + "\n" for r in _rows(48, 7)))
     dev.write_text("".join(json.dumps(r) + "\n" for r in _rows(11, 8)))
-    steps, kill_after = 8, random.Random().randint(2, 6)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    steps = 8
 
     def command(out):
         return [sys.executable, "-m", "tfbig.classify", f"--init_checkpoint={bert_run / 'run'}",
@@ -298,31 +292,5 @@ def test_kill_9_and_the_same_command_again_equal_an_uninterrupted_run(bert_run, 
                 "--deterministic", "--checkpoint_every=1", "--noxla", "--peak_tflops=1",
                 "--monitor_interval_ms=0", f"--output_dir={out}"]
 
-    env = {**os.environ, "PYTHONPATH": root, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    proc = subprocess.Popen(command(tmp_path / "killed"), cwd=root, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    for line in proc.stdout:  # the checkpoint of step kill_after is written before step + 1
-        if f"step {kill_after + 1}/{steps}" in line:
-            proc.send_signal(signal.SIGKILL)
-            break
-    proc.wait(timeout=600)
-    assert proc.returncode == -signal.SIGKILL, f"ended before step {kill_after + 1}"
-    assert not (tmp_path / "killed" / "predictions.jsonl").exists()
-    for run in ("killed", "straight"):
-        done = subprocess.run(command(tmp_path / run), cwd=root, env=env, text=True,
-                              capture_output=True, timeout=600)
-        assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-        if run == "killed":  # resumed at the newest intact checkpoint (a save the kill cut
-            # short is skipped as damaged)
-            resumed = re.search(r"resumed from \S*ckpt-(\d+)", done.stdout + done.stderr)
-            assert resumed and int(resumed.group(1)) in (kill_after, kill_after + 1)
-    readers = [tf.train.load_checkpoint(tf.train.latest_checkpoint(str(tmp_path / run)))
-               for run in ("killed", "straight")]
-    keys = [k for k in readers[1].get_variable_to_shape_map() if k.startswith("model/")]
-    assert len(keys) > 30
-    for key in keys:
-        np.testing.assert_array_equal(readers[0].get_tensor(key), readers[1].get_tensor(key),
-                                      err_msg=key)
-    for output in ("predictions.jsonl", "eval_results.json"):
-        assert (tmp_path / "killed" / output).read_text() == \
-            (tmp_path / "straight" / output).read_text(), output
+    assert_killed_and_rerun_equals_uninterrupted(
+        command, tmp_path, steps, ("predictions.jsonl", "eval_results.json"))

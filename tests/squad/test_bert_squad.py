@@ -218,16 +218,11 @@ def test_kill_9_and_the_same_command_again_equal_an_uninterrupted_run(bert_run, 
     """tfbig-squad --deterministic killed (SIGKILL) after a random checkpointed step, then
     started again with the same flags: it resumes from the last checkpoint in --output_dir and
     ends with bit-identical weights and predictions.json."""
-    import random
-    import signal
-    import subprocess
-
-    import tensorflow as tf
+    from kill_and_resume import assert_killed_and_rerun_equals_uninterrupted
 
     for name, split in (("train.json", "train"), ("dev.json", "dev")):
         (tmp_path / name).write_text(json.dumps(_first(qa_sets["2.0", split], 6)))
-    steps, kill_after = 8, random.Random().randint(2, 6)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    steps = 8
 
     def command(out):
         return [sys.executable, "-m", "tfbig.squad.cli", f"--init_checkpoint={bert_run[0]}",
@@ -238,30 +233,5 @@ def test_kill_9_and_the_same_command_again_equal_an_uninterrupted_run(bert_run, 
                 "--deterministic", "--checkpoint_every=1", "--noxla", "--peak_tflops=1",
                 "--monitor_interval_ms=0", f"--output_dir={out}"]
 
-    env = {**os.environ, "PYTHONPATH": root, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    proc = subprocess.Popen(command(tmp_path / "killed"), cwd=root, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    for line in proc.stdout:  # the checkpoint of step kill_after is written before step + 1
-        if f"step {kill_after + 1}/{steps}" in line:
-            proc.send_signal(signal.SIGKILL)
-            break
-    proc.wait(timeout=600)
-    assert proc.returncode == -signal.SIGKILL, f"ended before step {kill_after + 1}"
-    assert not (tmp_path / "killed" / "predictions.json").exists()
-    for run in ("killed", "straight"):
-        done = subprocess.run(command(tmp_path / run), cwd=root, env=env, text=True,
-                              capture_output=True, timeout=600)
-        assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-        if run == "killed":  # resumed at the newest intact checkpoint
-            resumed = re.search(r"resumed from \S*ckpt-(\d+)", done.stdout + done.stderr)
-            assert resumed and int(resumed.group(1)) in (kill_after, kill_after + 1)
-    readers = [tf.train.load_checkpoint(tf.train.latest_checkpoint(str(tmp_path / run)))
-               for run in ("killed", "straight")]
-    keys = [k for k in readers[1].get_variable_to_shape_map() if k.startswith("model/")]
-    assert len(keys) > 30
-    for key in keys:
-        np.testing.assert_array_equal(readers[0].get_tensor(key), readers[1].get_tensor(key),
-                                      err_msg=key)
-    for output in ("predictions.json", "null_odds.json", "eval_results.json"):
-        assert (tmp_path / "killed" / output).read_text() == \
-            (tmp_path / "straight" / output).read_text(), output
+    assert_killed_and_rerun_equals_uninterrupted(
+        command, tmp_path, steps, ("predictions.json", "null_odds.json", "eval_results.json"))
