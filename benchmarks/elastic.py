@@ -40,7 +40,7 @@ GOAL_SECONDS = 30.0
 def worker(config_path, out_dir):
     """One elastic rank: train, appending {"time", "step", "world"} per step to a file."""
     from tfbig import config as config_lib
-    from tfbig.distribute import get_strategy
+    from tfbig.distribute.registry import get_strategy
     from tfbig.trainer import Trainer
 
     with open(config_path) as f:

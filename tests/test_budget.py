@@ -113,7 +113,7 @@ def test_budgeted_run_fixes_its_steps_and_equals_an_explicit_run_of_that_count(g
 
 def test_tf_distribute_agrees_through_its_all_workers_collective():
     # MultiWorker and Mirrored share the collective; here one process, all of its replicas.
-    from tfbig.distribute import get_strategy
+    from tfbig.distribute.registry import get_strategy
 
     cfg = ExperimentConfig()
     cfg.train.strategy = "mirrored"

@@ -255,7 +255,8 @@ def test_a_clean_package_passes_and_an_unmapped_module_is_named(tmp_path):
         "tfbig/__init__.py (low -> high)"]
 
 
-@pytest.mark.parametrize("module, layer", [("tfbig.distribute", "registry"),
+@pytest.mark.parametrize("module, layer", [("tfbig.distribute.registry", "registry"),
+                                           ("tfbig.distribute", "backends"),
                                            ("tfbig.distribute.zero", "backends"),
                                            ("tfbig.squad.cli", "commands"),
                                            ("tfbig.squad.features", "inputs"),

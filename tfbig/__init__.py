@@ -15,9 +15,9 @@ Modules in one layer may import each other (without a circle). Lowest first:
     tasks:     tfbig.tasks
     layouts:   tfbig.plan tfbig.pipeline.partition tfbig.distribute.zero_checkpoint
                tfbig.distribute.tensor_layout tfbig.pipeline.stage_checkpoint
-    backends:  tfbig.distribute.*
+    backends:  tfbig.distribute tfbig.distribute.*
     pipeline:  tfbig.pipeline
-    registry:  tfbig.distribute
+    registry:  tfbig.distribute.registry
     trainer:   tfbig.trainer tfbig.budget tfbig.logs tfbig.preflight
     commands:  tfbig.train tfbig.recipes tfbig.generate tfbig.export tfbig.consolidate
                tfbig.convert tfbig.plan.cli tfbig.plan.__main__ tfbig.plan.local

@@ -85,7 +85,7 @@ def experiment(options, model, **overrides):
 def strategy(cfg):
     """The backend of `cfg`, built before the task reads its examples (MultiWorkerMirrored
     must configure TensorFlow's collectives before any op runs)."""
-    from tfbig.distribute import get_strategy
+    from tfbig.distribute.registry import get_strategy
 
     return get_strategy(cfg.train.strategy, cfg)
 

@@ -22,7 +22,7 @@ from tfbig import budget as budget_lib
 from tfbig import config as config_lib
 from tfbig import data, evaluation, init_checkpoint, integrity, preflight
 from tfbig.checkpoint import rng_variables
-from tfbig.distribute import get_strategy
+from tfbig.distribute.registry import get_strategy
 from tfbig.logs import RunLogger
 from tfbig.models.common import COMPUTE_FIELDS
 from tfbig.optim import learning_rate, loss_scale, set_total_steps

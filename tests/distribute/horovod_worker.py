@@ -42,7 +42,8 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from tfbig import config as config_lib  # noqa: E402
-from tfbig.distribute import get_strategy, horovod_keras  # noqa: E402
+from tfbig.distribute import horovod_keras
+from tfbig.distribute.registry import get_strategy  # noqa: E402
 from tfbig.logs import RunLogger  # noqa: E402
 from tfbig.optim import learning_rate, loss_scale  # noqa: E402
 from tfbig.tasks.gpt import GPTTask  # noqa: E402

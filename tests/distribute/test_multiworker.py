@@ -352,7 +352,7 @@ def test_srun_environment_makes_a_two_worker_cluster(gpt_data, tmp_path, monkeyp
 ])
 def test_bad_options_are_refused_naming_the_flag(strategy, options, env, message, monkeypatch):
     from tfbig.config import ExperimentConfig
-    from tfbig.distribute import get_strategy
+    from tfbig.distribute.registry import get_strategy
 
     monkeypatch.delenv("TF_CONFIG", raising=False)
     for key, value in env.items():
