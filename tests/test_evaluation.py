@@ -7,7 +7,7 @@ import tensorflow as tf
 
 from tfbig import evaluation
 from tfbig.trainer import Trainer
-from tests.test_trainer import make_cfg
+from test_trainer import make_cfg
 
 
 def _records(n):
