@@ -103,7 +103,6 @@ class Trainer:
         self.micro_batch = micro_batch_size(t.batch_size, self.strategy.num_replicas,
                                             t.grad_accum_steps)
         self.logger = logger or RunLogger(t.model_dir, self.strategy.is_chief, t.max_steps)
-        self._check_run_dir()
         self.profiler = RunProfiler(  # throughput, MFU, step-time breakdown, system monitor
             cfg.profile, t.model_dir, enabled=self.strategy.is_chief,
             tokens_per_step=t.batch_size * self.task.seq_length, sequences_per_step=t.batch_size,
@@ -119,6 +118,8 @@ class Trainer:
                                                 name="batches_consumed")
             self.nonfinite_steps = tf.Variable(0, dtype=tf.int64, trainable=False,
                                                name="nonfinite_steps")
+        self._preflight()  # a user task's checks: nothing is written before they pass
+        self._check_run_dir()
         self.checkpoint = tf.train.Checkpoint(
             model=self.strategy.checkpoint_model(self.model), rng_state=rng_variables(self.model),
             optimizer=self.optimizer, step=self.step, batches_consumed=self.batches_consumed,
@@ -174,6 +175,13 @@ class Trainer:
         """This replica's validation outputs, gathered from every replica in dataset order."""
         return self.strategy.local_result(self.strategy.run(self._replica_validation, (batch,)))
 
+    def _preflight(self):
+        """A task's own checks of its model, batches and loss (tfbig.tasks.user), if any."""
+        check = getattr(self.task, "preflight", None)
+        if check:
+            check(self.model, self.micro_batch, self.cfg.train.grad_accum_steps,
+                  self.strategy.input_context(), self.cfg.train.seed)
+
     # ---- run directory, checkpoints ----------------------------------------------------------
     def _check_run_dir(self):
         """Refuse to resume a run directory whose model differs from the requested one."""
@@ -197,7 +205,8 @@ class Trainer:
                     f"model; (saved, requested) per field: {diff}. Use another --model_dir.")
         if self.strategy.is_chief:
             self._save_config()
-            files, _ = data.run_tokenizer_files(self.task.manifest.tokenizer_path)
+            tokenizer_path = self.task.manifest.tokenizer_path  # "": a user task has none
+            files, _ = data.run_tokenizer_files(tokenizer_path) if tokenizer_path else ({}, None)
             for name, source in files.items():  # tokenizer.model, or GPT-2's BPE files
                 target = os.path.join(self.cfg.train.model_dir, name)
                 if not os.path.exists(target) or not os.path.samefile(source, target):
@@ -209,7 +218,8 @@ class Trainer:
                  "resolved_data_dir": self.task.data_dir, "model_format": self.task.format}
         if self.budget:
             extra["budget"] = dataclasses.asdict(self.budget)
-        _, tokenizer = data.run_tokenizer_files(self.task.manifest.tokenizer_path)
+        tokenizer_path = self.task.manifest.tokenizer_path
+        _, tokenizer = data.run_tokenizer_files(tokenizer_path) if tokenizer_path else ({}, None)
         if tokenizer:  # {"kind": "byte_level_bpe", ...}: what tfbig-generate and exports read
             extra["tokenizer"] = tokenizer
         config_lib.save_json(self.cfg, os.path.join(self.cfg.train.model_dir, "config.json"),

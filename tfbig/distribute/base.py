@@ -112,7 +112,8 @@ class Strategy:
         memory = getattr(self.cfg, "pipeline", None)
         if memory is not None and memory.activation_checkpointing:
             recompute.check_offload(memory.offload_activations, self.cfg.train.xla)
-            recompute.checkpoint_blocks(model, offload=memory.offload_activations)
+            recompute.checkpoint_blocks(model, offload=memory.offload_activations,
+                                        blocks=recompute.task_blocks(task, model))
         return model
 
     def input_context(self):

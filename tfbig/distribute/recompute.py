@@ -127,12 +127,25 @@ def recompute(call, states, offload=False):
     return wrapped
 
 
-def checkpoint_blocks(model, offload=False):
-    """Install `recompute` on every transformer block of `model`; returns the blocks.
+def task_blocks(task, model):
+    """The layers a task names for recomputation (a user task's `checkpoint_layers`), or None
+    for tfbig's own families (`BLOCKS`). None named is refused by name."""
+    if not hasattr(task, "blocks"):
+        return None
+    blocks = task.blocks(model)
+    if not blocks:
+        raise ValueError(f"--activation_checkpointing: {task.user_name} names no layers to "
+                         "recompute; set its checkpoint_layers (e.g. (\"blocks.*\",))")
+    return blocks
+
+
+def checkpoint_blocks(model, offload=False, blocks=None):
+    """Install `recompute` on every transformer block of `model` (or on `blocks`, the layers a
+    user task names); returns them.
 
     Idempotent per block (a block already wrapped is left as is).
     """
-    blocks = transformer_blocks(model)
+    blocks = transformer_blocks(model) if blocks is None else blocks
     for block in blocks:
         if getattr(block, "_tfbig_recompute", False):
             continue

@@ -110,7 +110,8 @@ class ZeroStrategy(HorovodStrategy):
         # Stage 3 recomputes every gathered layer (zero3.py): --activation_checkpointing is
         # implied, --offload_activations keeps the saved layer inputs on the host.
         model, self._initialisers = zero3.build_unmaterialised(task)
-        zero3.Gatherer(self.partition, self._shard_of, offload).install(model)
+        blocks = task.blocks(model) if hasattr(task, "blocks") else None  # a user task's
+        zero3.Gatherer(self.partition, self._shard_of, offload).install(model, blocks)
         self._model = model
         return model
 

@@ -92,15 +92,32 @@ def _resolve(model, pattern):
     return found
 
 
-def plan_layers(model):
-    """(per-call layers, per-step layers) of `model`; every trainable variable in exactly one."""
-    if type(model).__name__ not in PLANS:
+def user_plan(model, blocks):
+    """A user model's plan: the layers its task names (`checkpoint_layers`) per call, every
+    other top-level layer holding trainable variables per step."""
+    if not blocks:
+        raise ValueError(f"--zero_stage=3: the task of {type(model).__name__} names no layers "
+                         "to gather one at a time; set its checkpoint_layers (e.g. "
+                         "(\"blocks.*\",)) or use --zero_stage=2")
+    named = {id(layer) for layer in blocks}
+    per_step = [layer for layer in model.layers
+                if id(layer) not in named and layer.trainable_variables]
+    return list(blocks), per_step
+
+
+def plan_layers(model, blocks=None):
+    """(per-call layers, per-step layers) of `model`; every trainable variable in exactly one.
+    `blocks`: a user task's named layers (its model has no entry in PLANS)."""
+    if blocks is not None:
+        per_call, per_step = user_plan(model, blocks)
+    elif type(model).__name__ not in PLANS:
         raise ValueError(f"--zero_stage=3: no gather plan for {type(model).__name__} (GPT, "
                          f"ALBERT and BERT pretraining, BERT classification and BERT/ALBERT "
                          f"span fine-tuning have one); use --zero_stage=2")
-    plan = PLANS[type(model).__name__](model)
-    per_call = [layer for p in plan.per_call for layer in _resolve(model, p)]
-    per_step = [layer for p in plan.per_step for layer in _resolve(model, p)]
+    else:
+        plan = PLANS[type(model).__name__](model)
+        per_call = [layer for p in plan.per_call for layer in _resolve(model, p)]
+        per_step = [layer for p in plan.per_step for layer in _resolve(model, p)]
     owners = {}
     for layer in per_call + per_step:
         for v in layer.trainable_variables:
@@ -245,8 +262,8 @@ class Gatherer:
     def reset(self):
         self.previous_input, self.previous_grad, self.forward_full = None, None, {}
 
-    def install(self, model):
-        per_call, per_step = plan_layers(model)
+    def install(self, model, blocks=None):
+        per_call, per_step = plan_layers(model, blocks)
         for layer in per_call:
             if not getattr(layer, "_tfbig_gathered", False):
                 layer.call = self._per_call(layer, layer.call)

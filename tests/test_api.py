@@ -1,0 +1,137 @@
+"""The public Task API (tfbig.api, tfbig.tasks.user) in one process: the post's MyModel
+(examples/own_model.py) and a functional Keras model train, evaluate and predict through it;
+bad input is refused by name before anything is written to the run directory; what a user
+task cannot run is refused by flag."""
+import json
+import os
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+import own_model  # noqa: E402
+
+import tfbig  # noqa: E402
+from tfbig.errors import UsageError  # noqa: E402
+
+# Tiny and quick: no XLA compile, no CPU matmul probe for MFU, a short schedule.
+FAST = dict(max_steps=4, batch_size=8, learning_rate=3e-3, warmup_steps=1, xla=False,
+            peak_tflops=1.0, log_every=1, eval_steps=0)
+
+
+def run_dir_is_untouched(path):
+    return not os.path.exists(path) or not os.listdir(path)
+
+
+def test_my_model_trains_evaluates_and_predicts_through_the_api(tmp_path):
+    run = tfbig.train(own_model.model_fn, own_model.loss_fn, own_model.dataset_fn,
+                      model_dir=str(tmp_path / "run"), name="own_model",
+                      tokens_per_example=16, **FAST)
+    assert run.summary["step"] == 4 and len(run.losses) == 4
+    assert run.losses[-1] < run.losses[0]
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert saved["model_config"] == {"task": "own_model"} and saved["model_format"] == "user"
+    # the default metric: each example's loss, gathered, averaged once
+    assert set(run.summary["eval"]) == {"loss"} and np.isfinite(run.summary["eval"]["loss"])
+    metrics = tfbig.evaluate(own_model.model_fn, own_model.loss_fn, own_model.dataset_fn,
+                             model_dir=str(tmp_path / "run"), name="own_model", **FAST)
+    assert metrics["loss"] == pytest.approx(run.summary["eval"]["loss"], rel=1e-6)
+    outputs = tfbig.predict(own_model.model_fn, own_model.dataset_fn,
+                            model_dir=str(tmp_path / "run"), name="own_model", **FAST)
+    assert outputs["outputs"].shape == (64, 16, 32)  # every validation example, in order
+    inputs = own_model.sequences(64, seed=1)[:, :-1]
+    np.testing.assert_allclose(outputs["outputs"][:3], run.model(inputs[:3]).numpy(),
+                               rtol=1e-5, atol=1e-5)
+
+
+class Functional(tfbig.Task):
+    """A functional (not subclassed) Keras model: next-token logits with a metric of its own."""
+
+    name = "functional"
+
+    def build_model(self):
+        tokens = keras.Input((16,), dtype="int32")
+        x = keras.layers.Embedding(32, 16)(tokens)
+        x = keras.layers.Dense(32, activation="relu")(x)
+        return keras.Model(tokens, keras.layers.Dense(32)(x))
+
+    def dataset(self, shard):
+        return own_model.dataset_fn(shard)
+
+    def loss(self, targets, outputs):
+        return own_model.loss_fn(targets, outputs)
+
+    def validation_outputs(self, targets, outputs):
+        return {"correct": tf.reduce_mean(tf.cast(tf.equal(
+            tf.argmax(outputs, -1, output_type=tf.int32), targets), tf.float32), axis=1)}
+
+    def compute_metrics(self, gathered):
+        return {"accuracy": float(gathered["correct"].mean()), "rows": len(gathered["correct"])}
+
+
+def test_a_functional_model_trains_with_its_own_metric(tmp_path):
+    run = tfbig.train(Functional(), model_dir=str(tmp_path / "run"), grad_accum_steps=2, **FAST)
+    assert run.losses[-1] < run.losses[0]
+    assert run.summary["eval"]["rows"] == 64 and 0 <= run.summary["eval"]["accuracy"] <= 1
+
+
+# ---- bad input: refused by name, nothing written ------------------------------------------------
+PREBUILT = own_model.model_fn()
+
+
+def _bad(**changes):
+    functions = dict(model_fn=own_model.model_fn, loss_fn=own_model.loss_fn,
+                     dataset_fn=own_model.dataset_fn)
+    functions.update(changes)
+    return functions
+
+
+def _flat(shard):
+    return own_model.dataset_fn(shard).unbatch().map(lambda x, y: (x[0], y[0]))
+
+
+@pytest.mark.parametrize("functions, flags, message", [
+    (_bad(model_fn=lambda: PREBUILT), {}, "made before it was called, outside the backend's "
+                                          "scope"),
+    (_bad(model_fn=lambda: own_model.MyModel(**own_model.SIZE)), {}, "without variables"),
+    (_bad(loss_fn=lambda t, o: keras.losses.sparse_categorical_crossentropy(t, o, True)), {},
+     "loss returned shape (4, 16); the loss must be a scalar"),
+    (_bad(loss_fn=lambda t, o: tf.reduce_sum(t)), {}, "loss returned a int32 tensor"),
+    (_bad(dataset_fn=_flat), {}, "has no batch dimension"),
+    (_bad(dataset_fn=lambda shard: own_model.dataset_fn(shard).rebatch(3)), {},
+     "gave batches of [3] rows to replica 0 of 1; expected shard.batch_size=8"),
+    (_bad(), {"batch_size": 7}, "--batch_size=7 must be a positive multiple"),
+    (_bad(), {"activation_checkpointing": True, "checkpoint_layers": ("blocks.*",)},
+     "'blocks.*' names no layer of MyModel (no attribute 'blocks')"),
+    (_bad(), {"activation_checkpointing": True}, "names no layers to recompute"),
+])
+def test_bad_input_is_refused_by_name_before_the_run_directory_is_written(
+        tmp_path, functions, flags, message):
+    run_dir = tmp_path / "run"
+    with pytest.raises(ValueError) as error:
+        tfbig.train(functions["model_fn"], functions["loss_fn"], functions["dataset_fn"],
+                    model_dir=str(run_dir), **{**FAST, "grad_accum_steps": 2, **flags})
+    assert message in str(error.value)
+    assert run_dir_is_untouched(run_dir)
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({"strategy": "horovod", "tensor_parallel": 2}, "--tensor_parallel=2 is refused for a user "
+                                                    "task: tensor parallelism"),
+    ({"strategy": "pipeline"}, "--strategy=pipeline: pipeline stages"),
+    ({"strategy": "horovod", "pipeline_stages": 2}, "--pipeline_stages=2 is refused"),
+    ({"strategy": "horovod", "elastic": True}, "--elastic=True is refused"),
+    ({"plan_only": True}, "--plan_only=True is refused"),
+    ({"init_checkpoint": "runs/x"}, "--init_checkpoint='runs/x' is refused"),
+    ({"no_such_flag": 1}, "no_such_flag=1: not a tfbig-train flag"),
+])
+def test_what_a_user_task_cannot_run_is_refused_by_flag(tmp_path, flags, message):
+    with pytest.raises(UsageError, match=None) as error:
+        tfbig.train(own_model.model_fn, own_model.loss_fn, own_model.dataset_fn,
+                    model_dir=str(tmp_path / "run"), **flags)
+    assert message in str(error.value)
+    assert run_dir_is_untouched(tmp_path / "run")

@@ -1,0 +1,202 @@
+"""The public way in for your own Keras model: `tfbig.train`, `tfbig.evaluate`, `tfbig.predict`.
+
+Each takes a `tfbig.Task` (tfbig.tasks.user: build the model, read one replica's batches, the
+loss) or, for the common case, three functions, and the run's settings as an ExperimentConfig
+and/or tfbig-train's flag names as keywords:
+
+    def model_fn():                      # called inside the backend's scope
+        model = MyModel(); model.build((None, 64)); return model
+    def loss_fn(targets, outputs):       # a float scalar
+        return tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
+            targets, outputs, from_logits=True))
+    def dataset_fn(shard):               # this replica's (inputs, targets) batches
+        return examples.shard(shard.count, shard.index).repeat().batch(shard.batch_size)
+
+    run = tfbig.train(model_fn, loss_fn, dataset_fn, max_steps=100, batch_size=16,
+                      model_dir="runs/mine", strategy="horovod")   # under horovodrun
+    run.losses, run.model, run.summary["checkpoint"]
+
+Everything tfbig-train's Trainer does applies: --strategy single | horovod (ZeRO 1-3,
+MiCS groups) | multiworker | mirrored, checkpoints and exact resume (run it again), SIGTERM
+preemption, --precision and loss scaling, --grad_accum_steps, --grad_clip_norm, profiling,
+TensorBoard and the time budget. Refused by name for a user task (USER_TASK_REFUSED): tensor
+and pipeline parallelism, elastic Horovod, --init_checkpoint and --plan_only.
+"""
+import atexit
+import copy
+import dataclasses
+
+from tfbig.config import ExperimentConfig
+from tfbig.errors import UsageError
+from tfbig.finetune import LossRecorder
+from tfbig.tasks.user import DataShard, FunctionTask, Task, UserTask
+from tfbig.trainer import Trainer, precision_policy
+
+__all__ = ["DataShard", "Run", "Task", "config_from_flags", "configure", "define_flags",
+           "evaluate", "predict", "train"]
+
+# flag -> (its value when unused, why a user task refuses it)
+USER_TASK_REFUSED = {
+    "tensor_parallel": (1, "tensor parallelism splits the weights tfbig's own families lay out "
+                           "(tfbig.distribute.tensor_layout); a user model declares no layout"),
+    "pipeline_stages": (0, "pipeline stages are cut at tfbig's own families' layer boundaries"),
+    "elastic": (False, "elastic Horovod is untested with a user task"),
+    "init_checkpoint": ("", "it loads tfbig-convert / tfbig-train runs of tfbig's own models; "
+                            "load your weights in build_model"),
+    "plan_only": (False, "the memory plan reads tfbig's own model configs; a user model's "
+                         "shapes are known only once it is built"),
+}
+
+
+def configure(config=None, **flags):
+    """An ExperimentConfig: `config` (copied, or a fresh one) with tfbig-train flags set by
+    name, e.g. configure(max_steps=100, strategy="horovod", zero_stage=3)."""
+    config = copy.deepcopy(config) if config else ExperimentConfig()
+    sections = [getattr(config, f.name) for f in dataclasses.fields(config)]
+    for name, value in flags.items():
+        section = next((s for s in sections if name in {f.name for f in
+                                                        dataclasses.fields(s)}), None)
+        if section is None:
+            raise UsageError(f"{name}={value!r}: not a tfbig-train flag (tfbig-train --help "
+                             "lists them)")
+        setattr(section, name, value)
+    check_user_flags(config)
+    return config
+
+
+def define_flags(**defaults):
+    """Define tfbig-train's flags (absl) for a script of your own, with your `defaults`:
+    define_flags(max_steps=50, batch_size=16); then config_from_flags() after parsing."""
+    from absl import flags
+
+    from tfbig import config
+
+    config.define_flags()
+    for name, value in defaults.items():
+        flags.FLAGS.set_default(name, value)
+
+
+def config_from_flags(flag_values=None):
+    """The ExperimentConfig of the parsed flags (define_flags first)."""
+    from tfbig import config
+
+    return configure(config.from_flags(flag_values))
+
+
+def check_user_flags(config):
+    """Refuse, by flag, what a user task cannot run (USER_TASK_REFUSED)."""
+    if config.train.strategy == "pipeline":
+        raise UsageError("--strategy=pipeline: " + USER_TASK_REFUSED["pipeline_stages"][1]
+                         + "; use single, horovod, multiworker or mirrored")
+    values = {f.name: getattr(getattr(config, s.name), f.name)
+              for s in dataclasses.fields(config)
+              for f in dataclasses.fields(getattr(config, s.name))}
+    for flag, (unused, why) in USER_TASK_REFUSED.items():
+        if flag == "pipeline_stages" and values[flag] == 1:
+            continue  # one stage: no pipeline
+        if values[flag] != unused:
+            raise UsageError(f"--{flag}={values[flag]!r} is refused for a user task: {why}")
+
+
+def _task(task_or_model_fn, loss_fn, dataset_fn, task_options):
+    if isinstance(task_or_model_fn, Task):
+        if loss_fn or dataset_fn or task_options:
+            raise UsageError("train(task, ...): a Task carries its own loss, dataset and "
+                             "options; give functions only with a model_fn")
+        return task_or_model_fn
+    if not callable(task_or_model_fn) or dataset_fn is None:
+        raise UsageError("give a tfbig.Task, or model_fn, loss_fn and dataset_fn")
+    return FunctionTask(task_or_model_fn, loss_fn, dataset_fn, **task_options)
+
+
+TASK_OPTIONS = ("name", "tokens_per_example", "checkpoint_layers", "metrics_fn")
+
+
+def _split(kwargs):
+    """(Task options, tfbig-train flags) of train()'s keyword arguments."""
+    return ({k: v for k, v in kwargs.items() if k in TASK_OPTIONS},
+            {k: v for k, v in kwargs.items() if k not in TASK_OPTIONS})
+
+
+@dataclasses.dataclass
+class Run:
+    """What `train` returns: the Trainer (its model, strategy, optimizer), the summary
+    ({"step", "train", "checkpoint", "eval"}) and each logged step's loss."""
+
+    trainer: Trainer
+    summary: dict
+    losses: list
+
+    @property
+    def model(self):
+        return self.trainer.model
+
+    def close(self):
+        """Wait for every process and release the backend (Horovod: hvd.join, hvd.shutdown).
+        Called at exit if not before; call it yourself before a process ends early."""
+        if not getattr(self, "_closed", False):
+            self._closed = True
+            self.trainer.strategy.shutdown()
+
+
+def _trainer(task, config, recorder=False, predicting=False):
+    """A Trainer of `task` (its newest checkpoint in model_dir restored); with `recorder` its
+    logger keeps each logged loss."""
+    from tfbig.distribute.registry import get_strategy
+
+    strategy = get_strategy(config.train.strategy, config)
+    logger = LossRecorder(config.train.model_dir, strategy.is_chief, config.train.max_steps) \
+        if recorder else None
+    return Trainer(config, strategy=strategy, task=UserTask(task, predicting), logger=logger)
+
+
+def train(task_or_model_fn, loss_fn=None, dataset_fn=None, config=None, **kwargs):
+    """Train a `tfbig.Task` (or model_fn, loss_fn, dataset_fn) on the backend of the config.
+
+    Args:
+        task_or_model_fn: a tfbig.Task, or a function returning a built Keras model.
+        loss_fn: (targets, outputs) -> float scalar, with a model_fn.
+        dataset_fn: DataShard -> tf.data.Dataset of (inputs, targets) batches, with a model_fn.
+        config: an ExperimentConfig (default: tfbig-train's defaults).
+        **kwargs: tfbig-train flags by name (max_steps=100, strategy="horovod", ...), and with
+            a model_fn the Task options name, tokens_per_example, checkpoint_layers, metrics_fn.
+    Returns a Run; training again with the same model_dir resumes from its checkpoint.
+    """
+    task_options, flags = _split(kwargs)
+    task = _task(task_or_model_fn, loss_fn, dataset_fn, task_options)
+    config = configure(config, **flags)
+    with precision_policy(config.train.precision):
+        trainer = _trainer(task, config, recorder=True)
+        summary = trainer.fit()
+    run = Run(trainer, summary, trainer.logger.losses)
+    atexit.register(run.close)
+    return run
+
+
+def evaluate(task_or_model_fn, loss_fn=None, dataset_fn=None, config=None, **kwargs):
+    """The task's validation metrics ({name: float}) of the run in the config's model_dir
+    (its newest checkpoint; give the config it was trained with), computed once over the
+    outputs every replica gathered."""
+    task_options, flags = _split(kwargs)
+    task = _task(task_or_model_fn, loss_fn, dataset_fn, task_options)
+    config = configure(config, **flags)
+    with precision_policy(config.train.precision):
+        trainer = _trainer(task, config)
+        if not trainer.restored_from:
+            raise UsageError(f"--model_dir={config.train.model_dir}: no checkpoint to evaluate")
+        return trainer.evaluate()
+
+
+def predict(task_or_model_fn, dataset_fn=None, config=None, split="validation", **kwargs):
+    """{name: numpy array} of the model's outputs ("outputs", or the model's own dict keys)
+    on every example of `split` in order, from the config's model_dir's newest checkpoint;
+    every replica predicts its rows, gathered in dataset order."""
+    task_options, flags = _split(kwargs)
+    task = _task(task_or_model_fn, None, dataset_fn, task_options)
+    config = configure(config, **flags)
+    with precision_policy(config.train.precision):
+        trainer = _trainer(task, config, predicting=True)
+        if not trainer.restored_from:
+            raise UsageError(f"--model_dir={config.train.model_dir}: no checkpoint to predict "
+                             "with")
+        return trainer.predict(split)
