@@ -1,0 +1,38 @@
+"""One process of the API's multi-process tests: examples/own_model.py's MyModel trained with
+`tfbig.train` for each scenario of a plan, in one launch (horovodrun or tfbig-launch).
+
+    python api_worker.py PLAN_JSON
+
+PLAN_JSON: [{"name": ..., "flags": {tfbig-train flag: value}, "model_dir": ...}, ...]. The
+chief writes MODEL_DIR/losses.json (each logged step's loss); the weights are the run's
+checkpoint.
+"""
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "examples"))
+
+import own_model  # noqa: E402
+
+import tfbig  # noqa: E402
+
+
+def main(plan_path):
+    with open(plan_path) as f:
+        plan = json.load(f)
+    run = None
+    for scenario in plan:
+        run = tfbig.train(own_model.model_fn, own_model.loss_fn, own_model.dataset_fn,
+                          model_dir=scenario["model_dir"], name="own_model",
+                          checkpoint_layers=("transformer_blocks.*",), **scenario["flags"])
+        if run.trainer.strategy.is_chief:
+            with open(os.path.join(scenario["model_dir"], "losses.json"), "w") as f:
+                json.dump(run.losses, f)
+    run.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,114 @@
+"""The post's MyModel (examples/own_model.py) through the public API on real multi-process
+launches equals one process on the same global batches: each step's loss (rtol 1e-5) and every
+trained weight (tests/equality.py's rule, fp32), the sharded runs' pieces joined.
+
+Default run: one `horovodrun -np 2 --gloo` launch (data parallel with activation checkpointing
+of the layers the task names and 2 accumulation steps). Slow: ZeRO-3
+on 4 ranks over MiCS partition groups of 2 (the task's named layers gathered one at a time),
+and 2 MultiWorkerMirrored workers under tfbig-launch.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+from equality import RecordedGradients  # noqa: E402
+from test_horovod import horovodrun, read  # noqa: E402
+
+import own_model  # noqa: E402
+
+from tfbig.api import configure  # noqa: E402
+from tfbig.checkpoint import reader_key  # noqa: E402
+from tfbig.finetune import LossRecorder  # noqa: E402
+from tfbig.tasks.user import FunctionTask, UserTask, fresh_layer_names  # noqa: E402
+from tfbig.trainer import Trainer, precision_policy  # noqa: E402
+
+WORKER = os.path.join(HERE, "api_worker.py")
+# Clipping at 0.5 is active, so averaging twice or clipping before averaging would show.
+STEPS = dict(max_steps=4, batch_size=8, learning_rate=3e-3, warmup_steps=1, xla=False,
+             peak_tflops=1.0, log_every=1, eval_steps=0, grad_clip_norm=0.5)
+PARALLEL = {"strategy", "zero_stage", "shard_degree"}
+HOROVOD = {"dp2_recompute_accum2": {"strategy": "horovod", "activation_checkpointing": True,
+                                    "grad_accum_steps": 2}}
+ZERO3 = {"zero3_mics": {"strategy": "horovod", "zero_stage": 3, "shard_degree": 2}}
+MULTIWORKER = {"multiworker": {"strategy": "multiworker"}}
+
+
+def write_plan(root, scenarios):
+    plan = [{"name": name, "flags": {**STEPS, **flags}, "model_dir": str(root / name)}
+            for name, flags in scenarios.items()]
+    (root / "plan.json").write_text(json.dumps(plan))
+    return root / "plan.json"
+
+
+def reference(root, flags):
+    """One process on the same flags (the parallel ones dropped): (losses, RecordedGradients)."""
+    flags = {k: v for k, v in {**STEPS, **flags}.items() if k not in PARALLEL}
+    config = configure(model_dir=str(root), **flags)
+    task = UserTask(FunctionTask(own_model.model_fn, own_model.loss_fn, own_model.dataset_fn,
+                                 name="own_model", checkpoint_layers=("transformer_blocks.*",)))
+    with precision_policy(config.train.precision):
+        trainer = Trainer(config, task=task, logger=LossRecorder(str(root), True, 4))
+        recorded = RecordedGradients(trainer)
+        trainer.fit()
+    return trainer.logger.losses, recorded
+
+
+def trained_weights(run_dir):
+    """{variable path: array} of the run's newest checkpoint, a ZeRO run's slices joined."""
+    from tfbig.distribute import zero_checkpoint
+
+    with fresh_layer_names():  # the layer names of the run's own build
+        model = own_model.model_fn()
+    if (run_dir / "zero.json").exists():
+        return zero_checkpoint.assembled_weights(str(run_dir), model)
+    reader = tf.train.load_checkpoint(tf.train.latest_checkpoint(str(run_dir)))
+    return {v.path: reader.get_tensor(reader_key(model, v)) for v in model.trainable_variables}
+
+
+def assert_equals_one_process(root, name, flags):
+    losses, recorded = reference(root / f"{name}_one", flags)
+    ours = json.loads((root / name / "losses.json").read_text())
+    assert len(ours) == 4 and ours[0] != ours[-1]
+    np.testing.assert_allclose(ours, losses, rtol=1e-5, err_msg=name)
+    weights = trained_weights(root / name)
+    assert len(recorded.paths) == 36
+    # the names of a model built in another process: the same (tasks.user.fresh_layer_names)
+    assert sorted(weights) == sorted(recorded.paths)
+    recorded.assert_equal({p: weights[p] for p in recorded.paths}, err_msg=name)
+
+
+def test_my_model_on_two_horovod_ranks_equals_one_process(tmp_path):
+    code = horovodrun([WORKER, str(write_plan(tmp_path, HOROVOD))], tmp_path / "log.txt")
+    assert code == 0, read(tmp_path / "log.txt")[-6000:]
+    for name, flags in HOROVOD.items():
+        assert_equals_one_process(tmp_path, name, flags)
+
+
+@pytest.mark.slow
+def test_my_model_under_zero3_on_four_ranks_equals_one_process(tmp_path):
+    code = horovodrun([WORKER, str(write_plan(tmp_path, ZERO3))], tmp_path / "log.txt",
+                      ranks=("-np", "4", "-H", "localhost:4"))
+    assert code == 0, read(tmp_path / "log.txt")[-6000:]
+    assert json.loads((tmp_path / "zero3_mics" / "zero.json").read_text())["zero_stage"] == 3
+    assert_equals_one_process(tmp_path, "zero3_mics", ZERO3["zero3_mics"])
+
+
+@pytest.mark.slow
+def test_my_model_on_two_multiworker_workers_equals_one_process(tmp_path):
+    plan = write_plan(tmp_path, MULTIWORKER)
+    done = subprocess.run([sys.executable, "-m", "launch.local", "--workers=2", "--",
+                           sys.executable, WORKER, str(plan)], cwd=ROOT, text=True,
+                          capture_output=True, timeout=1200,
+                          env={**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+    assert_equals_one_process(tmp_path, "multiworker", MULTIWORKER["multiworker"])
