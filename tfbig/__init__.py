@@ -15,8 +15,11 @@ Modules in one layer may import each other (without a circle). Lowest first:
 
     base:      tfbig.errors tfbig.config tfbig.cli tfbig.integrity tfbig.checkpoint
                tfbig.optim tfbig.perf tfbig.wordpiece tfbig.profiling tfbig.evaluation
+               tfbig.deprecation
     models:    tfbig.models tfbig.plan.models
     inputs:    tfbig.data tfbig.squad tfbig.glue tfbig.convert.run_dir tfbig.init_checkpoint
+               tfbig.albert_data tfbig.formats tfbig.manifest tfbig.prepare tfbig.shards
+               tfbig.sources tfbig.tfrecord tfbig.tokenizer
     tasks:     tfbig.tasks
     layouts:   tfbig.plan tfbig.pipeline.partition tfbig.distribute.zero_checkpoint
                tfbig.distribute.tensor_layout tfbig.pipeline.stage_checkpoint
@@ -33,6 +36,9 @@ layouts .. registry are one family, the parallel backends, in that order: what a
 pieces hold (below every backend, so tfbig-generate reads them without one); the data, ZeRO and
 tensor backends; the pipeline backends, built on them; the registry that picks one. Outside
 tfbig/ sit the leaves (launch, data_prep, notebooks, benchmarks, tests): tfbig imports none.
+
+The old homes of modules that moved into tfbig.data (tfbig.manifest, ...: tfbig.deprecation)
+sit in inputs beside their new ones: each is a shim that imports its new module and warns.
 
 `tfbig` itself (this file) sits in the top layer, api, beside tfbig.api: it re-exports the
 public API, which stands on the Trainer. Every import of a submodule runs this file first, so

@@ -47,6 +47,10 @@ except ImportError as error:  # pragma: no cover - depends on the installation
         "HOROVOD_WITH_TENSORFLOW=1 pip install horovod[tensorflow]") from error
 
 
+__all__ = ["THREAD_POLICIES", "average_gradients", "average_values", "background_threads",
+           "broadcast_variables", "check_thread_policy", "compression", "gather_values", "init",
+           "pin_gpu_to_local_rank", "set_thread_policy", "tf_variables"]
+
 THREAD_POLICIES = ("auto", "batch", "normal")
 _background_threads = set()  # ids of the threads the last init() saw Horovod start
 

@@ -30,6 +30,8 @@ import tensorflow as tf
 
 from tfbig.errors import UsageError
 
+__all__ = ["DataShard", "FunctionTask", "Task"]
+
 
 @dataclasses.dataclass(frozen=True)
 class DataShard:

@@ -1,0 +1,60 @@
+"""The public surface: every name in the `__all__` of tfbig's public modules imports, the docs'
+Python API page documents each of them, and every module that moved keeps its old name for one
+release with a DeprecationWarning naming the new place (tfbig.deprecation.MOVED)."""
+import importlib
+import os
+import sys
+
+import pytest
+
+from tfbig.deprecation import MOVED
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PUBLIC = ["tfbig", "tfbig.api", "tfbig.tasks.user", "tfbig.data", "tfbig.models",
+          "tfbig.distribute.horovod_keras"]
+
+
+@pytest.mark.parametrize("name", PUBLIC)
+def test_every_public_name_imports(name):
+    module = importlib.import_module(name)
+    assert module.__all__ and len(set(module.__all__)) == len(module.__all__)
+    for public in module.__all__:
+        assert getattr(module, public) is not None, f"{name}.{public}"
+    with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
+        module.not_a_name  # noqa: B018
+
+
+def test_the_package_reexports_the_api_without_importing_it_first():
+    """`import tfbig` imports nothing: the public names come from tfbig.api when first read."""
+    import tfbig
+    from tfbig import api
+
+    for name in api.__all__:
+        assert getattr(tfbig, name) is getattr(api, name)
+    assert set(api.__all__) <= set(tfbig.__all__) and set(api.__all__) <= set(dir(tfbig))
+
+
+def test_the_python_api_page_documents_the_public_api():
+    page = open(os.path.join(ROOT, "docs", "reference", "python-api.md")).read()
+    for name in ("tfbig.api", "tfbig.tasks.user.Task", "tfbig.tasks.user.DataShard"):
+        assert f"::: {name}" in page, name
+
+
+@pytest.mark.parametrize("old, new", sorted(MOVED.items()))
+def test_a_moved_module_keeps_its_old_name_with_a_warning(old, new):
+    sys.modules.pop(old, None)
+    parent, _, child = old.rpartition(".")
+    if hasattr(sys.modules[parent], child):
+        delattr(sys.modules[parent], child)
+    with pytest.warns(DeprecationWarning, match=f"{old} moved to {new}: import it from there"):
+        shim = importlib.import_module(old)
+    assert shim is importlib.import_module(new)
+
+
+def test_the_post_recipe_import_of_the_previous_release_still_works():
+    sys.modules.pop("tfbig.manifest", None)
+    with pytest.warns(DeprecationWarning, match="tfbig.data.manifest"):
+        from tfbig.manifest import load_manifest
+    from tfbig.data import load_manifest as new
+
+    assert load_manifest is new
