@@ -11,6 +11,7 @@ writes, and every tfbig-train flag applies (--strategy, --zero_stage, --precisio
         --model_dir=/tmp/own2 --max_steps=50
     ... --strategy=horovod --zero_stage=3 --shard_degree=2   # ZeRO-3 over MiCS groups of 2
 """
+import json
 import os
 import sys
 
@@ -151,6 +152,8 @@ def main(argv):
     if run.trainer.strategy.is_chief:
         print(f"losses: {[round(loss, 4) for loss in run.losses]}")
         print(f"validation: {run.summary['eval']}")
+        with open(os.path.join(flags.FLAGS.model_dir, "eval_results.json"), "w") as f:
+            json.dump(run.summary["eval"], f)
     run.close()
 
 

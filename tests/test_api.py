@@ -135,3 +135,17 @@ def test_what_a_user_task_cannot_run_is_refused_by_flag(tmp_path, flags, message
                     model_dir=str(tmp_path / "run"), **flags)
     assert message in str(error.value)
     assert run_dir_is_untouched(tmp_path / "run")
+
+
+@pytest.mark.slow
+def test_kill_9_and_resume_of_an_api_run_gives_bit_identical_weights(tmp_path):
+    """examples/own_model.py (tfbig.train) killed after a random checkpointed step and started
+    again ends with the uninterrupted run's weights and validation loss, bit for bit."""
+    from kill_and_resume import assert_killed_and_rerun_equals_uninterrupted
+
+    def command(out):
+        return [sys.executable, "-m", "examples.own_model", f"--model_dir={out}",
+                "--max_steps=8", "--checkpoint_every=1", "--log_every=1", "--deterministic",
+                "--noxla", "--peak_tflops=1", "--batch_size=8"]
+
+    assert_killed_and_rerun_equals_uninterrupted(command, tmp_path, 8, ["eval_results.json"])

@@ -70,3 +70,14 @@ def test_data_notebook_reads_shards_tokenizer_and_documents(gpt_data, monkeypatc
     assert sum(ns["lengths"]) + len(ns["lengths"]) <= ns["rows"].size  # docs + their eos fit
     assert ns["per_byte"]["validation"] == manifest.splits["validation"].tokens / (
         manifest.splits["validation"].bytes)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_your_model_notebook_trains_my_model_in_process_then_on_two_horovod_ranks(
+        tmp_path, monkeypatch):
+    ns = run_notebook("your_model.ipynb", tmp_path, 6, monkeypatch)
+    assert set(ns["losses"]) == {"one process", "horovod x2"}
+    assert [len(curve) for curve in ns["losses"].values()] == [6, 6]
+    assert ns["losses"]["one process"][-1] < ns["losses"]["one process"][0]
+    assert ns["gap"] < 1e-4  # the same global batches: the same curve
