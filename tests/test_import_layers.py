@@ -260,6 +260,10 @@ def test_a_clean_package_passes_and_an_unmapped_module_is_named(tmp_path):
                                            ("tfbig.distribute.zero", "backends"),
                                            ("tfbig.squad.cli", "commands"),
                                            ("tfbig.squad.features", "inputs"),
-                                           ("tfbig.plan.local", "commands")])
+                                           ("tfbig.plan.local", "commands"),
+                                           ("tfbig", "api"), ("tfbig.api", "api"),
+                                           ("tfbig.tasks.user", "tasks"),
+                                           ("tfbig.manifest", "inputs"),
+                                           ("tfbig.deprecation", "base")])
 def test_the_longest_pattern_wins(module, layer):
     assert layer_of(module, layer_map(ROOT))[1] == layer
