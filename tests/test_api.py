@@ -74,9 +74,11 @@ class Functional(tfbig.Task):
 
 
 def test_a_functional_model_trains_with_its_own_metric(tmp_path):
-    run = tfbig.train(Functional(), model_dir=str(tmp_path / "run"), grad_accum_steps=2, **FAST)
+    config = tfbig.configure(model_dir=str(tmp_path / "run"), grad_accum_steps=2, **FAST)
+    run = tfbig.train(Functional(), config)
     assert run.losses[-1] < run.losses[0]
     assert run.summary["eval"]["rows"] == 64 and 0 <= run.summary["eval"]["accuracy"] <= 1
+    assert tfbig.evaluate(Functional(), config) == run.summary["eval"]
 
 
 # ---- bad input: refused by name, nothing written ------------------------------------------------

@@ -162,6 +162,8 @@ def train(task_or_model_fn, loss_fn=None, dataset_fn=None, config=None, **kwargs
             a model_fn the Task options name, tokens_per_example, checkpoint_layers, metrics_fn.
     Returns a Run; training again with the same model_dir resumes from its checkpoint.
     """
+    if isinstance(loss_fn, ExperimentConfig) and config is None:  # train(task, config)
+        loss_fn, config = None, loss_fn
     task_options, flags = _split(kwargs)
     task = _task(task_or_model_fn, loss_fn, dataset_fn, task_options)
     config = configure(config, **flags)
@@ -177,6 +179,8 @@ def evaluate(task_or_model_fn, loss_fn=None, dataset_fn=None, config=None, **kwa
     """The task's validation metrics ({name: float}) of the run in the config's model_dir
     (its newest checkpoint; give the config it was trained with), computed once over the
     outputs every replica gathered."""
+    if isinstance(loss_fn, ExperimentConfig) and config is None:  # evaluate(task, config)
+        loss_fn, config = None, loss_fn
     task_options, flags = _split(kwargs)
     task = _task(task_or_model_fn, loss_fn, dataset_fn, task_options)
     config = configure(config, **flags)
@@ -191,6 +195,8 @@ def predict(task_or_model_fn, dataset_fn=None, config=None, split="validation", 
     """{name: numpy array} of the model's outputs ("outputs", or the model's own dict keys)
     on every example of `split` in order, from the config's model_dir's newest checkpoint;
     every replica predicts its rows, gathered in dataset order."""
+    if isinstance(dataset_fn, ExperimentConfig) and config is None:  # predict(task, config)
+        dataset_fn, config = None, dataset_fn
     task_options, flags = _split(kwargs)
     task = _task(task_or_model_fn, None, dataset_fn, task_options)
     config = configure(config, **flags)
