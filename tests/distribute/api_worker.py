@@ -1,11 +1,13 @@
 """One process of the API's multi-process tests: examples/own_model.py's MyModel trained with
 `tfbig.train` for each scenario of a plan, in one launch (horovodrun or tfbig-launch).
 
-    python api_worker.py PLAN_JSON
+    python api_worker.py PLAN_JSON [CPU_DEVICES]
 
 PLAN_JSON: [{"name": ..., "flags": {tfbig-train flag: value}, "model_dir": ...}, ...]. The
-chief writes MODEL_DIR/losses.json (each logged step's loss); the weights are the run's
-checkpoint.
+chief writes MODEL_DIR/losses.json (each logged step's loss) and world.json (the number of
+data-parallel replicas); the weights are the run's
+checkpoint. CPU_DEVICES splits the CPU into that many logical devices first (for
+strategy="mirrored").
 """
 import json
 import os
@@ -20,7 +22,13 @@ import own_model  # noqa: E402
 import tfbig  # noqa: E402
 
 
-def main(plan_path):
+def main(plan_path, cpu_devices=0):
+    if cpu_devices:
+        import tensorflow as tf
+
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * cpu_devices)
     with open(plan_path) as f:
         plan = json.load(f)
     run = None
@@ -31,8 +39,10 @@ def main(plan_path):
         if run.trainer.strategy.is_chief:
             with open(os.path.join(scenario["model_dir"], "losses.json"), "w") as f:
                 json.dump(run.losses, f)
+            with open(os.path.join(scenario["model_dir"], "world.json"), "w") as f:
+                json.dump({"num_replicas": run.trainer.strategy.num_replicas}, f)
     run.close()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], *map(int, sys.argv[2:3]))

@@ -5,7 +5,8 @@ trained weight (tests/equality.py's rule, fp32), the sharded runs' pieces joined
 Default run: one `horovodrun -np 2 --gloo` launch (data parallel with activation checkpointing
 of the layers the task names and 2 accumulation steps). Slow: ZeRO-3
 on 4 ranks over MiCS partition groups of 2 (the task's named layers gathered one at a time),
-and 2 MultiWorkerMirrored workers under tfbig-launch.
+2 MultiWorkerMirrored workers under tfbig-launch, and MirroredStrategy over 2 logical CPU
+devices in one process (one input pipeline whose consecutive batches go to the replicas).
 """
 import json
 import os
@@ -41,6 +42,7 @@ HOROVOD = {"dp2_recompute_accum2": {"strategy": "horovod", "activation_checkpoin
                                     "grad_accum_steps": 2}}
 ZERO3 = {"zero3_mics": {"strategy": "horovod", "zero_stage": 3, "shard_degree": 2}}
 MULTIWORKER = {"multiworker": {"strategy": "multiworker"}}
+MIRRORED = {"mirrored": {"strategy": "mirrored"}}
 
 
 def write_plan(root, scenarios):
@@ -75,7 +77,9 @@ def trained_weights(run_dir):
     return {v.path: reader.get_tensor(reader_key(model, v)) for v in model.trainable_variables}
 
 
-def assert_equals_one_process(root, name, flags):
+def assert_equals_one_process(root, name, flags, replicas):
+    world = json.loads((root / name / "world.json").read_text())
+    assert world["num_replicas"] == replicas, world
     losses, recorded = reference(root / f"{name}_one", flags)
     ours = json.loads((root / name / "losses.json").read_text())
     assert len(ours) == 4 and ours[0] != ours[-1]
@@ -91,7 +95,7 @@ def test_my_model_on_two_horovod_ranks_equals_one_process(tmp_path):
     code = horovodrun([WORKER, str(write_plan(tmp_path, HOROVOD))], tmp_path / "log.txt")
     assert code == 0, read(tmp_path / "log.txt")[-6000:]
     for name, flags in HOROVOD.items():
-        assert_equals_one_process(tmp_path, name, flags)
+        assert_equals_one_process(tmp_path, name, flags, replicas=2)
 
 
 @pytest.mark.slow
@@ -100,7 +104,7 @@ def test_my_model_under_zero3_on_four_ranks_equals_one_process(tmp_path):
                       ranks=("-np", "4", "-H", "localhost:4"))
     assert code == 0, read(tmp_path / "log.txt")[-6000:]
     assert json.loads((tmp_path / "zero3_mics" / "zero.json").read_text())["zero_stage"] == 3
-    assert_equals_one_process(tmp_path, "zero3_mics", ZERO3["zero3_mics"])
+    assert_equals_one_process(tmp_path, "zero3_mics", ZERO3["zero3_mics"], replicas=4)
 
 
 @pytest.mark.slow
@@ -111,4 +115,13 @@ def test_my_model_on_two_multiworker_workers_equals_one_process(tmp_path):
                           capture_output=True, timeout=1200,
                           env={**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"})
     assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
-    assert_equals_one_process(tmp_path, "multiworker", MULTIWORKER["multiworker"])
+    assert_equals_one_process(tmp_path, "multiworker", MULTIWORKER["multiworker"], replicas=2)
+
+
+@pytest.mark.slow
+def test_my_model_mirrored_over_two_cpu_devices_equals_one_process(tmp_path):
+    done = subprocess.run([sys.executable, WORKER, str(write_plan(tmp_path, MIRRORED)), "2"],
+                          cwd=ROOT, text=True, capture_output=True, timeout=1200,
+                          env={**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+    assert_equals_one_process(tmp_path, "mirrored", MIRRORED["mirrored"], replicas=2)
