@@ -16,11 +16,11 @@ BERT/ALBERT papers report v2.0 dev scores). Without --train_file: predict with t
 fine-tuned earlier in --output_dir.
 
 Every tfbig-train backend and feature applies (tfbig.finetune): --strategy=horovod |
-multiworker | mirrored | pipeline, --tensor_parallel, --zero_stage=1|2, --pipeline_stages
+multiworker | mirrored | pipeline, --tensor_parallel, --zero_stage=1|2|3, --pipeline_stages
 (also across ranks, with --tensor_parallel), --precision, --grad_accum_steps,
 --checkpoint_every, --deterministic, --dropout. Prediction runs on every data-parallel rank in
-batches of the training micro-batch, gathered in dataset order. Refused by name: --zero_stage=3
-(not tested yet with the span model).
+batches of the training micro-batch, gathered in dataset order. Refused by name:
+--time_budget_minutes (the recipe's schedule needs the step count up front).
 
     horovodrun -np 4 -H localhost:4 --gloo tfbig-squad --strategy=horovod --zero_stage=2 ...
     tfbig-squad --strategy=pipeline --pipeline_stages=2 --num_microbatches=4 ...
@@ -85,9 +85,6 @@ def fine_tune(options, before_fit=None, **overrides):
     if not options.train_file:  # the fine-tuned weights come from --output_dir's checkpoint
         options = dataclasses.replace(options, init_checkpoint="", max_steps=_saved_steps(
             options.output_dir))
-    if overrides.get("zero_stage", 0) == 3:  # tfbig-classify's ZeRO-3 path is tested; not this one
-        raise UsageError("--zero_stage=3 with tfbig-squad: not tested yet with the span model's "
-                         "backbone loaded into ZeRO-3's slices; use --zero_stage=1 or 2")
     cfg = finetune.experiment(options, "squad", **overrides)
     with precision_policy(options.precision):  # the model computes in float16 / bfloat16
         strategy = finetune.strategy(cfg)  # before any TensorFlow op (MultiWorkerMirrored)
