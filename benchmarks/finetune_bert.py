@@ -81,7 +81,8 @@ def trainer_of(data, steps):
 
     from tfbig import finetune
     from tfbig.models.bert import BertClassifier
-    from tfbig.tasks.classify import ClassifyTask, Examples
+    from tfbig.tasks.classify import ClassifyTask
+    from tfbig.tasks.fine_tuning import Examples
     from tfbig.trainer import Trainer
 
     class RandomBert(ClassifyTask):  # the command's task without a run directory

@@ -8,12 +8,12 @@ from tfbig.distribute import tensor_layout, zero_checkpoint
 from tfbig.pipeline import stage_checkpoint
 
 
-def a_run(tmp_path, filename, layout):
+def a_run(tmp_path, filename, layout, model="gpt"):
     run = tmp_path / "run"
     run.mkdir()
     checkpoint.write_layout(str(run), filename, layout)
     cfg = config_lib.ExperimentConfig()
-    cfg.train.batch_size = 6
+    cfg.train.batch_size, cfg.train.model = 6, model
     config_lib.save_json(cfg, str(run / "config.json"))
     return run
 
@@ -53,3 +53,20 @@ def test_consolidation_refuses_to_write_into_the_run_it_reads(tmp_path):
     run = a_run(tmp_path, "pipeline.json", {"pipeline_stages": 2, "stages": []})
     with pytest.raises(ValueError, match="output directory must differ"):
         consolidate.consolidate(str(run), str(run))
+
+
+@pytest.mark.parametrize("model, command", [("classify", "tfbig-classify"),
+                                            ("squad", "tfbig-squad")])
+@pytest.mark.parametrize("filename, layout", [
+    ("zero.json", {"zero_stage": 2, "shard_degree": 2}),
+    ("tensor.json", {"tensor_parallel": 2, "splits": {}}),
+    ("pipeline.json", {"pipeline_stages": 2, "stages": []})])
+def test_a_fine_tuning_run_is_refused_by_name(tmp_path, capsys, model, command, filename,
+                                              layout):
+    """A sharded tfbig-classify / tfbig-squad run: its task needs the command's flags and
+    files, which config.json lacks; the command says so (exit 2) and names what to use."""
+    run = a_run(tmp_path, filename, layout, model=model)
+    assert consolidate.main([str(run), str(tmp_path / "out")]) == 2
+    error = capsys.readouterr().err
+    assert f"is a {command} run" in error and "is not consolidated" in error
+    assert f"predict from it with {command}" in error and not (tmp_path / "out").exists()

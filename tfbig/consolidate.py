@@ -7,6 +7,9 @@ position) that resumes under any layout; the run's directory is only read.
 
     python -m tfbig.consolidate MODEL_DIR OUT_DIR
 
+Fine-tuning runs (tfbig-classify, tfbig-squad) are refused by name: their task is built from
+the command's flags and data files, not from config.json.
+
 This is a command: it builds a Trainer to hold the full state, so it sits above the trainer.
 The layouts themselves and the readers of their pieces (tfbig-generate and tfbig-export read
 weights straight from the pieces) sit below the backends: tfbig.distribute.zero_checkpoint,
@@ -23,6 +26,7 @@ from tfbig.pipeline import stage_checkpoint
 from tfbig.trainer import Trainer
 
 COMMAND = "python -m tfbig.consolidate MODEL_DIR OUT_DIR"
+FINE_TUNING = {"classify": "tfbig-classify", "squad": "tfbig-squad"}  # --model: its command
 
 
 def consolidation_input(model_dir, out_dir, filename, what):
@@ -41,7 +45,16 @@ def consolidation_input(model_dir, out_dir, filename, what):
     if tf.train.latest_checkpoint(out_dir):
         raise ValueError(f"{out_dir} already holds a checkpoint; choose an empty directory")
     with open(os.path.join(model_dir, "config.json")) as f:
-        return layout, config_lib.from_dict(json.load(f))
+        cfg = config_lib.from_dict(json.load(f))
+    if cfg.train.model in FINE_TUNING:
+        command = FINE_TUNING[cfg.train.model]
+        raise ValueError(
+            f"{model_dir} is a {command} run: its model (the task's head on the "
+            f"--init_checkpoint backbone) is built from the command's own flags and files, "
+            f"which config.json does not hold, so it is not consolidated; predict from it with "
+            f"{command} and the run's --strategy/--tensor_parallel/--zero_stage/"
+            f"--pipeline_stages flags (a ZeRO run also re-shards on load to any rank count)")
+    return layout, cfg
 
 
 def consolidate(model_dir, out_dir, warn=print):

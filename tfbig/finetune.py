@@ -46,6 +46,12 @@ class FineTuneOptions:
 
 # Command flag -> TrainConfig field where the names differ.
 RENAMED = {"output_dir": "model_dir", "train_batch_size": "batch_size"}
+# tfbig-train flags the commands refuse, and why (the others they refuse are the recipe's).
+NOT_TAKEN = {"time_budget_minutes": (
+    "train for --num_train_epochs or --max_steps: the recipe's warmup (--warmup_proportion) "
+    "and linear decay to zero are shares of a step count known before the first step, which "
+    "a time budget only fixes after timing the run; give --max_steps (with --checkpoint_every, "
+    "a rerun of the command resumes)")}
 
 
 def trainer_flags(options_class):
@@ -152,5 +158,6 @@ def overrides_from_flags(options_class):
         renamed = {v: k for k, v in RENAMED.items()}
         raise UsageError(f"--{refused[0]} is tfbig-train's; the fine-tuning commands "
                          + (f"take --{renamed[refused[0]]}" if refused[0] in renamed else
-                            "set it from their own flags (the BERT recipe)"))
+                            NOT_TAKEN.get(refused[0], "set it from their own flags (the "
+                                                      "BERT recipe)")))
     return {k: v for k, v in passed.items() if k not in own}

@@ -6,9 +6,11 @@ tests/equality.py's rule), and the predictions and scores, made on every rank an
 
 Scenarios: the default run launches BERT classification at TP2 x DP2 and BERT SQuAD with ZeRO-2
 over partition groups of 2 (MiCS, two replica groups); slow launches: classification with
-ZeRO-1 over all 4 ranks, and SQuAD ZeRO-2 in fp16 against one process of the same precision.
-tfbig-squad refuses --tensor_parallel (its first step fails in Horovod; tfbig-classify's does
-not). A SQuAD ZeRO run's checkpoint is read back by one process (--strategy=horovod
+ZeRO-1 over all 4 ranks, SQuAD ZeRO-3 over partition groups of 2, SQuAD ZeRO-2 in fp16
+against one process of the same precision, SQuAD at TP2 x DP2, and SQuAD at TP2 x PP2 (tensor groups inside 2 cross-rank stages; every
+rank's first-step gradients too, tests/distribute/squad_worker.py). In process (default run):
+a split span model keeps the pooler frozen, and cross-rank stages of a fine-tuning model are
+cut by its own head (what the TP launches first failed on). A SQuAD ZeRO run's checkpoint is read back by one process (--strategy=horovod
 --zero_stage, re-sharded on load) to the same predictions. Bad combinations are refused before
 any training, naming the flags.
 """
@@ -55,7 +57,13 @@ SLOW_SCENARIOS = {
     # each rank slices the --init_checkpoint backbone its deferred build loaded
     "classify_zero3_mics": ("classify", {"zero_stage": 3, "shard_degree": 2}),
     "classify_zero1": ("classify", {"zero_stage": 1}),
+    # the span model's --init_checkpoint backbone loaded into ZeRO-3's slices alike (through
+    # the Keras variables: run_dir.restore_backbone); 3 min on 2 busy cores
+    "squad_zero3_mics": ("squad", {"zero_stage": 3, "shard_degree": 2}),
     "squad_zero2_mics_fp16": ("squad", {"zero_stage": 2, "shard_degree": 2, **FP16}),
+    # the span model split (its frozen pooler stays frozen: tensor_layout.split_model); 65 s
+    # idle, over the default run's budget: the in-process tests below cover the default run
+    "squad_tp2_dp2": ("squad", {"tensor_parallel": 2}),
 }
 
 
@@ -236,6 +244,69 @@ def test_more_layouts_equal_one_process(name, files, tmp_path):
     _check(name, files, tmp_path)
 
 
+SQUAD_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "squad_worker.py")
+# tfbig-squad under TP2 x PP2 on 4 ranks (tensor groups inside each of 2 cross-rank stages),
+# 1F1B over 2 micro-batches
+TP_PP = {"tensor_parallel": 2, "pipeline_stages": 2, "num_microbatches": 2, "schedule": "1f1b"}
+
+
+def _held(result, prefix):
+    return {str(p): result[f"{prefix}{i}"] for i, p in enumerate(result["paths"])}
+
+
+def _as_held(result, path, full):
+    """`full` (one process's array) as rank `result` holds weight `path`: its slice if split."""
+    from tfbig.distribute.tensor_layout import take_slice
+
+    splits = json.loads(str(result["splits"]))
+    return take_slice(full, *splits[path], int(result["tensor"]), 2) if path in splits else full
+
+
+@pytest.mark.slow  # 3 min on 2 busy cores
+@pytest.mark.multiproc
+def test_squad_tp2_pp2_equals_one_process(files, tmp_path):
+    """tfbig-squad --strategy=horovod --tensor_parallel=2 --pipeline_stages=2 (4 ranks) against
+    one process on the same global batches: every rank's first-step gradients (every variable,
+    every slice, rtol 1e-5), the losses of 4 steps, the trained weights (tests/equality.py's
+    rule) and the predictions, made by the last stage's ranks and gathered."""
+    ours, out = tmp_path / "four", tmp_path / "ranks"
+    out.mkdir()
+    options = {**_options("squad", files, {}), "strategy": "horovod", "output_dir": str(ours)}
+    (tmp_path / "run.json").write_text(json.dumps({
+        "options": options, "overrides": {**TP_PP, "dropout": 0.0, **FAST}, "out": str(out)}))
+    code = horovodrun([SQUAD_WORKER, str(tmp_path / "run.json")], tmp_path / "log.txt",
+                      ranks=("-np", "4", "-H", "localhost:4"))
+    assert code == 0, read(tmp_path / "log.txt")[-6000:]
+    one, recorded = tmp_path / "one", []
+    squad(SquadOptions(**_options("squad", files, {}), output_dir=str(one)),
+          before_fit=lambda trainer: recorded.append(RecordedGradients(trainer)),
+          dropout=0.0, **FAST)
+    reference, first = recorded[0], dict(zip(recorded[0].paths, recorded[0].gradients()[0]))
+    losses = [json.loads((run / "train_losses.json").read_text()) for run in (ours, one)]
+    assert len(losses[0]) == 4 and losses[0][0] != losses[0][-1]
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
+    covered = set()
+    for rank in range(4):
+        with np.load(out / f"rank{rank}.npz") as data:
+            result = {key: data[key] for key in data.files}
+        where = f"rank {rank} (stage {int(result['stage'])}, tensor {int(result['tensor'])})"
+        for path, gradient in _held(result, "g").items():
+            assert np.abs(first[path]).max() > 0, path
+            np.testing.assert_allclose(gradient, _as_held(result, path, first[path]),
+                                       rtol=1e-5, atol=1e-7, err_msg=f"{where}: {path}")
+        for path, value in _held(result, "w").items():
+            reference.assert_equal_piece(path, value, lambda full, path=path: _as_held(
+                result, path, full), err_msg=where)
+            covered.add((path, int(result["tensor"]) if path in json.loads(
+                str(result["splits"])) else None))
+        assert 0 < len(_held(result, "w")) < len(first), where  # a stage's share
+    split = {p for p, t in covered if t is not None}
+    assert split and covered == ({(p, t) for p in split for t in range(2)}
+                                 | {(p, None) for p in set(first) - split})
+    for output in ("predictions.json", "eval_results.json"):
+        assert (ours / output).read_text() == (one / output).read_text(), output
+
+
 @pytest.mark.parametrize("strategy, flags, message", [
     ("single", dict(tensor_parallel=2),
      r"--tensor_parallel=2 has no effect with --strategy=single; it applies to "
@@ -260,18 +331,54 @@ def test_the_commands_refuse_what_the_trainer_refuses(command, strategy, flags, 
     assert not list((tmp_path / "o").glob("ckpt-*"))
 
 
-def test_tfbig_squad_refuses_zero_stage_3_naming_the_reason(files, tmp_path):
-    with pytest.raises(ValueError, match=r"--zero_stage=3 with tfbig-squad: not tested yet"):
-        squad(SquadOptions(**_options("squad", files, {}), strategy="horovod",
-                           output_dir=str(tmp_path / "o")), zero_stage=3)
-    assert not (tmp_path / "o").exists() or not list((tmp_path / "o").glob("ckpt-*"))
+def _squad_task():
+    from tfbig.squad.model import build_model
+
+    class Task:  # what split_model and stage_plan read of tfbig.tasks.squad.SquadTask
+        seq_length = 24
+        model_config = BertConfig(**BERT)
+
+        def build_model(self):
+            return build_model(self.model_config)
+
+        def layer_specs(self):
+            from tfbig.plan.models import fine_tune_specs
+
+            return fine_tune_specs(self.model_config, self.seq_length)
+
+    return Task()
 
 
-def test_tfbig_squad_refuses_tensor_parallel_naming_the_reason(files, tmp_path):
-    with pytest.raises(ValueError, match=r"--tensor_parallel=2 with tfbig-squad: not working "
-                                         r"yet"):
-        squad(SquadOptions(**_options("squad", files, {}), strategy="horovod",
-                           output_dir=str(tmp_path / "o")), tensor_parallel=2)
+def test_a_split_span_model_keeps_its_pooler_frozen():
+    """The span head reads tokens only, so tfbig.squad.model freezes the pooler; each tensor
+    rank's model trains the same weights (a trained pooler had no gradient: the first TP
+    step of tfbig-squad failed)."""
+    from tfbig.distribute.tensor_layout import TensorGroup, split_model
+
+    task = _squad_task()
+    whole = {v.path for v in task.build_model().trainable_variables}
+    local, _ = split_model(task, TensorGroup(None, 1, 2))
+    assert {v.path for v in local.trainable_variables} == whole
+    assert not any("pooler" in path for path in whole)
+
+
+def test_cross_rank_stages_of_the_span_model_hold_only_their_layers():
+    """--strategy=horovod --pipeline_stages cuts a fine-tuning model by its task's specs (the
+    span head on the last stage), not pretraining's (whose heads read the word table and own
+    no span head: every stage held the span head, the last a stray table copy)."""
+    from tfbig.config import PipelineConfig
+    from tfbig.distribute.tensor_layout import TensorGroup
+    from tfbig.pipeline.cross_rank import stage_plan
+    from tfbig.pipeline.tensor_stage import build_tensor_stage
+
+    task = _squad_task()
+    specs, plan = stage_plan(task, PipelineConfig(), 2)
+    assert specs == task.layer_specs()
+    held = [{v.path.split("/", 1)[1] for v in build_tensor_stage(
+        task, plan, specs, stage, "/device:CPU:0", TensorGroup(None, 0, 2))[0].model
+        .trainable_variables} for stage in range(2)]
+    assert "backbone/embedding/word/embeddings" in held[0] - held[1]
+    assert {"span_head/kernel", "span_head/bias"} <= held[1] - held[0]
 
 
 @pytest.mark.parametrize("family, head", [("bert_classify", "classifier_head"),

@@ -120,3 +120,18 @@ def test_bad_inputs_are_clear_errors(tmp_path, qa_sets, pretrained_run):
     with pytest.raises(ValueError, match="no fine-tuned model in --output_dir"):
         fine_tune(options(tmp_path, qa_sets, init_checkpoint=pretrained_run, train_file="",
                           output_dir=str(tmp_path / "empty")))
+
+
+def test_time_budget_is_refused_naming_the_reason(tmp_path):
+    """tfbig-squad and tfbig-classify take tfbig-train's flags but --time_budget_minutes: the
+    recipe's warmup and decay are shares of a step count known before the first step."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    result = subprocess.run(
+        [sys.executable, "-m", "tfbig.squad.cli", "--time_budget_minutes=5",
+         f"--output_dir={tmp_path / 'out'}", "--train_file=train.json"],
+        cwd=root, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": root})
+    assert result.returncode != 0
+    assert "--time_budget_minutes is tfbig-train's; the fine-tuning commands train for " \
+           "--num_train_epochs or --max_steps" in result.stderr, result.stderr[-2000:]
+    assert "give --max_steps" in result.stderr and not (tmp_path / "out").exists()

@@ -69,10 +69,12 @@ def read_config(run_dir, families=("bert",)):
 
 
 def read_weights(run_dir):
-    """{tfbig key: np.ndarray} of the latest checkpoint in `run_dir`."""
-    path = tf.train.latest_checkpoint(run_dir)
-    if not path:
-        raise UsageError(f"--source={run_dir}: no checkpoint in it")
+    """{tfbig key: np.ndarray} of the latest checkpoint in `run_dir` (or of the checkpoint
+    path `run_dir`)."""
+    path = tf.train.latest_checkpoint(run_dir) if os.path.isdir(run_dir) else run_dir
+    if not path or not tf.io.gfile.glob(path + ".index"):
+        raise UsageError(f"{run_dir}: no checkpoint in it (expected a tfbig run directory "
+                         "or a checkpoint path)")
     reader = tf.train.load_checkpoint(path)
     suffix = "/.ATTRIBUTES/VARIABLE_VALUE"
     return {name[len("model/"):-len(suffix)].replace(".S", "/"): reader.get_tensor(name)
@@ -81,24 +83,34 @@ def read_weights(run_dir):
 
 
 def restore_backbone(model, run_dir):
-    """Load a run directory's backbone weights into a tfbig BERT model (any head).
+    """Load a run directory's (or checkpoint path's) backbone weights into a tfbig BERT or
+    ALBERT model (any head).
 
     Assigned through the model's Keras variables, so that inside a `keras.StatelessScope`
     (ZeRO-3's deferred build, tfbig.distribute.zero3.build_unmaterialised) the values go to
-    the scope, which the backend slices, instead of to variables that hold none."""
+    the scope, which the backend slices, instead of to variables that hold none; a weight
+    another pipeline stage holds (an empty placeholder on this rank) is left as it is."""
     weights = read_weights(run_dir)
     backbone = {model_key(model, v): v for v in model.variables
                 if model_key(model, v).startswith("backbone/") and "seed_generator" not in v.path}
+    held = {key: v for key, v in backbone.items() if not _placeholder(v)}
     missing = sorted(set(backbone) - set(weights))
     if missing:
         raise UsageError(f"--init_checkpoint={run_dir}: its checkpoint lacks {len(missing)} "
                          f"backbone weights of {model.name}: {missing[:3]}")
-    for key, variable in backbone.items():
+    for key, variable in held.items():
         if tuple(weights[key].shape) != tuple(variable.shape):
             raise UsageError(f"--init_checkpoint={run_dir}: {key} has shape "
                              f"{tuple(weights[key].shape)}, the model's is {tuple(variable.shape)}")
         variable.assign(weights[key])
     return model
+
+
+def _placeholder(variable):
+    """True for a weight built empty on this rank (tfbig.pipeline.stage_model.hold_only);
+    a deferred one (no value yet: ZeRO-3's build) is not."""
+    value = getattr(variable, "_value", None)  # not `.value`: a deferred one would initialise
+    return value is not None and tuple(value.shape) != tuple(variable.shape)
 
 
 def assign(model, weights):

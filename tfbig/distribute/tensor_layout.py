@@ -211,11 +211,14 @@ def join_slices(pieces, axis, sections):
 
 def split_model(task, group, wrap=None):
     """(local model, {variable path: (axis, sections)}) for rank `group.rank`: the
-    single-device model's initialisation, with every planned layer holding its slice.
+    single-device model's initialisation and frozen layers, with every planned layer
+    holding its slice.
     `wrap(layer, split, group)` inserts the collectives into each split layer's call."""
     full = task.build_model()
     plan = plan_for(full)
     local = type(full).from_config(full.get_config())
+    for source, twin in zip(full._flatten_layers(), local._flatten_layers(), strict=True):
+        twin.trainable = source.trainable  # frozen stays frozen (the span model's pooler)
     layers = [(layer, split) for pattern, split in plan for layer in _resolve(local, pattern)]
     for layer, split in layers:
         _shrink(layer, split, group.size)

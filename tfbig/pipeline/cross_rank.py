@@ -55,10 +55,10 @@ from tfbig.distribute.mesh import HorovodMesh, Mesh, launcher_world_size
 from tfbig.pipeline import partition as partition_lib
 from tfbig.pipeline import schedules
 from tfbig.pipeline import stage_checkpoint
-from tfbig.plan.models import layer_specs
 from tfbig.pipeline.stage_model import build_stage_model
 from tfbig.pipeline.stages import Stage
-from tfbig.pipeline.strategy import microbatch_size, split_microbatches, stage_memory
+from tfbig.pipeline.strategy import (microbatch_size, split_microbatches, stage_memory,
+                                     task_layer_specs)
 from tfbig.pipeline.transport import StageLink, boundary_specs, runtime_zero, unfoldable
 
 # (config section, flag, is it set?) of what is not built with stages on different ranks.
@@ -94,8 +94,7 @@ def pipeline_mesh(cfg, world_size):
 
 def stage_plan(task, pipeline, num_stages):
     """(LayerSpecs, StagePlans) of `task`'s model cut into `num_stages` (errors name flags)."""
-    specs = layer_specs(task.model_config, task.seq_length,
-                        getattr(task, "max_predictions_per_seq", None))
+    specs = task_layer_specs(task)  # a fine-tuning head's own, like --strategy=pipeline's
     return specs, partition_lib.partition(specs, num_stages, pipeline.stage_boundaries,
                                           pipeline.pipeline_balance)
 

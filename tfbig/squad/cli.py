@@ -16,11 +16,11 @@ BERT/ALBERT papers report v2.0 dev scores). Without --train_file: predict with t
 fine-tuned earlier in --output_dir.
 
 Every tfbig-train backend and feature applies (tfbig.finetune): --strategy=horovod |
-multiworker | mirrored | pipeline, --zero_stage=1|2, --pipeline_stages,
---precision, --grad_accum_steps, --checkpoint_every, --deterministic, --dropout. Prediction
-runs on every data-parallel rank in batches of the training micro-batch, gathered in dataset
-order. Refused by name: --zero_stage=3 (the backbone cannot be loaded into its slices yet) and
---tensor_parallel (its first step fails in Horovod; see docs/guides/fine-tune-trainer.md).
+multiworker | mirrored | pipeline, --tensor_parallel, --zero_stage=1|2|3, --pipeline_stages
+(also across ranks, with --tensor_parallel), --precision, --grad_accum_steps,
+--checkpoint_every, --deterministic, --dropout. Prediction runs on every data-parallel rank in
+batches of the training micro-batch, gathered in dataset order. Refused by name:
+--time_budget_minutes (the recipe's schedule needs the step count up front).
 
     horovodrun -np 4 -H localhost:4 --gloo tfbig-squad --strategy=horovod --zero_stage=2 ...
     tfbig-squad --strategy=pipeline --pipeline_stages=2 --num_microbatches=4 ...
@@ -85,15 +85,6 @@ def fine_tune(options, before_fit=None, **overrides):
     if not options.train_file:  # the fine-tuned weights come from --output_dir's checkpoint
         options = dataclasses.replace(options, init_checkpoint="", max_steps=_saved_steps(
             options.output_dir))
-    if (options.strategy == "horovod" and overrides.get("tensor_parallel", 1) > 1
-            and overrides.get("zero_stage", 0) <= 1):  # a layout the Trainer would build
-        raise UsageError(f"--tensor_parallel={overrides['tensor_parallel']} with tfbig-squad: "
-                         "not working yet; the first step of the split span model fails in "
-                         "Horovod ('Process set does not exist'; tfbig-classify's split model "
-                         "trains). Use --zero_stage=1|2 or --strategy=pipeline to spread it")
-    if overrides.get("zero_stage", 0) == 3:  # tfbig-classify's ZeRO-3 path is tested; not this one
-        raise UsageError("--zero_stage=3 with tfbig-squad: not tested yet with the span model's "
-                         "backbone loaded into ZeRO-3's slices; use --zero_stage=1 or 2")
     cfg = finetune.experiment(options, "squad", **overrides)
     with precision_policy(options.precision):  # the model computes in float16 / bfloat16
         strategy = finetune.strategy(cfg)  # before any TensorFlow op (MultiWorkerMirrored)

@@ -13,9 +13,8 @@ import json
 import os
 
 import keras
-import tensorflow as tf
 
-from tfbig.checkpoint import model_variables
+from tfbig.convert import run_dir
 from tfbig.models.albert import AlbertConfig, AlbertForQuestionAnswering
 from tfbig.models.bert import BertConfig, BertForQuestionAnswering
 
@@ -83,12 +82,5 @@ def build_model(config, init_checkpoint=None, seed=0):
     model.build()
     model.backbone.pooler.trainable = False
     if init_checkpoint:
-        path = tf.train.latest_checkpoint(init_checkpoint) if os.path.isdir(init_checkpoint) \
-            else init_checkpoint
-        if not path:
-            raise ValueError(f"--init_checkpoint={init_checkpoint}: no checkpoint found")
-        backbone = {name: v for name, v in model_variables(model).items()
-                    if name.startswith("backbone/")}  # the trainer's keys: Keras paths
-        status = tf.train.Checkpoint(model=backbone).restore(path)
-        status.expect_partial().assert_existing_objects_matched()
+        run_dir.restore_backbone(model, init_checkpoint)
     return model

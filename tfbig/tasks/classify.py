@@ -7,9 +7,9 @@ loss (cross-entropy), and a validation step returning class logits with labels. 
 runs once over the gathered outputs: accuracy, F1 (of the second class for two classes, else
 macro-averaged) and Matthews correlation, as GLUE scores its tasks.
 
-Features: [CLS] a [SEP] b [SEP], the longer text cut first to fit --max_seq_length. Training
-order: one seeded shuffle per epoch, the same on every process; global batch s is examples
-[s x B, (s + 1) x B) of it whatever the layout, each replica taking its rows.
+Features: [CLS] a [SEP] b [SEP], the longer text cut first to fit --max_seq_length. The
+inputs, training order and steps around the loss are every fine-tuning task's
+(tasks.fine_tuning).
 
     task = ClassifyTask(train_config, ClassifyData(init_checkpoint="runs/bert",
                                                    train_file="train.tsv", eval_file="dev.tsv"))
@@ -24,8 +24,7 @@ import tensorflow as tf
 
 from tfbig.config import field
 from tfbig.errors import UsageError
-
-INPUTS = ("input_ids", "segment_ids", "input_mask")
+from tfbig.tasks.fine_tuning import INPUTS, Examples, FineTuningTask
 
 
 @dataclasses.dataclass
@@ -50,26 +49,11 @@ class ClassifyData:
                                       "mismatched).")
 
 
-class Examples:
-    """What the Trainer reads of a task's data (a prepared manifest's role): the tokenizer file
-    copied into the run directory and the records of each split."""
-
-    def __init__(self, tokenizer_path, records):
-        self.tokenizer_path = tokenizer_path
-        self.splits = {name: _Split(count) for name, count in records.items()}
-
-
-@dataclasses.dataclass
-class _Split:
-    records: int
-
-
-class ClassifyTask:
+class ClassifyTask(FineTuningTask):
     """BertClassifier fine-tuning on labelled examples; splits "train", "validation" (the
     first eval set) and each eval set by name ("" for --eval_file, TFDS split names)."""
 
     format = "classify"
-    data_dir = ""
 
     def __init__(self, train, options):
         from tfbig.convert import run_dir
@@ -81,10 +65,7 @@ class ClassifyTask:
             raise UsageError("--init_checkpoint: give a tfbig-convert --output_dir holding a "
                              "BERT (its config.json, vocab.txt and checkpoint)")
         config, saved = run_dir.read_config(options.init_checkpoint, families=("bert",))
-        if train.dropout >= 0:
-            config = dataclasses.replace(config, dropout=train.dropout)
-        config.check_inputs(seq_length=options.max_seq_length)
-        self.model_config, self.seq_length = config, options.max_seq_length
+        self.set_model_config(config, options.max_seq_length)
         tokenizer = WordPieceTokenizer.from_run(options.init_checkpoint, saved["tokenizer"])
         examples, evals, self.names = read_data(options)
         label_ids = {name: i for i, name in enumerate(self.names)}
@@ -108,69 +89,18 @@ class ClassifyTask:
         run_dir.restore_backbone(model, self.options.init_checkpoint)
         return model
 
-    def layer_specs(self):
-        """The layers the pipeline cuts the model by (the classifier on the last stage)."""
-        from tfbig.plan.models import fine_tune_specs
-
-        return fine_tune_specs(self.model_config, self.seq_length)
-
-    def dataset(self, split, batch_size, input_context=None, *, seed=0, repeat=True,
-                shuffle=True, start=0, drop_remainder=True):
-        """Batches of {input_ids, segment_ids, input_mask (B, T), labels (B,)} for one input
-        pipeline: of every `batch_size x replicas` examples in the seeded order, this
-        pipeline's rows, cut into per-replica batches of `batch_size`; from global example
-        `start` on (a resumed run)."""
-        return example_batches(self.arrays[split], batch_size, input_context, seed=seed,
-                               repeat=repeat, shuffle=shuffle, start=start,
-                               drop_remainder=drop_remainder)
-
-    def flops_per_token(self):
-        return self.model_config.flops_per_token(self.seq_length)
-
-    def model_inputs(self, batch):
-        return {name: batch[name] for name in INPUTS}
-
     def loss_from_outputs(self, outputs, batch):
         """Mean cross-entropy of the class logits (float32) and its metrics."""
         loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
             batch["labels"], tf.cast(outputs["logits"], tf.float32)))
         return loss, {"loss": loss}
 
-    def loss(self, model, batch, training=False):
-        return self.loss_from_outputs(model(self.model_inputs(batch), training=training), batch)
-
     def validation_outputs(self, outputs, batch):
         return {"logits": tf.cast(outputs["logits"], tf.float32), "labels": batch["labels"]}
-
-    def validation_step(self, model, batch):
-        return self.validation_outputs(model(self.model_inputs(batch), training=False), batch)
 
     def reduce_aggregated_logs(self, outputs):
         """Accuracy, F1 and Matthews correlation of the gathered logits."""
         return scores(outputs["labels"], outputs["logits"].argmax(-1), len(self.names))
-
-
-def example_batches(arrays, batch_size, input_context=None, *, seed=0, repeat=True,
-                    shuffle=True, start=0, drop_remainder=True):
-    """Batches of `arrays` ({name: (N, ...)}) for one input pipeline (see ClassifyTask),
-    from global example `start` (a multiple of the global batch) on."""
-    pipelines = input_context.num_input_pipelines if input_context else 1
-    pipeline = input_context.input_pipeline_id if input_context else 0
-    replicas = input_context.num_replicas_in_sync if input_context else 1
-    chunk = batch_size * replicas  # one micro-step of every replica
-    share = chunk // pipelines
-    examples = tf.data.Dataset.from_tensor_slices(arrays)
-    if shuffle:
-        examples = examples.shuffle(len(next(iter(arrays.values()))), seed=seed,
-                                    reshuffle_each_iteration=True)
-    if repeat:
-        examples = examples.repeat()
-    if pipelines == 1 and replicas == 1:
-        return examples.batch(batch_size, drop_remainder=drop_remainder).skip(
-            start // batch_size).prefetch(2)
-    rows = examples.batch(chunk, drop_remainder=True).skip(start // chunk).map(
-        lambda b: {k: v[pipeline * share:(pipeline + 1) * share] for k, v in b.items()})
-    return rows.unbatch().batch(batch_size, drop_remainder=True).prefetch(2)
 
 
 def check_sources(options):

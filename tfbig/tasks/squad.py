@@ -8,9 +8,9 @@ with each feature's index. The metric runs once over the gathered outputs: n-bes
 null threshold (given, or tuned for F1 on the predict file) and the official EM/F1
 (tfbig.squad.postprocess, tfbig.squad.evaluate).
 
-Splits: "train" (--train_file's features) and "validation" (--predict_file's). Training order:
-one seeded shuffle per epoch, global batch s is features [s x B, (s + 1) x B) of it whatever the
-layout (tfbig.tasks.classify.example_batches).
+Splits: "train" (--train_file's features) and "validation" (--predict_file's, with each
+feature's index). The inputs, training order and steps around the loss are every fine-tuning
+task's (tasks.fine_tuning).
 
     task = SquadTask(train_config, SquadData(init_checkpoint="runs/albert",
                                              train_file="train-v2.0.json",
@@ -25,8 +25,7 @@ import tensorflow as tf
 
 from tfbig.config import field
 from tfbig.errors import UsageError
-from tfbig.squad.model import INPUTS
-from tfbig.tasks.classify import Examples, example_batches
+from tfbig.tasks.fine_tuning import INPUTS, Examples, FineTuningTask
 
 LABELS = ("start_positions", "end_positions")
 
@@ -56,21 +55,17 @@ class SquadData:
                                              "tuned for F1 on --predict_file.")
 
 
-class SquadTask:
+class SquadTask(FineTuningTask):
     """Span fine-tuning of ALBERT or BERT on SQuAD features. `config` and `tokenizer` are the
     model's (tfbig.squad.model.pretrained_config, or a random ALBERT preset's)."""
 
     format = "squad"
-    data_dir = ""
 
     def __init__(self, train, options, config, tokenizer):
         from tfbig.squad.features import read_squad
 
         self.train, self.options, self._tokenizer = train, options, tokenizer
-        if train.dropout >= 0:
-            config = dataclasses.replace(config, dropout=train.dropout)
-        config.check_inputs(seq_length=options.max_seq_length)
-        self.model_config, self.seq_length = config, options.max_seq_length
+        self.set_model_config(config, options.max_seq_length)
         self.features, self.arrays = {}, {}
         if options.train_file:
             _, features, _ = self._read(options.train_file, read_squad)
@@ -106,26 +101,6 @@ class SquadTask:
         init = None if self.options.random_init else self.options.init_checkpoint or None
         return build_model(self.model_config, init, seed=self.train.seed)
 
-    def layer_specs(self):
-        """The layers the pipeline cuts the model by (the span head on the last stage)."""
-        from tfbig.plan.models import fine_tune_specs
-
-        return fine_tune_specs(self.model_config, self.seq_length)
-
-    def dataset(self, split, batch_size, input_context=None, *, seed=0, repeat=True,
-                shuffle=True, start=0, drop_remainder=True):
-        """Batches of {input_ids, segment_ids, input_mask (B, T), start/end_positions (B,)}
-        ("validation": also feature_index (B,)) for one input pipeline."""
-        return example_batches(self.arrays[split], batch_size, input_context, seed=seed,
-                               repeat=repeat, shuffle=shuffle, start=start,
-                               drop_remainder=drop_remainder)
-
-    def flops_per_token(self):
-        return self.model_config.flops_per_token(self.seq_length)
-
-    def model_inputs(self, batch):
-        return {name: batch[name] for name in INPUTS}
-
     def loss_from_outputs(self, outputs, batch):
         """Mean of the start and end cross-entropies over positions (float32)."""
         start, end = (tf.nn.sparse_softmax_cross_entropy_with_logits(
@@ -134,16 +109,10 @@ class SquadTask:
         loss = tf.reduce_mean(start + end) / 2.0
         return loss, {"loss": loss}
 
-    def loss(self, model, batch, training=False):
-        return self.loss_from_outputs(model(self.model_inputs(batch), training=training), batch)
-
     def validation_outputs(self, outputs, batch):
         return {"start_logits": tf.cast(outputs["start_logits"], tf.float32),
                 "end_logits": tf.cast(outputs["end_logits"], tf.float32),
                 "feature_index": batch["feature_index"]}
-
-    def validation_step(self, model, batch):
-        return self.validation_outputs(model(self.model_inputs(batch), training=False), batch)
 
     def answers(self, outputs):
         """{predictions, nbest, null_odds (v2.0), scores} of the gathered logits: the best
