@@ -22,7 +22,7 @@ PROG = "tfbig-doctor"
 REQUIRABLE = ("gloo", "mpi", "nccl")
 # (largest collective, matmul sizes on a CPU, on a GPU, seconds per timed probe, bandwidth probe)
 MODES = {"quick": (2 ** 20, (128, 512), (1024, 4096), 0.1, 2 ** 24),
-         "full": (2 ** 28, (256, 1024, 2048), (1024, 4096, 8192), 0.5, 2 ** 28)}
+         "full": (2 ** 28, (64, 256, 1024, 2048), (1024, 4096, 8192), 0.5, 2 ** 28)}
 
 
 def parse(argv):
