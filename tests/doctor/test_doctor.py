@@ -155,3 +155,17 @@ def test_bus_bandwidth_follows_nccl_tests():
     assert row["algbw_gbps"] == pytest.approx(2 ** 20 / 0.01 / 1e9)
     assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"] * 2 * 3 / 4)
     assert table["allgather"]["rows"][0]["busbw_gbps"] == pytest.approx(row["algbw_gbps"] * 3 / 4)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--require=ib"], "--require=ib: ib not one of gloo, mpi, nccl"),
+    (["--precisions=fp32,fp64"], "--precisions=fp32,fp64: fp64 not one of fp32, bf16, fp16"),
+    (["--straggler_threshold=1.5"], "--straggler_threshold=1.5: expected a fraction"),
+])
+def test_bad_flags_are_named_errors(argv, message, capsys):
+    from tfbig.doctor import cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.parse(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
