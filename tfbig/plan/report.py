@@ -29,7 +29,7 @@ def header(shape, cluster, precision, token_budget):
             f"{precision}, budget {_human(token_budget)} tokens",
             f"cluster: {cluster.nodes} x {cluster.gpus_per_node} {d.name} "
             f"({d.memory_bytes / GB:.0f} GB, {d.peak_flops / 1e12:.4g} TFLOP/s peak, "
-            f"links {d.local_bandwidth / GB:.0f} GB/s{network})"]
+            f"links {d.local_bandwidth / GB:.3g} GB/s{network})"]
 
 
 def _stage_layers(counts):
@@ -78,7 +78,7 @@ def side_by_side(measured, spec):
             f"{spec.step_seconds:.3g} s, {_human(measured.tokens_per_sec)} vs "
             f"{_human(spec.tokens_per_sec)} tokens/s, memory {measured.memory_bytes / GB:.2f} vs "
             f"{spec.memory_bytes / GB:.2f} GB per device (spec / calibrated step time "
-            f"{spec.step_seconds / measured.step_seconds:.2f})"]
+            f"{spec.step_seconds / measured.step_seconds:.3g})"]
 
 
 def text(shape, cluster, precision, token_budget, estimates, top, spec=None):
