@@ -1,7 +1,8 @@
 """What one rank measures on its own: its build, its device, and one tiny training step.
 
-Every rate is the best of repeated timed runs over a short window (other load only ever slows a
-run down). On a CPU the rank's device is the CPU with the threads TensorFlow gives it; on a GPU
+Every rate is the median of repeated timed runs over a short window: the rate the device
+sustains while the rest of the machine does what it does (on a shared host, what training will
+get), steadier than one run. On a CPU the rank's device is the CPU with the threads TensorFlow gives it; on a GPU
 host, the GPU of its local rank.
 
 Test-only hook: TFBIG_DOCTOR_TEST_DELAY_RANK=R makes rank R sleep
@@ -12,6 +13,7 @@ feature; never set it outside tests.
 import os
 import platform
 import socket
+import statistics
 import time
 
 PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -26,18 +28,18 @@ def test_delay(rank):
     return float(os.environ.get(DELAY_SECONDS_VARIABLE, "0.02"))
 
 
-def best_seconds(run, seconds, delay=0.0):
-    """Least wall time of one `run()` over repeated calls for about `seconds` (at least 2 calls
-    after one untimed warm-up call)."""
+def typical_seconds(run, seconds, delay=0.0):
+    """Median wall time of one `run()` over repeated calls for about `seconds` (at least 2
+    calls after one untimed warm-up call)."""
     run()
-    best, calls, deadline = float("inf"), 0, time.perf_counter() + seconds
-    while calls < 2 or time.perf_counter() < deadline:
+    times, deadline = [], time.perf_counter() + seconds
+    while len(times) < 2 or time.perf_counter() < deadline:
         start = time.perf_counter()
         run()
         if delay:
             time.sleep(delay)
-        best, calls = min(best, time.perf_counter() - start), calls + 1
-    return best
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def host_name():
@@ -160,9 +162,9 @@ def matmul_flops(device, sizes, precisions, seconds, delay=0.0, longest_call=1.0
             with tf.device(device):
                 a = tf.cast(tf.random.normal([size, size], dtype=tf.float32, seed=1), dtype)
                 multiply = tf.function(lambda x: tf.reduce_sum(tf.matmul(x, x)), jit_compile=True)
-                best = best_seconds(lambda: multiply(a).numpy(), seconds, delay)
-            rates[name][str(size)] = 2.0 * size ** 3 / best
-            call = 2.0 * size ** 3 / max(best - delay, 1e-9)
+                typical = typical_seconds(lambda: multiply(a).numpy(), seconds, delay)
+            rates[name][str(size)] = 2.0 * size ** 3 / typical
+            call = 2.0 * size ** 3 / max(typical - delay, 1e-9)
             slowest = min(slowest or call, call)
     return rates
 
@@ -175,8 +177,8 @@ def memory_bandwidth(device, size_bytes, seconds, delay=0.0):
     with tf.device(device):
         x = tf.ones([size_bytes // 4], tf.float32)
         add = tf.function(lambda v: v * 1.5 + 1.0, jit_compile=True)
-        best = best_seconds(lambda: add(x)[:1].numpy(), seconds, delay)
-    return 2.0 * size_bytes / best
+        typical = typical_seconds(lambda: add(x)[:1].numpy(), seconds, delay)
+    return 2.0 * size_bytes / typical
 
 
 # ---- a tiny training step, on one device and across the ranks ---------------------------------
@@ -227,7 +229,7 @@ def step_rate(device, seconds, delay=0.0):
         net, loss_of = tiny_model()
         batch = tiny_batch(TINY_SEQUENCES_PER_RANK)
         step = tf.function(lambda b: gradients(net, loss_of, b)[0])
-        return 1.0 / best_seconds(lambda: step(batch).numpy(), seconds, delay)
+        return 1.0 / typical_seconds(lambda: step(batch).numpy(), seconds, delay)
 
 
 def interconnect():
