@@ -38,6 +38,7 @@ setup(
             "tfbig-plan=tfbig.plan.cli:run",
             "tfbig-convert=tfbig.convert:run",
             "tfbig-classify=tfbig.classify:run",
+            "tfbig-doctor=tfbig.doctor.cli:run",
         ]
     },
 )

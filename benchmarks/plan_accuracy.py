@@ -1,6 +1,7 @@
 """tfbig.plan against this machine: bytes held and tokens/s measured beside the plan's figures.
 
-    python benchmarks/plan_accuracy.py [--cross_rank] [--parts=memory,pipeline,speed]
+    python benchmarks/plan_accuracy.py [--cross_rank] [--parts=memory,pipeline,speed,horovod]
+                                       [--calibration]
 
 Rows (each a ratio measured / planned, 1.0 = exact):
     memory    peak bytes of one fp32 training step of a single-device GPT (model state + the CPU
@@ -14,8 +15,15 @@ Rows (each a ratio measured / planned, 1.0 = exact):
               peak (tfbig.plan.measure.tensor_peak, what the plan counts); "allocator": the
               allocator's peak of the same steps per stage, which also counts the slack of the
               chunks it handed out (up to 2x a tensor's size)
-    speed     tokens/s of the `small` preset (batch 16, seq 256, fp32, XLA) against the plan on
-              this CPU (its matmul peak and memory bandwidth probed first)
+    speed     tokens/s of two GPTs (h128 x 2 layers, seq 128; h256 x 4 layers, seq 256; batch 16,
+              fp32, XLA; tfbig.plan.measure's single-replica step) against the plan on this CPU
+              (its matmul peak and memory bandwidth probed first)
+    horovod   step time of benchmarks/horovod_scaling.py's run (the tiny preset, seq 128, 16
+              sequences per rank, one thread per rank) with 2 and 4 Gloo ranks against the plan
+              of that layout (not in the default --parts: a few minutes)
+--calibration adds, to speed and horovod, the plan with a calibration tfbig-doctor measured
+just before under the same launch (alone for speed; horovodrun with one thread per rank for
+horovod): measured / planned with and without it.
 Prints one JSON line last, with the load average and the CPU model.
 """
 import _record  # --record: append the result to benchmarks/results (strips the flag from sys.argv)
@@ -27,12 +35,14 @@ import platform
 import subprocess
 import sys
 import tempfile
+import types
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from tfbig.pipeline.devices import configure_cpu_devices  # noqa: E402
+from tfbig.plan import calibration as calibration_lib  # noqa: E402
 from tfbig.plan import estimate, hardware, models, search  # noqa: E402
 from tfbig.plan.local import local_device  # noqa: E402
 from tfbig.plan.measure import (allocator_peak, measure_step, pipeline_step,  # noqa: E402
@@ -127,32 +137,114 @@ def cross_rank_rows():
     return rows
 
 
-def speed_row():
-    fields = dict(hidden_size=256, num_layers=4, num_heads=4, seq_length=256, vocab_size=8000)
+SPEED = {"h128": (dict(hidden_size=128, num_layers=2, num_heads=4, seq_length=128,
+                       vocab_size=8000), 16),
+         "h256": (dict(hidden_size=256, num_layers=4, num_heads=4, seq_length=256,
+                       vocab_size=8000), 16)}
+HOROVOD_RUN = dict(preset="tiny", seq_length=128, per_process_batch=16, steps=10)
+DOCTOR = ["-m", "tfbig.doctor", "--precisions=fp32", f"--max_bytes={2 ** 24}"]
+
+
+def calibrate(directory, ranks):
+    """A calibration tfbig-doctor measures under the launch the measured runs use: alone (all
+    threads) for 1, else horovodrun with one thread per rank (benchmarks/_scaling.py)."""
+    import _scaling
+
+    path = os.path.join(directory, f"calibration{ranks}.json")
+    command = [sys.executable, *DOCTOR, f"--calibration_out={path}"]
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    if ranks > 1:
+        horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+        command = [horovodrun, "-np", str(ranks), "-H", f"localhost:{ranks}", "--gloo", *command]
+        env.update(_scaling.ONE_THREAD)
+    subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL)
+    return calibration_lib.load(path)
+
+
+def ratios(measured, planned, calibrated, name):
+    """measured / planned figures, without and (when given) with the calibration."""
+    row = {f"measured_{name}": round(measured, 4), f"planned_{name}": round(planned, 4),
+           "ratio": round(measured / planned, 3)}
+    if calibrated is not None:
+        row.update({f"calibrated_{name}": round(calibrated, 4),
+                    "calibrated_ratio": round(measured / calibrated, 3)})
+    return row
+
+
+def speed_rows(calibration_dir=None):
+    """tokens/s measured / planned of the SPEED models, one process with all its threads."""
     device = local_device("fp32")
     cluster = hardware.Cluster(device, 1, 1, device.local_bandwidth)
-    planned = search.evaluate(shape(fields), estimate.Layout(), 16, "fp32", cluster, 1e9)
-    measured = measure_step(fields, 16, xla=True, steps=6)["tokens_per_sec"]
-    return {"planned_tokens_per_sec": round(planned.tokens_per_sec),
-            "measured_tokens_per_sec": round(measured),
-            "ratio": round(measured / planned.tokens_per_sec, 3),
-            "peak_flops": round(device.peak_flops), "memory_bandwidth": round(
-                device.memory_bandwidth)}
+    measured_cluster = None
+    if calibration_dir:
+        measured_cluster = calibration_lib.cluster(calibrate(calibration_dir, 1), "fp32", 1, 1,
+                                                   0.0)
+    rows = {"peak_flops": round(device.peak_flops),
+            "memory_bandwidth": round(device.memory_bandwidth)}
+    for name, (fields, batch) in SPEED.items():
+        plans = [search.evaluate(shape(fields), estimate.Layout(), batch, "fp32", c, 1e9)
+                 for c in (cluster, measured_cluster) if c is not None]
+        measured = measure_step(fields, batch, xla=True, steps=6)["tokens_per_sec"]
+        rows[name] = ratios(measured, plans[0].tokens_per_sec,
+                            plans[1].tokens_per_sec if measured_cluster else None,
+                            "tokens_per_sec")
+    return rows
+
+
+def horovod_rows(calibration_dir=None):
+    """Step seconds measured / planned of horovod_scaling.py's run with 2 and 4 ranks."""
+    import _scaling
+    import horovod_scaling
+
+    args = types.SimpleNamespace(hidden_size=0, num_layers=0, xla=True, data_dir="",
+                                 hvd_fp16_allreduce=False, hvd_thread_policy="auto",
+                                 **HOROVOD_RUN)
+    args.data_dir = _scaling.prepare_data(args)
+    device = local_device("fp32")
+    fields = models.model_config("gpt", "tiny", seq_length=args.seq_length)
+    model = models.shape_of(fields, "gpt", args.seq_length)
+    rows = {}
+    for ranks in (2, 4):
+        batch = ranks * args.per_process_batch
+        clusters = [hardware.Cluster(device, ranks, 1, device.local_bandwidth)]
+        if calibration_dir:
+            clusters.append(calibration_lib.cluster(calibrate(calibration_dir, ranks), "fp32",
+                                                    ranks, 1, 0.0))
+        plans = [search.evaluate(model, estimate.Layout(data=ranks), batch, "fp32", c, 1e9)
+                 for c in clusters]
+        with tempfile.TemporaryDirectory() as run_dir:
+            summary = horovod_scaling.measure(args, ranks, run_dir)
+        measured = batch * args.seq_length / summary["tokens_per_sec"]
+        rows[str(ranks)] = ratios(measured, plans[0].step_seconds,
+                                  plans[1].step_seconds if calibration_dir else None,
+                                  "step_seconds")
+    return rows
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cross_rank", action="store_true",
                         help="also the cross-rank pipeline's stage ranks (one horovodrun launch)")
-    parser.add_argument("--parts", default="memory,pipeline,speed")
+    parser.add_argument("--parts", default="memory,pipeline,speed",
+                        help="from memory, pipeline, speed, horovod")
+    parser.add_argument("--calibration", action="store_true",
+                        help="also plan speed and horovod with a calibration tfbig-doctor "
+                             "measures first under the same launch")
     args = parser.parse_args()
     parts = args.parts.split(",")
+    unknown = set(parts) - {"memory", "pipeline", "speed", "horovod"}
+    if unknown:
+        parser.error(f"--parts={args.parts}: {sorted(unknown)} not one of memory, pipeline, "
+                     f"speed, horovod")
     configure_cpu_devices(2)
     result = {"benchmark": "plan_accuracy"}
-    for name, rows in (("memory", memory_rows), ("pipeline", pipeline_rows),
-                       ("speed", speed_row)):
-        if name in parts:
-            result[name] = rows()
+    with tempfile.TemporaryDirectory() as calibrations:
+        directory = calibrations if args.calibration else None
+        for name, rows in (("memory", memory_rows), ("pipeline", pipeline_rows),
+                           ("speed", lambda: speed_rows(directory)),
+                           ("horovod", lambda: horovod_rows(directory))):
+            if name in parts:
+                result[name] = rows()
     if args.cross_rank:
         result["cross_rank"] = cross_rank_rows()
     result["load_average"] = os.getloadavg()

@@ -46,6 +46,7 @@ GUIDES = {
     "tfbig-plan": "guides/plan.md",
     "tfbig-convert": "guides/fine-tune.md",
     "tfbig-classify": "guides/fine-tune.md",
+    "tfbig-doctor": "guides/check-a-cluster.md",
 }
 
 

@@ -95,6 +95,9 @@ class TrainConfig:
     plan_only: bool = field(False, "Print the plan of these flags on this machine (memory per "
                                    "device, step time, tokens/s; tfbig.plan) and exit before "
                                    "any data or model is built.")
+    calibration: str = field("", "With --plan_only: a calibration file tfbig-doctor "
+                                 "--calibration_out wrote; the plan uses its measured device "
+                                 "and collectives and prints the spec/probe figures beside.")
 
 
 @dataclasses.dataclass
@@ -257,6 +260,9 @@ def check_applicable(cfg):
         raise ValueError(f"--time_budget_minutes={cfg.train.time_budget_minutes:g} has no effect "
                          f"with --max_steps={cfg.train.max_steps}; it applies to --max_steps=0 "
                          f"(as many steps as fit in the budget). Give one of the two")
+    if cfg.train.calibration and not cfg.train.plan_only:
+        raise ValueError(f"--calibration={cfg.train.calibration} is read by --plan_only only; "
+                         f"add --plan_only or drop it")
     if cfg.pipeline.offload_activations and not cfg.pipeline.activation_checkpointing:
         raise ValueError("--offload_activations needs --activation_checkpointing: only the "
                          "block inputs it keeps for the recompute are offloaded")

@@ -13,6 +13,7 @@ import sys
 from absl import flags
 
 from tfbig import cli
+from tfbig.plan import calibration as calibration_lib
 from tfbig.plan import hardware, models, report, search
 
 # flag -> (definer name, default, help); layout flags are searched unless given.
@@ -54,6 +55,9 @@ FLAGS_SPEC = {
     "zero_stage": ("integer", 0, "Fix the ZeRO stage 0-3 (searched if absent)."),
     "shard_degree": ("integer", 0, "Fix the ZeRO partition group size (0: all data ranks)."),
     "activation_checkpointing": ("bool", False, "Fix activation checkpointing on or off."),
+    "calibration": ("string", "", "A calibration file tfbig-doctor --calibration_out wrote: "
+                                  "the measured device and collectives replace the spec table "
+                                  "(the spec prediction is printed beside)."),
     "top": ("integer", 5, "Layouts listed."),
     "json": ("bool", False, "Print one JSON object instead of text."),
 }
@@ -91,13 +95,23 @@ def cluster_from_flags(values):
 
 
 def plan(values, fixed):
-    """(text or JSON, estimates) for flag values (a dict) and the fixed layout flags."""
+    """(text or JSON, estimates) for flag values (a dict) and the fixed layout flags. With
+    --calibration the measured cluster is planned and the spec one's figures for the same
+    layout are given beside."""
     shape, cluster = shape_from_flags(values), cluster_from_flags(values)
+    spec = None
+    if values["calibration"]:
+        spec = cluster
+        cluster = calibration_lib.cluster(calibration_lib.load(values["calibration"]),
+                                          values["precision"], spec.gpus_per_node, spec.nodes,
+                                          spec.internode_bandwidth)
     estimates = search.search(shape, cluster, values["precision"], values["batch_size"],
                               values["token_budget"], fixed)
     render = report.as_json if values["json"] else report.text
+    beside = spec and search.evaluate(shape, estimates[0].layout, estimates[0].batch_size,
+                                      values["precision"], spec, values["token_budget"])
     return render(shape, cluster, values["precision"], values["token_budget"], estimates,
-                  values["top"]), estimates
+                  values["top"], spec=beside), estimates
 
 
 def main(argv):

@@ -36,8 +36,10 @@ Memory (the busiest pipeline stage, first or last):
 
 Step time (nothing assumed overlapped; tfbig runs collectives between XLA-compiled pieces):
     per micro-batch and stage ("tick"): matmul FLOPs (x 4/3 with recomputation) at
-    MATMUL_FRACTION of peak + memory-bound element-wise passes over the activations (4 passes,
-        5 with recomputation; the logits twice) at BANDWIDTH_FRACTION of memory bandwidth + 4
+    MATMUL_FRACTION of peak (a calibration: each matmul at its size's measured efficiency,
+    `matmul_fraction`) + memory-bound element-wise passes over the activations (4 passes,
+    5 with recomputation; the logits twice) at BANDWIDTH_FRACTION of memory bandwidth (1 for a
+    measured one) + 4
     tensor-parallel all-reduces per layer (6 with recomputation) + the pipeline send/receive;
     pipeline: (M + K - 1) ticks (the bubble); then the data-parallel gradient sync of float32
     gradients, hierarchical (`Cluster.collective_time`): one all-reduce (ZeRO 0) or the 2-hop sync
@@ -301,6 +303,27 @@ def flops_share(shape, layout, stage):
             + (head if stage == layout.pipeline - 1 else 0)) / total
 
 
+def matmul_fraction(shape, layout, micro_batch, device):
+    """Achieved / peak FLOP/s of a layer's matmuls: `device.matmul_fraction`, or, with a
+    measured efficiency by size (a calibration), each product of a micro-batch (QKV, output,
+    MLP up and down, attention's two per sequence and head, the logits) at the efficiency of
+    its size (the cube root of m k n), weighted by its FLOPs (a harmonic mean: the time)."""
+    if not device.matmul_efficiency:
+        return device.matmul_fraction
+    tokens, s, t = micro_batch * shape.seq_length, shape.seq_length, layout.tensor
+    h, f, a = shape.hidden_size, shape.intermediate_size, shape.num_heads
+    d = h // a
+    layers, heads = shape.num_layers, shape.num_layers * micro_batch * a / t
+    products = [((tokens, h, 3 * h / t), layers), ((tokens, h / t, h), layers),
+                ((tokens, h, f / t), layers), ((tokens, f / t, h), layers),
+                ((s, d, s), heads), ((s, s, d), heads),  # per sequence and head
+                ((tokens, h, shape.vocab_size / t), 1)]
+    work = [m * k * n * count for (m, k, n), count in products]
+    seconds = [w / hardware.log_interpolate(device.matmul_efficiency, (m * k * n) ** (1 / 3))
+               for w, ((m, k, n), _) in zip(work, products)]
+    return sum(work) / sum(seconds)
+
+
 def tick_time(shape, layout, micro_batch, precision, cluster, stage):
     """Seconds of one micro-batch's forward and backward on pipeline stage `stage`, by part:
     compute, elementwise, tensor."""
@@ -317,8 +340,9 @@ def tick_time(shape, layout, micro_batch, precision, cluster, stage):
     traffic = ((5 if recompute else 4) * layer_activation_bytes(dense, layout, precision) * layers
                + (2 * logits_traffic(shape, layout, precision) if last else 0)) * tokens
     boundary = tokens * shape.hidden_size * _act_bytes(precision)
-    return {"compute": flops / (device.peak_flops * device.matmul_fraction),
-            "elementwise": traffic / (device.memory_bandwidth * hardware.BANDWIDTH_FRACTION),
+    fraction = matmul_fraction(shape, layout, micro_batch, device)
+    return {"compute": flops / (device.peak_flops * fraction),
+            "elementwise": traffic / (device.memory_bandwidth * device.bandwidth_fraction),
             "tensor": layers * (6 if recompute else 4) * cluster.collective_time(boundary, t, 1,
                                                                                  2)}
 
@@ -344,7 +368,7 @@ def step_time(shape, layout, micro_batch, precision, cluster):
     data = data_sync_time(shape, layout, cluster)
     state = sum(v for key, v in memory(shape, layout, micro_batch, precision, device).items()
                 if key in ("parameters", "gradients", "optimizer"))
-    update = 2 * state / (device.memory_bandwidth * hardware.BANDWIDTH_FRACTION)
+    update = 2 * state / (device.memory_bandwidth * device.bandwidth_fraction)
     return {"compute": ticks * tick["compute"], "elementwise": ticks * tick["elementwise"],
             "tensor": ticks * tick["tensor"], "pipeline": ticks * pipe, "data": data,
             "update": update}

@@ -11,6 +11,7 @@ Example:
                       internode_bandwidth=400e9 / 8)
 """
 import dataclasses
+import math
 
 GB = 1e9
 GIB = 2 ** 30
@@ -56,6 +57,11 @@ class Device:
     local_bandwidth: float  # bytes/s per direction to the other devices of its node
     matmul_fraction: float = MATMUL_FRACTION
     reserve_bytes: float = GPU_RESERVE_BYTES
+    # achieved / nominal memory bandwidth (1.0 where memory_bandwidth is itself measured)
+    bandwidth_fraction: float = BANDWIDTH_FRACTION
+    # ((square matmul size, achieved / peak), ...) measured (tfbig.plan.calibration); empty:
+    # every matmul at matmul_fraction
+    matmul_efficiency: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +72,8 @@ class Cluster:
     gpus_per_node: int
     nodes: int
     internode_bandwidth: float
+    # a tfbig.plan.calibration.Calibration: collectives at its measured times (None: the links)
+    calibration: object = None
 
     @property
     def size(self):
@@ -90,11 +98,33 @@ class Cluster:
         local = max(1, min(ranks, self.gpus_per_node // stride)) if stride < self.gpus_per_node \
             else 1
         nodes = ranks / local
-        seconds = (local - 1) / local * size / self.device.local_bandwidth
+        kind = "allreduce" if passes == 2 else "reducescatter"
+        seconds = 0.0
+        if local > 1:
+            seconds += self._scope_time("intra_host", kind, size, local, passes,
+                                        self.device.local_bandwidth)
         if nodes > 1:
-            seconds += (nodes - 1) / nodes * (size / local) / self.link_bandwidth(
-                self.gpus_per_node)
-        return passes * seconds / BANDWIDTH_FRACTION
+            seconds += self._scope_time("inter_host", kind, size / local, nodes, passes,
+                                        self.link_bandwidth(self.gpus_per_node))
+        return seconds
+
+    def _scope_time(self, scope, kind, size, ranks, passes, bandwidth):
+        """A ring over `ranks` ranks of one scope: measured (the calibration's) or from the
+        link's `bandwidth`."""
+        if self.calibration is not None and self.calibration.has(scope):
+            return self.calibration.collective_seconds(scope, kind, size, ranks)
+        return passes * (ranks - 1) / ranks * size / bandwidth / BANDWIDTH_FRACTION
+
+
+def log_interpolate(points, x):
+    """Linear in log(x) between sorted (x, y) points, held at the ends."""
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return y0 + w * (y1 - y0)
+    return points[-1][1]
 
 
 def gpu(name, precision="fp32"):

@@ -10,6 +10,7 @@ Example:
 """
 import time
 
+from tfbig.plan import calibration as calibration_lib
 from tfbig.plan import hardware, models, report, search
 
 BANDWIDTH_PROBE_BYTES = 256 * 2 ** 20
@@ -62,7 +63,8 @@ def _processes():
 
 
 def training_plan(cfg, device=None, world_size=None):
-    """The plan text of an ExperimentConfig's model, batch and layout on this machine."""
+    """The plan text of an ExperimentConfig's model, batch and layout on this machine; with
+    --calibration, on the measured device and collectives, this machine's probe beside."""
     t = cfg.train
     overrides = dict(num_layers=t.num_layers or None, hidden_size=t.hidden_size or None,
                      num_heads=t.num_heads or None, seq_length=t.seq_length or None,
@@ -76,5 +78,11 @@ def training_plan(cfg, device=None, world_size=None):
         fixed["pipeline_stages"] if t.strategy == "pipeline" else 1)
     device = device or local_device(t.precision, cfg.profile.peak_tflops)
     cluster = hardware.Cluster(device, devices, 1, device.local_bandwidth)
+    spec = None
+    if t.calibration:
+        spec, cluster = cluster, calibration_lib.cluster(
+            calibration_lib.load(t.calibration), t.precision, devices, 1, 0.0)
     estimates = search.search(shape, cluster, t.precision, t.batch_size, fixed=fixed)
-    return report.text(shape, cluster, t.precision, 300e9, estimates, top=1)
+    beside = spec and search.evaluate(shape, estimates[0].layout, estimates[0].batch_size,
+                                      t.precision, spec, 300e9)
+    return report.text(shape, cluster, t.precision, 300e9, estimates, top=1, spec=beside)

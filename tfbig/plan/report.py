@@ -29,7 +29,7 @@ def header(shape, cluster, precision, token_budget):
             f"{precision}, budget {_human(token_budget)} tokens",
             f"cluster: {cluster.nodes} x {cluster.gpus_per_node} {d.name} "
             f"({d.memory_bytes / GB:.0f} GB, {d.peak_flops / 1e12:.4g} TFLOP/s peak, "
-            f"links {d.local_bandwidth / GB:.0f} GB/s{network})"]
+            f"links {d.local_bandwidth / GB:.3g} GB/s{network})"]
 
 
 def _stage_layers(counts):
@@ -72,9 +72,22 @@ def table(estimates):
     return rows
 
 
-def text(shape, cluster, precision, token_budget, estimates, top):
-    """The recommendation (the fastest layout that fits) and the best `top` layouts."""
+def side_by_side(measured, spec):
+    """The recommended layout's figures on the calibrated cluster and on the spec one."""
+    return [f"  calibrated vs spec: step {measured.step_seconds:.3g} s vs "
+            f"{spec.step_seconds:.3g} s, {_human(measured.tokens_per_sec)} vs "
+            f"{_human(spec.tokens_per_sec)} tokens/s, memory {measured.memory_bytes / GB:.2f} vs "
+            f"{spec.memory_bytes / GB:.2f} GB per device (spec / calibrated step time "
+            f"{spec.step_seconds / measured.step_seconds:.3g})"]
+
+
+def text(shape, cluster, precision, token_budget, estimates, top, spec=None):
+    """The recommendation (the fastest layout that fits) and the best `top` layouts; `spec`:
+    the same layout's Estimate on the spec table, printed beside (with a calibration)."""
     lines = header(shape, cluster, precision, token_budget)
+    if cluster.calibration is not None:
+        lines.append(f"calibration: {cluster.calibration.path} (measured by tfbig-doctor; the "
+                     f"spec table's figures beside)")
     best = estimates[0]
     if best.fits:
         lines.append(f"recommended: {best.layout.describe()}")
@@ -83,20 +96,26 @@ def text(shape, cluster, precision, token_budget, estimates, top):
                      f"the fastest needs {best.memory_bytes / GB:.1f} GB: more GPUs, "
                      f"a smaller --batch_size or ZeRO would be needed")
     lines += describe_estimate(best, cluster.device.memory_bytes)
+    if spec is not None:
+        lines += side_by_side(best, spec)
     lines.append(f"best {min(top, len(estimates))} of {len(estimates)} layouts (D data, "
                  f"P pipeline, T tensor, M micro-batches per replica, ckpt activation "
                  f"checkpointing, sp sequence parallel):")
     return "\n".join(lines + table(estimates[:top]))
 
 
-def as_json(shape, cluster, precision, token_budget, estimates, top):
+def as_json(shape, cluster, precision, token_budget, estimates, top, spec=None):
     import dataclasses
 
     best = estimates[0]
+    calibration = cluster.calibration
+    cluster = dataclasses.replace(cluster, calibration=None)
     model = {k: v for k, v in dataclasses.asdict(shape).items() if k != "pipe_layers"}
     return json.dumps({"model": model, "precision": precision,
                        "token_budget": token_budget,
                        "cluster": {**dataclasses.asdict(cluster), "size": cluster.size},
                        "recommended": best.to_dict() if best.fits else None,
                        "layouts_considered": len(estimates),
-                       "top": [e.to_dict() for e in estimates[:top]]})
+                       "top": [e.to_dict() for e in estimates[:top]],
+                       "calibration": calibration.path if calibration else None,
+                       "spec": spec.to_dict() if spec else None})

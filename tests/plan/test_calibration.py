@@ -1,0 +1,105 @@
+"""tfbig-plan and tfbig-train --plan_only with a calibration file (tfbig.plan.calibration): the
+measured figures replace the spec table, each where the file says."""
+import json
+
+import pytest
+
+from tfbig.config import ExperimentConfig, check_applicable
+from tfbig.plan import calibration, cli, estimate, hardware, models
+from tfbig.plan.local import training_plan
+
+# A single-process layout with two data ranks on one node: compute and the gradient all-reduce.
+FIXED = ["--preset=tiny", "--gpus_per_node=2", "--tensor_parallel=1", "--pipeline_stages=1",
+         "--zero_stage=0", "--num_microbatches=1", "--activation_checkpointing=false",
+         "--batch_size=16", "--precision=fp32", "--json"]
+
+
+def write(tmp_path, name="calibration.json", peak=1e11, allreduce_seconds=(1e-4, 1e-2),
+          efficiency=None, **changes):
+    data = {"schema": calibration.SCHEMA, "measured_by": "tfbig-doctor", "hosts": 1, "ranks": 2,
+            "device": {"kind": "cpu", "name": "test cpu", "memory_bytes": 8e9, "threads": 1},
+            "peak_flops": {"fp32": peak},
+            "matmul_efficiency": {"fp32": efficiency or {"256": 1.0, "1024": 1.0}},
+            "memory_bandwidth": 1e10,
+            "collectives": {"intra_host": {kind: {"ranks": 2, "bytes": [4096, 2 ** 22],
+                                                  "seconds": list(allreduce_seconds)}
+                                           for kind in ("allreduce", "allgather",
+                                                        "reducescatter")}}}
+    data.update(changes)
+    path = tmp_path / name
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def planned(path, capsys, extra=()):
+    assert cli.main(["tfbig-plan", *FIXED, f"--calibration={path}", *extra]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_the_plan_takes_peak_and_collective_times_from_the_calibration(tmp_path, capsys):
+    base = planned(write(tmp_path), capsys)
+    assert base["top"][0]["layout"]["data"] == 2 and base["calibration"].endswith(".json")
+    faster = planned(write(tmp_path, "fast.json", peak=2e11), capsys)
+    slower_network = planned(write(tmp_path, "slow.json", allreduce_seconds=(1e-4, 2e-2)),
+                             capsys)
+    compute, data = base["top"][0]["time"]["compute"], base["top"][0]["time"]["data"]
+    assert faster["top"][0]["time"]["compute"] == pytest.approx(compute / 2)
+    assert faster["top"][0]["time"]["data"] == pytest.approx(data)
+    # the tiny model's float32 gradients (~2.5 MB) sit between the two measured sizes: twice
+    # the time at the top size doubles the interpolated share of it
+    assert data < slower_network["top"][0]["time"]["data"] < 2 * data
+    assert slower_network["top"][0]["time"]["compute"] == pytest.approx(compute)
+    # the spec table's figures for the same layout, beside
+    assert base["spec"]["layout"] == base["top"][0]["layout"]
+    assert base["spec"]["step_seconds"] != pytest.approx(base["top"][0]["step_seconds"])
+
+
+def test_small_matmuls_run_at_their_measured_efficiency(tmp_path):
+    cfg = models.model_config("gpt", "tiny")
+    shape = models.shape_of(cfg, "gpt", cfg.seq_length)
+    loaded = calibration.load(write(tmp_path, efficiency={"64": 0.25, "4096": 1.0}))
+    device = calibration.device(loaded, "fp32")
+    fraction = estimate.matmul_fraction(shape, estimate.Layout(), 8, device)
+    assert 0.25 < fraction < 1.0
+    # more tokens per matmul: larger products, nearer the large-size efficiency
+    assert estimate.matmul_fraction(shape, estimate.Layout(), 64, device) > fraction
+    # without a calibration: the one spec constant
+    assert estimate.matmul_fraction(shape, estimate.Layout(), 8, hardware.gpu(
+        "A100-40GB")) == hardware.MATMUL_FRACTION
+
+
+def test_the_text_plan_prints_calibrated_and_spec_side_by_side(tmp_path, capsys):
+    argv = [a for a in FIXED if a != "--json"] + [f"--calibration={write(tmp_path)}"]
+    assert cli.main(["tfbig-plan", *argv]) == 0
+    out = capsys.readouterr().out
+    assert "calibration: " in out and "test cpu (measured)" in out
+    assert "calibrated vs spec: step" in out
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"schema": "other"}, "schema 'other', expected 'tfbig-calibration/1'"),
+    ({"peak_flops": {"bf16": 1e11}}, "has no fp32 matmul figure"),
+    ({"device": {}}, "missing or malformed field"),
+])
+def test_a_bad_calibration_is_a_named_error(tmp_path, capsys, change, message):
+    assert cli.main(["tfbig-plan", *FIXED, f"--calibration={write(tmp_path, **change)}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tfbig-plan: --calibration=") and message in err, err
+    assert cli.main(["tfbig-plan", *FIXED, f"--calibration={tmp_path}/none.json"]) == 2
+    assert "no such file; write one with tfbig-doctor" in capsys.readouterr().err
+
+
+def test_train_plan_only_uses_the_calibration(tmp_path):
+    cfg = ExperimentConfig()
+    cfg.train.preset, cfg.train.batch_size, cfg.train.precision = "tiny", 16, "fp32"
+    cfg.train.plan_only, cfg.train.calibration = True, write(tmp_path)
+    device = hardware.Device("cpu", 1e11, 16e9, 2e10, 2e10, 1.0, 0.0)
+    text = training_plan(cfg, device=device, world_size=2)
+    assert "test cpu (measured)" in text and "calibrated vs spec: step" in text
+
+
+def test_calibration_without_plan_only_is_refused(tmp_path):
+    cfg = ExperimentConfig()
+    cfg.train.calibration = write(tmp_path)
+    with pytest.raises(ValueError, match="--calibration=.* is read by --plan_only only"):
+        check_applicable(cfg)

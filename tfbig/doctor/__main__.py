@@ -1,0 +1,4 @@
+"""`python -m tfbig.doctor`: the same as `tfbig-doctor`."""
+from tfbig.doctor.cli import run
+
+run()

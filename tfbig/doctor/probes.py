@@ -1,0 +1,244 @@
+"""What one rank measures on its own: its build, its device, and one tiny training step.
+
+Every rate is the median of repeated timed runs over a short window: the rate the device
+sustains while the rest of the machine does what it does (on a shared host, what training will
+get), steadier than one run. On a CPU the rank's device is the CPU with the threads TensorFlow gives it; on a GPU
+host, the GPU of its local rank.
+
+Test-only hook: TFBIG_DOCTOR_TEST_DELAY_RANK=R makes rank R sleep
+TFBIG_DOCTOR_TEST_DELAY_SECONDS (default 0.02) inside every timed run of its device probes, so
+that the tests can slow one rank on purpose and check it is named as the straggler. It is not a
+feature; never set it outside tests.
+"""
+import os
+import platform
+import socket
+import statistics
+import time
+
+PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+DELAY_RANK_VARIABLE = "TFBIG_DOCTOR_TEST_DELAY_RANK"
+DELAY_SECONDS_VARIABLE = "TFBIG_DOCTOR_TEST_DELAY_SECONDS"
+
+
+def test_delay(rank):
+    """Seconds rank `rank` sleeps inside each timed run (0 unless the test-only hook names it)."""
+    if os.environ.get(DELAY_RANK_VARIABLE, "") != str(rank):
+        return 0.0
+    return float(os.environ.get(DELAY_SECONDS_VARIABLE, "0.02"))
+
+
+def typical_seconds(run, seconds, delay=0.0):
+    """Median wall time of one `run()` over repeated calls for about `seconds` (at least 2
+    calls after one untimed warm-up call)."""
+    run()
+    times, deadline = [], time.perf_counter() + seconds
+    while len(times) < 2 or time.perf_counter() < deadline:
+        start = time.perf_counter()
+        run()
+        if delay:
+            time.sleep(delay)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def host_name():
+    return socket.gethostname()
+
+
+def build_info():
+    """Versions of TensorFlow, Keras and Horovod, and what this Horovod was built with:
+    controllers (Gloo, MPI) and GPU operations (NCCL). A Horovod that cannot be imported is
+    reported as such, not raised."""
+    import keras
+    import tensorflow as tf
+
+    info = {"python": platform.python_version(), "tensorflow": tf.__version__,
+            "keras": keras.__version__, "cuda_build": bool(tf.test.is_built_with_cuda())}
+    try:
+        import horovod
+        import horovod.tensorflow as hvd
+    except ImportError as error:
+        return {**info, "horovod": None, "horovod_error": str(error),
+                "controllers": {"gloo": False, "mpi": False}, "gpu_operations": {"nccl": False}}
+    return {**info, "horovod": horovod.__version__,
+            "controllers": {"gloo": bool(hvd.gloo_built()), "mpi": bool(hvd.mpi_built())},
+            "gpu_operations": {"nccl": bool(hvd.nccl_built())}}
+
+
+def rank_device(local_rank):
+    """(TensorFlow device string, description) of the device this rank trains on: the GPU of
+    its local rank, else the CPU."""
+    import tensorflow as tf
+
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        index = local_rank % len(gpus)
+        name = tf.config.experimental.get_device_details(gpus[index]).get("device_name", "GPU")
+        return f"/GPU:{index}", {"kind": "gpu", "name": name, "gpus_on_host": len(gpus)}
+    from tfbig import perf
+
+    return "/CPU:0", {"kind": "cpu", "name": _cpu_model(), "threads": perf.cpu_threads()}
+
+
+def _cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def memory_bytes(kind):
+    """Bytes of memory the device has: the GPU's (TensorFlow's view), else the host's RAM."""
+    import psutil
+
+    if kind == "gpu":
+        import tensorflow as tf
+
+        details = tf.config.experimental.get_device_details(
+            tf.config.list_physical_devices("GPU")[0])
+        if details.get("memory_limit"):
+            return float(details["memory_limit"])
+    return float(psutil.virtual_memory().total)
+
+
+def xla_compiles(device):
+    """{"compiles": bool, "seconds": compile + first run, "error": ...} of a small dense
+    forward and backward step under jit_compile."""
+    import tensorflow as tf
+
+    with tf.device(device):
+        weights = tf.Variable(tf.random.normal([64, 64], seed=1))
+        inputs = tf.random.normal([32, 64], seed=2)
+
+    @tf.function(jit_compile=True)
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.tanh(tf.matmul(x, weights)) ** 2)
+        return loss, tape.gradient(loss, weights)
+
+    start = time.perf_counter()
+    try:
+        with tf.device(device):
+            step(inputs)[1].numpy()
+    except Exception as error:  # noqa: BLE001 - a failing compile is the finding
+        return {"compiles": False, "error": f"{type(error).__name__}: {error}"[:500]}
+    return {"compiles": True, "seconds": time.perf_counter() - start}
+
+
+def precisions_run(device):
+    """{precision: True/False}: whether a small matmul runs in it on `device`, with and
+    without XLA (a precision the hardware lacks may still be emulated: its matmul rate says)."""
+    import tensorflow as tf
+
+    runs = {}
+    for name, dtype in PRECISIONS.items():
+        try:
+            with tf.device(device):
+                x = tf.ones([16, 16], dtype)
+                tf.function(tf.matmul, jit_compile=True)(x, x).numpy()
+                tf.matmul(x, x).numpy()
+            runs[name] = True
+        except Exception:  # noqa: BLE001 - the precision does not run here: reported False
+            runs[name] = False
+    return runs
+
+
+def matmul_flops(device, sizes, precisions, seconds, delay=0.0, longest_call=1.0):
+    """{precision: {size: FLOP/s}} of square XLA-compiled matmuls on `device`. A size whose one
+    call would take over `longest_call` seconds at the rate of the size before is left out (a
+    precision the device only emulates: fp16 on most CPUs)."""
+    import tensorflow as tf
+
+    rates = {}
+    for name in precisions:
+        dtype = getattr(tf, PRECISIONS[name])
+        rates[name], slowest = {}, None  # slowest: FLOP/s of a call, the test delay left out
+        for size in sizes:
+            if slowest and 2.0 * size ** 3 / slowest > longest_call:
+                break
+            with tf.device(device):
+                a = tf.cast(tf.random.normal([size, size], dtype=tf.float32, seed=1), dtype)
+                multiply = tf.function(lambda x: tf.reduce_sum(tf.matmul(x, x)), jit_compile=True)
+                typical = typical_seconds(lambda: multiply(a).numpy(), seconds, delay)
+            rates[name][str(size)] = 2.0 * size ** 3 / typical
+            call = 2.0 * size ** 3 / max(typical - delay, 1e-9)
+            slowest = min(slowest or call, call)
+    return rates
+
+
+def memory_bandwidth(device, size_bytes, seconds, delay=0.0):
+    """Bytes/s an XLA-compiled element-wise op streams through memory (reads one float32
+    array, writes another): what the plan's element-wise passes do."""
+    import tensorflow as tf
+
+    with tf.device(device):
+        x = tf.ones([size_bytes // 4], tf.float32)
+        add = tf.function(lambda v: v * 1.5 + 1.0, jit_compile=True)
+        typical = typical_seconds(lambda: add(x)[:1].numpy(), seconds, delay)
+    return 2.0 * size_bytes / typical
+
+
+# ---- a tiny training step, on one device and across the ranks ---------------------------------
+TINY_MODEL = dict(hidden_size=16, num_layers=2, num_heads=2, seq_length=16, vocab_size=64)
+TINY_SEQUENCES_PER_RANK = 2
+
+
+def tiny_model():
+    """A 2-layer GPT of width 16 and the loss of a batch of token ids, built identically on
+    every rank (the same seeds)."""
+    import keras
+    import tensorflow as tf
+
+    from tfbig.models.gpt import GPT, GPTConfig
+
+    keras.utils.set_random_seed(1234)
+    config = GPTConfig.from_preset("tiny", **TINY_MODEL)
+    net = GPT(config)
+    net.build()
+
+    def loss_of(batch):
+        logits = tf.cast(net(batch[:, :-1], training=True), tf.float32)  # (B, T, V)
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(batch[:, 1:],
+                                                                             logits))
+    return net, loss_of
+
+
+def tiny_batch(sequences):
+    import tensorflow as tf
+
+    return tf.random.stateless_uniform([sequences, TINY_MODEL["seq_length"] + 1], [7, 11], 0,
+                                       TINY_MODEL["vocab_size"], tf.int32)
+
+
+def gradients(net, loss_of, batch):
+    import tensorflow as tf
+
+    with tf.GradientTape() as tape:
+        loss = loss_of(batch)
+    return loss, tape.gradient(loss, net.trainable_variables)
+
+
+def step_rate(device, seconds, delay=0.0):
+    """Forward and backward steps per second of the tiny model on this rank's slice."""
+    import tensorflow as tf
+
+    with tf.device(device):
+        net, loss_of = tiny_model()
+        batch = tiny_batch(TINY_SEQUENCES_PER_RANK)
+        step = tf.function(lambda b: gradients(net, loss_of, b)[0])
+        return 1.0 / typical_seconds(lambda: step(batch).numpy(), seconds, delay)
+
+
+def interconnect():
+    """{"rdma_devices": InfiniBand/EFA devices the kernel lists (/sys/class/infiniband),
+    "network_variables": the NCCL/libfabric settings that choose the transport}. No RDMA
+    device: collectives across hosts go over TCP sockets."""
+    root = "/sys/class/infiniband"
+    devices = sorted(os.listdir(root)) if os.path.isdir(root) else []
+    names = ("NCCL_SOCKET_IFNAME", "NCCL_IB_DISABLE", "NCCL_NET", "FI_PROVIDER",
+             "GLOO_SOCKET_IFNAME", "HOROVOD_GLOO_IFACE")
+    return {"rdma_devices": devices,
+            "network_variables": {n: os.environ[n] for n in names if n in os.environ}}
