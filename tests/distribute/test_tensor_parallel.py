@@ -47,8 +47,6 @@ SCENARIOS = {  # name: (tensor_parallel, train options, worker options)
     # stopped after 2 steps and resumed from the per-rank checkpoints: the steps before and
     # after the restore are the same fit loop, so one run covers both
     "tp2_dp2": (2, {}, {"first_gradients": True, "norm_rows": True, "interrupt_at": 2}),
-    "tp2_dp2_sequence": (2, {"sequence_parallel": True},
-                         {"first_gradients": True, "norm_rows": True}),
     "tp2_dp2_albert": (2, ALBERT, {"first_gradients": True, "mlm_argmax": True}),
     "tp4_lamb": (4, {**LAMB, "grad_accum_steps": 1},
                  {"first_gradients": True, "widest_activation": True}),
@@ -56,9 +54,6 @@ SCENARIOS = {  # name: (tensor_parallel, train options, worker options)
     # peer's slice is finite; every rank must skip that step
     "tp2_dp2_fp16_skip": (2, {"precision": "mixed_float16", "max_steps": 2},
                           {"poison_gradient_rank": 3}),
-    # starts on the single-device run's checkpoint after 2 steps (made by the fixture)
-    "tp2_dp2_from_one": (2, {}, {}),
-    "tp2_dropout": (2, {"dropout": 0.1, "max_steps": 1}, {}),
     # optimizer slots of each tensor rank's variables sharded over its 2 data ranks (ZeRO-1),
     # stopped after 2 steps and resumed from the per-(tensor rank, slice) checkpoints
     "tp2_dp2_zero1": (2, {"zero_stage": 1}, {"first_gradients": True, "interrupt_at": 2}),
@@ -68,8 +63,16 @@ SCENARIOS = {  # name: (tensor_parallel, train options, worker options)
 # 1.5e-6 and 2.1e-6 apart): tests/equality.py bounds each entry through the gradients.
 # The slow launch: BERT's plan (ALBERT's over a block per layer) and fp16 training; the default
 # run keeps TP on GPT and ALBERT, BERT's split layers through test_tensor_pipeline's
-# bert_pp2_tp2, and fp16 TP through tp2_dp2_fp16_skip.
+# bert_pp2_tp2, and fp16 TP through tp2_dp2_fp16_skip. Also slow: sequence parallelism (the
+# default run has it under TP x PP, test_tensor_pipeline's pp2_tp2_sequence), the start from a
+# single-device checkpoint (test_a_single_device_checkpoint_restores_into_each_ranks_slices
+# checks the slicing in-process) and the dropout masks of tensor peers.
 SLOW_SCENARIOS = {  # a launch of its own (slow), as SCENARIOS
+    "tp2_dp2_sequence": (2, {"sequence_parallel": True},
+                         {"first_gradients": True, "norm_rows": True}),
+    # starts on the single-device run's checkpoint after 2 steps (made by the fixture)
+    "tp2_dp2_from_one": (2, {}, {}),
+    "tp2_dropout": (2, {"dropout": 0.1, "max_steps": 1}, {}),
     # BERT (a block per layer, no projection, NSP): ALBERT's plan over its own blocks. AdamW at
     # lr 3e-3: at 1e-2 one word-table entry of 10240 whose gradient is near zero ended 2e-6
     # apart after 4 steps (Adam's step does not shrink with the gradient), all else within
@@ -84,9 +87,10 @@ SLOW_SCENARIOS = {  # a launch of its own (slow), as SCENARIOS
                                             "activation_checkpointing": True},
                                         {"first_gradients": True}),
 }
-EQUAL_TO_ONE_DEVICE = [name for name in SCENARIOS
-                       if name not in ("tp2_dropout", "tp2_dp2_fp16_skip")] + [
-    pytest.param(name, marks=pytest.mark.slow) for name in SLOW_SCENARIOS]
+NOT_TRAINED_LIKE_ONE = ("tp2_dropout", "tp2_dp2_fp16_skip")  # checked by tests of their own
+EQUAL_TO_ONE_DEVICE = [name for name in SCENARIOS if name not in NOT_TRAINED_LIKE_ONE] + [
+    pytest.param(name, marks=pytest.mark.slow) for name in SLOW_SCENARIOS
+    if name not in NOT_TRAINED_LIKE_ONE]
 FROM_ONE_AT = 2
 
 
@@ -249,12 +253,13 @@ def test_no_rank_forms_full_vocabulary_logits(runs):
         assert int(load(out, "tp4_lamb", rank)["widest_activation"]) == 320 // 4
 
 
+@pytest.mark.slow
 @pytest.mark.multiproc
-def test_sequence_parallel_layer_norms_see_a_chunk_of_the_sequence(runs):
-    _, out = runs
+def test_sequence_parallel_layer_norms_see_a_chunk_of_the_sequence(runs, slow_runs):
+    (_, out), (_, slow_out) = runs, slow_runs
     for rank in range(RANKS):
         whole = int(load(out, "tp2_dp2", rank)["norm_rows"])
-        assert int(load(out, "tp2_dp2_sequence", rank)["norm_rows"]) == whole // 2
+        assert int(load(slow_out, "tp2_dp2_sequence", rank)["norm_rows"]) == whole // 2
 
 
 @pytest.mark.multiproc
@@ -283,12 +288,13 @@ def test_consolidated_checkpoint_resumes_on_one_device_and_generate_reads_the_pi
     assert int(resumed.step.numpy()) == 6
 
 
+@pytest.mark.slow
 @pytest.mark.multiproc
-def test_dropout_masks_are_shared_in_replicated_regions_and_own_in_split_heads(runs):
+def test_dropout_masks_are_shared_in_replicated_regions_and_own_in_split_heads(slow_runs):
     """A dropout's mask is a function of its generator state and the input shape: tensor peers
     (global ranks 0 and 1) hold equal states except for the attention-probability dropout of
     their own heads, which differ by the tensor rank."""
-    _, out = runs
+    _, out = slow_runs
     peers = [load(out, "tp2_dropout", r) for r in (0, 1)]
     own = np.flatnonzero(peers[0]["seed_own"]).tolist()
     count = len(peers[0]["seed_own"])
