@@ -145,14 +145,19 @@ class MultiHeadAttention(keras.layers.Layer):
             v = ops.slice_update(cache[1], start, ops.cast(v, cache.dtype))
             cache = ops.stack([k, v])
             k, v = ops.cast(k, q.dtype), ops.cast(v, q.dtype)
-        if self._blockwise(k.shape[1]):
-            y = self._blockwise_attention(q, k, v, input_mask, training, cache_index)
-        else:
-            y = self._dense_attention(q, k, v, input_mask, training, cache_index)
+        y = self.attend(q, k, v, input_mask, training, cache_index)
         y = self.proj(ops.reshape(y, (batch, length, self.hidden_size)))
         if self.resid_dropout is not None:
             y = self.resid_dropout(y, training=training)
         return y if cache is None else (y, cache)
+
+    def attend(self, q, k, v, input_mask=None, training=False, cache_index=None):
+        """The scores, softmax and weighted sum: (B, T, nh, hs) q and (B, S, nh, hs) k, v ->
+        (B, T, nh, hs). A backend that splits the sequence over ranks (context parallelism)
+        replaces this method on the instance from outside; the layer never knows."""
+        if self._blockwise(k.shape[1]):
+            return self._blockwise_attention(q, k, v, input_mask, training, cache_index)
+        return self._dense_attention(q, k, v, input_mask, training, cache_index)
 
     def _blockwise(self, keys):
         """Whether this call runs blockwise: `attention`, with "auto" decided by the number of
