@@ -4,7 +4,7 @@ import json
 from tfbig.plan.hardware import GB
 
 PARTS = ("parameters", "gradients", "optimizer", "activations", "communication", "reserve")
-TIME_PARTS = ("compute", "elementwise", "tensor", "pipeline", "data", "update")
+TIME_PARTS = ("compute", "elementwise", "tensor", "context", "pipeline", "data", "update")
 
 
 def _human(n, giga="B"):
@@ -84,7 +84,7 @@ def text(shape, cluster, precision, token_budget, estimates, top):
                      f"a smaller --batch_size or ZeRO would be needed")
     lines += describe_estimate(best, cluster.device.memory_bytes)
     lines.append(f"best {min(top, len(estimates))} of {len(estimates)} layouts (D data, "
-                 f"P pipeline, T tensor, M micro-batches per replica, ckpt activation "
+                 f"P pipeline, C context, T tensor, M micro-batches per replica, ckpt activation "
                  f"checkpointing, sp sequence parallel):")
     return "\n".join(lines + table(estimates[:top]))
 
