@@ -16,7 +16,9 @@ nothing about distribution: a tensor-parallel backend shrinks `num_heads`/`inter
 the Dense widths from outside (tfbig.distribute.tensor_layout), so every width below is read
 from those attributes, never recomputed from the constructor's arguments; and with sequence
 parallelism the QKV projection's input is a chunk of the sequence that the projection gathers,
-so attention takes its length from the projection's output.
+so attention takes its length from the projection's output. Context parallelism replaces
+`MultiHeadAttention.attend` (scores, softmax, weighted sum) on each instance from outside
+(tfbig.distribute.context_parallel).
 
 Example:
     block = TransformerBlock(64, 4, 256, causal=True, style="gpt2")
