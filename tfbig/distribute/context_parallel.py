@@ -11,8 +11,9 @@ calls from outside, as tensor parallelism does. What runs on context rank i of C
     attention   keys and values of the layer are all-gathered over the context group and put
                 back in sequence order; each local chunk of queries attends to them with its
                 own offset (tfbig.models.attention's `query_offset`: causal blocks past the
-                diagonal skipped). Backward: the keys' and values' gradients are
-                reduce-scattered back to the ranks that own them
+                diagonal skipped). The gathered whole is not kept: the backward gathers it
+                again, differentiates from the saved output and log-sum-exp, and
+                reduce-scatters the keys' and values' gradients back to their ranks
     loss        GPT: each rank's loss is the mean over its own tokens (the labels cut as the
                 inputs); equal token counts make the mean of the C losses the whole
                 sequence's, and averaging the gradients over data x context gives one device's.
@@ -29,8 +30,9 @@ grouped-query K/V. Horovod has no point-to-point send/recv, only collectives (FA
 collectives run between TensorFlow ops without overlapping the matmuls on this CPU, so a ring
 would be C-1 sequential collective rounds per layer where the all-gather is one, with no
 overlap to win back. The price of the gather: each rank holds the layer's whole K and V
-(2 x T x hidden per sequence, O(T), not O(T^2)) during the layer, which is what
-`benchmarks/long_context.py` measures against CP1.
+(2 x T x hidden per sequence, O(T), not O(T^2)) while the layer's attention runs, forward and
+again backward (not in between: one more all-gather per layer keeps the activations a rank
+holds at about 1/C of one device's); `benchmarks/long_context.py --context=2` measures it.
 
 Gradients: the context ranks hold the whole model, so their gradients are averaged over the
 context group, then handed to the data backend underneath (plain data parallelism, ZeRO 1/2,
@@ -48,12 +50,13 @@ import dataclasses
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.eager import record  # stop_recording: no public equivalent
 
 from tfbig.distribute import horovod_keras
 from tfbig.distribute.horovod_keras import hvd
 from tfbig.distribute.tensor_layout import _resolve
 from tfbig.distribute.tensor_parallel import _on_sequence_axis
-from tfbig.models.attention import blockwise_attention
+from tfbig.models.attention import blockwise_attention, blockwise_attention_backward
 
 
 def _masked_lm_plan(blocks):
@@ -121,17 +124,20 @@ def _all_gather_in_order(x, group):
     return tf.gather(y, np.argsort(group.gathered_positions()), axis=1)
 
 
+def _reduce_scatter_in_order(dy, group):
+    """(B, T, ...) gradient of a gathered whole on every rank -> the sum over the group of
+    this rank's rows (B, T/C, ...), in the rank's own row order."""
+    by_rank = tf.gather(dy, group.gathered_positions(), axis=1)
+    return _on_sequence_axis(lambda t: hvd.reducescatter(
+        t, op=hvd.Sum, process_set=group.process_set), by_rank)
+
+
 def gather_keys_values(x, group):
     """(B, T/C, ...) keys/values -> (B, T, ...) forward; backward every rank's gradient of the
     whole is summed and each rank keeps its own rows (a reduce-scatter)."""
     @tf.custom_gradient
     def gather(x):
-        def grad(dy):
-            by_rank = tf.gather(dy, group.gathered_positions(), axis=1)
-            return _on_sequence_axis(lambda t: hvd.reducescatter(
-                t, op=hvd.Sum, process_set=group.process_set), by_rank)
-
-        return _all_gather_in_order(x, group), grad
+        return _all_gather_in_order(x, group), lambda dy: _reduce_scatter_in_order(dy, group)
 
     return gather(x)
 
@@ -165,27 +171,57 @@ def first_row_everywhere(x, group):
 
 def context_attention(layer, group):
     """A replacement for `layer.attend` (tfbig.models.layers.MultiHeadAttention): this rank's
-    two query chunks against the keys and values gathered from the whole context group."""
+    two query chunks against the keys and values of the whole context group."""
     def attend(q, k, v, input_mask=None, training=False, cache_index=None):
         if cache_index is not None:
             raise ValueError("--context_parallel: a key/value cache (generation) runs on one "
                              "process; load the checkpoint with tfbig-generate")
-        size = k.shape[-1]
-        kv = gather_keys_values(tf.concat([k, v], axis=-1), group)  # (B, T, nh, 2 hs)
-        k, v = kv[..., :size], kv[..., size:]
         rate = layer.dropout if training else 0.0
         seed = layer.attn_dropout.seed_generator.next() if rate else None
-        outs = []
-        for half, offset in enumerate(group.offsets()):
-            chunk_seed = None if seed is None else seed + tf.constant([half, 0], seed.dtype)
-            out, _ = blockwise_attention(
-                q[:, half * group.chunk:(half + 1) * group.chunk], k, v, causal=layer.causal,
-                key_mask=input_mask, query_offset=offset, block_size=layer.attention_block_size,
-                dropout=rate, seed=chunk_seed)
-            outs.append(out)
-        return tf.concat(outs, axis=1)  # (B, T/C, nh, hs)
+        return attend_over_group(q, tf.concat([k, v], axis=-1), group, causal=layer.causal,
+                                 key_mask=input_mask, block_size=layer.attention_block_size,
+                                 dropout=rate, seed=seed)
 
     return attend
+
+
+def attend_over_group(q, kv, group, seed=None, **options):
+    """Blockwise attention of this rank's queries q (B, T/C, nh, hs) over the keys and values
+    of every rank of `group` (kv: this rank's (B, T/C, nh, 2 hs)), each of its two chunks with
+    its position offset. The gathered keys and values are not kept for the backward: it
+    gathers them again (one more all-gather per layer for O(T) less memory), differentiates
+    with the forward's saved output and log-sum-exp (`blockwise_attention_backward`) and
+    reduce-scatters their gradients. `options`: blockwise_attention's causal, key_mask,
+    block_size, dropout."""
+    width, c = kv.shape[-1] // 2, group.chunk
+
+    def chunks(q, whole):
+        k, v = whole[..., :width], whole[..., width:]
+        for half, offset in enumerate(group.offsets()):
+            chunk_seed = None if seed is None else seed + tf.constant([half, 0], seed.dtype)
+            yield (q[:, half * c:(half + 1) * c], k, v,
+                   dict(options, query_offset=offset, seed=chunk_seed))
+
+    @tf.custom_gradient
+    def attend(q, kv):
+        with record.stop_recording():  # keep nothing of the whole for the outer tape
+            results = [blockwise_attention(q_i, k, v, **opts)
+                       for q_i, k, v, opts in chunks(q, _all_gather_in_order(kv, group))]
+
+        def grad(d_out):
+            with tf.control_dependencies([d_out]):  # gather when the backward gets here
+                whole = _all_gather_in_order(kv, group)
+            dq, dk, dv = [], 0.0, 0.0
+            for half, (q_i, k, v, opts) in enumerate(chunks(q, whole)):
+                dq_i, dk_i, dv_i = blockwise_attention_backward(
+                    q_i, k, v, *results[half], d_out[:, half * c:(half + 1) * c], **opts)
+                dq, dk, dv = dq + [dq_i], dk + dk_i, dv + dv_i
+            d_whole = tf.concat([dk, dv], axis=-1)  # (B, T, nh, 2 hs)
+            return tf.concat(dq, axis=1), _reduce_scatter_in_order(d_whole, group)
+
+        return tf.concat([out for out, _ in results], axis=1), grad  # (B, T/C, nh, hs)
+
+    return attend(q, kv)
 
 
 def _wrap(layer, kind, group):
