@@ -150,6 +150,8 @@ def _cfg(**parallel):
     (dict(context_parallel=2, sequence_parallel=True, tensor_parallel=2),
      "--context_parallel=2 with --sequence_parallel is not supported"),
     (dict(context_parallel=2, zero_stage=3), "--context_parallel=2 with --zero_stage=3"),
+    (dict(context_parallel=2, zero_stage=2), "--context_parallel=2 with --zero_stage=2 is "
+                                             "not supported yet"),
     (dict(context_parallel=3), r"--context_parallel=3 x --tensor_parallel=1 = 3 does not "
                                r"divide 4"),
 ])

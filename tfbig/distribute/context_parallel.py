@@ -35,8 +35,8 @@ again backward (not in between: one more all-gather per layer keeps the activati
 holds at about 1/C of one device's); `benchmarks/long_context.py --context=2` measures it.
 
 Gradients: the context ranks hold the whole model, so their gradients are averaged over the
-context group, then handed to the data backend underneath (plain data parallelism, ZeRO 1/2,
-tensor parallelism): it composes as a mixin (`with_context`). Only context rank 0 of each
+context group, then handed to the data backend underneath (plain data parallelism, ZeRO-1,
+tensor parallelism, tensor parallelism with ZeRO-1): it composes as a mixin (`with_context`). Only context rank 0 of each
 replica writes checkpoints (the others hold the same state), and a run resumes under any C.
 Dropout: each context rank's generator states are offset by its rank after the broadcast, so
 the positions of different ranks draw different masks (the run is still not one device's

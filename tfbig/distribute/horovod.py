@@ -49,11 +49,11 @@ def build_mesh(parallel, world_size):
         raise ValueError(f"--context_parallel={parallel.context_parallel} with "
                          f"--sequence_parallel is not supported: both split the sequence; "
                          f"use one of them")
-    if parallel.context_parallel > 1 and parallel.zero_stage > 2:
+    if parallel.context_parallel > 1 and parallel.zero_stage > 1:
         raise ValueError(f"--context_parallel={parallel.context_parallel} with --zero_stage="
-                         f"{parallel.zero_stage} is not supported (stage 3 gathers parameters "
-                         f"inside the layers context parallelism wraps; not built); use "
-                         f"--zero_stage=1 or 2")
+                         f"{parallel.zero_stage} is not supported yet (stages 2 and 3 "
+                         f"reduce-scatter inside the forward/backward; not tested with the "
+                         f"context axis); use --zero_stage=1")
     if parallel.shard_degree and not parallel.zero_stage:
         raise ValueError(f"--shard_degree={parallel.shard_degree} needs --zero_stage=1, 2 or 3 "
                          f"(it sizes the groups the model state is sharded over)")

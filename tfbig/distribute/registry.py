@@ -80,7 +80,7 @@ def _check_context(cfg, horovod):
         raise ValueError(f"--context_parallel={context} with --pipeline_stages="
                          f"{pipeline_stages(cfg)} is not supported: the pipeline's stages "
                          f"exchange whole-sequence activations and its schedules are not cut "
-                         f"by chunk; use --context_parallel with data, tensor and ZeRO-1/2 "
+                         f"by chunk; use --context_parallel with data, tensor and ZeRO-1 "
                          f"layouts, or the pipeline without it")
     if horovod is not None and horovod.elastic:
         raise ValueError(f"--context_parallel={context} with --elastic is not supported: a "

@@ -5,8 +5,8 @@ node (dividing the heads and the node's GPUs), pipeline stages dividing the laye
 tfbig-train cuts them: FLOPs-balanced, tfbig.pipeline.partition), data = GPUs / (T x K), ZeRO 0-3
 over all data ranks or a node-sized partition group (MiCS), micro-batches dividing the per-replica
 batch, with and without activation checkpointing, sequence parallel wherever T > 1, context
-parallel C (2, 4, 8: without pipeline stages or sequence parallelism, where 2C divides the
-sequence) in the data ranks' place.
+parallel C (2, 4, 8: without pipeline stages, sequence parallelism or ZeRO 2-3, where 2C
+divides the sequence) in the data ranks' place.
 
 Example:
     best = search(shape, cluster, precision="mixed_bfloat16", batch_size=512)[0]
@@ -146,7 +146,8 @@ def candidates(shape, cluster, fixed, batch_size):
                 if k not in cuts:  # tfbig-train's FLOPs-balanced partition of the layers
                     cuts[k] = estimate.partition_layers(shape, k) if k > 1 else ()
                 for layout, batch in _data_layouts(fixed, t, k, d, batch, cuts[k]):
-                    yield dataclasses.replace(layout, context=c), batch
+                    if c == 1 or layout.zero_stage < 2:  # tfbig-train: CP with ZeRO 0-1
+                        yield dataclasses.replace(layout, context=c), batch
 
 
 def _context_options(shape, fixed, t, k):
