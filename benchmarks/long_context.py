@@ -13,7 +13,17 @@ one training step (forward, backward, AdamW's apply) at each sequence length:
 Each case runs in its own process (a clean allocator). Dense cases whose planned activations
 exceed half of the memory available now are skipped and named (the machine is shared).
 
+With --context=C, context parallelism instead (its own JSON line, `long_context_cp`): the same
+GPT with blockwise attention at --context_lengths, CP1 (one process) against CPC (C processes
+under `horovodrun --gloo` on this machine, the cores shared out between them), both as
+TensorFlow graphs (CP runs without XLA): per-rank activation memory (allocator peak minus the
+gradients, the largest rank), step wall time, the communication share (the step's collectives
+- K/V all-gathers, their gradients' reduce-scatters, the gradient average - run alone, over
+the step's time), and the longest sequence whose fitted per-rank peak fits C ranks on
+--memory_gib (nothing run at that length).
+
     python benchmarks/long_context.py            # ~10 minutes on 2 busy cores
+    python benchmarks/long_context.py --context=2
 
 Prints one JSON line last: the CPU, the load average before and after, and every figure.
 """
@@ -38,7 +48,10 @@ flags.DEFINE_integer("steps", 3, "Timed steps per case (after one that compiles)
 flags.DEFINE_bool("time_xla", True, "Time XLA-compiled steps (tfbig-train's default); "
                                     "--notime_xla: TensorFlow graphs.")
 flags.DEFINE_float("memory_gib", 24.0, "Memory of the machine the longest sequence is for.")
-flags.DEFINE_string("case", "", "Internal: run one case 'attention,length,memory|time'.")
+flags.DEFINE_string("case", "", "Internal: run one case 'attention,length,memory|time' or "
+                                "'context,C,length'.")
+flags.DEFINE_integer("context", 0, "Measure --context_parallel=C against one process instead.")
+flags.DEFINE_list("context_lengths", ["1024", "2048", "4096"], "Lengths of the --context runs.")
 
 MODEL = dict(num_layers=4, hidden_size=256, num_heads=4, vocab_size=8000)  # the small preset
 
@@ -92,6 +105,140 @@ def run_case(attention, length, kind):
         step(ids).numpy()
     return {"wall_s": (time.perf_counter() - wall) / FLAGS.steps,
             "cpu_s": (time.process_time() - cpu) / FLAGS.steps}
+
+
+def run_context_case(size, length):
+    """One CP case (rank 0 prints it): per-rank step peak, gradients, step and collective
+    seconds. size 1: one process, no Horovod; else this process is one rank of `size`."""
+    import numpy as np
+    import tensorflow as tf
+
+    from tfbig.plan.measure import allocator_peak
+
+    model, optimizer = build("blockwise", length)
+    cross_entropy, average, gather, rank = tf.nn.sparse_softmax_cross_entropy_with_logits, \
+        (lambda grads: grads), (lambda x: x[None]), 0
+    collectives = None
+    if size > 1:
+        from types import SimpleNamespace
+
+        from tfbig.distribute import horovod_keras
+        from tfbig.distribute.context_parallel import ContextGroup, apply_plan
+        from tfbig.distribute.horovod_keras import hvd
+
+        horovod_keras.init(pin_gpu=False)
+        rank, world = hvd.rank(), hvd.global_process_set
+        group = ContextGroup(world, rank, size, length)
+        task = SimpleNamespace(vocab_cross_entropy=cross_entropy)
+        apply_plan(model, task, group)
+        cross_entropy = task.vocab_cross_entropy
+        average = lambda grads: horovod_keras.average_gradients(grads, process_set=world)  # noqa: E731
+        gather = lambda x: hvd.allgather(x[None], process_set=world)  # noqa: E731
+        collectives = _collectives(model, group, hvd)
+    ids = tf.random.uniform((1, length + 1), 0, MODEL["vocab_size"], tf.int32, seed=0)
+
+    @tf.function
+    def step(batch):
+        with tf.GradientTape() as tape:
+            logits = model(batch[:, :-1], training=True)
+            loss = tf.reduce_mean(cross_entropy(batch[:, 1:], logits))
+        grads = average(tape.gradient(loss, model.trainable_variables))
+        optimizer.apply(grads, model.trainable_variables)
+        return loss
+
+    peak = allocator_peak(lambda: step(ids).numpy(), repeats=FLAGS.repeats)
+    wall = _seconds(lambda: step(ids).numpy())
+    comm = _seconds(lambda: collectives().numpy()) if collectives else 0.0
+    grads = sum(4 * v.shape.num_elements() for v in model.trainable_variables)
+    rows = gather(tf.constant([peak, grads, wall, comm], tf.float64)).numpy()
+    if rank == 0:
+        print(json.dumps({"step_peak": rows[:, 0].tolist(), "gradients": rows[:, 1].tolist(),
+                          "wall_s": float(np.max(rows[:, 2])),
+                          "collectives_s": float(np.max(rows[:, 3]))}))
+
+
+def _collectives(model, group, hvd):
+    """A function running the collectives of one CP step alone: per layer the K/V all-gather
+    (forward, and again backward) and the reduce-scatter of their gradients, then the
+    gradients' average."""
+    import tensorflow as tf
+
+    from tfbig.distribute.context_parallel import gather_keys_values
+
+    local = group.seq_length // group.size
+    heads, width = MODEL["num_heads"], MODEL["hidden_size"]
+    # Inputs as arguments: constants would let Grappler fold the collectives away (measured)
+    kv = tf.random.uniform((1, local, heads, 2 * width // heads))
+    grads = [tf.random.uniform(v.shape) for v in model.trainable_variables]
+
+    @tf.function
+    def run(kv, grads):
+        total = tf.constant(0.0)
+        for _ in range(MODEL["num_layers"]):
+            total += tf.reduce_sum(gather_keys_values(kv, group))  # the forward's gather
+            with tf.GradientTape() as tape:  # the backward's gather and reduce-scatter
+                tape.watch(kv)
+                whole = gather_keys_values(kv, group)
+            total += tf.reduce_sum(tape.gradient(whole, kv))
+        summed = hvd.grouped_allreduce(grads, op=hvd.Average, process_set=group.process_set)
+        return total + tf.add_n([tf.reduce_sum(g) for g in summed])
+
+    return lambda: run(kv, grads)
+
+
+def _seconds(run):
+    """Mean wall seconds of `run()` over --steps, after one untimed call."""
+    run()
+    start = time.perf_counter()
+    for _ in range(FLAGS.steps):
+        run()
+    return (time.perf_counter() - start) / FLAGS.steps
+
+
+def context_case(size, length):
+    """Run one CP case in its own process(es): horovodrun for size > 1, the cores shared out."""
+    argv = [sys.executable, os.path.abspath(__file__), f"--case=context,{size},{length}",
+            f"--block_size={FLAGS.block_size}", f"--repeats={FLAGS.repeats}",
+            f"--steps={FLAGS.steps}"]
+    threads = str(max(1, (os.cpu_count() or 1) // size))
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "TF_NUM_INTRAOP_THREADS": threads,
+           "TF_NUM_INTEROP_THREADS": "1"}
+    if size > 1:
+        horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+        argv = [horovodrun, "-np", str(size), "-H", f"localhost:{size}", "--gloo", *argv]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True, env=env).stdout
+    line = next(line for line in reversed(out.splitlines()) if '{"step_peak"' in line)
+    return json.loads(line[line.index("{"):])
+
+
+def context_main():
+    """--context=C: the CP1 / CPC comparison, one JSON line."""
+    size, load_before = FLAGS.context, os.getloadavg()
+    lengths = [int(n) for n in FLAGS.context_lengths]
+    runs = {c: {n: context_case(c, n) for n in lengths} for c in (1, size)}
+    activations = {c: {n: max(p - g for p, g in zip(r["step_peak"], r["gradients"]))
+                       for n, r in v.items()} for c, v in runs.items()}
+    budget = FLAGS.memory_gib * 2 ** 30
+    longest_fitted = {  # per-rank peaks; C ranks share the machine's memory
+        f"cp{c}": longest(lengths, [max(v[n]["step_peak"]) for n in lengths], 1, budget / c)
+        for c, v in runs.items()}
+    result = {
+        "benchmark": "long_context_cp", "model": "gpt small, batch 1, fp32, blockwise, graph",
+        "context": size, "cpu": cpu_name(), "cores": os.cpu_count(),
+        "load_before": [round(x, 2) for x in load_before],
+        "activations_mib": {f"cp{c}": {str(n): round(b / 2 ** 20, 1) for n, b in v.items()}
+                            for c, v in activations.items()},
+        "activation_ratio_per_rank": {str(n): round(activations[size][n] / activations[1][n], 3)
+                                      for n in lengths},
+        "step_wall_s": {f"cp{c}": {str(n): round(r["wall_s"], 3) for n, r in v.items()}
+                        for c, v in runs.items()},
+        "speed_cp_over_cp1": {str(n): round(runs[1][n]["wall_s"] / runs[size][n]["wall_s"], 3)
+                              for n in lengths},
+        "communication_share": {str(n): round(runs[size][n]["collectives_s"]
+                                              / runs[size][n]["wall_s"], 3) for n in lengths},
+        "longest_in_memory_gib": FLAGS.memory_gib, "longest_fitted": longest_fitted,
+        "load_after": [round(x, 2) for x in os.getloadavg()]}
+    _record.emit(result)
 
 
 def planned_activations(attention, length):
@@ -164,9 +311,16 @@ def planned_longest(attention, budget):
 
 
 def main(argv):
+    if FLAGS.case.startswith("context,"):
+        _, size, length = FLAGS.case.split(",")
+        run_context_case(int(size), int(length))
+        return
     if FLAGS.case:
         attention, length, kind = FLAGS.case.split(",")
         print(json.dumps(run_case(attention, int(length), kind)))
+        return
+    if FLAGS.context:
+        context_main()
         return
     load_before = os.getloadavg()
     lengths = [int(n) for n in FLAGS.lengths]

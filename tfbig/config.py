@@ -154,10 +154,14 @@ class HorovodConfig:
 @dataclasses.dataclass
 class ParallelConfig:
     """Model-parallel and sharded layouts on the Horovod backend: the rank grid
-    (tfbig.distribute.mesh) is data x pipeline x tensor, with ZeRO/MiCS groups inside data."""
+    (tfbig.distribute.mesh) is data x pipeline x context x tensor, with ZeRO/MiCS groups inside
+    data."""
 
     tensor_parallel: int = field(1, "Horovod: ranks that split each layer (Megatron tensor "
                                     "parallelism; normally the GPUs of one host).")
+    context_parallel: int = field(1, "Horovod: ranks that split every sequence (context "
+                                     "parallelism: 2 of 2C chunks each, keys/values gathered "
+                                     "per attention layer).")
     sequence_parallel: bool = field(False, "Horovod, with --tensor_parallel: split the "
                                            "LayerNorm/dropout regions along the sequence.")
     placement: str = field("cluster", "Horovod: rank order of the mesh: cluster (tensor ranks "

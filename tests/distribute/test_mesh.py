@@ -9,7 +9,7 @@ from tfbig.distribute.mesh import Mesh, placement_order
 def test_cluster_order_puts_tensor_ranks_adjacent():
     mesh = Mesh.build(8, tensor=2, pipeline=2)
     assert (mesh.data, mesh.pipeline, mesh.tensor, mesh.order) == (2, 2, 2, "DPT")
-    assert mesh.coords(5) == {"data": 1, "pipeline": 0, "tensor": 1}
+    assert mesh.coords(5) == {"data": 1, "pipeline": 0, "context": 0, "tensor": 1}
     assert mesh.groups("tensor") == [(0, 1), (2, 3), (4, 5), (6, 7)]
     assert mesh.groups("pipeline") == [(0, 2), (1, 3), (4, 6), (5, 7)]
     assert mesh.groups("data") == [(0, 4), (1, 5), (2, 6), (3, 7)]
@@ -97,3 +97,18 @@ def test_model_groups_hold_one_copy_of_the_model_each():
     assert spread.groups("model") == [(0, 2, 4, 6), (1, 3, 5, 7)]
     pipeline_only = Mesh.build(4, pipeline=2)  # no tensor axis: the pipeline groups
     assert pipeline_only.groups("model") == pipeline_only.groups("pipeline")
+
+
+def test_the_context_axis_sits_just_outside_tensor():
+    mesh = Mesh.build(8, tensor=2, context=2)  # data 2
+    assert mesh.data == 2 and mesh.coords(3) == {"data": 0, "pipeline": 0, "context": 1,
+                                                 "tensor": 1}
+    assert mesh.groups("context") == [(0, 2), (1, 3), (4, 6), (5, 7)]
+    assert mesh.groups("data") == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    assert mesh.group("model", 2) == (2, 3)  # a context rank holds a whole model copy (x TP)
+    for rank in range(mesh.size):
+        assert mesh.rank_of(**mesh.coords(rank)) == rank
+    assert "context groups: [(0, 2), (1, 3), (4, 6), (5, 7)]" in mesh.describe()
+    with pytest.raises(ValueError, match="--context_parallel=3 x --tensor_parallel=1 = 3 "
+                                         "does not divide 4"):
+        Mesh.build(4, context=3)

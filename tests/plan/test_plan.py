@@ -159,9 +159,9 @@ def test_train_plan_only_reads_the_training_layout():
     cfg.train.strategy, cfg.train.preset, cfg.train.batch_size = "pipeline", "tiny", 16
     cfg.pipeline.pipeline_stages, cfg.pipeline.num_microbatches = 2, 4
     assert search.layout_from_config(cfg) == {
-        "tensor_parallel": 1, "sequence_parallel": False, "zero_stage": 0, "shard_degree": 0,
-        "pipeline_stages": 2, "num_microbatches": 4, "schedule": "1f1b",
-        "activation_checkpointing": False}
+        "tensor_parallel": 1, "context_parallel": 1, "sequence_parallel": False,
+        "zero_stage": 0, "shard_degree": 0, "pipeline_stages": 2, "num_microbatches": 4,
+        "schedule": "1f1b", "activation_checkpointing": False}
     device = hardware.Device("cpu", 1e11, 16e9, 2e10, 2e10, 1.0, 0.0)
     text = training_plan(cfg, device=device, world_size=1)
     assert "recommended: D1 P2 T1 M4 1f1b" in text
@@ -285,3 +285,30 @@ def test_blockwise_attention_keeps_no_sequence_squared_term():
     values, _, _ = plan(["--preset=small", "--seq_length=4096", "--attention=dense",
                          "--gpus_per_node=1"])
     assert not cli.shape_from_flags(values).blockwise
+
+
+def test_the_context_axis_divides_the_tokens_a_rank_holds():
+    cfg = models.model_config("gpt", "small", seq_length=8192, attention="blockwise")
+    shape = models.shape_of(cfg, "gpt", 8192)
+    one, two = (estimate.activation_memory(shape, estimate.Layout(context=c), 1, "bf16")
+                for c in (1, 2))
+    # half the tokens per rank, each keeping the K and V of two tokens (the gathered whole)
+    per_token = [estimate.layer_activation_bytes(shape, estimate.Layout(context=c), "bf16")
+                 for c in (1, 2)]
+    assert per_token[1] - per_token[0] == 2 * 2 * 2 * shape.hidden_size  # 16-bit K, V of 2
+    assert 0.5 * one < two < 0.6 * one
+    timed = estimate.step_time(shape, estimate.Layout(context=2), 1, "bf16",
+                               cli.cluster_from_flags(plan(["--gpus_per_node=2"])[0]))
+    assert timed["context"] > 0 and timed["data"] > 0  # K/V exchanges; gradients over context
+    _, _, free = plan(["--preset=small", "--seq_length=8192", "--gpus_per_node=2",
+                       "--batch_size=2"])
+    assert {e.layout.context for e in free} == {1, 2}
+    assert all(e.layout.gpus == 2 for e in free)
+    assert not any(e.layout.context > 1 and (e.layout.pipeline > 1 or e.layout.zero_stage > 1)
+                   for e in free)
+    _, _, fixed = plan(["--preset=small", "--seq_length=8192", "--gpus_per_node=2",
+                        "--context_parallel=2", "--batch_size=2"])
+    assert {(e.layout.context, e.layout.data) for e in fixed} == {(2, 1)}
+    assert "C2" in fixed[0].layout.describe()
+    with pytest.raises(ValueError, match="--context_parallel=3: the sequence length 8192"):
+        plan(["--preset=small", "--seq_length=8192", "--context_parallel=3"])

@@ -45,11 +45,21 @@ def build_mesh(parallel, world_size):
                          f"{parallel.zero_stage} is not supported by --strategy=horovod yet "
                          f"(stages 2 and 3 with tensor parallelism are not built); use "
                          f"--zero_stage=1 (optimizer slots sharded) or no --tensor_parallel")
+    if parallel.context_parallel > 1 and parallel.sequence_parallel:
+        raise ValueError(f"--context_parallel={parallel.context_parallel} with "
+                         f"--sequence_parallel is not supported: both split the sequence; "
+                         f"use one of them")
+    if parallel.context_parallel > 1 and parallel.zero_stage > 1:
+        raise ValueError(f"--context_parallel={parallel.context_parallel} with --zero_stage="
+                         f"{parallel.zero_stage} is not supported yet (stages 2 and 3 "
+                         f"reduce-scatter inside the forward/backward; not tested with the "
+                         f"context axis); use --zero_stage=1")
     if parallel.shard_degree and not parallel.zero_stage:
         raise ValueError(f"--shard_degree={parallel.shard_degree} needs --zero_stage=1, 2 or 3 "
                          f"(it sizes the groups the model state is sharded over)")
     return Mesh.build(world_size, tensor=parallel.tensor_parallel,
-                      shard_degree=parallel.shard_degree, placement=parallel.placement)
+                      shard_degree=parallel.shard_degree, placement=parallel.placement,
+                      context=parallel.context_parallel)
 
 
 class HorovodStrategy(Strategy):

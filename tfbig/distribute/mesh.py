@@ -1,4 +1,5 @@
-"""The rank grid: world = data x pipeline x tensor, with sharded-DP partition groups inside data.
+"""The rank grid: world = data x pipeline x context x tensor, with sharded-DP partition groups
+inside data.
 
 Built once from the flags, printed at start and passed explicitly to every backend; nothing
 else computes "who is in which group" from `rank % n`.
@@ -7,6 +8,9 @@ Axes and what travels along them:
     tensor    T ranks holding slices of the same layers (Megatron): activations all-reduced per
               sub-layer. Normally the GPUs of one host (NVLink).
     pipeline  K ranks holding consecutive stages: activations forward, gradients back.
+    context   C ranks holding 2 of the 2C chunks of every sequence (context parallelism,
+              tfbig.distribute.context_parallel): keys and values gathered in every attention
+              layer, gradients averaged together with the data axis'.
     data      D ranks reading different batches: gradients averaged. With `shard_degree=N`
               (ZeRO/MiCS) the data axis is split into D/N partition groups of N consecutive
               data indices, each holding one sharded copy of the model state; the N ranks
@@ -15,11 +19,13 @@ Axes and what travels along them:
 
 `order` lists the axes by letter (D, P, T), the last varying fastest between consecutive ranks:
 `DPT` ("cluster", the default) puts the tensor ranks of a layer on adjacent ranks (one host),
-then the pipeline stages, then the data replicas; `TPD` ("spread") does the reverse.
+then the pipeline stages, then the data replicas; `TPD` ("spread") does the reverse. The context
+axis, which communicates in every layer as tensor does, sits just outside tensor whatever the
+order ("C" before "T": DPT is in effect DPCT).
 
 Example (8 ranks, TP2 x PP2 x DP2):
     mesh = Mesh.build(world_size=8, tensor=2, pipeline=2)
-    mesh.coords(5)              # {'data': 1, 'pipeline': 0, 'tensor': 1}
+    mesh.coords(5)              # {'data': 1, 'pipeline': 0, 'context': 0, 'tensor': 1}
     mesh.group("tensor", 5)     # (4, 5)
     mesh.group("data", 5)       # (1, 5)
     print(mesh.describe())
@@ -27,7 +33,8 @@ Example (8 ranks, TP2 x PP2 x DP2):
 import dataclasses
 import os
 
-AXES = {"D": "data", "P": "pipeline", "T": "tensor"}
+AXES = {"D": "data", "P": "pipeline", "C": "context", "T": "tensor"}
+AXIS_NAMES = ("data", "pipeline", "context", "tensor")
 PLACEMENTS = {"cluster": "DPT", "spread": "TPD"}
 # What horovodrun (Gloo), Open MPI and MPICH/Slurm PMI set for every process before hvd.init.
 WORLD_SIZE_VARIABLES = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
@@ -55,10 +62,10 @@ def placement_order(placement):
 
 @dataclasses.dataclass(frozen=True)
 class Mesh:
-    """A data x pipeline x tensor grid of `data * pipeline * tensor` ranks.
+    """A data x pipeline x context x tensor grid of `data * pipeline * context * tensor` ranks.
 
     Attributes:
-      data, pipeline, tensor: the size of each axis.
+      data, pipeline, tensor, context: the size of each axis.
       shard_degree: data ranks per ZeRO/MiCS partition group (`data`: the whole data axis,
         as ZeRO/FSDP; fewer: MiCS partition groups replicated across the rest). Divides `data`.
       order: axis letters, last varying fastest (see the module docstring).
@@ -69,53 +76,63 @@ class Mesh:
     tensor: int = 1
     shard_degree: int = 1
     order: str = "DPT"
+    context: int = 1
 
     @classmethod
-    def build(cls, world_size, tensor=1, pipeline=1, shard_degree=0, placement="cluster"):
-        """The grid for `world_size` ranks; the data axis takes what tensor x pipeline leave.
+    def build(cls, world_size, tensor=1, pipeline=1, shard_degree=0, placement="cluster",
+              context=1):
+        """The grid for `world_size` ranks; the data axis takes what the others leave.
 
         shard_degree 0 means the whole data axis (plain ZeRO); errors name the flags.
         """
-        for name, value in (("--tensor_parallel", tensor), ("--pipeline_stages", pipeline)):
+        for name, value in (("--tensor_parallel", tensor), ("--pipeline_stages", pipeline),
+                            ("--context_parallel", context)):
             if value < 1:
                 raise ValueError(f"{name}={value}: expected a positive number of ranks")
-        if world_size % (tensor * pipeline):
+        model = tensor * pipeline * context
+        if world_size % model:
             raise ValueError(
-                f"the world of {world_size} ranks is not data x pipeline x tensor: "
-                f"--pipeline_stages={pipeline} x --tensor_parallel={tensor} = "
-                f"{pipeline * tensor} does not divide {world_size}; start a multiple of "
-                f"{pipeline * tensor} processes")
-        data = world_size // (tensor * pipeline)
+                f"the world of {world_size} ranks is not data x pipeline x context x tensor: "
+                f"--pipeline_stages={pipeline} x --context_parallel={context} x "
+                f"--tensor_parallel={tensor} = {model} does not divide {world_size}; start a "
+                f"multiple of {model} processes")
+        data = world_size // model
         shard_degree = shard_degree or data
         if shard_degree < 1 or data % shard_degree:
             raise ValueError(
                 f"--shard_degree={shard_degree} does not divide the {data} data-parallel ranks "
                 f"(world {world_size} / (pipeline {pipeline} x tensor {tensor})); choose a "
                 f"divisor of {data}")
-        return cls(data, pipeline, tensor, shard_degree, placement_order(placement))
+        return cls(data, pipeline, tensor, shard_degree, placement_order(placement), context)
 
     @property
     def size(self):
-        return self.data * self.pipeline * self.tensor
+        return self.data * self.pipeline * self.context * self.tensor
 
     def _sizes(self):
-        return {"data": self.data, "pipeline": self.pipeline, "tensor": self.tensor}
+        return {"data": self.data, "pipeline": self.pipeline, "context": self.context,
+                "tensor": self.tensor}
+
+    @property
+    def _axis_order(self):
+        """`order` with the context axis just outside tensor (see the module docstring)."""
+        return self.order.replace("T", "CT")
 
     def coords(self, rank):
-        """{'data': d, 'pipeline': p, 'tensor': t} of global rank `rank`."""
+        """{'data': d, 'pipeline': p, 'context': c, 'tensor': t} of global rank `rank`."""
         if not 0 <= rank < self.size:
             raise ValueError(f"rank {rank} is outside the mesh of {self.size} ranks")
         sizes, out = self._sizes(), {}
-        for letter in reversed(self.order):  # the last letter varies fastest
+        for letter in reversed(self._axis_order):  # the last letter varies fastest
             axis = AXES[letter]
             rank, out[axis] = divmod(rank, sizes[axis])
-        return {axis: out[axis] for axis in ("data", "pipeline", "tensor")}
+        return {axis: out[axis] for axis in AXIS_NAMES}
 
-    def rank_of(self, data=0, pipeline=0, tensor=0):
+    def rank_of(self, data=0, pipeline=0, tensor=0, context=0):
         """The global rank at these coordinates."""
-        coords, sizes, rank = {"data": data, "pipeline": pipeline, "tensor": tensor}, \
-            self._sizes(), 0
-        for letter in self.order:
+        coords, sizes, rank = {"data": data, "pipeline": pipeline, "tensor": tensor,
+                               "context": context}, self._sizes(), 0
+        for letter in self._axis_order:
             axis = AXES[letter]
             rank = rank * sizes[axis] + coords[axis]
         return rank
@@ -123,15 +140,15 @@ class Mesh:
     def group(self, axis, rank):
         """The ranks that differ from `rank` only along `axis`, in axis order.
 
-        axis: 'data', 'pipeline', 'tensor', or the sharded-DP groups 'partition' (the
-        shard_degree ranks sharing one sharded copy of the state), 'replica' (the ranks
+        axis: 'data', 'pipeline', 'context', 'tensor', or the sharded-DP groups 'partition'
+        (the shard_degree ranks sharing one sharded copy of the state), 'replica' (the ranks
         holding the same shard in each partition group) and 'model' (pipeline x tensor: the
         ranks holding one copy of the model between them, sorted; global norms sum over it).
         """
         c = self.coords(rank)
         if axis == "model":
-            return tuple(sorted(self.rank_of(c["data"], p, t) for p in range(self.pipeline)
-                                for t in range(self.tensor)))
+            return tuple(sorted(self.rank_of(c["data"], p, t, c["context"])
+                                for p in range(self.pipeline) for t in range(self.tensor)))
         if axis in ("partition", "replica"):
             first, position = divmod(c["data"], self.shard_degree)
             indices = (range(first * self.shard_degree, (first + 1) * self.shard_degree)
@@ -139,8 +156,8 @@ class Mesh:
                        range(position, self.data, self.shard_degree))
             return tuple(self.rank_of(**{**c, "data": d}) for d in indices)
         if axis not in self._sizes():
-            raise ValueError(f"unknown mesh axis {axis!r}: expected data, pipeline, tensor, "
-                             f"partition or replica")
+            raise ValueError(f"unknown mesh axis {axis!r}: expected data, pipeline, context, "
+                             f"tensor, partition or replica")
         return tuple(self.rank_of(**{**c, axis: i}) for i in range(self._sizes()[axis]))
 
     def groups(self, axis):
@@ -149,24 +166,27 @@ class Mesh:
 
     def describe(self):
         """A few lines for the start of a run: the grid and each rank's coordinates."""
+        context = f"context {self.context} x " if self.context > 1 else ""
+        order = self._axis_order if context else self.order
         lines = [f"mesh: {self.size} ranks = data {self.data} x pipeline {self.pipeline} x "
-                 f"tensor {self.tensor} (order {self.order}, last varies fastest)"]
+                 f"{context}tensor {self.tensor} (order {order}, last varies fastest)"]
         if 1 < self.shard_degree < self.data:
             lines.append(f"  sharded-DP partition groups of {self.shard_degree}: "
                          f"{self.groups('partition')}; replica groups: "
                          f"{self.groups('replica')}")
-        for axis in ("tensor", "pipeline", "data"):
+        for axis in ("tensor", "context", "pipeline", "data"):
             if self._sizes()[axis] > 1:
                 lines.append(f"  {axis} groups: {self.groups(axis)}")
         for rank in range(self.size):
             c = self.coords(rank)
             lines.append(f"  rank {rank}: data {c['data']} pipeline {c['pipeline']} "
-                         f"tensor {c['tensor']}")
+                         + (f"context {c['context']} " if context else "")
+                         + f"tensor {c['tensor']}")
         return "\n".join(lines)
 
     def process_set_ranks(self):
         """Every group of two or more ranks below the whole world, once (for hvd.init)."""
-        axes = ("data", "pipeline", "tensor", "partition", "replica", "model")
+        axes = ("data", "pipeline", "context", "tensor", "partition", "replica", "model")
         found = {g for axis in axes for g in self.groups(axis) if 1 < len(g) < self.size}
         # Adjacent pipeline stages exchange activations on a two-rank set of their own.
         found |= {pair for g in self.groups("pipeline") for pair in zip(g, g[1:])
@@ -216,8 +236,9 @@ class HorovodMesh:
         elif needed and not os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS"):
             raise RuntimeError(
                 f"Horovod was initialised before the mesh ({mesh.data} x {mesh.pipeline} x "
-                f"{mesh.tensor}) could declare its process sets: build the strategy before "
-                f"anything calls hvd.init(), or launch with HOROVOD_DYNAMIC_PROCESS_SETS=1")
+                f"{mesh.context} x {mesh.tensor}) could declare its process sets: build the "
+                f"strategy before anything calls hvd.init(), or launch with "
+                f"HOROVOD_DYNAMIC_PROCESS_SETS=1")
         else:  # one process trying several layouts (tests): sets added once, kept for reuse
             for ranks in needed:
                 if ranks not in _KNOWN_SETS:
@@ -230,10 +251,11 @@ class HorovodMesh:
         self.rank = hvd.rank()
 
     @classmethod
-    def start(cls, tensor=1, pipeline=1, shard_degree=0, placement="cluster", pin_gpu=True):
+    def start(cls, tensor=1, pipeline=1, shard_degree=0, placement="cluster", pin_gpu=True,
+              context=1):
         """Build the Mesh for the launcher's world size and initialise Horovod with its sets."""
-        return cls(Mesh.build(launcher_world_size(), tensor, pipeline, shard_degree, placement),
-                   pin_gpu=pin_gpu)
+        return cls(Mesh.build(launcher_world_size(), tensor, pipeline, shard_degree, placement,
+                              context), pin_gpu=pin_gpu)
 
     def process_set(self, axis, rank=None):
         """The process set of this rank's (or `rank`'s) group along `axis`; None for one rank."""

@@ -45,18 +45,8 @@ def blockwise_attention(q, k, v, causal=False, key_mask=None, query_offset=0, bl
     lse (B, T, nh) float32, the log of each row's softmax denominator; -inf for a row that sees
     no key). Both are differentiable (the lse's gradient is what merging partial results needs).
     """
-    if block_size <= 0:
-        raise ValueError(f"block_size={block_size}: expected a positive number of rows")
-    if dropout and seed is None:
-        raise ValueError("blockwise attention with dropout needs a seed")
-    length, keys = _dim(q, 1), _dim(k, 1)
-    tiling = _Tiling(length, keys, block_size, causal, dropout,
-                     masked=key_mask is not None or not isinstance(keys, int)
-                     or keys % min(block_size, keys) != 0)
-    offset = ops.convert_to_tensor(query_offset, "int32")
-    mask = (ops.ones(ops.shape(k)[:2], "float32") if key_mask is None
-            else ops.cast(ops.cast(key_mask, "bool"), "float32"))
-    seed = ops.zeros((2,), "int32") if seed is None else ops.cast(seed, "int32")
+    tiling, mask, offset, seed = _setup(q, k, causal, key_mask, query_offset, block_size,
+                                        dropout, seed)
 
     @ops.custom_gradient
     def attend(q, k, v, mask, offset, seed):
@@ -70,6 +60,34 @@ def blockwise_attention(q, k, v, causal=False, key_mask=None, query_offset=0, bl
         return (out, lse), grad
 
     return attend(q, k, v, mask, offset, seed)
+
+
+def blockwise_attention_backward(q, k, v, out, lse, d_out, causal=False, key_mask=None,
+                                 query_offset=0, block_size=512, dropout=0.0, seed=None):
+    """The gradients (dq, dk, dv) of `blockwise_attention(q, k, v, ...)` with the same
+    arguments, given its (out, lse) and the output's gradient `d_out`: for a caller that does
+    not keep k and v between forward and backward (context parallelism gathers them from
+    other ranks in the forward and again here) and so runs the forward without a tape."""
+    tiling, mask, offset, seed = _setup(q, k, causal, key_mask, query_offset, block_size,
+                                        dropout, seed)
+    return _backward(tiling, q, k, v, mask, offset, seed, out, lse, d_out, None)
+
+
+def _setup(q, k, causal, key_mask, query_offset, block_size, dropout, seed):
+    """(tiling, key mask, offset, seed) of one call, the arguments checked."""
+    if block_size <= 0:
+        raise ValueError(f"block_size={block_size}: expected a positive number of rows")
+    if dropout and seed is None:
+        raise ValueError("blockwise attention with dropout needs a seed")
+    length, keys = _dim(q, 1), _dim(k, 1)
+    tiling = _Tiling(length, keys, block_size, causal, dropout,
+                     masked=key_mask is not None or not isinstance(keys, int)
+                     or keys % min(block_size, keys) != 0)
+    offset = ops.convert_to_tensor(query_offset, "int32")
+    mask = (ops.ones(ops.shape(k)[:2], "float32") if key_mask is None
+            else ops.cast(ops.cast(key_mask, "bool"), "float32"))
+    seed = ops.zeros((2,), "int32") if seed is None else ops.cast(seed, "int32")
+    return tiling, mask, offset, seed
 
 
 def merge_attention(out_a, lse_a, out_b, lse_b):

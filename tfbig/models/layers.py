@@ -16,7 +16,9 @@ nothing about distribution: a tensor-parallel backend shrinks `num_heads`/`inter
 the Dense widths from outside (tfbig.distribute.tensor_layout), so every width below is read
 from those attributes, never recomputed from the constructor's arguments; and with sequence
 parallelism the QKV projection's input is a chunk of the sequence that the projection gathers,
-so attention takes its length from the projection's output.
+so attention takes its length from the projection's output. Context parallelism replaces
+`MultiHeadAttention.attend` (scores, softmax, weighted sum) on each instance from outside
+(tfbig.distribute.context_parallel).
 
 Example:
     block = TransformerBlock(64, 4, 256, causal=True, style="gpt2")
@@ -145,14 +147,19 @@ class MultiHeadAttention(keras.layers.Layer):
             v = ops.slice_update(cache[1], start, ops.cast(v, cache.dtype))
             cache = ops.stack([k, v])
             k, v = ops.cast(k, q.dtype), ops.cast(v, q.dtype)
-        if self._blockwise(k.shape[1]):
-            y = self._blockwise_attention(q, k, v, input_mask, training, cache_index)
-        else:
-            y = self._dense_attention(q, k, v, input_mask, training, cache_index)
+        y = self.attend(q, k, v, input_mask, training, cache_index)
         y = self.proj(ops.reshape(y, (batch, length, self.hidden_size)))
         if self.resid_dropout is not None:
             y = self.resid_dropout(y, training=training)
         return y if cache is None else (y, cache)
+
+    def attend(self, q, k, v, input_mask=None, training=False, cache_index=None):
+        """The scores, softmax and weighted sum: (B, T, nh, hs) q and (B, S, nh, hs) k, v ->
+        (B, T, nh, hs). A backend that splits the sequence over ranks (context parallelism)
+        replaces this method on the instance from outside; the layer never knows."""
+        if self._blockwise(k.shape[1]):
+            return self._blockwise_attention(q, k, v, input_mask, training, cache_index)
+        return self._dense_attention(q, k, v, input_mask, training, cache_index)
 
     def _blockwise(self, keys):
         """Whether this call runs blockwise: `attention`, with "auto" decided by the number of

@@ -50,6 +50,7 @@ FLAGS_SPEC = {
     "tensor_parallel": ("integer", 1, "Fix the tensor-parallel degree (searched if absent)."),
     "sequence_parallel": ("bool", False, "Fix sequence parallelism (searched: on when T > 1)."),
     "pipeline_stages": ("integer", 1, "Fix the pipeline stages (searched if absent)."),
+    "context_parallel": ("integer", 1, "Fix the context-parallel degree (searched if absent)."),
     "num_microbatches": ("integer", 1, "Fix the micro-batches per replica and step."),
     "schedule": ("string", "1f1b", "Pipeline schedule: 1f1b | gpipe (1f1b if absent)."),
     "zero_stage": ("integer", 0, "Fix the ZeRO stage 0-3 (searched if absent)."),

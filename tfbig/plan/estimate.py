@@ -30,6 +30,11 @@ Memory (the busiest pipeline stage, first or last):
                             working set. These are what TensorFlow's graph keeps; an
                             XLA-compiled step assigns its own buffers
                             (benchmarks/plan_accuracy.py reports both).
+    context parallelism     --context_parallel=C: each rank holds T/C tokens of every sequence
+                            (the terms above per local token), attention runs blockwise (no
+                            a s term), and each layer keeps the whole sequence's gathered K and
+                            V (2 h / t values per token of the whole sequence: 4 C h / t bytes
+                            per local token in 16 bits)
     communication           Horovod's fusion buffer, pipeline send/receive of a micro-batch's
                             boundary activation, ZeRO-3's gathered weights of two layers
     reserve                 CUDA context, workspaces, fragmentation (hardware.GPU_RESERVE_BYTES)
@@ -39,12 +44,14 @@ Step time (nothing assumed overlapped; tfbig runs collectives between XLA-compil
     MATMUL_FRACTION of peak (a calibration: each matmul at its size's measured efficiency,
     `matmul_fraction`) + memory-bound element-wise passes over the activations (4 passes,
     5 with recomputation; the logits twice) at BANDWIDTH_FRACTION of memory bandwidth (1 for a
-    measured one) + 4
-    tensor-parallel all-reduces per layer (6 with recomputation) + the pipeline send/receive;
+    measured one) + 4 tensor-parallel all-reduces per layer (6 with recomputation) + the
+    pipeline send/receive + with context parallelism, per layer the all-gather of K and V and
+    the reduce-scatter of their gradients (3 collectives with recomputation), under the part
+    "context";
     pipeline: (M + K - 1) ticks (the bubble); then the data-parallel gradient sync of float32
     gradients, hierarchical (`Cluster.collective_time`): one all-reduce (ZeRO 0) or the 2-hop sync
     (reduce-scatter inside the partition group, all-reduce of the slice across the replica
-    group, all-gather of the updated weights); ZeRO 2-3 reduce-scatter every micro-batch and
+    group, all-gather of the updated weights), after an all-reduce over the context group; ZeRO 2-3 reduce-scatter every micro-batch and
     ZeRO 3 gathers the weights before each forward, backward (and recompute); the optimizer
     update streams the state once through memory.
 """
@@ -63,7 +70,7 @@ LSE_BYTES = 4
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """How a batch and a model are spread over data x pipeline x tensor ranks."""
+    """How a batch and a model are spread over data x pipeline x context x tensor ranks."""
 
     data: int = 1
     pipeline: int = 1  # --pipeline_stages
@@ -77,10 +84,11 @@ class Layout:
     # transformer layers on each pipeline stage; () = tfbig-train's FLOPs-balanced partition
     # (`partition_layers`; a run with its own --stage_boundaries passes its own)
     stage_layers: tuple = ()
+    context: int = 1  # --context_parallel: ranks sharing every sequence
 
     @property
     def gpus(self):
-        return self.data * self.pipeline * self.tensor
+        return self.data * self.pipeline * self.context * self.tensor
 
     @property
     def partition(self):
@@ -89,7 +97,9 @@ class Layout:
 
     def describe(self):
         zero = f" zero{self.zero_stage}/{self.partition}" if self.zero_stage else ""
-        return (f"D{self.data} P{self.pipeline} T{self.tensor}{zero} M{self.num_microbatches}"
+        context = f" C{self.context}" if self.context > 1 else ""
+        return (f"D{self.data} P{self.pipeline}{context} T{self.tensor}{zero} "
+                f"M{self.num_microbatches}"
                 f"{' ckpt' if self.activation_checkpointing else ''}"
                 f"{' sp' if self.sequence_parallel else ''}"
                 f"{' ' + self.schedule if self.pipeline > 1 else ''}")
@@ -150,12 +160,15 @@ def layer_activation_bytes(shape, layout, precision):
     keeps its (T, T) softmax (and dropout mask and output) per head: the `a s` term, quadratic
     in T per sequence. Blockwise attention keeps none of it, only a float32 log-sum-exp per
     head (tfbig.models.attention); its dropout masks are drawn again, not kept."""
-    h, a, s, t = shape.hidden_size, shape.num_heads, shape.seq_length, layout.tensor
+    h, a, s, t, c = (shape.hidden_size, shape.num_heads, shape.seq_length, layout.tensor,
+                     layout.context)
+    blockwise = shape.blockwise or c > 1  # context parallelism runs blockwise attention
     replicated = ((10 if shape.dropout else 8) + LAYERNORM_OUTPUTS) * h / (
         t if layout.sequence_parallel else 1)
-    scores = 0 if shape.blockwise else (5 if shape.dropout else 2) * a * s
-    split = (24 * h + scores) / t
-    statistics = LSE_BYTES * a / t if shape.blockwise else 0
+    scores = 0 if blockwise else (5 if shape.dropout else 2) * a * s
+    gathered = 4 * c * h if c > 1 else 0  # the whole sequence's K and V, per local token
+    split = (24 * h + scores + gathered) / t
+    statistics = LSE_BYTES * a / t if blockwise else 0
     return (replicated + split) * _act_bytes(precision) / 2 + statistics
 
 
@@ -219,7 +232,7 @@ def activation_memory(shape, layout, micro_batch, precision, stage=0):
     the micro-batches in flight keep, and the backward of one of them. On the last stage (or
     without stages) that backward differentiates the head first: the logits' gradient beside
     the head's weight gradients, then, that freed, the layers' working set."""
-    tokens = micro_batch * shape.seq_length
+    tokens = micro_batch * shape.seq_length / layout.context  # this rank's
     last = stage == layout.pipeline - 1
     layers = layers_on(shape, layout, stage)
     per_layer = layer_activation_bytes(shape, layout, precision)
@@ -328,7 +341,7 @@ def tick_time(shape, layout, micro_batch, precision, cluster, stage):
     """Seconds of one micro-batch's forward and backward on pipeline stage `stage`, by part:
     compute, elementwise, tensor."""
     device, t = cluster.device, layout.tensor
-    tokens = micro_batch * shape.seq_length
+    tokens = micro_batch * shape.seq_length / layout.context  # this rank's
     recompute = layout.activation_checkpointing
     flops = (shape.flops_per_token * flops_share(shape, layout, stage) * tokens / t
              * (4 / 3 if recompute else 1))
@@ -337,6 +350,9 @@ def tick_time(shape, layout, micro_batch, precision, cluster, stage):
     # blockwise attention's tiles are written and read as dense attention's scores are (Keras
     # ops, no fused kernel keeps them on chip) and recomputed in the backward: dense's traffic
     dense = dataclasses.replace(shape, blockwise=False)
+    whole_kv = 2 * micro_batch * shape.seq_length * shape.hidden_size / t * _act_bytes(precision)
+    context = (layers * (3 if recompute else 2) * cluster.collective_time(
+        whole_kv, layout.context, t, 1) if layout.context > 1 else 0.0)
     traffic = ((5 if recompute else 4) * layer_activation_bytes(dense, layout, precision) * layers
                + (2 * logits_traffic(shape, layout, precision) if last else 0)) * tokens
     boundary = tokens * shape.hidden_size * _act_bytes(precision)
@@ -344,7 +360,8 @@ def tick_time(shape, layout, micro_batch, precision, cluster, stage):
     return {"compute": flops / (device.peak_flops * fraction),
             "elementwise": traffic / (device.memory_bandwidth * device.bandwidth_fraction),
             "tensor": layers * (6 if recompute else 4) * cluster.collective_time(boundary, t, 1,
-                                                                                 2)}
+                                                                                 2),
+            "context": context}
 
 
 def step_time(shape, layout, micro_batch, precision, cluster):
@@ -370,27 +387,31 @@ def step_time(shape, layout, micro_batch, precision, cluster):
                 if key in ("parameters", "gradients", "optimizer"))
     update = 2 * state / (device.memory_bandwidth * device.bandwidth_fraction)
     return {"compute": ticks * tick["compute"], "elementwise": ticks * tick["elementwise"],
-            "tensor": ticks * tick["tensor"], "pipeline": ticks * pipe, "data": data,
+            "tensor": ticks * tick["tensor"], "context": ticks * tick["context"],
+            "pipeline": ticks * pipe, "data": data,
             "update": update}
 
 
 def data_sync_time(shape, layout, cluster):
-    """Gradient averaging (and ZeRO's gathers) over the data axis, per optimizer step."""
+    """Gradient averaging (and ZeRO's gathers) over the data axis, per optimizer step, after
+    the average over the context group."""
     d = layout.data
-    if d == 1:
-        return 0.0
     size = 4 * stage_params(shape, layout, last=False)  # float32 gradients / weights
-    span = layout.tensor * layout.pipeline  # data neighbours are this many ranks apart
+    context = (cluster.collective_time(size, layout.context, layout.tensor, passes=2)
+               if layout.context > 1 else 0.0)
+    if d == 1:
+        return context
+    span = layout.tensor * layout.pipeline * layout.context  # data neighbours' distance
     if layout.zero_stage == 0:
-        return cluster.collective_time(size, d, span, passes=2)
+        return context + cluster.collective_time(size, d, span, passes=2)
     g = layout.partition
     inner = cluster.collective_time(size, g, span, passes=1)  # in the partition group
     outer = cluster.collective_time(size / g, d // g, span * g, passes=2)  # across replicas
     if layout.zero_stage < 2:  # one reduce-scatter, the slice's all-reduce, one all-gather
-        return 2 * inner + outer
+        return context + 2 * inner + outer
     # ZeRO 2-3 keep no full gradient: reduce-scatter each micro-batch; ZeRO 3 gathers the
     # weights before every forward and backward (and recompute) of every micro-batch
     passes = 2 if layout.zero_stage == 3 else 0  # tfbig's ZeRO 3 gathers once for the
     # forward and once for the backward, which recomputes the layer with those weights
     gathers = layout.num_microbatches * passes if passes else 1
-    return (layout.num_microbatches + gathers) * inner + outer
+    return context + (layout.num_microbatches + gathers) * inner + outer

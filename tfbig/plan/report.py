@@ -4,7 +4,7 @@ import json
 from tfbig.plan.hardware import GB
 
 PARTS = ("parameters", "gradients", "optimizer", "activations", "communication", "reserve")
-TIME_PARTS = ("compute", "elementwise", "tensor", "pipeline", "data", "update")
+TIME_PARTS = ("compute", "elementwise", "tensor", "context", "pipeline", "data", "update")
 
 
 def _human(n, giga="B"):
@@ -99,7 +99,7 @@ def text(shape, cluster, precision, token_budget, estimates, top, spec=None):
     if spec is not None:
         lines += side_by_side(best, spec)
     lines.append(f"best {min(top, len(estimates))} of {len(estimates)} layouts (D data, "
-                 f"P pipeline, T tensor, M micro-batches per replica, ckpt activation "
+                 f"P pipeline, C context, T tensor, M micro-batches per replica, ckpt activation "
                  f"checkpointing, sp sequence parallel):")
     return "\n".join(lines + table(estimates[:top]))
 

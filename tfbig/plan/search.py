@@ -4,7 +4,9 @@ Every layout flag the user gives fixes that part; the rest is searched: tensor p
 node (dividing the heads and the node's GPUs), pipeline stages dividing the layers (cut as
 tfbig-train cuts them: FLOPs-balanced, tfbig.pipeline.partition), data = GPUs / (T x K), ZeRO 0-3
 over all data ranks or a node-sized partition group (MiCS), micro-batches dividing the per-replica
-batch, with and without activation checkpointing, sequence parallel wherever T > 1.
+batch, with and without activation checkpointing, sequence parallel wherever T > 1, context
+parallel C (2, 4, 8: without pipeline stages, sequence parallelism or ZeRO 2-3, where 2C
+divides the sequence) in the data ranks' place.
 
 Example:
     best = search(shape, cluster, precision="mixed_bfloat16", batch_size=512)[0]
@@ -17,7 +19,8 @@ from tfbig.plan import estimate
 
 DEFAULT_BATCH_TOKENS = 2 ** 20  # --batch_size=0: about a million tokens per step (GPT-3's 0.5-3.2M)
 LAYOUT_FLAGS = ("tensor_parallel", "pipeline_stages", "num_microbatches", "zero_stage",
-                "shard_degree", "activation_checkpointing", "sequence_parallel", "schedule")
+                "shard_degree", "activation_checkpointing", "sequence_parallel", "schedule",
+                "context_parallel")
 
 
 @dataclasses.dataclass
@@ -50,6 +53,7 @@ def layout_from_config(cfg):
     which config section holds which field."""
     pipelined = cfg.train.strategy == "pipeline" or pipeline_stages(cfg) > 1
     return {"tensor_parallel": cfg.parallel.tensor_parallel,
+            "context_parallel": cfg.parallel.context_parallel,
             "sequence_parallel": cfg.parallel.sequence_parallel,
             "zero_stage": cfg.parallel.zero_stage, "shard_degree": cfg.parallel.shard_degree,
             "pipeline_stages": pipeline_stages(cfg),
@@ -107,6 +111,13 @@ def check_layout(shape, fixed, cluster, batch_size):
             raise ValueError(f"--batch_size={batch_size} is not divisible into {d} data-parallel "
                              f"replicas x --num_microbatches={m} = {d * m} equal micro-batches; "
                              f"use a multiple of {d * m}")
+    c = fixed.get("context_parallel", 1)
+    if c < 1 or shape.seq_length % (2 * c):
+        raise ValueError(f"--context_parallel={c}: the sequence length {shape.seq_length} is "
+                         f"not a multiple of 2 x {c} (each rank holds 2 of {2 * c} chunks)")
+    if c > 1 and (k or 1) > 1:
+        raise ValueError(f"--context_parallel={c} with --pipeline_stages={k}: tfbig does not "
+                         f"combine them (tfbig-train refuses it)")
     if fixed.get("zero_stage", 0) not in (0, 1, 2, 3):
         raise ValueError(f"--zero_stage={fixed['zero_stage']}: expected 0, 1, 2 or 3")
     if fixed.get("schedule", "1f1b") not in estimate.SCHEDULES:
@@ -125,15 +136,28 @@ def candidates(shape, cluster, fixed, batch_size):
     for t in _options(fixed, "tensor_parallel", [t for t in _divisors(shape.num_heads)
                                                  if node % t == 0]):
         for k in _options(fixed, "pipeline_stages", _divisors(shape.num_layers)):
-            if cluster.size % (t * k):
-                continue
-            d = cluster.size // (t * k)
-            batch = batch_size or d * math.ceil(DEFAULT_BATCH_TOKENS / shape.seq_length / d)
-            if batch % d:
-                continue
-            if k not in cuts:  # tfbig-train's FLOPs-balanced partition of the layers
-                cuts[k] = estimate.partition_layers(shape, k) if k > 1 else ()
-            yield from _data_layouts(fixed, t, k, d, batch, cuts[k])
+            for c in _context_options(shape, fixed, t, k):
+                if cluster.size % (t * k * c):
+                    continue
+                d = cluster.size // (t * k * c)
+                batch = batch_size or d * math.ceil(DEFAULT_BATCH_TOKENS / shape.seq_length / d)
+                if batch % d:
+                    continue
+                if k not in cuts:  # tfbig-train's FLOPs-balanced partition of the layers
+                    cuts[k] = estimate.partition_layers(shape, k) if k > 1 else ()
+                for layout, batch in _data_layouts(fixed, t, k, d, batch, cuts[k]):
+                    if c == 1 or layout.zero_stage < 2:  # tfbig-train: CP with ZeRO 0-1
+                        yield dataclasses.replace(layout, context=c), batch
+
+
+def _context_options(shape, fixed, t, k):
+    """Context-parallel degrees to try: what tfbig-train runs (no pipeline stages, no sequence
+    parallelism; 2C chunks dividing the sequence)."""
+    if "context_parallel" in fixed:
+        return [fixed["context_parallel"]]
+    sequence = fixed.get("sequence_parallel", t > 1)
+    return [1] + ([c for c in (2, 4, 8) if shape.seq_length % (2 * c) == 0]
+                  if k == 1 and not sequence else [])
 
 
 def _data_layouts(fixed, t, k, d, batch, stage_layers):

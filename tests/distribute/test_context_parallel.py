@@ -1,0 +1,179 @@
+"""Context parallelism (`--context_parallel`) through real `horovodrun --gloo` launches, against
+the single-device run on the same global batch.
+
+The default run keeps one launch of 2 ranks: GPT (causal) at CP2. Slow launches run BERT
+(bidirectional, padding masks, MLM + NSP) at CP2 on 2 ranks, and on 4 ranks CP2 x DP2 (GPT and
+BERT), CP2 x TP2, CP2 x DP2 with ZeRO-1 (stopped after 2 steps and resumed from the
+checkpoint) and ALBERT at CP2 x DP2. Each compares per-variable first-step gradients, the
+losses of every step, the final weights (tests/equality.py) and the validation loss (the
+context group's per-sequence outputs averaged, then gathered) with one device (batch 8, 2
+micro-batches per replica, clipping active).
+"""
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_horovod import ALBERT, BERT, WORKER, horovodrun, listed, load, read, run_entry  # noqa: E402
+from test_tensor_parallel import TRAIN, data_of, shared_reference  # noqa: E402
+from test_trainer import make_cfg  # noqa: E402
+
+from tfbig.config import ExperimentConfig, ParallelConfig  # noqa: E402
+from tfbig.distribute.context_parallel import ContextGroup, check_sequence  # noqa: E402
+from tfbig.distribute.horovod import build_mesh  # noqa: E402
+from tfbig.distribute.registry import horovod_backend  # noqa: E402
+
+BERT_CP = {**BERT, "learning_rate": 3e-3}  # as test_tensor_parallel's BERT_TP
+SCENARIOS = {  # name: (context, tensor, train options, worker options); 2 ranks
+    "cp2": (2, 1, {}, {"first_gradients": True}),
+}
+SLOW_PAIR = {  # 2 ranks
+    "cp2_bert": (2, 1, BERT_CP, {"first_gradients": True}),
+}
+SLOW_SCENARIOS = {  # 4 ranks
+    "cp2_dp2": (2, 1, {}, {"first_gradients": True}),
+    "cp2_dp2_bert": (2, 1, BERT_CP, {"first_gradients": True}),
+    "cp2_tp2": (2, 2, {}, {"first_gradients": True}),
+    # ZeRO-1: first_gradients would be this rank's slice (its sync reduce-scatters them)
+    "cp2_dp2_zero1": (2, 1, {"zero_stage": 1}, {"interrupt_at": 2}),
+    "cp2_dp2_albert": (2, 1, ALBERT, {"first_gradients": True}),
+}
+
+
+def cp_cfg(data_dir, model_dir, context, tensor, zero_stage=0, **train):
+    cfg = make_cfg(data_dir, model_dir, strategy="horovod", **{**TRAIN, **train})
+    cfg.parallel.context_parallel = context
+    cfg.parallel.tensor_parallel = tensor
+    cfg.parallel.zero_stage = zero_stage
+    return cfg
+
+
+def launch(root, scenarios, data, ranks):
+    out = root / "out"
+    plan = [run_entry(name, cp_cfg(data_of(train, *data), root / name, context, tensor, **train),
+                      out, **opts) for name, (context, tensor, train, opts) in scenarios.items()]
+    os.makedirs(out)
+    with open(root / "plan.json", "w") as f:
+        json.dump(plan, f)
+    code = horovodrun([WORKER, str(root / "plan.json")], root / "log.txt", timeout=1800,
+                      env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"},
+                      ranks=["-np", str(ranks), "-H", f"localhost:{ranks}"])
+    assert code == 0, read(root / "log.txt")[-6000:]
+    return root, out
+
+
+@pytest.fixture(scope="module")
+def runs(gpt_data, albert_data, bert_data, tmp_path_factory):
+    return launch(tmp_path_factory.mktemp("context_parallel"), SCENARIOS,
+                  (gpt_data, albert_data, bert_data), 2)
+
+
+@pytest.fixture(scope="module")
+def slow_pair_runs(gpt_data, albert_data, bert_data, tmp_path_factory):
+    return launch(tmp_path_factory.mktemp("context_parallel_pair"), SLOW_PAIR,
+                  (gpt_data, albert_data, bert_data), 2)
+
+
+@pytest.fixture(scope="module")
+def slow_runs(gpt_data, albert_data, bert_data, tmp_path_factory):
+    return launch(tmp_path_factory.mktemp("context_parallel_slow"), SLOW_SCENARIOS,
+                  (gpt_data, albert_data, bert_data), 4)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", list(SCENARIOS) + [
+    pytest.param(name, marks=pytest.mark.slow) for name in [*SLOW_PAIR, *SLOW_SCENARIOS]])
+def test_context_parallel_ranks_equal_one_process_on_the_same_data(
+        gpt_data, albert_data, bert_data, request, shared, tmp_path_factory, name):
+    fixture, scenarios, world = next(
+        (fixture, scenarios, world) for fixture, scenarios, world in (
+            ("runs", SCENARIOS, 2), ("slow_pair_runs", SLOW_PAIR, 2),
+            ("slow_runs", SLOW_SCENARIOS, 4)) if name in scenarios)
+    root, out = request.getfixturevalue(fixture)
+    context, tensor, train, opts = scenarios[name]
+    ranks = [load(out, name, r) for r in range(world)]
+    single, losses, grads = shared_reference(
+        shared, tmp_path_factory, data_of(train, gpt_data, albert_data, bert_data),
+        world // (context * tensor), **train)
+    first = ranks[0]
+    assert np.all(first["grad_norms"] > TRAIN["grad_clip_norm"])  # clipping is active
+    assert first["step"] == TRAIN["max_steps"]
+    np.testing.assert_allclose(first["losses"], losses, rtol=1e-5)
+    single.recorded.assert_equal(listed(first, "w"), err_msg=name)
+    if opts.get("first_gradients"):
+        assert len(listed(first, "gradients")) == len(grads)
+        for ours, theirs in zip(listed(first, "gradients"), grads):
+            np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-7)
+    for other in ranks[1:]:  # every rank ends with the same model
+        for a, b in zip(listed(first, "w"), listed(other, "w")):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert float(first["eval_loss"]) == pytest.approx(single.summary["eval"]["loss"], rel=1e-5)
+    if opts.get("interrupt_at"):
+        assert int(first["restored_step"]) == opts["interrupt_at"]
+    log = read(root / "log.txt")
+    assert "context parallel: 2 ranks per sequence of" in log
+
+
+@pytest.mark.multiproc
+def test_only_context_rank_zero_writes_checkpoints(runs):
+    root, _ = runs
+    log = read(root / "log.txt")
+    assert "mesh: 2 ranks = data 1 x pipeline 1 x context 2 x tensor 1" in log
+    assert "rank 0 positions 0..3 and 12..15, rank 1 positions 4..7 and 8..11" in log
+    assert (root / "cp2" / "checkpoint").exists()
+
+
+def test_each_rank_holds_chunks_i_and_2c_minus_1_minus_i():
+    group = ContextGroup(None, 1, 4, 32)  # 8 chunks of 4
+    assert group.positions().tolist() == [4, 5, 6, 7, 24, 25, 26, 27]
+    assert group.offsets() == (4, 24)
+    gathered = group.gathered_positions()
+    assert sorted(gathered.tolist()) == list(range(32))
+    # causal work per rank: the keys its two chunks see are the same on every rank
+    work = [sum(p + 1 for p in ContextGroup(None, r, 4, 32).positions()) for r in range(4)]
+    assert len(set(work)) == 1
+
+
+def _cfg(**parallel):
+    cfg = ExperimentConfig()
+    cfg.train.strategy = "horovod"
+    for key, value in parallel.items():
+        setattr(cfg.parallel if hasattr(cfg.parallel, key) else cfg.pipeline, key, value)
+    return cfg
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(context_parallel=2, sequence_parallel=True, tensor_parallel=2),
+     "--context_parallel=2 with --sequence_parallel is not supported"),
+    (dict(context_parallel=2, zero_stage=3), "--context_parallel=2 with --zero_stage=3"),
+    (dict(context_parallel=2, zero_stage=2), "--context_parallel=2 with --zero_stage=2 is "
+                                             "not supported yet"),
+    (dict(context_parallel=3), r"--context_parallel=3 x --tensor_parallel=1 = 3 does not "
+                               r"divide 4"),
+])
+def test_bad_context_parallel_flags_are_refused_before_training(options, message):
+    with pytest.raises(ValueError, match=message):
+        build_mesh(ParallelConfig(**options), 4)
+
+
+def test_context_parallel_with_a_pipeline_is_refused_by_name():
+    with pytest.raises(ValueError, match="--context_parallel=2 with --pipeline_stages=2 is "
+                                         "not supported"):
+        horovod_backend(_cfg(context_parallel=2, pipeline_stages=2))
+
+
+def test_a_sequence_the_chunks_do_not_divide_is_refused():
+    with pytest.raises(ValueError, match="sequence length 18 is not a multiple of 2 x 2"):
+        check_sequence(18, 2)
+
+
+def test_a_model_without_a_context_plan_is_refused_by_name():
+    from tfbig.distribute.context_parallel import plan_for
+
+    classifier = type("BertClassifier", (), {})()
+    with pytest.raises(ValueError, match="no context-parallel plan for BertClassifier"):
+        plan_for(classifier)

@@ -1,0 +1,384 @@
+"""Context parallelism on Horovod (`--context_parallel=C`): every sequence split over C ranks.
+
+The model file knows nothing of it. A *plan* (CONTEXT_PLANS: attribute path -> what that part
+does) says where the sequence is cut and where it is joined; `apply_plan` wraps those layers'
+calls from outside, as tensor parallelism does. What runs on context rank i of C:
+
+    inputs      the sequence is cut into 2C chunks of T/2C; rank i holds chunks i and 2C-1-i
+                (causal load balance: chunk i sees few keys, chunk 2C-1-i many, so every rank
+                does the same work and none idles on the skipped upper triangle)
+    positions   the position table is read at those two chunks' positions, not 0..T/C-1
+    attention   keys and values of the layer are all-gathered over the context group and put
+                back in sequence order; each local chunk of queries attends to them with its
+                own offset (tfbig.models.attention's `query_offset`: causal blocks past the
+                diagonal skipped). The gathered whole is not kept: the backward gathers it
+                again, differentiates from the saved output and log-sum-exp, and
+                reduce-scatters the keys' and values' gradients back to their ranks
+    loss        GPT: each rank's loss is the mean over its own tokens (the labels cut as the
+                inputs); equal token counts make the mean of the C losses the whole
+                sequence's, and averaging the gradients over data x context gives one device's.
+                BERT/ALBERT: the backbone's sequence output is gathered whole (its gradient
+                cut back to the rank's chunks, times C) and the [CLS] row goes from rank 0 to
+                all, so the heads and the loss run on the whole sequence on every rank; the
+                factor C makes the same data x context average exact
+
+Why all-gather and not a ring. Megatron-LM's CP passes K/V blocks round a ring with P2P
+send/recv, overlapping each transfer with the previous block's attention; torchtitan offers the
+ring ("alltoall"/"allgather" rotate methods) and Llama 3 trained with all-gather CP, which it
+chose because it is simpler, handles any mask (padding, documents), and costs little with
+grouped-query K/V. Horovod has no point-to-point send/recv, only collectives (FACTS.md), and its
+collectives run between TensorFlow ops without overlapping the matmuls on this CPU, so a ring
+would be C-1 sequential collective rounds per layer where the all-gather is one, with no
+overlap to win back. The price of the gather: each rank holds the layer's whole K and V
+(2 x T x hidden per sequence, O(T), not O(T^2)) while the layer's attention runs, forward and
+again backward (not in between: one more all-gather per layer keeps the activations a rank
+holds at about 1/C of one device's); `benchmarks/long_context.py --context=2` measures it.
+
+Gradients: the context ranks hold the whole model, so their gradients are averaged over the
+context group, then handed to the data backend underneath (plain data parallelism, ZeRO-1,
+tensor parallelism, tensor parallelism with ZeRO-1): it composes as a mixin (`with_context`). Only context rank 0 of each
+replica writes checkpoints (the others hold the same state), and a run resumes under any C.
+Dropout: each context rank's generator states are offset by its rank after the broadcast, so
+the positions of different ranks draw different masks (the run is still not one device's
+draw). Horovod's collectives have no XLA kernels: the forward/backward runs as a TensorFlow
+graph (--xla is ignored, as with --tensor_parallel).
+
+Example:
+    horovodrun -np 2 -H localhost:2 --gloo tfbig-train --strategy=horovod --context_parallel=2
+"""
+import dataclasses
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.eager import record  # stop_recording: no public equivalent
+
+from tfbig.distribute import horovod_keras
+from tfbig.distribute.horovod_keras import hvd
+from tfbig.distribute.tensor_layout import _resolve
+from tfbig.distribute.tensor_parallel import _on_sequence_axis
+from tfbig.models.attention import blockwise_attention, blockwise_attention_backward
+
+
+def _masked_lm_plan(blocks):
+    return (("backbone.embedding", "inputs"), ("backbone.embedding.position", "positions"),
+            (f"backbone.{blocks}.*.attn", "attention"), ("backbone", "whole_sequence"),
+            ("backbone.pooler", "first_row"))
+
+
+# Attribute paths below the model ("*": every element of a list) -> what the wrap does there.
+CONTEXT_PLANS = {
+    "GPT": (("embedding", "inputs"), ("embedding.position", "positions"),
+            ("blocks.*.attn", "attention")),
+    "BertForPretraining": _masked_lm_plan("blocks"),
+    "AlbertForPretraining": _masked_lm_plan("groups"),
+}
+# GPT's loss runs on each rank's own tokens: its labels are cut like its inputs.
+LOCAL_LOSS = ("GPT",)
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextGroup:
+    """This rank's place in its context group and the sequence cut it implies."""
+
+    process_set: object
+    rank: int
+    size: int
+    seq_length: int
+
+    @property
+    def chunk(self):
+        return self.seq_length // (2 * self.size)
+
+    def positions(self, rank=None):
+        """The positions rank `rank` (default: this one) holds: chunks i and 2C-1-i."""
+        i, c, last = self.rank if rank is None else rank, self.chunk, 2 * self.size - 1
+        return np.concatenate([np.arange(i * c, (i + 1) * c),
+                               np.arange((last - i) * c, (last - i + 1) * c)]).astype(np.int32)
+
+    def offsets(self):
+        """The first position of each of this rank's two chunks."""
+        return self.rank * self.chunk, (2 * self.size - 1 - self.rank) * self.chunk
+
+    def gathered_positions(self):
+        """The position of each row of an all-gather (rank 0's rows, then rank 1's...)."""
+        return np.concatenate([self.positions(r) for r in range(self.size)])
+
+
+def check_sequence(seq_length, size):
+    """Refuse a sequence the 2C chunks do not divide evenly."""
+    if seq_length % (2 * size):
+        raise ValueError(f"--context_parallel={size}: the sequence length {seq_length} is not "
+                         f"a multiple of 2 x {size} (each rank holds 2 of {2 * size} equal "
+                         f"chunks); choose a --seq_length divisible by {2 * size}")
+
+
+def local_rows(x, group, axis=1):
+    """This rank's rows of a whole-sequence tensor (B, T, ...) along `axis` (no communication)."""
+    return tf.gather(x, group.positions(), axis=axis)
+
+
+def _all_gather_in_order(x, group):
+    """(B, T/C, ...) of every rank -> (B, T, ...) in sequence order."""
+    y = _on_sequence_axis(lambda t: hvd.allgather(t, process_set=group.process_set), x)
+    y = tf.ensure_shape(y, [x.shape[0], group.seq_length] + list(x.shape[2:]))
+    return tf.gather(y, np.argsort(group.gathered_positions()), axis=1)
+
+
+def _reduce_scatter_in_order(dy, group):
+    """(B, T, ...) gradient of a gathered whole on every rank -> the sum over the group of
+    this rank's rows (B, T/C, ...), in the rank's own row order."""
+    by_rank = tf.gather(dy, group.gathered_positions(), axis=1)
+    return _on_sequence_axis(lambda t: hvd.reducescatter(
+        t, op=hvd.Sum, process_set=group.process_set), by_rank)
+
+
+def gather_keys_values(x, group):
+    """(B, T/C, ...) keys/values -> (B, T, ...) forward; backward every rank's gradient of the
+    whole is summed and each rank keeps its own rows (a reduce-scatter)."""
+    @tf.custom_gradient
+    def gather(x):
+        return _all_gather_in_order(x, group), lambda dy: _reduce_scatter_in_order(dy, group)
+
+    return gather(x)
+
+
+def gather_whole_sequence(x, group):
+    """(B, T/C, H) -> (B, T, H) for a region every context rank computes alike (the heads);
+    backward this rank's rows of the gradient, times C: the data x context average of the
+    gradients then sums the C ranks' parts instead of averaging them."""
+    @tf.custom_gradient
+    def gather(x):
+        def grad(dy):
+            return local_rows(dy, group) * tf.cast(group.size, dy.dtype)
+
+        return _all_gather_in_order(x, group), grad
+
+    return gather(x)
+
+
+def first_row_everywhere(x, group):
+    """Rank 0's `x` (the [CLS] row: position 0 is on rank 0) on every rank forward; backward
+    the gradient, times C (as gather_whole_sequence), goes to rank 0's `x` only."""
+    keep = tf.cast(group.rank == 0, x.dtype)
+
+    @tf.custom_gradient
+    def first(x):
+        y = hvd.allreduce(x * keep, op=hvd.Sum, process_set=group.process_set)
+        return y, lambda dy: dy * keep * tf.cast(group.size, dy.dtype)
+
+    return first(x)
+
+
+def context_attention(layer, group):
+    """A replacement for `layer.attend` (tfbig.models.layers.MultiHeadAttention): this rank's
+    two query chunks against the keys and values of the whole context group."""
+    def attend(q, k, v, input_mask=None, training=False, cache_index=None):
+        if cache_index is not None:
+            raise ValueError("--context_parallel: a key/value cache (generation) runs on one "
+                             "process; load the checkpoint with tfbig-generate")
+        rate = layer.dropout if training else 0.0
+        seed = layer.attn_dropout.seed_generator.next() if rate else None
+        return attend_over_group(q, tf.concat([k, v], axis=-1), group, causal=layer.causal,
+                                 key_mask=input_mask, block_size=layer.attention_block_size,
+                                 dropout=rate, seed=seed)
+
+    return attend
+
+
+def attend_over_group(q, kv, group, seed=None, **options):
+    """Blockwise attention of this rank's queries q (B, T/C, nh, hs) over the keys and values
+    of every rank of `group` (kv: this rank's (B, T/C, nh, 2 hs)), each of its two chunks with
+    its position offset. The gathered keys and values are not kept for the backward: it
+    gathers them again (one more all-gather per layer for O(T) less memory), differentiates
+    with the forward's saved output and log-sum-exp (`blockwise_attention_backward`) and
+    reduce-scatters their gradients. `options`: blockwise_attention's causal, key_mask,
+    block_size, dropout."""
+    width, c = kv.shape[-1] // 2, group.chunk
+
+    def chunks(q, whole):
+        k, v = whole[..., :width], whole[..., width:]
+        for half, offset in enumerate(group.offsets()):
+            chunk_seed = None if seed is None else seed + tf.constant([half, 0], seed.dtype)
+            yield (q[:, half * c:(half + 1) * c], k, v,
+                   dict(options, query_offset=offset, seed=chunk_seed))
+
+    @tf.custom_gradient
+    def attend(q, kv):
+        with record.stop_recording():  # keep nothing of the whole for the outer tape
+            results = [blockwise_attention(q_i, k, v, **opts)
+                       for q_i, k, v, opts in chunks(q, _all_gather_in_order(kv, group))]
+
+        def grad(d_out):
+            with tf.control_dependencies([d_out]):  # gather when the backward gets here
+                whole = _all_gather_in_order(kv, group)
+            dq, dk, dv = [], 0.0, 0.0
+            for half, (q_i, k, v, opts) in enumerate(chunks(q, whole)):
+                dq_i, dk_i, dv_i = blockwise_attention_backward(
+                    q_i, k, v, *results[half], d_out[:, half * c:(half + 1) * c], **opts)
+                dq, dk, dv = dq + [dq_i], dk + dk_i, dv + dv_i
+            d_whole = tf.concat([dk, dv], axis=-1)  # (B, T, nh, 2 hs)
+            return tf.concat(dq, axis=1), _reduce_scatter_in_order(d_whole, group)
+
+        return tf.concat([out for out, _ in results], axis=1), grad  # (B, T/C, nh, hs)
+
+    return attend(q, kv)
+
+
+def _wrap(layer, kind, group):
+    call = layer.call
+    if kind == "inputs":  # Embeddings(token_ids, segment_ids=None, ...): this rank's rows
+        def inputs_call(token_ids, segment_ids=None, *args, **kwargs):
+            segments = None if segment_ids is None else local_rows(segment_ids, group)
+            return call(local_rows(token_ids, group), segments, *args, **kwargs)
+
+        layer.call = inputs_call
+    elif kind == "positions":  # the table read at this rank's positions
+        layer.call = lambda positions, *args, **kwargs: call(
+            tf.constant(group.positions()), *args, **kwargs)
+    elif kind == "attention":
+        layer.attend = context_attention(layer, group)
+    elif kind == "whole_sequence":  # a backbone: (sequence, pooled) -> sequence gathered
+        def whole_call(*args, **kwargs):
+            sequence, *rest = call(*args, **kwargs)
+            return (gather_whole_sequence(sequence, group), *rest)
+
+        layer.call = whole_call
+    elif kind == "first_row":
+        layer.call = lambda x, *args, **kwargs: call(first_row_everywhere(x, group), *args,
+                                                     **kwargs)
+    else:
+        raise ValueError(f"unknown context-parallel wrap {kind!r}")
+
+
+def plan_for(model):
+    """The context plan of `model`'s class; refused by name where there is none."""
+    plan = CONTEXT_PLANS.get(type(model).__name__)
+    if plan is None:
+        raise ValueError(f"--context_parallel: no context-parallel plan for "
+                         f"{type(model).__name__} (GPT, BERT and ALBERT pretraining have one); "
+                         f"run it with --context_parallel=1")
+    return plan
+
+
+def apply_plan(model, task, group):
+    """Wrap `model`'s layers (and, for GPT, the task's per-token loss) for context `group`."""
+    for pattern, kind in plan_for(model):
+        layers = _resolve(model, pattern)
+        if not layers:
+            raise ValueError(f"--context_parallel: {type(model).__name__} has no {pattern}")
+        for layer in layers:
+            _wrap(layer, kind, group)
+    if type(model).__name__ in LOCAL_LOSS:
+        whole = task.vocab_cross_entropy
+        task.vocab_cross_entropy = lambda labels, logits: whole(local_rows(labels, group),
+                                                                logits)
+
+
+# ---- the strategy: a mixin over any Horovod data backend -------------------------------------
+class ContextParallel:
+    """Context parallelism over the context axis of the rank grid, mixed in before a Horovod
+    data backend (HorovodStrategy, ZeroStrategy, TensorParallelStrategy...) by `with_context`:
+    the backend underneath sees one replica per data rank, as without it."""
+
+    def __init__(self, cfg=None, mesh=None):
+        super().__init__(cfg, mesh)
+        self.context = None  # the ContextGroup, once the task's sequence length is known
+
+    @property
+    def num_devices(self):
+        return self.mesh.mesh.size  # MFU: every rank's device works on the one step
+
+    @property
+    def _context_set(self):
+        return self.mesh.process_set("context")
+
+    def build_model(self, task):
+        size = self.mesh.mesh.context
+        check_sequence(task.seq_length, size)
+        self.context = ContextGroup(self._context_set, self.mesh.coords["context"], size,
+                                    task.seq_length)
+        model = super().build_model(task)
+        apply_plan(model, task, self.context)
+        self._context_model = model
+        if self.is_chief:
+            print(self.describe_context(), flush=True)
+        return model
+
+    def describe_context(self):
+        """What each context rank holds (printed at the start of a run)."""
+        c, size = self.context.chunk, self.context.size
+        return (f"{self.mesh.mesh.describe()}\ncontext parallel: {size} ranks per sequence of "
+                f"{self.context.seq_length}, {2 * size} chunks of {c}; context rank i holds "
+                f"chunks i and {2 * size - 1}-i: "
+                + ", ".join(f"rank {r} positions {r * c}..{(r + 1) * c - 1} and "
+                            f"{(2 * size - 1 - r) * c}..{(2 * size - r) * c - 1}"
+                            for r in range(size)))
+
+    def all_reduce_gradients(self, grads):
+        # Horovod: average over the context group first (every context rank holds the whole
+        # model), then the data backend's own sync over data ranks.
+        grads = horovod_keras.average_gradients(list(grads), self.options.hvd_fp16_allreduce,
+                                                self._context_set)
+        return super().all_reduce_gradients(grads)
+
+    def all_reduce_gradients_timed(self, grads):
+        from tensorflow.python.framework import config as op_config
+
+        if op_config.is_op_determinism_enabled():
+            return self.all_reduce_gradients(grads), tf.constant(0.0, tf.float64)
+        from tfbig.profiling.timing import timed
+
+        return timed(self.all_reduce_gradients, grads)
+
+    def all_reduce_mean(self, values):
+        return super().all_reduce_mean(horovod_keras.average_values(values, self._context_set))
+
+    def all_gather(self, values):
+        """Floating outputs averaged over the context group first (GPT's per-sequence loss is
+        a mean over this rank's tokens; the masked-LM outputs are equal on all of them), then
+        gathered over data ranks."""
+        flat = tf.nest.flatten(values)
+        floats = [i for i, v in enumerate(flat) if v.dtype.is_floating]
+        averaged = horovod_keras.average_values([flat[i] for i in floats], self._context_set)
+        for i, value in zip(floats, averaged):
+            flat[i] = value
+        return super().all_gather(tf.nest.pack_sequence_as(values, flat))
+
+    def broadcast_variables(self, variables):
+        """The data backend's broadcast, then context rank 0's state to its context peers (only
+        it restored a checkpoint); then each rank's dropout states offset by its context rank."""
+        super().broadcast_variables(variables)
+        root = self.mesh.mesh.group("context", self.mesh.rank)[0]
+        horovod_keras.broadcast_variables(variables, root_rank=root,
+                                          process_set=self._context_set)
+        offset = self.mesh.coords["context"]
+        for v in self._context_model.variables if offset else ():
+            if "seed_generator" in v.path:
+                v.assign(v + np.asarray([offset << 16, 0], v.dtype))
+
+    def checkpoint_dir(self, model_dir):
+        if self.mesh.coords["context"] != 0:
+            return None  # context rank 0 of the replica writes what its peers hold too
+        return super().checkpoint_dir(model_dir)
+
+    def make_forward_backward(self, loss_fn, variables, scale_loss, jit_compile):
+        # Horovod ops have no XLA kernels: the collectives sit inside the forward/backward.
+        return super().make_forward_backward(loss_fn, variables, scale_loss, False)
+
+    def make_forward(self, loss_fn, jit_compile):
+        return super().make_forward(loss_fn, False)
+
+    def make_validation_step(self, task, model, jit_compile):
+        return super().make_validation_step(task, model, False)
+
+
+_CLASSES = {}
+
+
+def with_context(backend):
+    """`backend` (a Horovod strategy class) with context parallelism mixed in (one class per
+    backend, made once)."""
+    if backend not in _CLASSES:
+        _CLASSES[backend] = type(f"Context{backend.__name__}", (ContextParallel, backend),
+                                 {"__doc__": f"{backend.__name__} with --context_parallel."})
+    return _CLASSES[backend]
