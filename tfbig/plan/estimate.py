@@ -51,8 +51,8 @@ Step time (nothing assumed overlapped; tfbig runs collectives between XLA-compil
     pipeline: (M + K - 1) ticks (the bubble); then the data-parallel gradient sync of float32
     gradients, hierarchical (`Cluster.collective_time`): one all-reduce (ZeRO 0) or the 2-hop sync
     (reduce-scatter inside the partition group, all-reduce of the slice across the replica
-    group, all-gather of the updated weights), after an all-reduce over the context group; ZeRO 2-3 reduce-scatter every micro-batch and
-    ZeRO 3 gathers the weights before each forward, backward (and recompute); the optimizer
+    group, all-gather of the updated weights), after an all-reduce over the context group;
+    ZeRO 2-3 reduce-scatter every micro-batch and ZeRO 3 gathers the weights before each forward, backward (and recompute); the optimizer
     update streams the state once through memory.
 """
 import dataclasses
