@@ -110,6 +110,20 @@ def _flat(shard):
     (_bad(), {"activation_checkpointing": True, "checkpoint_layers": ("blocks.*",)},
      "'blocks.*' names no layer of MyModel (no attribute 'blocks')"),
     (_bad(), {"activation_checkpointing": True}, "names no layers to recompute"),
+    # a tensor_layout is checked against the built model under every backend
+    (_bad(), {"tensor_layout": {"my_model/transformer_block/no_such_dense": "column"}},
+     "tensor_layout['my_model/transformer_block/no_such_dense']: names no weight of MyModel; "
+     "its Dense layers are my_model/dense_4, my_model/transformer_block/sequential/dense"),
+    (_bad(), {"tensor_layout": {"transformer_blocks.*.fnn.layers.0": "column"}},
+     "'transformer_blocks.*.fnn.layers.0' names no layer of MyModel (no attribute 'fnn')"),
+    (_bad(), {"tensor_layout": {"transformer_blocks.0.att": "column"}},
+     "names MultiHeadAttention 'multi_head_attention', not a built keras.layers.Dense"),
+    (_bad(), {"tensor_layout": {"*/query": "column"}}, "names 'my_model/transformer_block/"
+     "multi_head_attention/query/kernel', not the weights of a keras.layers.Dense"),
+    (_bad(), {"tensor_layout": {**own_model.LAYOUT, "transformer_blocks.0.ffn.layers.0": "row"}},
+     "'my_model/transformer_block/sequential/dense' is declared both 'column' and 'row'"),
+    (_bad(), {"tensor_layout": {"output_layer": "rows"}},
+     "tensor_layout['output_layer'] = 'rows': a Dense layer is split by 'column' or 'row'"),
 ])
 def test_bad_input_is_refused_by_name_before_the_run_directory_is_written(
         tmp_path, functions, flags, message):
@@ -130,6 +144,13 @@ def test_bad_input_is_refused_by_name_before_the_run_directory_is_written(
     ({"plan_only": True}, "--plan_only=True is refused"),
     ({"init_checkpoint": "runs/x"}, "--init_checkpoint='runs/x' is refused"),
     ({"no_such_flag": 1}, "no_such_flag=1: not a tfbig-train flag"),
+    # with a declared layout --tensor_parallel runs (tests/distribute/test_api_parallel.py),
+    # but not these with it
+    ({"strategy": "horovod", "tensor_parallel": 2, "sequence_parallel": True,
+      "tensor_layout": own_model.LAYOUT}, "--sequence_parallel=True with --tensor_parallel=2 "
+                                          "is refused for a user task"),
+    ({"strategy": "horovod", "tensor_parallel": 2, "zero_stage": 1,
+      "tensor_layout": own_model.LAYOUT}, "--zero_stage=1 with --tensor_parallel=2 is refused"),
 ])
 def test_what_a_user_task_cannot_run_is_refused_by_flag(tmp_path, flags, message):
     with pytest.raises(UsageError, match=None) as error:
