@@ -44,7 +44,9 @@ HOROVOD = {"dp2_recompute_accum2": {"strategy": "horovod", "activation_checkpoin
 ZERO3 = {"zero3_mics": {"strategy": "horovod", "zero_stage": 3, "shard_degree": 2}}
 MULTIWORKER = {"multiworker": {"strategy": "multiworker"}}
 MIRRORED = {"mirrored": {"strategy": "mirrored"}}
-TENSOR = {"tp2": {"strategy": "horovod", "tensor_parallel": 2}}
+# name -> (flags, ranks, data-parallel replicas)
+TENSOR = {"tp2": ({"strategy": "horovod", "tensor_parallel": 2}, 2, 1),
+          "tp2_dp2": ({"strategy": "horovod", "tensor_parallel": 2}, 4, 2)}
 
 
 def write_plan(root, scenarios, tensor_layout=None):
@@ -133,18 +135,23 @@ def test_my_model_mirrored_over_two_cpu_devices_equals_one_process(tmp_path):
 
 
 @pytest.mark.slow
-def test_my_model_with_a_declared_layout_under_tp2_equals_one_process(tmp_path):
+@pytest.mark.parametrize("name", sorted(TENSOR))
+def test_my_model_with_a_declared_layout_under_tensor_parallelism_equals_one_process(
+        tmp_path, name):
     """MyModel's feed-forward Dense pairs split column/row (own_model.LAYOUT) over 2 Horovod
-    ranks of one tensor group: each step's loss, each weight's first-step gradient (the ranks' slices
-    joined) and the trained weights (joined from both ranks' checkpoints) equal one process."""
-    plan = write_plan(tmp_path, TENSOR, tensor_layout=own_model.LAYOUT)
-    code = horovodrun([WORKER, str(plan)], tmp_path / "log.txt")
+    ranks of a tensor group (tp2: one group; tp2_dp2: 2 data-parallel replicas of one on 4
+    ranks): each step's loss, each weight's first-step gradient (the ranks' slices joined)
+    and the trained weights (joined from the ranks' checkpoints) equal one process."""
+    flags, ranks, replicas = TENSOR[name]
+    plan = write_plan(tmp_path, {name: flags}, tensor_layout=own_model.LAYOUT)
+    code = horovodrun([WORKER, str(plan)], tmp_path / "log.txt",
+                      ranks=("-np", str(ranks), "-H", f"localhost:{ranks}"))
     assert code == 0, read(tmp_path / "log.txt")[-6000:]
-    layout = json.loads((tmp_path / "tp2" / "tensor.json").read_text())
+    layout = json.loads((tmp_path / name / "tensor.json").read_text())
     assert layout["tensor_parallel"] == 2 and len(layout["splits"]) == 6  # 2 x (W, b; W)
-    recorded = assert_equals_one_process(tmp_path, "tp2", TENSOR["tp2"], replicas=1)
-    paths = json.loads((tmp_path / "tp2" / "gradients.json").read_text())
-    with np.load(tmp_path / "tp2" / "gradients.npz") as saved:
+    recorded = assert_equals_one_process(tmp_path, name, flags, replicas=replicas)
+    paths = json.loads((tmp_path / name / "gradients.json").read_text())
+    with np.load(tmp_path / name / "gradients.npz") as saved:
         ours = dict(zip(paths, (saved[f"arr_{i}"] for i in range(len(paths)))))
     assert sorted(ours) == sorted(recorded.paths)
     for path, theirs in zip(recorded.paths, recorded.gradients()[0]):
