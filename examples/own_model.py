@@ -10,6 +10,7 @@ writes, and every tfbig-train flag applies (--strategy, --zero_stage, --precisio
     horovodrun -np 2 -H localhost:2 --gloo python examples/own_model.py --strategy=horovod \\
         --model_dir=/tmp/own2 --max_steps=50
     ... --strategy=horovod --zero_stage=3 --shard_degree=2   # ZeRO-3 over MiCS groups of 2
+    ... --strategy=horovod --tensor_parallel=2   # the feed-forward Dense pairs of LAYOUT split
 """
 import json
 import os
@@ -102,6 +103,13 @@ SIZE = dict(maxlen=16, vocab_size=32, embed_dim=32, num_heads=2, feed_forward_di
             num_layers=2)
 
 
+# How --tensor_parallel=T splits MyModel, as data (the model knows nothing of it): in each
+# block's feed-forward network the first Dense keeps 1/T of its units on each rank (column),
+# the second 1/T of its input rows (row), and the ranks' outputs are summed after it.
+LAYOUT = {"transformer_blocks.*.ffn.layers.0": "column",
+          "transformer_blocks.*.ffn.layers.1": "row"}
+
+
 def model_fn(size=None, rate=0.0):
     """MyModel, built (tfbig calls this inside the backend's scope)."""
     size = size or SIZE
@@ -148,7 +156,7 @@ def main(argv):
 
     run = tfbig.train(model_fn, loss_fn, dataset_fn, tfbig.config_from_flags(flags.FLAGS),
                       name="own_model", tokens_per_example=SIZE["maxlen"],
-                      checkpoint_layers=("transformer_blocks.*",))
+                      checkpoint_layers=("transformer_blocks.*",), tensor_layout=LAYOUT)
     if run.trainer.strategy.is_chief:
         print(f"losses: {[round(loss, 4) for loss in run.losses]}")
         print(f"validation: {run.summary['eval']}")

@@ -19,8 +19,10 @@ and/or tfbig-train's flag names as keywords:
 Everything tfbig-train's Trainer does applies: --strategy single | horovod (ZeRO 1-3,
 MiCS groups) | multiworker | mirrored, checkpoints and exact resume (run it again), SIGTERM
 preemption, --precision and loss scaling, --grad_accum_steps, --grad_clip_norm, profiling,
-TensorBoard and the time budget. Refused by name for a user task (USER_TASK_REFUSED): tensor
-and pipeline parallelism, elastic Horovod, --init_checkpoint and --plan_only.
+TensorBoard and the time budget, and --tensor_parallel for a task that declares its
+`tensor_layout` (which Dense layers are column- or row-split). Refused by name for a user task
+(USER_TASK_REFUSED): tensor parallelism without a declared layout, pipeline parallelism,
+elastic Horovod, --init_checkpoint and --plan_only.
 """
 import atexit
 import copy
@@ -37,8 +39,9 @@ __all__ = ["DataShard", "Run", "Task", "config_from_flags", "configure", "define
 
 # flag -> (its value when unused, why a user task refuses it)
 USER_TASK_REFUSED = {
-    "tensor_parallel": (1, "tensor parallelism splits the weights tfbig's own families lay out "
-                           "(tfbig.distribute.tensor_layout); a user model declares no layout"),
+    "tensor_parallel": (1, "tensor parallelism splits the Dense layers a task declares in "
+                           "its tensor_layout ({layer path: 'column' | 'row'}, Task docs); "
+                           "this task declares none"),
     "pipeline_stages": (0, "pipeline stages are cut at tfbig's own families' layer boundaries"),
     "elastic": (False, "elastic Horovod is untested with a user task"),
     "init_checkpoint": ("", "it loads tfbig-convert / tfbig-train runs of tfbig's own models; "
@@ -83,19 +86,40 @@ def config_from_flags(flag_values=None):
     return configure(config.from_flags(flag_values))
 
 
-def check_user_flags(config):
-    """Refuse, by flag, what a user task cannot run (USER_TASK_REFUSED)."""
+# flag -> (its value when unused, why --tensor_parallel with a declared layout refuses it)
+TENSOR_LAYOUT_REFUSED = {
+    "sequence_parallel": (False, "a declared tensor_layout splits Dense layers, not the "
+                                 "sequence"),
+    "zero_stage": (0, "ZeRO over a declared tensor layout is untested"),
+    "activation_checkpointing": (False, "recomputing a user task's layers under tensor "
+                                        "parallelism is untested"),
+}
+
+
+def check_user_flags(config, task=None):
+    """Refuse, by flag, what a user task cannot run (USER_TASK_REFUSED); --tensor_parallel
+    only once the `task` is known: it runs when the task declares a tensor_layout (without
+    the flags of TENSOR_LAYOUT_REFUSED)."""
     if config.train.strategy == "pipeline":
         raise UsageError("--strategy=pipeline: " + USER_TASK_REFUSED["pipeline_stages"][1]
                          + "; use single, horovod, multiworker or mirrored")
     values = {f.name: getattr(getattr(config, s.name), f.name)
               for s in dataclasses.fields(config)
               for f in dataclasses.fields(getattr(config, s.name))}
+    declared = bool(task is None or getattr(task, "tensor_layout", None))
     for flag, (unused, why) in USER_TASK_REFUSED.items():
         if flag == "pipeline_stages" and values[flag] == 1:
             continue  # one stage: no pipeline
+        if flag == "tensor_parallel" and declared:
+            continue  # a declared layout: tensor_layout.split_declared_model
         if values[flag] != unused:
             raise UsageError(f"--{flag}={values[flag]!r} is refused for a user task: {why}")
+    if values["tensor_parallel"] == 1:
+        return
+    for flag, (unused, why) in TENSOR_LAYOUT_REFUSED.items():
+        if values[flag] != unused:
+            raise UsageError(f"--{flag}={values[flag]!r} with --tensor_parallel="
+                             f"{values['tensor_parallel']} is refused for a user task: {why}")
 
 
 def _task(task_or_model_fn, loss_fn, dataset_fn, task_options):
@@ -109,7 +133,8 @@ def _task(task_or_model_fn, loss_fn, dataset_fn, task_options):
     return FunctionTask(task_or_model_fn, loss_fn, dataset_fn, **task_options)
 
 
-TASK_OPTIONS = ("name", "tokens_per_example", "checkpoint_layers", "metrics_fn")
+TASK_OPTIONS = ("name", "tokens_per_example", "checkpoint_layers", "metrics_fn",
+                "tensor_layout")
 
 
 def _split(kwargs):
@@ -159,7 +184,8 @@ def train(task_or_model_fn, loss_fn=None, dataset_fn=None, config=None, **kwargs
         dataset_fn: DataShard -> tf.data.Dataset of (inputs, targets) batches, with a model_fn.
         config: an ExperimentConfig (default: tfbig-train's defaults).
         **kwargs: tfbig-train flags by name (max_steps=100, strategy="horovod", ...), and with
-            a model_fn the Task options name, tokens_per_example, checkpoint_layers, metrics_fn.
+            a model_fn the Task options name, tokens_per_example, checkpoint_layers, metrics_fn,
+            tensor_layout.
     Returns a Run; training again with the same model_dir resumes from its checkpoint.
     """
     if isinstance(loss_fn, ExperimentConfig) and config is None:  # train(task, config)
@@ -167,6 +193,7 @@ def train(task_or_model_fn, loss_fn=None, dataset_fn=None, config=None, **kwargs
     task_options, flags = _split(kwargs)
     task = _task(task_or_model_fn, loss_fn, dataset_fn, task_options)
     config = configure(config, **flags)
+    check_user_flags(config, task)
     with precision_policy(config.train.precision):
         trainer = _trainer(task, config, recorder=True)
         summary = trainer.fit()
@@ -184,6 +211,7 @@ def evaluate(task_or_model_fn, loss_fn=None, dataset_fn=None, config=None, **kwa
     task_options, flags = _split(kwargs)
     task = _task(task_or_model_fn, loss_fn, dataset_fn, task_options)
     config = configure(config, **flags)
+    check_user_flags(config, task)
     with precision_policy(config.train.precision):
         trainer = _trainer(task, config)
         if not trainer.restored_from:
@@ -200,6 +228,7 @@ def predict(task_or_model_fn, dataset_fn=None, config=None, split="validation", 
     task_options, flags = _split(kwargs)
     task = _task(task_or_model_fn, None, dataset_fn, task_options)
     config = configure(config, **flags)
+    check_user_flags(config, task)
     with precision_policy(config.train.precision):
         trainer = _trainer(task, config, predicting=True)
         if not trainer.restored_from:

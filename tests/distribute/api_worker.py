@@ -3,10 +3,12 @@
 
     python api_worker.py PLAN_JSON [CPU_DEVICES]
 
-PLAN_JSON: [{"name": ..., "flags": {tfbig-train flag: value}, "model_dir": ...}, ...]. The
-chief writes MODEL_DIR/losses.json (each logged step's loss) and world.json (the number of
-data-parallel replicas); the weights are the run's
-checkpoint. CPU_DEVICES splits the CPU into that many logical devices first (for
+PLAN_JSON: [{"name": ..., "flags": {tfbig-train flag: value}, "model_dir": ...,
+"tensor_layout": {...} (optional: the task's)}, ...]. The chief writes MODEL_DIR/losses.json
+(each logged step's loss) and world.json (the number of data-parallel replicas); the weights
+are the run's checkpoint. A scenario with a tensor_layout also writes gradients.npz: the first
+update's gradient of each weight (its path in gradients.json), the tensor ranks' slices
+joined. CPU_DEVICES splits the CPU into that many logical devices first (for
 strategy="mirrored").
 """
 import json
@@ -33,6 +35,9 @@ def main(plan_path, cpu_devices=0):
         plan = json.load(f)
     run = None
     for scenario in plan:
+        if scenario.get("tensor_layout"):
+            run = train_recording_gradients(scenario)
+            continue
         run = tfbig.train(own_model.model_fn, own_model.loss_fn, own_model.dataset_fn,
                           model_dir=scenario["model_dir"], name="own_model",
                           checkpoint_layers=("transformer_blocks.*",), **scenario["flags"])
@@ -42,6 +47,37 @@ def main(plan_path, cpu_devices=0):
             with open(os.path.join(scenario["model_dir"], "world.json"), "w") as f:
                 json.dump({"num_replicas": run.trainer.strategy.num_replicas}, f)
     run.close()
+
+
+def train_recording_gradients(scenario):
+    """tfbig.train of the scenario's task with its tensor_layout, the first update's gradients
+    recorded (tests/equality.py) and written, joined from the tensor ranks, by the chief."""
+    import numpy as np
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from equality import RecordedGradients
+
+    from tfbig.api import Run, _trainer, check_user_flags, configure
+    from tfbig.tasks.user import FunctionTask
+
+    config = configure(model_dir=scenario["model_dir"], **scenario["flags"])
+    task = FunctionTask(own_model.model_fn, own_model.loss_fn, own_model.dataset_fn,
+                        name="own_model", tensor_layout=scenario["tensor_layout"])
+    check_user_flags(config, task)
+    trainer = _trainer(task, config, recorder=True)
+    recorded = RecordedGradients(trainer)
+    trainer.fit()
+    variables = trainer.model.trainable_variables
+    first = trainer.strategy.gather_full(variables, recorded.gradients()[0])
+    if trainer.strategy.is_chief:
+        with open(os.path.join(scenario["model_dir"], "losses.json"), "w") as f:
+            json.dump(trainer.logger.losses, f)
+        with open(os.path.join(scenario["model_dir"], "world.json"), "w") as f:
+            json.dump({"num_replicas": trainer.strategy.num_replicas}, f)
+        with open(os.path.join(scenario["model_dir"], "gradients.json"), "w") as f:
+            json.dump([v.path for v in variables], f)
+        np.savez(os.path.join(scenario["model_dir"], "gradients.npz"), *first)
+    return Run(trainer, {}, trainer.logger.losses)
 
 
 if __name__ == "__main__":

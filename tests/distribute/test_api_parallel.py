@@ -3,7 +3,8 @@ launches equals one process on the same global batches: each step's loss (rtol 1
 trained weight (tests/equality.py's rule, fp32), the sharded runs' pieces joined.
 
 Default run: one `horovodrun -np 2 --gloo` launch (data parallel with activation checkpointing
-of the layers the task names and 2 accumulation steps). Slow: ZeRO-3
+of the layers the task names and 2 accumulation steps). Slow: tensor parallelism over 2 ranks
+with the layout the task declares (own_model.LAYOUT; first-step gradients compared too), ZeRO-3
 on 4 ranks over MiCS partition groups of 2 (the task's named layers gathered one at a time),
 2 MultiWorkerMirrored workers under tfbig-launch, and MirroredStrategy over 2 logical CPU
 devices in one process (one input pipeline whose consecutive batches go to the replicas).
@@ -22,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
-from equality import RecordedGradients  # noqa: E402
+from equality import GRADIENT_ATOL, GRADIENT_RTOL, RecordedGradients  # noqa: E402
 from test_horovod import horovodrun, read  # noqa: E402
 
 import own_model  # noqa: E402
@@ -37,17 +38,20 @@ WORKER = os.path.join(HERE, "api_worker.py")
 # Clipping at 0.5 is active, so averaging twice or clipping before averaging would show.
 STEPS = dict(max_steps=4, batch_size=8, learning_rate=3e-3, warmup_steps=1, xla=False,
              peak_tflops=1.0, log_every=1, eval_steps=0, grad_clip_norm=0.5)
-PARALLEL = {"strategy", "zero_stage", "shard_degree"}
+PARALLEL = {"strategy", "zero_stage", "shard_degree", "tensor_parallel"}
 HOROVOD = {"dp2_recompute_accum2": {"strategy": "horovod", "activation_checkpointing": True,
                                     "grad_accum_steps": 2}}
 ZERO3 = {"zero3_mics": {"strategy": "horovod", "zero_stage": 3, "shard_degree": 2}}
 MULTIWORKER = {"multiworker": {"strategy": "multiworker"}}
 MIRRORED = {"mirrored": {"strategy": "mirrored"}}
+# name -> (flags, ranks, data-parallel replicas)
+TENSOR = {"tp2": ({"strategy": "horovod", "tensor_parallel": 2}, 2, 1),
+          "tp2_dp2": ({"strategy": "horovod", "tensor_parallel": 2}, 4, 2)}
 
 
-def write_plan(root, scenarios):
-    plan = [{"name": name, "flags": {**STEPS, **flags}, "model_dir": str(root / name)}
-            for name, flags in scenarios.items()]
+def write_plan(root, scenarios, tensor_layout=None):
+    plan = [{"name": name, "flags": {**STEPS, **flags}, "model_dir": str(root / name),
+             "tensor_layout": tensor_layout} for name, flags in scenarios.items()]
     (root / "plan.json").write_text(json.dumps(plan))
     return root / "plan.json"
 
@@ -67,12 +71,14 @@ def reference(root, flags):
 
 def trained_weights(run_dir):
     """{variable path: array} of the run's newest checkpoint, a ZeRO run's slices joined."""
-    from tfbig.distribute import zero_checkpoint
+    from tfbig.distribute import tensor_layout, zero_checkpoint
 
     with fresh_layer_names():  # the layer names of the run's own build
         model = own_model.model_fn()
     if (run_dir / "zero.json").exists():
         return zero_checkpoint.assembled_weights(str(run_dir), model)
+    if (run_dir / "tensor.json").exists():
+        return tensor_layout.assembled_weights(str(run_dir), model)
     reader = tf.train.load_checkpoint(tf.train.latest_checkpoint(str(run_dir)))
     return {v.path: reader.get_tensor(reader_key(model, v)) for v in model.trainable_variables}
 
@@ -89,6 +95,7 @@ def assert_equals_one_process(root, name, flags, replicas):
     # the names of a model built in another process: the same (tasks.user.fresh_layer_names)
     assert sorted(weights) == sorted(recorded.paths)
     recorded.assert_equal({p: weights[p] for p in recorded.paths}, err_msg=name)
+    return recorded
 
 
 def test_my_model_on_two_horovod_ranks_equals_one_process(tmp_path):
@@ -125,3 +132,28 @@ def test_my_model_mirrored_over_two_cpu_devices_equals_one_process(tmp_path):
                           env={**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"})
     assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
     assert_equals_one_process(tmp_path, "mirrored", MIRRORED["mirrored"], replicas=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(TENSOR))
+def test_my_model_with_a_declared_layout_under_tensor_parallelism_equals_one_process(
+        tmp_path, name):
+    """MyModel's feed-forward Dense pairs split column/row (own_model.LAYOUT) over 2 Horovod
+    ranks of a tensor group (tp2: one group; tp2_dp2: 2 data-parallel replicas of one on 4
+    ranks): each step's loss, each weight's first-step gradient (the ranks' slices joined)
+    and the trained weights (joined from the ranks' checkpoints) equal one process."""
+    flags, ranks, replicas = TENSOR[name]
+    plan = write_plan(tmp_path, {name: flags}, tensor_layout=own_model.LAYOUT)
+    code = horovodrun([WORKER, str(plan)], tmp_path / "log.txt",
+                      ranks=("-np", str(ranks), "-H", f"localhost:{ranks}"))
+    assert code == 0, read(tmp_path / "log.txt")[-6000:]
+    layout = json.loads((tmp_path / name / "tensor.json").read_text())
+    assert layout["tensor_parallel"] == 2 and len(layout["splits"]) == 6  # 2 x (W, b; W)
+    recorded = assert_equals_one_process(tmp_path, name, flags, replicas=replicas)
+    paths = json.loads((tmp_path / name / "gradients.json").read_text())
+    with np.load(tmp_path / name / "gradients.npz") as saved:
+        ours = dict(zip(paths, (saved[f"arr_{i}"] for i in range(len(paths)))))
+    assert sorted(ours) == sorted(recorded.paths)
+    for path, theirs in zip(recorded.paths, recorded.gradients()[0]):
+        np.testing.assert_allclose(ours[path], theirs, rtol=GRADIENT_RTOL, atol=GRADIENT_ATOL,
+                                   err_msg=path)

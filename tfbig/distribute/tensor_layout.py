@@ -13,6 +13,7 @@ Below every backend (the layer map: tfbig/__init__.py): no Strategy, no Horovod,
 """
 import dataclasses
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -214,6 +215,8 @@ def split_model(task, group, wrap=None):
     single-device model's initialisation and frozen layers, with every planned layer
     holding its slice.
     `wrap(layer, split, group)` inserts the collectives into each split layer's call."""
+    if getattr(task, "tensor_layout", None):  # a user task's declared layout
+        return split_declared_model(task, group, wrap)
     full = task.build_model()
     plan = plan_for(full)
     local = type(full).from_config(full.get_config())
@@ -256,6 +259,49 @@ def split_model(task, group, wrap=None):
             value = value + np.asarray(group.rank, value.dtype)  # this rank's heads' masks
         v.assign(value)
     return local, splits
+
+
+def split_declared_model(task, group, wrap=None):
+    """split_model for a task that declares its layout as data (tfbig.tasks.user: Dense layers
+    by path, "column" or "row"): its model is built at full size, then each declared Dense
+    layer's variables are replaced, in place and under the same paths, by rank
+    `group.rank`'s slices (the twin of split_model would need the model's config)."""
+    if group.sequence_parallel:
+        raise ValueError("--sequence_parallel: a declared tensor_layout splits Dense layers "
+                         "only; run it without --sequence_parallel")
+    model = task.build_model()
+    splits = {}
+    for layer, kind in task.declared_layout(model):
+        split = Split(kind)
+        if kind == "column":
+            _divide(layer.units, group.size, f"the units of {layer.name}")
+            layer.units //= group.size
+        else:
+            rows = _divide(layer.kernel.shape[0], group.size, f"the input width of {layer.name}")
+            layer.input_spec = keras.InputSpec(min_ndim=2, axes={-1: rows})
+        for variable, piece in _variable_splits(layer, split):
+            _replace_variable(layer, variable, take_slice(
+                variable.numpy(), *piece, group.rank, group.size))
+            splits[variable.path] = piece
+        if wrap is not None:
+            wrap(layer, split, group)
+    return model, splits
+
+
+def _replace_variable(layer, variable, value):
+    """Put a new variable holding `value` in `variable`'s place in `layer` (its attribute and
+    its position among the layer's weights, so optimizer slots keep their order), under the
+    same path."""
+    parent, name = variable.path.rsplit("/", 1)
+    scope, owner = parent.rsplit("/", 1) if "/" in parent else ("", parent)
+    with keras.name_scope(owner, override_parent=scope):
+        new = keras.Variable(value, dtype=variable.dtype, trainable=variable.trainable,
+                             name=name)
+    weights = layer._trainable_variables if variable.trainable else \
+        layer._non_trainable_variables
+    weights[[id(v) for v in weights].index(id(variable))] = new
+    attribute = next(k for k, v in vars(layer).items() if v is variable)
+    object.__setattr__(layer, attribute, new)  # past Keras' tracker: it would append it
 
 
 def _held(variable):

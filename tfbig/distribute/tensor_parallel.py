@@ -312,6 +312,10 @@ class TensorParallelStrategy(HorovodStrategy):
         size = self.group.size
         split = [v for v in self._trainable if v.path in self.splits]
         held = sum(math.prod(v.shape) for v in self._trainable)
+        if not hasattr(model_config, "num_heads"):  # a user task's declared Dense layout
+            return (f"{self.mesh.mesh.describe()}\ntensor parallel: each rank holds 1/{size} "
+                    f"of {len(split)} variables of the declared column/row Dense layers "
+                    f"({held:,} parameters on this rank); the rest replicated")
         heads = model_config.num_heads // size
         rows = model_config.vocab_size // size
         return (f"{self.mesh.mesh.describe()}\n"

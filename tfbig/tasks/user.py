@@ -65,11 +65,21 @@ class Task:
             list `model.blocks`) of the layers `--activation_checkpointing` recomputes in the
             backward and `--zero_stage=3` gathers one at a time; empty: those flags are
             refused by name.
+        tensor_layout: how `--tensor_parallel=T` splits the model's Dense layers (data; the
+            model stays distribution-free): {Dense layer: "column" | "row"}, the layer named
+            by its attribute path below the model as in checkpoint_layers
+            ("transformer_blocks.*.ffn.layers.0"; a number indexes a list) or by its weights'
+            path without "/kernel" (`layer.kernel.path`, e.g. "my_model/block/fc"; shell
+            wildcards allowed). Megatron's pair: a
+            "column" Dense keeps 1/T of its output units on each rank, the "row" Dense after it
+            1/T of its input rows, and the ranks' outputs are summed (one all-reduce) after
+            the row layer. Empty: --tensor_parallel is refused by name.
     """
 
     name = "task"
     tokens_per_example = 1
     checkpoint_layers = ()
+    tensor_layout = {}
 
     def build_model(self):
         """A built Keras model (its variables created: `model.build(shape)` or one call).
@@ -108,10 +118,11 @@ class FunctionTask(Task):
     """A Task of three functions: `tfbig.train(model_fn, loss_fn, dataset_fn, ...)`."""
 
     def __init__(self, model_fn, loss_fn=None, dataset_fn=None, name="task", tokens_per_example=1,
-                 checkpoint_layers=(), metrics_fn=None):
+                 checkpoint_layers=(), metrics_fn=None, tensor_layout=None):
         self.model_fn, self.loss_fn, self.dataset_fn = model_fn, loss_fn, dataset_fn
         self.name, self.tokens_per_example = name, tokens_per_example
         self.checkpoint_layers, self.metrics_fn = tuple(checkpoint_layers), metrics_fn
+        self.tensor_layout = dict(tensor_layout or {})
 
     def build_model(self):
         return self.model_fn()
@@ -169,19 +180,27 @@ class _Examples:
         self.splits = _Splits(task)
 
 
-def resolve_layers(model, paths):
-    """The layers at attribute paths below `model` ("blocks.*": each element of model.blocks)."""
+def resolve_layers(model, paths, what="checkpoint_layers"):
+    """The layers at attribute paths below `model` ("blocks.*": each element of model.blocks;
+    "ffn.layers.0": the first element of the list model.ffn.layers)."""
     found = []
     for path in paths:
         objects = [model]
         for part in path.split("."):
-            objects = [x for obj in objects
-                       for x in (list(obj) if part == "*" else [getattr(obj, part, None)])]
+            objects = [x for obj in objects for x in _attribute(obj, part)]
             if any(x is None for x in objects):
-                raise UsageError(f"checkpoint_layers: {path!r} names no layer of "
+                raise UsageError(f"{what}: {path!r} names no layer of "
                                  f"{type(model).__name__} (no attribute {part!r})")
         found += objects
     return found
+
+
+def _attribute(obj, part):
+    if part == "*":
+        return list(obj)
+    if part.isdigit() and isinstance(obj, (list, tuple)):
+        return [obj[int(part)] if int(part) < len(obj) else None]
+    return [getattr(obj, part, None)]
 
 
 @contextlib.contextmanager
@@ -198,6 +217,66 @@ def fresh_layer_names():
         yield
     finally:
         global_state.set_global_attribute("object_name_uids", previous)
+
+
+LAYOUT_KINDS = ("column", "row")
+
+
+def declared_layout(model, layout, owner):
+    """[(Dense layer, "column" | "row")] of a task's `tensor_layout` ({layer path pattern:
+    kind}) on its built `model`; refused, naming the entry, when a kind is unknown, a pattern
+    names no Dense layer of the model, a layer is named twice, or a row-split Dense has an
+    activation (it would apply to each rank's partial sum)."""
+    import fnmatch
+
+    import keras
+
+    dense = {layer.kernel.path.rsplit("/", 1)[0]: layer
+             for layer in model._flatten_layers(include_self=False)
+             if isinstance(layer, keras.layers.Dense) and layer.built}
+    chosen = {}
+    for pattern, kind in layout.items():
+        where = f"{owner}.tensor_layout[{pattern!r}]"
+        if kind not in LAYOUT_KINDS:
+            raise UsageError(f"{where} = {kind!r}: a Dense layer is split by 'column' or 'row'")
+        if "/" in pattern:  # a weight path
+            matched = [path for path in dense if fnmatch.fnmatchcase(path, pattern)
+                       or fnmatch.fnmatchcase(path + "/kernel", pattern)]
+            if not matched:
+                raise UsageError(f"{where}: {_no_dense(model, pattern, dense)}")
+        else:  # an attribute path, as checkpoint_layers
+            layers = resolve_layers(model, [pattern], where)
+            strays = [layer for layer in layers if layer not in dense.values()]
+            if strays:
+                raise UsageError(f"{where}: names {type(strays[0]).__name__} "
+                                 f"{getattr(strays[0], 'name', '')!r}, not a built "
+                                 "keras.layers.Dense; only Dense layers are split")
+            matched = [layer.kernel.path.rsplit("/", 1)[0] for layer in layers]
+        for path in matched:
+            if chosen.get(path, kind) != kind:
+                raise UsageError(f"{where}: {path!r} is declared both {chosen[path]!r} and "
+                                 f"{kind!r}")
+            chosen[path] = kind
+    for path, kind in chosen.items():
+        activation = getattr(dense[path].activation, "__name__", "")
+        if kind == "row" and activation not in ("linear", ""):
+            raise UsageError(f"{owner}.tensor_layout: the row-split Dense {path!r} has "
+                             f"activation {activation!r}, which would act on each rank's "
+                             "partial sum; give it none and apply it after the layer")
+    return [(dense[path], kind) for path, kind in chosen.items()]
+
+
+def _no_dense(model, pattern, dense):
+    """Why `pattern` names no Dense layer of `model`."""
+    import fnmatch
+
+    weights = [v.path for v in model.variables if fnmatch.fnmatchcase(v.path, pattern)
+               or fnmatch.fnmatchcase(v.path.rsplit("/", 1)[0], pattern)]
+    if weights:
+        return (f"names {weights[0]!r}, not the weights of a keras.layers.Dense; only Dense "
+                "layers are split ('column' or 'row')")
+    return (f"names no weight of {type(model).__name__}; its Dense layers are "
+            f"{', '.join(sorted(dense)) or 'none'}")
 
 
 KEYS = "x{:03d}"  # the flat batch's keys: leaf i of the (inputs, targets) structure
@@ -256,6 +335,15 @@ class UserTask:
     def blocks(self, model):
         """The layers --activation_checkpointing and --zero_stage=3 treat one at a time."""
         return resolve_layers(model, self.user.checkpoint_layers)
+
+    @property
+    def tensor_layout(self):
+        """The task's declared {layer path pattern: "column" | "row"} ({}: none)."""
+        return dict(self.user.tensor_layout or {})
+
+    def declared_layout(self, model):
+        """[(Dense layer, "column" | "row")] the task's tensor_layout names in `model`."""
+        return declared_layout(model, self.tensor_layout, self.user_name)
 
     # ---- batches ---------------------------------------------------------------------------------
     def _user_dataset(self, shard):
@@ -328,7 +416,10 @@ class UserTask:
     def preflight(self, model, micro_batch, grad_accum_steps, input_context, seed):
         """Refuse batches of another size than asked for and a loss that is not a float scalar
         (traced on the first batch's shapes, nothing run) before the run directory is written.
-        Prediction reads no training batches and needs no loss: nothing to check."""
+        The declared tensor_layout is checked against the model under every backend.
+        Prediction reads no training batches and needs no loss: nothing else to check."""
+        if self.tensor_layout:
+            self.declared_layout(model)
         if self.predicting:
             return
         rows = grad_accum_steps * micro_batch
