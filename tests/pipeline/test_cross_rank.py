@@ -46,6 +46,11 @@ SCENARIOS = {  # name: (stages, pipeline options, train options, worker options)
                              dict(model="albert", seq_length=32, optimizer="lamb",
                                   learning_rate=1e-2, weight_decay=0.01, epsilon=1e-6),
                              {"first_gradients": True}),
+}
+# A launch of its own (slow): the default run has BERT's stages across ranks under TP x PP
+# (test_tensor_pipeline's bert_pp2_tp2) and BERT's recomputed 1F1B stages in one process
+# (test_pipeline_bert).
+SLOW_SCENARIOS = {
     # BERT: a block per layer, its word table tied to the MLM head on the last stage; 1F1B with
     # each stage's blocks recomputed in the backward
     "bert_pp2_dp2_1f1b_recompute": (2, dict(schedule="1f1b", num_microbatches=2,
@@ -91,6 +96,12 @@ def runs(gpt_data, albert_data, bert_data, tmp_path_factory):
                   tmp_path_factory.mktemp("cross_rank"))
 
 
+@pytest.fixture(scope="module")
+def slow_runs(gpt_data, albert_data, bert_data, tmp_path_factory):
+    return launch(SLOW_SCENARIOS, gpt_data, albert_data, bert_data,
+                  tmp_path_factory.mktemp("cross_rank_slow"))
+
+
 def reference(data_dir, model_dir, replicas, **train):
     """The single-device run on what the data-parallel replicas read together: its trainer
     (fitted; `recorded`: its gradients, tests/equality.py), per-step losses and
@@ -111,12 +122,16 @@ def held(result, prefix):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name", list(SCENARIOS))
+@pytest.mark.parametrize("name", list(SCENARIOS) + [
+    pytest.param(name, marks=pytest.mark.slow) for name in SLOW_SCENARIOS])
 def test_stage_ranks_equal_one_device_on_the_same_global_batch(gpt_data, albert_data,
-                                                               bert_data, runs, tmp_path, name):
-    train = SCENARIOS[name][2]
-    check_scenario(data_of(train, gpt_data, albert_data, bert_data), runs[1], tmp_path, name,
-                   SCENARIOS[name])
+                                                               bert_data, request, tmp_path,
+                                                               name):
+    slow = name in SLOW_SCENARIOS
+    _, out = request.getfixturevalue("slow_runs" if slow else "runs")
+    scenario = (SLOW_SCENARIOS if slow else SCENARIOS)[name]
+    check_scenario(data_of(scenario[2], gpt_data, albert_data, bert_data), out, tmp_path, name,
+                   scenario)
 
 
 def check_scenario(data_dir, out, tmp_path, name, scenario):
