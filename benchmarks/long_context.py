@@ -30,7 +30,6 @@ Prints one JSON line last: the CPU, the load average before and after, and every
 import _record  # --record: append the result to benchmarks/results (strips the flag from sys.argv)
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -38,6 +37,8 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app, flags  # noqa: E402
+
+from tfbig import perf  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("lengths", ["1024", "2048", "4096", "8192"], "Sequence lengths measured.")
@@ -224,7 +225,7 @@ def context_main():
         for c, v in runs.items()}
     result = {
         "benchmark": "long_context_cp", "model": "gpt small, batch 1, fp32, blockwise, graph",
-        "context": size, "cpu": cpu_name(), "cores": os.cpu_count(),
+        "context": size, "cpu": perf.cpu_model(), "cores": os.cpu_count(),
         "load_before": [round(x, 2) for x in load_before],
         "activations_mib": {f"cp{c}": {str(n): round(b / 2 ** 20, 1) for n, b in v.items()}
                             for c, v in activations.items()},
@@ -248,16 +249,6 @@ def planned_activations(attention, length):
     cfg = models.model_config("gpt", "small", seq_length=length, attention=attention)
     return estimate.activation_memory(models.shape_of(cfg, "gpt", length), estimate.Layout(),
                                       1, "fp32")
-
-
-def cpu_name():
-    """The CPU's model name (platform.processor() is often empty on Linux)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f
-                        if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
 
 
 def available_bytes():
@@ -343,7 +334,7 @@ def main(argv):
     budget = FLAGS.memory_gib * 2 ** 30
     result = {
         "benchmark": "long_context", "model": "gpt small, batch 1, fp32", "block_size":
-            FLAGS.block_size, "cpu": cpu_name(),
+            FLAGS.block_size, "cpu": perf.cpu_model(),
         "cores": os.cpu_count(), "load_before": [round(x, 2) for x in load_before],
         "memory_no_xla": {a: {str(k): {n: round(x, 1) for n, x in v.items()}
                               for k, v in m.items()} for a, m in memory.items()},

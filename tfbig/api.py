@@ -175,6 +175,17 @@ def _trainer(task, config, recorder=False, predicting=False):
     return Trainer(config, strategy=strategy, task=UserTask(task, predicting), logger=logger)
 
 
+def _task_and_config(task_or_model_fn, loss_fn, dataset_fn, config, kwargs):
+    """(task, config) of a train/evaluate/predict call: the Task (or one made of the three
+    functions and the Task options among kwargs), the config with the flags among kwargs, and
+    the flags a user task cannot run refused by name."""
+    task_options, flags = _split(kwargs)
+    task = _task(task_or_model_fn, loss_fn, dataset_fn, task_options)
+    config = configure(config, **flags)
+    check_user_flags(config, task)
+    return task, config
+
+
 def train(task_or_model_fn, loss_fn=None, dataset_fn=None, config=None, **kwargs):
     """Train a `tfbig.Task` (or model_fn, loss_fn, dataset_fn) on the backend of the config.
 
@@ -190,10 +201,7 @@ def train(task_or_model_fn, loss_fn=None, dataset_fn=None, config=None, **kwargs
     """
     if isinstance(loss_fn, ExperimentConfig) and config is None:  # train(task, config)
         loss_fn, config = None, loss_fn
-    task_options, flags = _split(kwargs)
-    task = _task(task_or_model_fn, loss_fn, dataset_fn, task_options)
-    config = configure(config, **flags)
-    check_user_flags(config, task)
+    task, config = _task_and_config(task_or_model_fn, loss_fn, dataset_fn, config, kwargs)
     with precision_policy(config.train.precision):
         trainer = _trainer(task, config, recorder=True)
         summary = trainer.fit()
@@ -208,10 +216,7 @@ def evaluate(task_or_model_fn, loss_fn=None, dataset_fn=None, config=None, **kwa
     outputs every replica gathered."""
     if isinstance(loss_fn, ExperimentConfig) and config is None:  # evaluate(task, config)
         loss_fn, config = None, loss_fn
-    task_options, flags = _split(kwargs)
-    task = _task(task_or_model_fn, loss_fn, dataset_fn, task_options)
-    config = configure(config, **flags)
-    check_user_flags(config, task)
+    task, config = _task_and_config(task_or_model_fn, loss_fn, dataset_fn, config, kwargs)
     with precision_policy(config.train.precision):
         trainer = _trainer(task, config)
         if not trainer.restored_from:
@@ -225,10 +230,7 @@ def predict(task_or_model_fn, dataset_fn=None, config=None, split="validation", 
     every replica predicts its rows, gathered in dataset order."""
     if isinstance(dataset_fn, ExperimentConfig) and config is None:  # predict(task, config)
         dataset_fn, config = None, dataset_fn
-    task_options, flags = _split(kwargs)
-    task = _task(task_or_model_fn, None, dataset_fn, task_options)
-    config = configure(config, **flags)
-    check_user_flags(config, task)
+    task, config = _task_and_config(task_or_model_fn, None, dataset_fn, config, kwargs)
     with precision_policy(config.train.precision):
         trainer = _trainer(task, config, predicting=True)
         if not trainer.restored_from:

@@ -10,6 +10,7 @@ Example:
     mfu(config.flops_per_token(1024), tokens_per_sec=12000, peak=peak)
 """
 import os
+import platform
 import time
 
 import tensorflow as tf
@@ -31,6 +32,16 @@ def cpu_threads():
                   or int(os.environ.get("TF_NUM_INTRAOP_THREADS", "0") or 0))
     available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return min(configured, available) if configured > 0 else available
+
+
+def cpu_model():
+    """The CPU's model name from /proc/cpuinfo (platform.processor() is often empty on Linux)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
 
 
 def cpu_peak_flops(size=2048, dtype=tf.float32, seconds=1.0, clock=None):

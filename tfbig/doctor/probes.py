@@ -78,16 +78,7 @@ def rank_device(local_rank):
         return f"/GPU:{index}", {"kind": "gpu", "name": name, "gpus_on_host": len(gpus)}
     from tfbig import perf
 
-    return "/CPU:0", {"kind": "cpu", "name": _cpu_model(), "threads": perf.cpu_threads()}
-
-
-def _cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f
-                        if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
+    return "/CPU:0", {"kind": "cpu", "name": perf.cpu_model(), "threads": perf.cpu_threads()}
 
 
 def memory_bytes(kind):
