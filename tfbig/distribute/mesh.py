@@ -91,11 +91,13 @@ class Mesh:
                 raise ValueError(f"{name}={value}: expected a positive number of ranks")
         model = tensor * pipeline * context
         if world_size % model:
+            axes = " x ".join(f"{name}={value}" for name, value in (
+                ("--pipeline_stages", pipeline), ("--context_parallel", context),
+                ("--tensor_parallel", tensor)) if value > 1 or name != "--context_parallel")
             raise ValueError(
                 f"the world of {world_size} ranks is not data x pipeline x context x tensor: "
-                f"--pipeline_stages={pipeline} x --context_parallel={context} x "
-                f"--tensor_parallel={tensor} = {model} does not divide {world_size}; start a "
-                f"multiple of {model} processes")
+                f"{axes} = {model} does not divide {world_size}; start a multiple of {model} "
+                f"processes")
         data = world_size // model
         shard_degree = shard_degree or data
         if shard_degree < 1 or data % shard_degree:
