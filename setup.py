@@ -29,7 +29,7 @@ setup(
     entry_points={
         "console_scripts": [
             "tfbig-prep=data_prep.prep:run",
-            "tfbig-train=tfbig.train:run",
+            "tfbig-train=tfbig.train_command:run",
             "tfbig-generate=tfbig.generate:run",
             "tfbig-squad=tfbig.squad.cli:run",
             "tfbig-export=tfbig.export:run",

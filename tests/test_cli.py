@@ -34,7 +34,7 @@ def train_flags(data_dir, model_dir, **extra):
 
 
 def test_the_last_line_of_a_run_says_steps_wall_time_and_bits_per_byte():
-    from tfbig.train import done_line
+    from tfbig.train_command import done_line
 
     summary = {"step": 500, "eval": {"loss": 4.95, "bits_per_byte": 2.23571}}
     assert done_line(summary, 601.4) == (

@@ -3,6 +3,7 @@ Python API page documents each of them, and every module that moved keeps its ol
 release with a DeprecationWarning naming the new place (tfbig.deprecation.MOVED)."""
 import importlib
 import os
+import subprocess
 import sys
 
 import pytest
@@ -44,11 +45,27 @@ def test_the_python_api_page_documents_the_public_api():
 def test_a_moved_module_keeps_its_old_name_with_a_warning(old, new):
     sys.modules.pop(old, None)
     parent, _, child = old.rpartition(".")
-    if hasattr(sys.modules[parent], child):
-        delattr(sys.modules[parent], child)
+    vars(sys.modules[parent]).pop(child, None)  # a submodule attribute, not the package's own
     with pytest.warns(DeprecationWarning, match=f"{old} moved to {new}: import it from there"):
         shim = importlib.import_module(old)
     assert shim is importlib.import_module(new)
+    # the old name imported is the package's attribute: drop it, as a process that never
+    # imported it has none (tfbig.train is also the API function)
+    sys.modules.pop(old)
+    vars(sys.modules[parent]).pop(child)
+
+
+def test_the_train_command_leaves_tfbig_train_the_api_function():
+    """tfbig-train's entry point (and `python -m tfbig.train`) import the command as
+    tfbig.train_command: a module imported as tfbig.train would become the package's attribute
+    and hide tfbig.train, the API function, in that process."""
+    code = ("import tfbig.train_command, tfbig, tfbig.api; "
+            "assert tfbig.train is tfbig.api.train, tfbig.train")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    entry = [line for line in open(os.path.join(ROOT, "setup.py")) if "tfbig-train=" in line]
+    assert entry and "tfbig.train_command:run" in entry[0]
 
 
 def test_the_post_recipe_import_of_the_previous_release_still_works():

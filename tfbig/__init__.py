@@ -27,7 +27,7 @@ Modules in one layer may import each other (without a circle). Lowest first:
     pipeline:  tfbig.pipeline
     registry:  tfbig.distribute.registry
     trainer:   tfbig.trainer tfbig.budget tfbig.logs tfbig.preflight
-    commands:  tfbig.train tfbig.recipes tfbig.generate tfbig.export tfbig.consolidate tfbig.doctor
+    commands:  tfbig.train tfbig.train_command tfbig.recipes tfbig.generate tfbig.export tfbig.consolidate tfbig.doctor
                tfbig.convert tfbig.plan.cli tfbig.plan.__main__ tfbig.plan.local
                tfbig.plan.measure tfbig.squad.cli tfbig.classify tfbig.finetune
     api:       tfbig tfbig.api

@@ -21,6 +21,8 @@ MOVED = {
     "tfbig.sources": "tfbig.data.sources",
     "tfbig.tfrecord": "tfbig.data.tfrecord",
     "tfbig.tokenizer": "tfbig.data.tokenizer",
+    # the command moved out of the public API function's name (tfbig/train.py says why)
+    "tfbig.train": "tfbig.train_command",
 }
 
 

@@ -1,6 +1,6 @@
 """Print the flags a console script defines, as JSON, without running it.
 
-    python docs/hooks/flags_of.py tfbig.train:run tfbig-train
+    python docs/hooks/flags_of.py tfbig.train_command:run tfbig-train
 
 The script's entry point is called with no arguments and stopped at the moment it would parse
 its command line, which is where every flag is defined and nothing has run yet:
