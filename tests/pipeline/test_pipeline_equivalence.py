@@ -70,10 +70,23 @@ def run_pipeline(strategy, model, batch, jit_compile=False):
     return float(loss), [g.numpy() for g in grads], metrics
 
 
-@pytest.mark.parametrize("checkpointing", [False, True], ids=["stash", "recompute"])
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("num_microbatches", [1, 4, 8])
-@pytest.mark.parametrize("num_stages", [2, 4])
+def _grid():
+    """Every (stages, micro-batches, schedule, recomputation); of 4 stages the default run keeps
+    8 micro-batches under 1F1B (the rest slow: 4 stages also run across ranks in
+    test_cross_rank's pp4_gpipe)."""
+    for stages in (2, 4):
+        for micro in (1, 4, 8):
+            for schedule in ("gpipe", "1f1b"):
+                for checkpointing in (False, True):
+                    slow = stages == 4 and (micro, schedule) != (8, "1f1b")
+                    yield pytest.param(
+                        stages, micro, schedule, checkpointing,
+                        id=f"{stages}-{micro}-{schedule}-"
+                           f"{'recompute' if checkpointing else 'stash'}",
+                        marks=[pytest.mark.slow] if slow else [])
+
+
+@pytest.mark.parametrize("num_stages, num_microbatches, schedule, checkpointing", _grid())
 def test_loss_and_every_gradient_equal_the_unsplit_model(
         gpt_data, tmp_path, batch, num_stages, num_microbatches, schedule, checkpointing):
     """... and the live micro-batch activations per stage are counted: 1F1B keeps at most
