@@ -140,7 +140,6 @@ def test_bad_input_is_refused_by_name_before_the_run_directory_is_written(
                                                     "task: tensor parallelism"),
     ({"strategy": "pipeline"}, "--strategy=pipeline: pipeline stages"),
     ({"strategy": "horovod", "pipeline_stages": 2}, "--pipeline_stages=2 is refused"),
-    ({"strategy": "horovod", "elastic": True}, "--elastic=True is refused"),
     ({"plan_only": True, "strategy": "horovod", "tensor_parallel": 2,
       "tensor_layout": own_model.LAYOUT}, "--tensor_parallel=2 with --plan_only is refused for "
                                           "a user task: the plan of a user task covers "

@@ -17,15 +17,16 @@ and/or tfbig-train's flag names as keywords:
     run.losses, run.model, run.summary["checkpoint"]
 
 Everything tfbig-train's Trainer does applies: --strategy single | horovod (ZeRO 1-3,
-MiCS groups) | multiworker | mirrored, checkpoints and exact resume (run it again), SIGTERM
-preemption, --precision and loss scaling, --grad_accum_steps, --grad_clip_norm, profiling,
-TensorBoard and the time budget, and --tensor_parallel for a task that declares its
-`tensor_layout` (which Dense layers are column- or row-split). --plan_only builds the model,
+MiCS groups; or --elastic: ranks may die and join) | multiworker | mirrored, checkpoints and
+exact resume (run it again), SIGTERM preemption, --precision and loss scaling,
+--grad_accum_steps, --grad_clip_norm, profiling, TensorBoard and the time budget, and
+--tensor_parallel for a task that declares its `tensor_layout` (which Dense layers are column-
+or row-split). --plan_only builds the model,
 counts its variables and returns the plan (tfbig.plan.user: the state per rank; activations
 and step time when the task declares its `transformer_shape`) instead of training. Refused by
 name for a user task (USER_TASK_REFUSED): tensor parallelism without a declared layout,
-pipeline parallelism, elastic Horovod and --init_checkpoint; with --plan_only (PLAN_REFUSED)
---tensor_parallel and --calibration.
+pipeline parallelism and --init_checkpoint; with --plan_only (PLAN_REFUSED)
+--tensor_parallel, --context_parallel and --calibration.
 """
 import atexit
 import copy
@@ -46,7 +47,6 @@ USER_TASK_REFUSED = {
                            "its tensor_layout ({layer path: 'column' | 'row'}, Task docs); "
                            "this task declares none"),
     "pipeline_stages": (0, "pipeline stages are cut at tfbig's own families' layer boundaries"),
-    "elastic": (False, "elastic Horovod is untested with a user task"),
     "init_checkpoint": ("", "it loads tfbig-convert / tfbig-train runs of tfbig's own models; "
                             "load your weights in build_model"),
 }
