@@ -236,14 +236,23 @@ def plan(task, config, device=None, world_size=None):
     probed as tfbig-train --plan_only does) and `world_size` ranks (default: the launcher's)."""
     from tfbig.plan import local, user
 
+    shape = getattr(task, "transformer_shape", None)
+    if shape is not None:  # checked before the build and the device probe
+        _planner_refusals(lambda: user.check_shape(task.name, shape))
     with precision_policy(config.train.precision):
         model = UserTask(task).build_model()
     device = device or local.local_device(config.train.precision, config.profile.peak_tflops)
-    shape = getattr(task, "transformer_shape", None)
+    return _planner_refusals(lambda: user.user_plan(
+        task.name, user.count_variables(model), shape, config, device,
+        world_size or local.processes()))
+
+
+def _planner_refusals(call):
+    """call(), the planner's ValueErrors (a transformer_shape or layout it refuses) raised as
+    the UsageErrors they are."""
     try:
-        return user.user_plan(task.name, user.count_variables(model), shape, config, device,
-                              world_size or local.processes())
-    except ValueError as error:  # a transformer_shape or layout the planner refuses
+        return call()
+    except ValueError as error:
         raise UsageError(str(error)) from error
 
 

@@ -50,9 +50,8 @@ def _product(shape):
     return total
 
 
-def declared_shape(name, transformer_shape, params):
-    """The planner's Shape of a task's `transformer_shape` (tfbig's GPT of those sizes), with
-    the counted `params`; a missing or unknown key is refused by name."""
+def check_shape(name, transformer_shape):
+    """Refuse, by name, a missing or unknown key of a task's `transformer_shape`."""
     given = dict(transformer_shape)
     missing = [k for k in SHAPE_FIELDS if k not in given]
     unknown = [k for k in given if k not in SHAPE_FIELDS + OPTIONAL_SHAPE_FIELDS]
@@ -62,6 +61,13 @@ def declared_shape(name, transformer_shape, params):
                             f"unknown key(s) {', '.join(unknown)}")
                          + f"; it names {', '.join(SHAPE_FIELDS)} and optionally "
                            f"{', '.join(OPTIONAL_SHAPE_FIELDS)}")
+    return given
+
+
+def declared_shape(name, transformer_shape, params):
+    """(the planner's Shape of a task's `transformer_shape`: tfbig's GPT of those sizes, with
+    the counted `params`; that GPT's parameter count)."""
+    given = check_shape(name, transformer_shape)
     config = models.GPTConfig(**{k: float(v) if k == "dropout" else int(v)
                                  for k, v in given.items()})
     shape = models.shape_of(config, "gpt", config.seq_length)
