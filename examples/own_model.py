@@ -11,6 +11,7 @@ writes, and every tfbig-train flag applies (--strategy, --zero_stage, --precisio
         --model_dir=/tmp/own2 --max_steps=50
     ... --strategy=horovod --zero_stage=3 --shard_degree=2   # ZeRO-3 over MiCS groups of 2
     ... --strategy=horovod --tensor_parallel=2   # the feed-forward Dense pairs of LAYOUT split
+    python examples/own_model.py --plan_only     # memory per rank and step time, no training
 """
 import json
 import os
@@ -110,6 +111,13 @@ LAYOUT = {"transformer_blocks.*.ffn.layers.0": "column",
           "transformer_blocks.*.ffn.layers.1": "row"}
 
 
+# What --plan_only reads of MyModel: the sizes of the transformer it is (tfbig's planner then
+# gives its activation memory and step time by the closed forms of tfbig's GPT of that shape).
+SHAPE = dict(hidden_size=SIZE["embed_dim"], num_layers=SIZE["num_layers"],
+             num_heads=SIZE["num_heads"], seq_length=SIZE["maxlen"],
+             vocab_size=SIZE["vocab_size"], intermediate_size=SIZE["feed_forward_dim"])
+
+
 def model_fn(size=None, rate=0.0):
     """MyModel, built (tfbig calls this inside the backend's scope)."""
     size = size or SIZE
@@ -156,7 +164,10 @@ def main(argv):
 
     run = tfbig.train(model_fn, loss_fn, dataset_fn, tfbig.config_from_flags(flags.FLAGS),
                       name="own_model", tokens_per_example=SIZE["maxlen"],
-                      checkpoint_layers=("transformer_blocks.*",), tensor_layout=LAYOUT)
+                      checkpoint_layers=("transformer_blocks.*",), tensor_layout=LAYOUT,
+                      transformer_shape=SHAPE)
+    if flags.FLAGS.plan_only:  # tfbig.train printed the plan; nothing trained
+        return
     if run.trainer.strategy.is_chief:
         print(f"losses: {[round(loss, 4) for loss in run.losses]}")
         print(f"validation: {run.summary['eval']}")

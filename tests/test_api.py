@@ -140,8 +140,13 @@ def test_bad_input_is_refused_by_name_before_the_run_directory_is_written(
                                                     "task: tensor parallelism"),
     ({"strategy": "pipeline"}, "--strategy=pipeline: pipeline stages"),
     ({"strategy": "horovod", "pipeline_stages": 2}, "--pipeline_stages=2 is refused"),
-    ({"strategy": "horovod", "elastic": True}, "--elastic=True is refused"),
-    ({"plan_only": True}, "--plan_only=True is refused"),
+    ({"plan_only": True, "strategy": "horovod", "tensor_parallel": 2,
+      "tensor_layout": own_model.LAYOUT}, "--tensor_parallel=2 with --plan_only is refused for "
+                                          "a user task: the plan of a user task covers "
+                                          "data-parallel layouts"),
+    ({"plan_only": True, "transformer_shape": {"hidden_size": 32, "num_layers": 2}},
+     "transformer_shape {'hidden_size': 32, 'num_layers': 2}: missing num_heads, seq_length, "
+     "vocab_size"),
     ({"init_checkpoint": "runs/x"}, "--init_checkpoint='runs/x' is refused"),
     ({"no_such_flag": 1}, "no_such_flag=1: not a tfbig-train flag"),
     # with a declared layout --tensor_parallel runs (tests/distribute/test_api_parallel.py),
@@ -214,3 +219,74 @@ def test_a_declared_layout_slices_the_dense_pairs_in_place_and_their_sum_is_the_
         parts = [model.transformer_blocks[b].ffn(x).numpy() for model, _ in ranks]
         np.testing.assert_allclose(parts[0] + parts[1] - block.ffn.layers[1].bias.numpy(),
                                    block.ffn(x).numpy(), rtol=1e-5, atol=1e-6)
+
+
+# ---- --plan_only -----------------------------------------------------------------------------
+def plan_device():
+    """A fixed device for plans (no CPU probe): 1 TFLOP/s, 64 GB, 50 GB/s."""
+    from tfbig.plan import hardware
+
+    return hardware.Device("cpu", 1e12, 64e9, 50e9, 50e9, matmul_fraction=1.0,
+                           reserve_bytes=0.0)
+
+
+def test_plan_only_counts_the_built_models_state_and_says_what_is_unknown(tmp_path, capsys):
+    """--plan_only trains nothing and writes nothing; the weights, gradients and optimizer
+    slots per rank are 4 bytes per value the built model and tfbig's optimizer hold, sharded as
+    each ZeRO stage shards them; activations and step time are named unknown."""
+    from tfbig import api, optim
+
+    found = tfbig.train(own_model.model_fn, own_model.loss_fn, own_model.dataset_fn,
+                        model_dir=str(tmp_path / "run"), plan_only=True, batch_size=8,
+                        peak_tflops=1.0)  # no CPU matmul probe
+    assert "unknown: activations, step time" in capsys.readouterr().out
+    assert found.unknown == ("activations", "step time") and found.estimate is None
+    assert run_dir_is_untouched(tmp_path / "run")
+    model = own_model.model_fn()
+    weights = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    slots = sum(int(np.prod(v.shape)) for v in optim.build_optimizer(
+        tfbig.configure().train, model.trainable_variables).variables if len(v.shape))
+    assert found.parameters == weights and slots == 2 * weights
+    assert found.memory == {"parameters": 4 * weights, "gradients": 4 * weights,
+                            "optimizer": 4 * slots}
+    task = api._task(own_model.model_fn, own_model.loss_fn, own_model.dataset_fn, {})
+    for stage, sharded in ((1, {"optimizer"}), (2, {"optimizer", "gradients"}),
+                           (3, {"optimizer", "gradients", "parameters"})):
+        config = tfbig.configure(plan_only=True, batch_size=8, zero_stage=stage)
+        memory = api.plan(task, config, plan_device(), world_size=4).memory
+        for kind in ("parameters", "gradients"):
+            assert memory[kind] == 4 * weights / (4 if kind in sharded else 1), (stage, kind)
+        # ZeRO 1-2 keep a float32 master copy of the rank's slice beside its two slots
+        assert memory["optimizer"] == 4 * (slots + (weights if stage < 3 else 0)) / 4
+
+
+class DeclaredGPT(tfbig.Task):
+    """tfbig's own GPT as a user model, its transformer_shape declared."""
+
+    name = "gpt"  # the plan's header names the task: as tfbig-train's names the family
+    transformer_shape = dict(num_layers=2, hidden_size=64, num_heads=4, seq_length=128,
+                             vocab_size=8000)  # the "tiny" preset
+
+    def build_model(self):
+        from tfbig.models.configs import GPTConfig
+        from tfbig.models.gpt import GPT
+
+        model = GPT(GPTConfig.from_preset("tiny"))
+        model.build((None, 128))
+        return model
+
+
+def test_a_declared_transformer_shape_plans_as_tfbigs_own_gpt_of_that_shape():
+    """The plan of a user task declaring the tiny GPT's shape is tfbig-train --plan_only's of
+    --model=gpt --preset=tiny, figure for figure, on 2 ranks with ZeRO 1 (its parameter
+    count, counted on the built model, is the closed form's)."""
+    from tfbig import api
+    from tfbig.plan.local import training_plan
+
+    flags = dict(plan_only=True, batch_size=8, zero_stage=1)
+    found = api.plan(DeclaredGPT(), tfbig.configure(**flags), plan_device(), world_size=2)
+    own = training_plan(tfbig.configure(model="gpt", preset="tiny", **flags), plan_device(),
+                        world_size=2)
+    assert found.unknown == () and "note:" not in found.text
+    assert found.text.endswith("\n" + own)
+    assert "activations" in found.memory and found.estimate.step_seconds > 0

@@ -17,12 +17,16 @@ and/or tfbig-train's flag names as keywords:
     run.losses, run.model, run.summary["checkpoint"]
 
 Everything tfbig-train's Trainer does applies: --strategy single | horovod (ZeRO 1-3,
-MiCS groups) | multiworker | mirrored, checkpoints and exact resume (run it again), SIGTERM
-preemption, --precision and loss scaling, --grad_accum_steps, --grad_clip_norm, profiling,
-TensorBoard and the time budget, and --tensor_parallel for a task that declares its
-`tensor_layout` (which Dense layers are column- or row-split). Refused by name for a user task
-(USER_TASK_REFUSED): tensor parallelism without a declared layout, pipeline parallelism,
-elastic Horovod, --init_checkpoint and --plan_only.
+MiCS groups; or --elastic: ranks may die and join) | multiworker | mirrored, checkpoints and
+exact resume (run it again), SIGTERM preemption, --precision and loss scaling,
+--grad_accum_steps, --grad_clip_norm, profiling, TensorBoard and the time budget, and
+--tensor_parallel for a task that declares its `tensor_layout` (which Dense layers are column-
+or row-split). --plan_only builds the model,
+counts its variables and returns the plan (tfbig.plan.user: the state per rank; activations
+and step time when the task declares its `transformer_shape`) instead of training. Refused by
+name for a user task (USER_TASK_REFUSED): tensor parallelism without a declared layout,
+pipeline parallelism and --init_checkpoint; with --plan_only (PLAN_REFUSED)
+--tensor_parallel, --context_parallel and --calibration.
 """
 import atexit
 import copy
@@ -43,11 +47,17 @@ USER_TASK_REFUSED = {
                            "its tensor_layout ({layer path: 'column' | 'row'}, Task docs); "
                            "this task declares none"),
     "pipeline_stages": (0, "pipeline stages are cut at tfbig's own families' layer boundaries"),
-    "elastic": (False, "elastic Horovod is untested with a user task"),
     "init_checkpoint": ("", "it loads tfbig-convert / tfbig-train runs of tfbig's own models; "
                             "load your weights in build_model"),
-    "plan_only": (False, "the memory plan reads tfbig's own model configs; a user model's "
-                         "shapes are known only once it is built"),
+}
+
+# flag -> (its value when unused, why --plan_only of a user task refuses it)
+PLAN_REFUSED = {
+    "tensor_parallel": (1, "the plan of a user task covers data-parallel layouts; the split "
+                           "of a declared tensor_layout is not in the planner's closed forms"),
+    "context_parallel": (1, "the plan of a user task covers data-parallel layouts"),
+    "calibration": ("", "a user task's plan uses this machine's probe, not a calibration "
+                        "file"),
 }
 
 
@@ -114,6 +124,11 @@ def check_user_flags(config, task=None):
             continue  # a declared layout: tensor_layout.split_declared_model
         if values[flag] != unused:
             raise UsageError(f"--{flag}={values[flag]!r} is refused for a user task: {why}")
+    if values["plan_only"]:
+        for flag, (unused, why) in PLAN_REFUSED.items():
+            if values[flag] != unused:
+                raise UsageError(f"--{flag}={values[flag]!r} with --plan_only is refused for "
+                                 f"a user task: {why}")
     if values["tensor_parallel"] == 1:
         return
     for flag, (unused, why) in TENSOR_LAYOUT_REFUSED.items():
@@ -134,7 +149,7 @@ def _task(task_or_model_fn, loss_fn, dataset_fn, task_options):
 
 
 TASK_OPTIONS = ("name", "tokens_per_example", "checkpoint_layers", "metrics_fn",
-                "tensor_layout")
+                "tensor_layout", "transformer_shape")
 
 
 def _split(kwargs):
@@ -196,18 +211,49 @@ def train(task_or_model_fn, loss_fn=None, dataset_fn=None, config=None, **kwargs
         config: an ExperimentConfig (default: tfbig-train's defaults).
         **kwargs: tfbig-train flags by name (max_steps=100, strategy="horovod", ...), and with
             a model_fn the Task options name, tokens_per_example, checkpoint_layers, metrics_fn,
-            tensor_layout.
-    Returns a Run; training again with the same model_dir resumes from its checkpoint.
+            tensor_layout, transformer_shape.
+    Returns a Run; training again with the same model_dir resumes from its checkpoint. With
+    plan_only=True nothing trains: the plan is printed and its UserPlan returned.
     """
     if isinstance(loss_fn, ExperimentConfig) and config is None:  # train(task, config)
         loss_fn, config = None, loss_fn
     task, config = _task_and_config(task_or_model_fn, loss_fn, dataset_fn, config, kwargs)
+    if config.train.plan_only:
+        found = plan(task, config)
+        print(found.text)
+        return found
     with precision_policy(config.train.precision):
         trainer = _trainer(task, config, recorder=True)
         summary = trainer.fit()
     run = Run(trainer, summary, trainer.logger.losses)
     atexit.register(run.close)
     return run
+
+
+def plan(task, config, device=None, world_size=None):
+    """The UserPlan (tfbig.plan.user) of `task` under `config`: its model built here (no
+    backend, nothing written), its variables counted; on `device` (default: this machine's,
+    probed as tfbig-train --plan_only does) and `world_size` ranks (default: the launcher's)."""
+    from tfbig.plan import local, user
+
+    shape = getattr(task, "transformer_shape", None)
+    if shape is not None:  # checked before the build and the device probe
+        _planner_refusals(lambda: user.check_shape(task.name, shape))
+    with precision_policy(config.train.precision):
+        model = UserTask(task).build_model()
+    device = device or local.local_device(config.train.precision, config.profile.peak_tflops)
+    return _planner_refusals(lambda: user.user_plan(
+        task.name, user.count_variables(model), shape, config, device,
+        world_size or local.processes()))
+
+
+def _planner_refusals(call):
+    """call(), the planner's ValueErrors (a transformer_shape or layout it refuses) raised as
+    the UsageErrors they are."""
+    try:
+        return call()
+    except ValueError as error:
+        raise UsageError(str(error)) from error
 
 
 def evaluate(task_or_model_fn, loss_fn=None, dataset_fn=None, config=None, **kwargs):

@@ -1,6 +1,7 @@
 """Elastic Horovod (--elastic): a rank killed with SIGKILL mid-run, training goes on with one,
 a new rank joins when the discovery script reports a slot again; the run consumes exactly the
-records of an uninterrupted run and matches its losses (real horovodrun, localhost, Gloo)."""
+records of an uninterrupted run and matches its losses (real horovodrun, localhost, Gloo), for
+tfbig's GPT and for a user task (tfbig.Task)."""
 import glob
 import json
 import os
@@ -14,7 +15,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from elastic_worker import fingerprint  # noqa: E402
+from elastic_worker import (ROWS_KEY, USER_ROWS_KEY, fingerprint,  # noqa: E402
+                            own_model_task)
 from equality import RecordedGradients  # noqa: E402
 from test_trainer import make_cfg  # noqa: E402
 from tfbig import config as config_lib  # noqa: E402
@@ -85,15 +87,15 @@ def last_execution(out):
     return final
 
 
-@pytest.mark.slow
-@pytest.mark.multiproc
-def test_rank_killed_and_replaced_run_matches_the_uninterrupted_one(gpt_data, tmp_path):
+def killed_and_rejoined(tmp_path, cfg, **plan):
+    """Run `cfg` on 2 elastic ranks (elastic_worker.py; `plan`: its options), SIGKILL rank 1
+    after step 5, let one rank train on, then report a slot again: the run ends with 2 ranks
+    after resets 2 -> 1 -> 2. Returns (out dir, each step's newest execution per rank)."""
     out = tmp_path / "out"
     os.makedirs(out)
-    cfg = elastic_cfg(gpt_data, tmp_path / "run")
     with open(tmp_path / "plan.json", "w") as f:
         json.dump({"config": config_lib.to_dict(cfg), "out": str(out),
-                   "step_seconds": 0.3}, f)
+                   "step_seconds": 0.3, **plan}, f)
     hosts = str(tmp_path / "hosts.txt")
     write_hosts(hosts, ["localhost", "127.0.0.1"])
     discover = tmp_path / "discover.sh"
@@ -131,28 +133,37 @@ def test_rank_killed_and_replaced_run_matches_the_uninterrupted_one(gpt_data, tm
     assert sorted(steps) == list(range(1, MAX_STEPS + 1))
     worlds = [len(steps[s]) for s in sorted(steps)]
     assert 1 in worlds and worlds[0] == 2 and worlds[-1] == 2, worlds  # 2 -> 1 -> 2 ranks
+    return out, steps
 
-    # The uninterrupted reference: one process, same global batch, same global record order.
-    reference_cfg = make_cfg(gpt_data, tmp_path / "reference", **TRAIN)
+
+def assert_matches_the_uninterrupted_run(out, steps, reference_cfg, task=None, key=ROWS_KEY,
+                                         in_order=True):
+    """The uninterrupted reference (one process, same global batch, same global record order)
+    consumed the same records at every step (batch[`key`]: each example's ids; `in_order`:
+    rank by rank in the reference's order, else as a set), logged the same losses and ends
+    with the same weights."""
     consumed = []
 
     class Reference(Trainer):
         def _train_iterator(self):
             for batch in super()._train_iterator():
-                ids = batch["input_ids"].numpy()
+                ids = batch[key].numpy()
                 consumed.append(ids.reshape(-1, ids.shape[-1]))
                 yield batch
 
     logger = Losses(reference_cfg.train.model_dir, True, MAX_STEPS)
-    reference = Reference(reference_cfg, logger=logger)
+    reference = Reference(reference_cfg, task=task, logger=logger)
     recorded = RecordedGradients(reference)
     reference.fit()
     for step in range(1, MAX_STEPS + 1):
         # Each rank reads its contiguous slice of the step's global batch (tfbig.data.order).
         ranks = steps[step]
         world = len(ranks)
-        assert [int(x) for e in ranks for x in e["rows"]] == \
-            [fingerprint(r) for r in consumed[step - 1]], f"step {step} (world {world})"
+        read = [int(x) for e in ranks for x in e["rows"]]
+        expected = [fingerprint(r) for r in consumed[step - 1]]
+        if not in_order:
+            read, expected = sorted(read), sorted(expected)
+        assert read == expected, f"step {step} (world {world})"
         assert ranks[0]["loss"] == pytest.approx(logger.losses[step], rel=1e-5), step
     # Weights after 24 steps: the world of 1 sums a step's micro-batch gradients in another
     # order than the world of 2's all-reduce, and Adam turns a float32 difference in a
@@ -160,6 +171,41 @@ def test_rank_killed_and_replaced_run_matches_the_uninterrupted_one(gpt_data, tm
     # 1.1e-6 apart): tests/equality.py bounds each entry through the gradients.
     with np.load(out / "final.npz") as final_weights:
         recorded.assert_equal([final_weights[f"arr_{i}"] for i in range(len(recorded.paths))])
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_rank_killed_and_replaced_run_matches_the_uninterrupted_one(gpt_data, tmp_path):
+    out, steps = killed_and_rejoined(tmp_path, elastic_cfg(gpt_data, tmp_path / "run"))
+    assert_matches_the_uninterrupted_run(out, steps,
+                                         make_cfg(gpt_data, tmp_path / "reference", **TRAIN))
+
+
+def user_cfg(model_dir, **flags):
+    """examples/own_model.py's run of TRAIN's schedule, as tfbig.train configures it."""
+    import tfbig
+
+    return tfbig.configure(model_dir=str(model_dir), learning_rate=3e-3, warmup_steps=2,
+                           log_every=1, deterministic=True, xla=False, peak_tflops=1.0,
+                           **TRAIN, **flags)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_user_task_rank_killed_and_replaced_matches_the_uninterrupted_one(tmp_path):
+    """The same for a user model (tfbig.Task: examples/own_model.py's MyModel, its loss and
+    its DataShard-sharded tf.data pipeline): its model and optimizer are committed and
+    restored, its dataset made again for each world from the global position. Its pipeline
+    deals each global batch's examples to the ranks in turn (`shard(count, index)`), not in
+    contiguous slices as tfbig's data layer does: each step reads the same examples, in
+    another order between ranks."""
+    cfg = user_cfg(tmp_path / "run", strategy="horovod", elastic=True,
+                   elastic_commit_every=2)
+    out, steps = killed_and_rejoined(tmp_path, cfg, user_task=True)
+    reference_cfg = user_cfg(tmp_path / "reference")
+    assert_matches_the_uninterrupted_run(out, steps, reference_cfg,
+                                         own_model_task(reference_cfg), USER_ROWS_KEY,
+                                         in_order=False)
 
 
 class Losses(RunLogger):

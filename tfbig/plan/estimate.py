@@ -262,19 +262,27 @@ def memory(shape, layout, micro_batch, precision, device, stage=0):
     float32 master copy: 12 bytes per parameter / g), stage 2 also the gradients, stage 3 the
     parameters too."""
     params = stage_params(shape, layout, stage=stage)
-    g, z = layout.partition, layout.zero_stage
+    z = layout.zero_stage
     boundary = micro_batch * shape.seq_length * shape.hidden_size * _act_bytes(precision)
     comm = ((hardware.FUSION_BUFFER_BYTES if layout.data > 1 else 0)
             + (2 * boundary if layout.pipeline > 1 else 0)
             + (2 * 4 * shape.layer_params / layout.tensor if z == 3 else 0))
+    return {**state_memory(params, layout),
+            "activations": activation_memory(shape, layout, micro_batch, precision, stage),
+            "communication": comm, "reserve": device.reserve_bytes}
+
+
+def state_memory(params, layout):
+    """Bytes per GPU of `params` float32 weights' state: {"parameters", "gradients",
+    "optimizer"} (Adam/LAMB's two slots), each sharded over ZeRO's partition group from its
+    stage (3: parameters, 2: gradients, 1: optimizer)."""
+    g, z = layout.partition, layout.zero_stage
     return {"parameters": 4 * params / (g if z >= 3 else 1),
             "gradients": 4 * params / (g if z >= 2 else 1),
             # moments; with ZeRO 1-2 also the float32 master copy of the slice the optimizer
             # updates (tfbig/distribute/zero.py), the full weights being kept beside it; with
             # ZeRO 3 that slice is the parameters themselves
-            "optimizer": (8 * params / g) if z >= 3 else (12 * params / g) if z else 8 * params,
-            "activations": activation_memory(shape, layout, micro_batch, precision, stage),
-            "communication": comm, "reserve": device.reserve_bytes}
+            "optimizer": (8 * params / g) if z >= 3 else (12 * params / g) if z else 8 * params}
 
 
 def peak_stage_memory(shape, layout, micro_batch, precision, device):

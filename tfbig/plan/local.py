@@ -51,7 +51,7 @@ def local_device(precision, peak_tflops=0.0):
                            matmul_fraction=1.0, reserve_bytes=0.0)
 
 
-def _processes():
+def processes():
     """Processes of this job: Horovod/MPI's world size, else TF_CONFIG's workers, else 1."""
     import json
     import os
@@ -74,7 +74,7 @@ def training_plan(cfg, device=None, world_size=None):
     model_cfg = models.model_config(t.model, t.preset, **overrides)
     shape = models.shape_of(model_cfg, t.model, t.seq_length or model_cfg.seq_length)
     fixed = search.layout_from_config(cfg)
-    devices = (world_size or _processes()) * (
+    devices = (world_size or processes()) * (
         fixed["pipeline_stages"] if t.strategy == "pipeline" else 1)
     device = device or local_device(t.precision, cfg.profile.peak_tflops)
     cluster = hardware.Cluster(device, devices, 1, device.local_bandwidth)

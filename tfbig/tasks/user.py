@@ -74,12 +74,19 @@ class Task:
             "column" Dense keeps 1/T of its output units on each rank, the "row" Dense after it
             1/T of its input rows, and the ranks' outputs are summed (one all-reduce) after
             the row layer. Empty: --tensor_parallel is refused by name.
+        transformer_shape: for `--plan_only`, the sizes of a transformer the model is, as
+            {"hidden_size", "num_layers", "num_heads", "seq_length", "vocab_size"} and
+            optionally "intermediate_size" (default 4 x hidden_size): the plan then gives the
+            activation memory and step time of tfbig's GPT of that shape (tfbig.plan.user).
+            None: the plan gives the weights, gradients and optimizer slots per rank (counted
+            on the built model) and says the rest is unknown.
     """
 
     name = "task"
     tokens_per_example = 1
     checkpoint_layers = ()
     tensor_layout = {}
+    transformer_shape = None
 
     def build_model(self):
         """A built Keras model (its variables created: `model.build(shape)` or one call).
@@ -118,11 +125,13 @@ class FunctionTask(Task):
     """A Task of three functions: `tfbig.train(model_fn, loss_fn, dataset_fn, ...)`."""
 
     def __init__(self, model_fn, loss_fn=None, dataset_fn=None, name="task", tokens_per_example=1,
-                 checkpoint_layers=(), metrics_fn=None, tensor_layout=None):
+                 checkpoint_layers=(), metrics_fn=None, tensor_layout=None,
+                 transformer_shape=None):
         self.model_fn, self.loss_fn, self.dataset_fn = model_fn, loss_fn, dataset_fn
         self.name, self.tokens_per_example = name, tokens_per_example
         self.checkpoint_layers, self.metrics_fn = tuple(checkpoint_layers), metrics_fn
         self.tensor_layout = dict(tensor_layout or {})
+        self.transformer_shape = transformer_shape
 
     def build_model(self):
         return self.model_fn()
