@@ -41,9 +41,11 @@ Memory (the busiest pipeline stage, first or last):
 
 Step time (nothing assumed overlapped; tfbig runs collectives between XLA-compiled pieces):
     per micro-batch and stage ("tick"): matmul FLOPs (x 4/3 with recomputation) at
-    MATMUL_FRACTION of peak (a calibration: each matmul at its size's measured efficiency,
-    `matmul_fraction`) + memory-bound element-wise passes over the activations (4 passes,
-    5 with recomputation; the logits twice) at BANDWIDTH_FRACTION of memory bandwidth (1 for a
+    `matmul_fraction` of peak (a spec-table GPU: each product's FLOPs at MATMUL_FRACTION plus
+    its operands streamed through memory, so its size sets its efficiency; a calibration: each
+    matmul at its size's measured efficiency) + memory-bound element-wise passes over the
+    activations at float32 width (4 passes, 5 with recomputation; the logits twice) at
+    BANDWIDTH_FRACTION of memory bandwidth (1 for a
     measured one) + 4 tensor-parallel all-reduces per layer (6 with recomputation) + the
     pipeline send/receive + with context parallelism, per layer the all-gather of K and V and
     the reduce-scatter of their gradients (3 collectives with recomputation), under the part
@@ -66,6 +68,8 @@ SCHEDULES = ("1f1b", "gpipe")
 LAYERNORM_OUTPUTS = 4
 # Bytes per head and token blockwise attention keeps for its backward: the float32 log-sum-exp.
 LSE_BYTES = 4
+# The width the element-wise passes of a layer move their values at, whatever --precision.
+ELEMENTWISE_PRECISION = "fp32"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,25 +328,48 @@ def flops_share(shape, layout, stage):
             + (head if stage == layout.pipeline - 1 else 0)) / total
 
 
-def matmul_fraction(shape, layout, micro_batch, device):
-    """Achieved / peak FLOP/s of a layer's matmuls: `device.matmul_fraction`, or, with a
-    measured efficiency by size (a calibration), each product of a micro-batch (QKV, output,
-    MLP up and down, attention's two per sequence and head, the logits) at the efficiency of
-    its size (the cube root of m k n), weighted by its FLOPs (a harmonic mean: the time)."""
-    if not device.matmul_efficiency:
-        return device.matmul_fraction
+def matmul_products(shape, layout, micro_batch):
+    """((m, k, n), count) of each matrix product of a micro-batch's forward on one rank: QKV,
+    attention output, MLP up and down (per layer), attention's two (per sequence and head),
+    the logits (the backward runs each again twice, at the same sizes)."""
     tokens, s, t = micro_batch * shape.seq_length, shape.seq_length, layout.tensor
     h, f, a = shape.hidden_size, shape.intermediate_size, shape.num_heads
     d = h // a
     layers, heads = shape.num_layers, shape.num_layers * micro_batch * a / t
-    products = [((tokens, h, 3 * h / t), layers), ((tokens, h / t, h), layers),
-                ((tokens, h, f / t), layers), ((tokens, f / t, h), layers),
-                ((s, d, s), heads), ((s, s, d), heads),  # per sequence and head
-                ((tokens, h, shape.vocab_size / t), 1)]
-    work = [m * k * n * count for (m, k, n), count in products]
-    seconds = [w / hardware.log_interpolate(device.matmul_efficiency, (m * k * n) ** (1 / 3))
-               for w, ((m, k, n), _) in zip(work, products)]
-    return sum(work) / sum(seconds)
+    return [((tokens, h, 3 * h / t), layers), ((tokens, h / t, h), layers),
+            ((tokens, h, f / t), layers), ((tokens, f / t, h), layers),
+            ((s, d, s), heads), ((s, s, d), heads),  # per sequence and head
+            ((tokens, h, shape.vocab_size / t), 1)]
+
+
+def matmul_fraction(shape, layout, micro_batch, device, precision="fp32"):
+    """Achieved / peak FLOP/s of a layer's matmuls, each product's time weighted by its FLOPs
+    (a harmonic mean: the time):
+    - with a measured efficiency by size (a calibration): each product at the efficiency of
+      its size (the cube root of m k n);
+    - a spec-table GPU (`device.roofline`): each product takes its FLOPs at
+      `device.matmul_fraction` of peak plus its operands and result (m k + k n + m n values)
+      streamed once at the achieved memory bandwidth, not overlapped. Large products are
+      compute-bound and run near the big-GEMM fraction; products whose arithmetic intensity
+      (FLOPs per byte) is near or below the GPU's ridge point (peak / bandwidth: ~140 on a
+      V100 in fp16, ~17 in fp32) lose to memory traffic: a 768-wide layer or attention's
+      head-sized products run further from peak than a 12,288-wide layer. One sum of two
+      physical terms, not a fitted curve: published BERT figures check it
+      (tests/plan/test_published.py);
+    - otherwise (a measured CPU peak): `device.matmul_fraction`."""
+    products = matmul_products(shape, layout, micro_batch)
+    work = [2 * m * k * n * count for (m, k, n), count in products]
+    if device.matmul_efficiency:
+        seconds = [w / hardware.log_interpolate(device.matmul_efficiency, (m * k * n) ** (1 / 3))
+                   for w, ((m, k, n), _) in zip(work, products)]
+        return sum(work) / sum(seconds)
+    if not device.roofline:
+        return device.matmul_fraction
+    bandwidth = device.memory_bandwidth * device.bandwidth_fraction
+    seconds = [w / (device.peak_flops * device.matmul_fraction)
+               + count * _act_bytes(precision) * (m * k + k * n + m * n) / bandwidth
+               for w, ((m, k, n), count) in zip(work, products)]
+    return sum(work) / sum(seconds) / device.peak_flops
 
 
 def tick_time(shape, layout, micro_batch, precision, cluster, stage):
@@ -361,10 +388,13 @@ def tick_time(shape, layout, micro_batch, precision, cluster, stage):
     whole_kv = 2 * micro_batch * shape.seq_length * shape.hidden_size / t * _act_bytes(precision)
     context = (layers * (3 if recompute else 2) * cluster.collective_time(
         whole_kv, layout.context, t, 1) if layout.context > 1 else 0.0)
-    traffic = ((5 if recompute else 4) * layer_activation_bytes(dense, layout, precision) * layers
+    # counted at float32 width in every precision: tfbig's softmax and LayerNorms run in
+    # float32 under mixed precision (tfbig.models), and each cast around them is a pass too
+    wide = layer_activation_bytes(dense, layout, ELEMENTWISE_PRECISION)
+    traffic = ((5 if recompute else 4) * wide * layers
                + (2 * logits_traffic(shape, layout, precision) if last else 0)) * tokens
     boundary = tokens * shape.hidden_size * _act_bytes(precision)
-    fraction = matmul_fraction(shape, layout, micro_batch, device)
+    fraction = matmul_fraction(shape, layout, micro_batch, device, precision)
     return {"compute": flops / (device.peak_flops * fraction),
             "elementwise": traffic / (device.memory_bandwidth * device.bandwidth_fraction),
             "tensor": layers * (6 if recompute else 4) * cluster.collective_time(boundary, t, 1,

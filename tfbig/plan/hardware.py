@@ -16,9 +16,10 @@ import math
 GB = 1e9
 GIB = 2 ** 30
 
-# Achieved / peak FLOP/s of the large matrix multiplies a transformer is made of. cuBLAS reaches
-# 75-85% of the tensor-core peak on the big GEMMs of a layer and less on the attention's
-# head-sized ones; 0.75 is that measured library figure, not a fit to any training run.
+# Achieved / peak FLOP/s of the large matrix multiplies a transformer is made of: cuBLAS reaches
+# 75-85% of the tensor-core peak on big GEMMs; 0.75 is that measured library figure, not a fit
+# to any training run. A spec-table GPU runs smaller products further from it: each product
+# also streams its operands through memory (tfbig.plan.estimate.matmul_fraction).
 # On a CPU the peak is itself a measured matmul rate (tfbig.perf), so the fraction is 1.
 MATMUL_FRACTION = 0.75
 # Achieved / nominal bandwidth of large streaming transfers: NCCL/Gloo ring collectives reach
@@ -62,6 +63,9 @@ class Device:
     # ((square matmul size, achieved / peak), ...) measured (tfbig.plan.calibration); empty:
     # every matmul at matmul_fraction
     matmul_efficiency: tuple = ()
+    # a spec-sheet device: each matmul at matmul_fraction of peak plus its operands' memory
+    # traffic (its size sets its efficiency); False: every matmul at matmul_fraction
+    roofline: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +143,8 @@ def gpu(name, precision="fp32"):
     if key not in peaks:
         raise ValueError(f"--precision={precision} has no hardware support on {name} (it has "
                          f"{sorted(peaks)}); choose another --precision or --gpu")
-    return Device(name, peaks[key] * 1e12, hbm * GB, hbm_bandwidth * GB, nvlink * GB)
+    return Device(name, peaks[key] * 1e12, hbm * GB, hbm_bandwidth * GB, nvlink * GB,
+                  roofline=True)
 
 
 def custom_device(peak_tflops, hbm_gb, memory_gbps=2000.0, link_gbps=300.0):
