@@ -6,6 +6,17 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
 import pytest  # noqa: E402
 
+from tfbig.pipeline.devices import configure_cpu_devices  # noqa: E402
+
+# In-process pipeline tests place stages on logical CPU devices, which must exist before
+# TensorFlow runs its first op: set here, before any test module is collected, so any subset
+# of the tests (tests/plan alone, say) sees the 4 devices the whole run does. If something
+# initialised TensorFlow earlier, the pipeline strategy's own error says so in those tests.
+try:
+    configure_cpu_devices(4)
+except RuntimeError:
+    pass
+
 
 @pytest.fixture(autouse=True)
 def _reset_process_state():
