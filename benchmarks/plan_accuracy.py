@@ -16,8 +16,9 @@ Rows (each a ratio measured / planned, 1.0 = exact):
               allocator's peak of the same steps per stage, which also counts the slack of the
               chunks it handed out (up to 2x a tensor's size)
     speed     tokens/s of two GPTs (h128 x 2 layers, seq 128; h256 x 4 layers, seq 256; batch 16,
-              fp32, XLA; tfbig.plan.measure's single-replica step) against the plan on this CPU
-              (its matmul peak and memory bandwidth probed first)
+              fp32, XLA) trained by benchmarks/train_throughput.py's run (the Trainer on the
+              prepared corpus, input included; the best of 2 runs of 8 timed steps) against
+              the plan on this CPU (its matmul peak and memory bandwidth probed first)
     horovod   step time of benchmarks/horovod_scaling.py's run (the tiny preset, seq 128, 16
               sequences per rank, one thread per rank) with 2 and 4 Gloo ranks against the plan
               of that layout (not in the default --parts: a few minutes)
@@ -137,10 +138,9 @@ def cross_rank_rows():
     return rows
 
 
-SPEED = {"h128": (dict(hidden_size=128, num_layers=2, num_heads=4, seq_length=128,
-                       vocab_size=8000), 16),
-         "h256": (dict(hidden_size=256, num_layers=4, num_heads=4, seq_length=256,
-                       vocab_size=8000), 16)}
+SPEED = {"h128": (dict(hidden_size=128, num_layers=2, num_heads=4, seq_length=128), 16),
+         "h256": (dict(hidden_size=256, num_layers=4, num_heads=4, seq_length=256), 16)}
+SPEED_STEPS, SPEED_REPEATS = 8, 2  # timed steps per run; runs per model (the best counts)
 HOROVOD_RUN = dict(preset="tiny", seq_length=128, per_process_batch=16, steps=10)
 DOCTOR = ["-m", "tfbig.doctor", "--precisions=fp32", f"--max_bytes={2 ** 24}"]
 
@@ -172,7 +172,12 @@ def ratios(measured, planned, calibrated, name):
 
 
 def speed_rows(calibration_dir=None):
-    """tokens/s measured / planned of the SPEED models, one process with all its threads."""
+    """tokens/s of the SPEED models trained by benchmarks/train_throughput.py's run (the
+    Trainer on the prepared corpus, one process with all its threads; the best of
+    SPEED_REPEATS runs) / planned for the model that run built (its vocabulary is the
+    corpus')."""
+    import train_throughput
+
     device = local_device("fp32")
     cluster = hardware.Cluster(device, 1, 1, device.local_bandwidth)
     measured_cluster = None
@@ -182,12 +187,21 @@ def speed_rows(calibration_dir=None):
     rows = {"peak_flops": round(device.peak_flops),
             "memory_bandwidth": round(device.memory_bandwidth)}
     for name, (fields, batch) in SPEED.items():
-        plans = [search.evaluate(shape(fields), estimate.Layout(), batch, "fp32", c, 1e9)
+        model = {k: fields[k] for k in ("hidden_size", "num_layers", "num_heads")}
+        with tempfile.TemporaryDirectory() as run_dir:
+            runs = [train_throughput.train_once(
+                "fp32", True, os.path.join(run_dir, str(k)), preset="tiny", batch_size=batch,
+                seq_length=fields["seq_length"], steps=SPEED_STEPS, data_dir="", **model)
+                for k in range(SPEED_REPEATS)]
+        config = runs[0]["model_config"]
+        built = models.shape_of(config, "gpt", fields["seq_length"])
+        plans = [search.evaluate(built, estimate.Layout(), batch, "fp32", c, 1e9)
                  for c in (cluster, measured_cluster) if c is not None]
-        measured = measure_step(fields, batch, xla=True, steps=6)["tokens_per_sec"]
+        measured = max(run["tokens_per_sec"] for run in runs)
         rows[name] = ratios(measured, plans[0].tokens_per_sec,
                             plans[1].tokens_per_sec if measured_cluster else None,
                             "tokens_per_sec")
+        rows[name]["vocab_size"] = config.vocab_size
     return rows
 
 

@@ -38,25 +38,31 @@ MODES = {"fp32": ("fp32", False), "fp32_xla": ("fp32", True),
          "bf16_xla": ("mixed_bfloat16", True)}
 
 
-def train_once(precision, xla, model_dir):
-    """Train one fresh model; tokens/s and tokens per CPU-second over the timed steps."""
+def train_once(precision, xla, model_dir, preset=None, batch_size=None, seq_length=None,
+               steps=None, data_dir=None, **model):
+    """Train one fresh model; tokens/s and tokens per CPU-second over the timed steps, and the
+    model's config. Arguments left None take this script's flags (--preset, ...); `model`
+    overrides the preset's fields (hidden_size, num_layers, num_heads: tfbig-train's flags)."""
     from tfbig.config import ExperimentConfig
     from tfbig.trainer import Trainer
 
+    settings = dict(preset=preset or FLAGS.preset, batch_size=batch_size or FLAGS.batch_size,
+                    seq_length=seq_length or FLAGS.seq_length,
+                    data_dir=FLAGS.data_dir if data_dir is None else data_dir)
     cfg = ExperimentConfig()
-    steps = 1 + FLAGS.steps  # the first one compiles and is left out
+    steps = 1 + (steps or FLAGS.steps)  # the first one compiles and is left out
     for key, value in dict(
-            preset=FLAGS.preset, batch_size=FLAGS.batch_size, seq_length=FLAGS.seq_length,
-            data_dir=FLAGS.data_dir, model_dir=model_dir, max_steps=steps, log_every=steps,
+            **settings, **model, model_dir=model_dir, max_steps=steps, log_every=steps,
             warmup_steps=1, eval_steps=1, checkpoint_every=10 ** 9, sample_tokens=0,
             precision=precision, xla=xla).items():
         setattr(cfg.train, key, value)
     trainer = Trainer(cfg)
     marks = _timing.clock_steps(trainer)
     summary = trainer.fit()["train"]
-    return {**_timing.rates(marks, FLAGS.batch_size * trainer.task.seq_length),
+    return {**_timing.rates(marks, settings["batch_size"] * trainer.task.seq_length),
             "input_wait": summary["time_fraction/input"],
-            "flops_per_token": trainer.task.flops_per_token()}
+            "flops_per_token": trainer.task.flops_per_token(),
+            "model_config": trainer.model.config}
 
 
 def main(argv):

@@ -169,3 +169,45 @@ def test_bad_flags_are_named_errors(argv, message, capsys):
         cli.parse(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_small_matmuls_are_batched_so_that_launching_a_call_is_not_timed(monkeypatch):
+    """One 32 x 32 pair per call is mostly the call's launch (it read 2% of the 1024 rate here
+    and stopped the probe before the large sizes); batched, each call lasts CALL_SECONDS."""
+    import time
+
+    import tensorflow as tf
+
+    from tfbig.doctor import probes
+
+    monkeypatch.setattr(probes, "CALL_SECONDS", 0.005)
+    batch = probes._matmul_batch("/CPU:0", 32, tf.float32)
+    assert batch > 1
+    pairs = tf.ones([batch, 32, 32])
+    multiply = tf.function(lambda x: tf.reduce_sum(tf.matmul(x, x)), jit_compile=True)
+    multiply(pairs).numpy()
+    start = time.perf_counter()
+    multiply(pairs).numpy()
+    assert time.perf_counter() - start >= 0.5 * probes.CALL_SECONDS
+    monkeypatch.setattr(probes, "BATCH_BYTES", 32 * 32 * 4 * 3)
+    assert probes._matmul_batch("/CPU:0", 32, tf.float32) <= 3
+
+
+def test_a_slow_small_size_does_not_stop_the_larger_ones(monkeypatch):
+    """The next size is skipped only when the size before it predicts a call over the limit:
+    the slowest rate seen (the smallest size's, mostly its launch) used to skip every large
+    size."""
+    from tfbig.doctor import probes
+
+    rates = {16: 1e7, 64: 5e10, 256: 5e10, 1024: 1e9, 4096: 1e9}  # FLOP/s of each size
+    timed = iter(rates)  # matmul_flops times the sizes in order
+
+    def seconds_of_next_size(run, seconds, delay):
+        size = next(timed)
+        return 2.0 * size ** 3 / rates[size]
+
+    monkeypatch.setattr(probes, "_matmul_batch", lambda device, size, dtype: 1)
+    monkeypatch.setattr(probes, "typical_seconds", seconds_of_next_size)
+    measured = probes.matmul_flops("/CPU:0", list(rates), ["fp32"], 0.0, longest_call=1.0)
+    # 1024 after 256's 5e10 FLOP/s: 0.04 s; 4096 after 1024's 1e9 FLOP/s: 137 s, left out
+    assert list(measured["fp32"]) == ["16", "64", "256", "1024"]

@@ -137,27 +137,59 @@ def precisions_run(device):
     return runs
 
 
+CALL_SECONDS = 0.01  # a timed matmul call lasts at least this long: dispatch then costs ~1%
+BATCH_BYTES = 2 ** 26  # ... unless its batch of operands would hold more than this
+
+
 def matmul_flops(device, sizes, precisions, seconds, delay=0.0, longest_call=1.0):
-    """{precision: {size: FLOP/s}} of square XLA-compiled matmuls on `device`. A size whose one
-    call would take over `longest_call` seconds at the rate of the size before is left out (a
-    precision the device only emulates: fp16 on most CPUs)."""
+    """{precision: {size: FLOP/s}} of square XLA-compiled matmuls on `device`, as a training
+    step runs them: a call multiplies a batch of independent size x size pairs (one pair once
+    a pair alone lasts CALL_SECONDS), so that the few hundred microseconds of launching a call
+    are not charged to a small product; inside a compiled step, attention's head-sized
+    products are one batched matmul too. A size whose call would take over `longest_call`
+    seconds at the rate of the size before is left out (a precision the device only
+    emulates: fp16 on most CPUs)."""
     import tensorflow as tf
 
     rates = {}
     for name in precisions:
         dtype = getattr(tf, PRECISIONS[name])
-        rates[name], slowest = {}, None  # slowest: FLOP/s of a call, the test delay left out
+        rates[name], previous = {}, None  # previous: FLOP/s of the size before, delay left out
         for size in sizes:
-            if slowest and 2.0 * size ** 3 / slowest > longest_call:
+            if previous and 2.0 * size ** 3 / previous > longest_call:
                 break
+            batch = _matmul_batch(device, size, dtype)
             with tf.device(device):
-                a = tf.cast(tf.random.normal([size, size], dtype=tf.float32, seed=1), dtype)
+                a = tf.cast(tf.random.normal([batch, size, size], dtype=tf.float32, seed=1),
+                            dtype)
                 multiply = tf.function(lambda x: tf.reduce_sum(tf.matmul(x, x)), jit_compile=True)
                 typical = typical_seconds(lambda: multiply(a).numpy(), seconds, delay)
-            rates[name][str(size)] = 2.0 * size ** 3 / typical
-            call = 2.0 * size ** 3 / max(typical - delay, 1e-9)
-            slowest = min(slowest or call, call)
+            work = 2.0 * batch * size ** 3
+            rates[name][str(size)] = work / typical
+            previous = work / max(typical - delay, 1e-9)
     return rates
+
+
+def _matmul_batch(device, size, dtype):
+    """Pairs per call so that a call lasts at least CALL_SECONDS, within BATCH_BYTES of
+    operands: grown from one pair by the ratio of the time left (a call of few pairs is mostly
+    its launch, so the first guesses fall short)."""
+    import tensorflow as tf
+
+    multiply = tf.function(lambda x: tf.reduce_sum(tf.matmul(x, x)), jit_compile=True)
+    largest = max(1, BATCH_BYTES // (size * size * dtype.size))
+    batch = 1
+    while True:
+        with tf.device(device):
+            pairs = tf.cast(tf.random.normal([batch, size, size], dtype=tf.float32, seed=1),
+                            dtype)
+            multiply(pairs).numpy()  # compile
+            start = time.perf_counter()
+            multiply(pairs).numpy()
+        took = time.perf_counter() - start
+        if took >= CALL_SECONDS or batch >= largest:
+            return batch
+        batch = min(largest, batch * max(2, round(CALL_SECONDS / max(took, 1e-6))))
 
 
 def memory_bandwidth(device, size_bytes, seconds, delay=0.0):
