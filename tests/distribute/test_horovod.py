@@ -150,8 +150,8 @@ def runs(gpt_data, tmp_path_factory):
 
 
 # A launch of their own (slow). Horovod averages whatever gradients the task and model give,
-# so the default run keeps ALBERT on Horovod ranks under ZeRO and tensor parallelism (test_zero's
-# z3_d2_albert_lamb, test_tensor_parallel's tp2_dp2_albert), BERT under pipeline stages on ranks
+# so the default run keeps ALBERT on Horovod ranks under ZeRO (test_zero's
+# z3_d2_albert_lamb), BERT under pipeline stages on ranks
 # (test_tensor_pipeline's bert_pp2_tp2),
 # and recompute's checkpointed blocks (base Strategy.build_model, as on one device:
 # test_recompute's GPT cases) feed the allreduce "accum" checks.

@@ -47,7 +47,6 @@ SCENARIOS = {  # name: (tensor_parallel, train options, worker options)
     # stopped after 2 steps and resumed from the per-rank checkpoints: the steps before and
     # after the restore are the same fit loop, so one run covers both
     "tp2_dp2": (2, {}, {"first_gradients": True, "norm_rows": True, "interrupt_at": 2}),
-    "tp2_dp2_albert": (2, ALBERT, {"first_gradients": True, "mlm_argmax": True}),
     "tp4_lamb": (4, {**LAMB, "grad_accum_steps": 1},
                  {"first_gradients": True, "widest_activation": True}),
     # fp16: rank 3's gradient slice of one split kernel is inf in the first step, its tensor
@@ -61,13 +60,17 @@ SCENARIOS = {  # name: (tensor_parallel, train options, worker options)
 # Final weights after 4 steps: a split matmul sums in another order, and Adam turns a float32
 # difference in a near-zero gradient into a step of up to the learning rate (BERT had entries
 # 1.5e-6 and 2.1e-6 apart): tests/equality.py bounds each entry through the gradients.
-# The slow launch: BERT's plan (ALBERT's over a block per layer) and fp16 training; the default
-# run keeps TP on GPT and ALBERT, BERT's split layers through test_tensor_pipeline's
+# The slow launch: ALBERT, BERT's plan (ALBERT's over a block per layer) and fp16 training; the
+# default run keeps TP on GPT, BERT's split layers through test_tensor_pipeline's
 # bert_pp2_tp2, and fp16 TP through tp2_dp2_fp16_skip. Also slow: sequence parallelism (the
 # default run has it under TP x PP, test_tensor_pipeline's pp2_tp2_sequence), the start from a
 # single-device checkpoint (test_a_single_device_checkpoint_restores_into_each_ranks_slices
 # checks the slicing in-process) and the dropout masks of tensor peers.
 SLOW_SCENARIOS = {  # a launch of its own (slow), as SCENARIOS
+    # ALBERT's shared blocks split over the tensor ranks with its vocabulary-parallel MLM
+    # argmax (the default run splits ALBERT under TP x PP: test_tensor_pipeline's
+    # albert_pp2_tp2_sequence)
+    "tp2_dp2_albert": (2, ALBERT, {"first_gradients": True, "mlm_argmax": True}),
     "tp2_dp2_sequence": (2, {"sequence_parallel": True},
                          {"first_gradients": True, "norm_rows": True}),
     # starts on the single-device run's checkpoint after 2 steps (made by the fixture)
