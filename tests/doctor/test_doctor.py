@@ -172,25 +172,22 @@ def test_bad_flags_are_named_errors(argv, message, capsys):
 
 
 def test_small_matmuls_are_batched_so_that_launching_a_call_is_not_timed(monkeypatch):
-    """One 32 x 32 pair per call is mostly the call's launch (it read 2% of the 1024 rate here
-    and stopped the probe before the large sizes); batched, each call lasts CALL_SECONDS."""
-    import time
-
+    """One 64 x 64 pair per call is mostly the call's launch (it read 2% of the 1024 rate here
+    and stopped the probe before the large sizes); a call multiplies as many pairs as last
+    CALL_SECONDS, within BATCH_BYTES."""
     import tensorflow as tf
 
     from tfbig.doctor import probes
 
-    monkeypatch.setattr(probes, "CALL_SECONDS", 0.005)
-    batch = probes._matmul_batch("/CPU:0", 32, tf.float32)
-    assert batch > 1
-    pairs = tf.ones([batch, 32, 32])
-    multiply = tf.function(lambda x: tf.reduce_sum(tf.matmul(x, x)), jit_compile=True)
-    multiply(pairs).numpy()
-    start = time.perf_counter()
-    multiply(pairs).numpy()
-    assert time.perf_counter() - start >= 0.5 * probes.CALL_SECONDS
-    monkeypatch.setattr(probes, "BATCH_BYTES", 32 * 32 * 4 * 3)
-    assert probes._matmul_batch("/CPU:0", 32, tf.float32) <= 3
+    def modelled(batch):  # a 1 ms launch, then 10 us a pair
+        return 1e-3 + 1e-5 * batch
+
+    batch = probes._matmul_batch("/CPU:0", 64, tf.float32, modelled)
+    assert modelled(batch) >= probes.CALL_SECONDS > modelled(batch // 2)
+    monkeypatch.setattr(probes, "BATCH_BYTES", 64 * 64 * 4 * 3)
+    assert probes._matmul_batch("/CPU:0", 64, tf.float32, modelled) == 3
+    monkeypatch.undo()
+    assert probes._matmul_batch("/CPU:0", 32, tf.float32) > 1  # a real 32 x 32 pair: < 10 ms
 
 
 def test_a_slow_small_size_does_not_stop_the_larger_ones(monkeypatch):

@@ -170,26 +170,37 @@ def matmul_flops(device, sizes, precisions, seconds, delay=0.0, longest_call=1.0
     return rates
 
 
-def _matmul_batch(device, size, dtype):
+def _matmul_batch(device, size, dtype, call_seconds=None):
     """Pairs per call so that a call lasts at least CALL_SECONDS, within BATCH_BYTES of
     operands: grown from one pair by the ratio of the time left (a call of few pairs is mostly
-    its launch, so the first guesses fall short)."""
+    its launch, so the first guesses fall short). `call_seconds(batch)`: how long a call of
+    `batch` pairs takes (default: one timed call, after compiling it)."""
+    largest = max(1, BATCH_BYTES // (size * size * dtype.size))
+    call_seconds = call_seconds or _matmul_call_timer(device, size, dtype)
+    batch = 1
+    while True:
+        took = call_seconds(batch)
+        if took >= CALL_SECONDS or batch >= largest:
+            return batch
+        batch = min(largest, batch * max(2, round(CALL_SECONDS / max(took, 1e-6))))
+
+
+def _matmul_call_timer(device, size, dtype):
+    """batch -> seconds of one XLA-compiled call multiplying `batch` size x size pairs."""
     import tensorflow as tf
 
     multiply = tf.function(lambda x: tf.reduce_sum(tf.matmul(x, x)), jit_compile=True)
-    largest = max(1, BATCH_BYTES // (size * size * dtype.size))
-    batch = 1
-    while True:
+
+    def call_seconds(batch):
         with tf.device(device):
             pairs = tf.cast(tf.random.normal([batch, size, size], dtype=tf.float32, seed=1),
                             dtype)
             multiply(pairs).numpy()  # compile
             start = time.perf_counter()
             multiply(pairs).numpy()
-        took = time.perf_counter() - start
-        if took >= CALL_SECONDS or batch >= largest:
-            return batch
-        batch = min(largest, batch * max(2, round(CALL_SECONDS / max(took, 1e-6))))
+        return time.perf_counter() - start
+
+    return call_seconds
 
 
 def memory_bandwidth(device, size_bytes, seconds, delay=0.0):
