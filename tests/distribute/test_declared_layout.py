@@ -76,19 +76,18 @@ def forward_backward(model, inputs, targets):
                             for v, g in zip(model.trainable_variables, grads)}
 
 
-def run_ranks(ranks, inputs, targets):
-    """forward_backward of each rank's model, each in its own thread, collectives between."""
-    results, errors = [None] * len(ranks), []
+def in_threads(work, size):
+    """[work(rank) for each rank], each in its own thread (their collectives meet)."""
+    results, errors = [None] * size, []
 
     def one(rank):
         try:
-            results[rank] = forward_backward(ranks[rank][0], inputs, targets)
+            results[rank] = work(rank)
         except Exception as error:  # noqa: BLE001 - re-raised below, the others released
             errors.append(error)
-            collectives.barrier.abort()
+            tensor_parallel.hvd.barrier.abort()
 
-    collectives = tensor_parallel.hvd
-    threads = [threading.Thread(target=one, args=(rank,)) for rank in range(len(ranks))]
+    threads = [threading.Thread(target=one, args=(rank,)) for rank in range(size)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -142,7 +141,7 @@ def test_my_model_with_heads_vocab_and_ffn_split_equals_the_unsplit_model(monkey
     examples = own_model.sequences(4, seed=3)
     inputs, targets = examples[:, :-1], examples[:, 1:]
     logits, grads = forward_backward(full, inputs, targets)
-    results = run_ranks(ranks, inputs, targets)
+    results = in_threads(lambda rank: forward_backward(ranks[rank][0], inputs, targets), size)
     for rank_logits, _ in results:
         np.testing.assert_allclose(rank_logits, logits, rtol=1e-5, atol=1e-6)
     for v in full.trainable_variables:
@@ -176,3 +175,42 @@ def test_a_degree_that_does_not_divide_the_heads_or_the_vocabulary_is_refused(la
     with pytest.raises(ValueError) as error:
         split_declared_model(task, TensorGroup(None, 0, 3))
     assert message in str(error.value)
+
+
+def functional_model():
+    """A functional Keras model with an attention whose probabilities drop out."""
+    inputs = keras.Input((8,), dtype="int32")
+    x = keras.layers.Embedding(16, 8)(inputs)
+    x = keras.layers.MultiHeadAttention(2, 4, dropout=0.5)(x, x)
+    x = keras.layers.Dropout(0.5)(x)
+    return keras.Model(inputs, keras.layers.Dense(16)(x))
+
+
+def test_a_functional_model_splits_by_layer_path_and_its_attention_drops_its_own_heads(
+        monkeypatch):
+    """Layers named by their paths (a functional model has no attributes to name them by):
+    the split model gives the unsplit one's logits (inference, T = 2 threads); the dropout of
+    a split attention's probabilities draws each rank's own mask (its seed state offset by
+    the rank), the dropout of the replicated activations the same mask on every rank."""
+    monkeypatch.setattr(tensor_parallel, "hvd", ThreadCollectives(2))
+    layout = {"embedding": "vocab", "multi_head_attention": "heads", "dense": "vocab"}
+    task = UserTask(FunctionTask(functional_model, tensor_layout=layout))
+    with fresh_layer_names():
+        full = seeded(functional_model)
+    ranks = [seeded(lambda: split_declared_model(
+        task, TensorGroup(Rank(rank), rank, 2), wrap=tensor_parallel._wrap))
+        for rank in range(2)]
+    assert len(ranks[0][1]) == 1 + 7 + 2
+    states = [{v.path: v.numpy() for v in model.variables if "seed_generator" in v.path}
+              for model in [full] + [model for model, _ in ranks]]
+    attention = "multi_head_attention/seed_generator/seed_generator_state"
+    assert len(states[0]) == 2 and attention in states[0]
+    for path, value in states[0].items():
+        offsets = (0, 1) if path == attention else (0, 0)
+        for rank, offset in enumerate(offsets):
+            np.testing.assert_array_equal(states[1 + rank][path], value + offset, err_msg=path)
+    inputs = np.random.default_rng(0).integers(0, 16, (2, 8))
+    expected = full(inputs).numpy()
+    results = in_threads(lambda rank: ranks[rank][0](inputs).numpy(), 2)
+    for logits in results:
+        np.testing.assert_allclose(logits, expected, rtol=1e-5, atol=1e-6)

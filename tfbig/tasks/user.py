@@ -267,7 +267,8 @@ def declared_layout(model, layout, owner):
             raise UsageError(f"{where} = {kind!r}: the kinds are 'column' and 'row' (a Dense), "
                              "'heads' (a MultiHeadAttention) and 'vocab' (an Embedding or the "
                              "output Dense)")
-        if "/" in pattern:  # a weight path
+        if "/" in pattern or any(fnmatch.fnmatchcase(path, pattern) for path in layers):
+            # a layer's or weight's path (a functional model's layers: "dense_1")
             matched = [path for path, (name, _) in layers.items()
                        if fnmatch.fnmatchcase(path, pattern) or
                        fnmatch.fnmatchcase(f"{path}/{_WEIGHTS.get(name)}", pattern)]
