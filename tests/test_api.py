@@ -117,23 +117,13 @@ def _flat(shard):
      "embedding"),
     (_bad(), {"tensor_layout": {"transformer_blocks.*.fnn.layers.0": "column"}},
      "'transformer_blocks.*.fnn.layers.0' names no layer of MyModel (no attribute 'fnn')"),
-    # a kind on a layer it does not split
+    # a kind on a layer it does not split (more: tests/distribute/test_declared_layout.py)
     (_bad(), {"tensor_layout": {"transformer_blocks.0.att": "column"}},
      "= 'column': 'my_model/transformer_block/multi_head_attention' (MultiHeadAttention) is "
      "split by 'heads'; 'column' splits Dense layers"),
-    (_bad(), {"tensor_layout": {"output_layer": "heads"}}, "'my_model/dense_4' (Dense) is split "
-     "by 'column', 'row' or 'vocab'; 'heads' splits MultiHeadAttention layers"),
-    (_bad(), {"tensor_layout": {"embedding_layer.token_emb": "row"}}, "(Embedding) is split by "
-     "'vocab'; 'row' splits Dense layers"),
-    (_bad(), {"tensor_layout": {"transformer_blocks.0.layernorm1": "column"}},
-     "names LayerNormalization 'layer_normalization', not a built keras.layers.Dense, "
-     "MultiHeadAttention or Embedding"),
     (_bad(), {"tensor_layout": {"*/query": "heads"}}, "names 'my_model/transformer_block/"
      "multi_head_attention/query/kernel', not the weights of a keras.layers.Dense, "
      "MultiHeadAttention or Embedding"),
-    (_bad(), {"tensor_layout": {"transformer_blocks.0.ffn.layers.0": "vocab"}},
-     "the vocab-split Dense 'my_model/transformer_block/sequential/dense' has activation "
-     "'relu'"),
     (_bad(), {"tensor_layout": {**own_model.LAYOUT, "transformer_blocks.0.ffn.layers.0": "row"}},
      "'my_model/transformer_block/sequential/dense' is declared both 'column' and 'row'"),
     (_bad(), {"tensor_layout": {"output_layer": "rows"}},

@@ -25,7 +25,8 @@ import own_model  # noqa: E402
 
 from tfbig.distribute import tensor_parallel  # noqa: E402
 from tfbig.distribute.tensor_layout import TensorGroup, join_slices, split_declared_model  # noqa: E402,E501
-from tfbig.tasks.user import FunctionTask, UserTask, fresh_layer_names  # noqa: E402
+from tfbig.errors import UsageError  # noqa: E402
+from tfbig.tasks.user import FunctionTask, UserTask, declared_layout, fresh_layer_names  # noqa: E402,E501
 
 
 class ThreadCollectives:
@@ -177,6 +178,37 @@ def test_a_degree_that_does_not_divide_the_heads_or_the_vocabulary_is_refused(la
     assert message in str(error.value)
 
 
+@pytest.mark.parametrize("layout, message", [
+    pytest.param({"output_layer": "heads"}, "'my_model/dense_4' (Dense) is split by 'column', "
+                 "'row' or 'vocab'; 'heads' splits MultiHeadAttention layers", id="heads_dense"),
+    pytest.param({"embedding_layer.token_emb": "row"}, "(Embedding) is split by 'vocab'; 'row' "
+                 "splits Dense layers", id="row_embedding"),
+    pytest.param({"embedding_layer.pos_emb": "heads"}, "(Embedding) is split by 'vocab'; "
+                 "'heads' splits MultiHeadAttention layers", id="heads_embedding"),
+    pytest.param({"transformer_blocks.0.layernorm1": "column"}, "names LayerNormalization "
+                 "'layer_normalization', not a built keras.layers.Dense, MultiHeadAttention or "
+                 "Embedding", id="layer_norm"),
+    pytest.param({"transformer_blocks.0.ffn.layers.0": "vocab"}, "the vocab-split Dense "
+                 "'my_model/transformer_block/sequential/dense' has activation 'relu', which "
+                 "would act on each rank's slice of the logits", id="vocab_activation"),
+    pytest.param({"*/multi_head_attention/key": "heads"}, "names 'my_model/transformer_block/"
+                 "multi_head_attention/key/kernel', not the weights of a keras.layers.Dense, "
+                 "MultiHeadAttention or Embedding; only those are split (a MultiHeadAttention "
+                 "as a whole, by 'heads')", id="attention_projection"),
+])
+def test_a_kind_on_a_layer_it_does_not_split_is_refused_by_name(my_model, layout, message):
+    with pytest.raises(UsageError) as error:
+        declared_layout(my_model, layout, "MyTask")
+    assert message in str(error.value)
+    assert str(error.value).startswith(f"MyTask.tensor_layout[{next(iter(layout))!r}]")
+
+
+@pytest.fixture(scope="module")
+def my_model():
+    with fresh_layer_names():
+        return own_model.model_fn()
+
+
 def functional_model():
     """A functional Keras model with an attention whose probabilities drop out."""
     inputs = keras.Input((8,), dtype="int32")
@@ -214,3 +246,48 @@ def test_a_functional_model_splits_by_layer_path_and_its_attention_drops_its_own
     results = in_threads(lambda rank: ranks[rank][0](inputs).numpy(), 2)
     for logits in results:
         np.testing.assert_allclose(logits, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_single_device_checkpoint_restores_into_each_ranks_declared_slices(tmp_path):
+    """A tensor-parallel run of a user task started on a single-device checkpoint (tfbig's
+    restore_from_single_device, here for each rank in one process): every weight and optimizer
+    slot is its slice of the single-device state, the replicated ones whole."""
+    from tfbig.api import configure
+    from tfbig.consolidate import OfflineSlice
+    from tfbig.distribute.tensor_layout import state_arrays
+    from tfbig.trainer import Trainer
+
+    class SliceOnLoad(OfflineSlice):
+        def restore(self, trainer, path):
+            tensor_parallel.restore_from_single_device(trainer, path, self.group, self.splits)
+
+    def task(layout=None):
+        return UserTask(FunctionTask(own_model.model_fn, own_model.loss_fn,
+                                     own_model.dataset_fn, tensor_layout=layout))
+
+    config = configure(max_steps=2, batch_size=8, xla=False, peak_tflops=1.0,
+                       model_dir=str(tmp_path))
+    single = Trainer(config, task=task())
+    rng = np.random.default_rng(0)  # a trained state: every weight and slot its own values
+    for v in single.model.variables + single.optimizer.variables:
+        if v.dtype.startswith("float") and len(v.shape):
+            v.assign(rng.normal(size=v.shape).astype(v.dtype))
+    single.step.assign(2)
+    path = single.save()
+    full = state_arrays(single, {})
+    pieces = []
+    for rank in range(2):
+        trainer = Trainer(config, strategy=SliceOnLoad(config, rank, 2, path),
+                          task=task(own_model.LAYOUT))
+        assert trainer.restored_from == path and int(trainer.step.numpy()) == 2
+        pieces.append(state_arrays(trainer, trainer.strategy.splits))
+    assert set(pieces[0]) == set(full)
+    assert sum(piece is not None for _, piece in pieces[0].values()) == 3 * 23  # W, m, v
+    for name, (value, _) in full.items():
+        piece = pieces[0][name][1]
+        values = [p[name][0] for p in pieces]
+        if piece is not None:
+            np.testing.assert_array_equal(join_slices(values, *piece), value, err_msg=name)
+        else:
+            for held in values:
+                np.testing.assert_array_equal(held, value, err_msg=name)
