@@ -10,7 +10,7 @@ writes, and every tfbig-train flag applies (--strategy, --zero_stage, --precisio
     horovodrun -np 2 -H localhost:2 --gloo python examples/own_model.py --strategy=horovod \\
         --model_dir=/tmp/own2 --max_steps=50
     ... --strategy=horovod --zero_stage=3 --shard_degree=2   # ZeRO-3 over MiCS groups of 2
-    ... --strategy=horovod --tensor_parallel=2   # the feed-forward Dense pairs of LAYOUT split
+    ... --strategy=horovod --tensor_parallel=2   # heads, vocabulary and FFNs split (LAYOUT)
     python examples/own_model.py --plan_only     # memory per rank and step time, no training
 """
 import json
@@ -104,11 +104,17 @@ SIZE = dict(maxlen=16, vocab_size=32, embed_dim=32, num_heads=2, feed_forward_di
             num_layers=2)
 
 
-# How --tensor_parallel=T splits MyModel, as data (the model knows nothing of it): in each
-# block's feed-forward network the first Dense keeps 1/T of its units on each rank (column),
-# the second 1/T of its input rows (row), and the ranks' outputs are summed after it.
-LAYOUT = {"transformer_blocks.*.ffn.layers.0": "column",
-          "transformer_blocks.*.ffn.layers.1": "row"}
+# How --tensor_parallel=T splits MyModel, as data (the model knows nothing of it): each
+# rank keeps 1/T of the token table's rows (vocab: it looks up its own ids, the ranks' rows
+# summed), of every attention's heads (heads: the ranks' outputs summed), of each feed-forward
+# network's first Dense's units (column) and its second Dense's input rows (row: the ranks'
+# outputs summed), and of the output projection's vocabulary columns (vocab: the logits
+# gathered whole for loss_fn). LayerNorms and the position table stay replicated.
+LAYOUT = {"embedding_layer.token_emb": "vocab",
+          "transformer_blocks.*.att": "heads",
+          "transformer_blocks.*.ffn.layers.0": "column",
+          "transformer_blocks.*.ffn.layers.1": "row",
+          "output_layer": "vocab"}
 
 
 # What --plan_only reads of MyModel: the sizes of the transformer it is (tfbig's planner then

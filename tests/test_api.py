@@ -113,17 +113,22 @@ def _flat(shard):
     # a tensor_layout is checked against the built model under every backend
     (_bad(), {"tensor_layout": {"my_model/transformer_block/no_such_dense": "column"}},
      "tensor_layout['my_model/transformer_block/no_such_dense']: names no weight of MyModel; "
-     "its Dense layers are my_model/dense_4, my_model/transformer_block/sequential/dense"),
+     "the layers it could split are my_model/dense_4, my_model/token_and_position_embedding/"
+     "embedding"),
     (_bad(), {"tensor_layout": {"transformer_blocks.*.fnn.layers.0": "column"}},
      "'transformer_blocks.*.fnn.layers.0' names no layer of MyModel (no attribute 'fnn')"),
+    # a kind on a layer it does not split (more: tests/distribute/test_declared_layout.py)
     (_bad(), {"tensor_layout": {"transformer_blocks.0.att": "column"}},
-     "names MultiHeadAttention 'multi_head_attention', not a built keras.layers.Dense"),
-    (_bad(), {"tensor_layout": {"*/query": "column"}}, "names 'my_model/transformer_block/"
-     "multi_head_attention/query/kernel', not the weights of a keras.layers.Dense"),
+     "= 'column': 'my_model/transformer_block/multi_head_attention' (MultiHeadAttention) is "
+     "split by 'heads'; 'column' splits Dense layers"),
+    (_bad(), {"tensor_layout": {"*/query": "heads"}}, "names 'my_model/transformer_block/"
+     "multi_head_attention/query/kernel', not the weights of a keras.layers.Dense, "
+     "MultiHeadAttention or Embedding"),
     (_bad(), {"tensor_layout": {**own_model.LAYOUT, "transformer_blocks.0.ffn.layers.0": "row"}},
      "'my_model/transformer_block/sequential/dense' is declared both 'column' and 'row'"),
     (_bad(), {"tensor_layout": {"output_layer": "rows"}},
-     "tensor_layout['output_layer'] = 'rows': a Dense layer is split by 'column' or 'row'"),
+     "tensor_layout['output_layer'] = 'rows': the kinds are 'column' and 'row' (a Dense), "
+     "'heads' (a MultiHeadAttention) and 'vocab'"),
 ])
 def test_bad_input_is_refused_by_name_before_the_run_directory_is_written(
         tmp_path, functions, flags, message):
@@ -177,48 +182,6 @@ def test_kill_9_and_resume_of_an_api_run_gives_bit_identical_weights(tmp_path):
                 "--noxla", "--peak_tflops=1", "--batch_size=8"]
 
     assert_killed_and_rerun_equals_uninterrupted(command, tmp_path, 8, ["eval_results.json"])
-
-
-def test_a_declared_layout_slices_the_dense_pairs_in_place_and_their_sum_is_the_full_block():
-    """tensor_layout.split_declared_model on both ranks of a group of 2 (in one process, no
-    collectives): the declared Dense layers hold their slices under the same paths and in the
-    same order, and each block's feed-forward outputs of the two ranks (the row layer's bias
-    counted once) sum to the single-device block's (the all-reduce after the row split)."""
-    from tfbig.distribute.tensor_layout import TensorGroup, join_slices, split_declared_model
-    from tfbig.tasks.user import FunctionTask, UserTask, fresh_layer_names
-
-    def seeded(build):  # every process of a run initialises from --seed (tfbig.trainer)
-        keras.utils.set_random_seed(0)
-        return build()
-
-    task = UserTask(FunctionTask(own_model.model_fn, tensor_layout=own_model.LAYOUT))
-    with fresh_layer_names():
-        full = seeded(own_model.model_fn)
-    ranks = [seeded(lambda: split_declared_model(task, TensorGroup(None, rank, 2)))
-             for rank in (0, 1)]
-    splits = ranks[0][1]
-    first, second = "my_model/transformer_block/sequential", \
-        "my_model/transformer_block_1/sequential_1"
-    assert splits == {  # columns: kernel and bias along the last axis; rows: the kernel's rows
-        f"{first}/dense/kernel": (-1, 1), f"{first}/dense/bias": (-1, 1),
-        f"{first}/dense_1/kernel": (0, 1), f"{second}/dense_2/kernel": (-1, 1),
-        f"{second}/dense_2/bias": (-1, 1), f"{second}/dense_3/kernel": (0, 1)}
-    for model, _ in ranks:
-        assert [v.path for v in model.trainable_variables] == \
-            [v.path for v in full.trainable_variables]
-    pieces = [{v.path: v.numpy() for v in model.trainable_variables} for model, _ in ranks]
-    for v in full.trainable_variables:
-        if v.path in splits:
-            assert pieces[0][v.path].size == v.numpy().size // 2, v.path
-            joined = join_slices([p[v.path] for p in pieces], *splits[v.path])
-        else:
-            joined = pieces[1][v.path]
-        np.testing.assert_array_equal(joined, v.numpy(), err_msg=v.path)
-    x = np.random.default_rng(0).normal(size=(2, 16, 32)).astype(np.float32)
-    for b, block in enumerate(full.transformer_blocks):
-        parts = [model.transformer_blocks[b].ffn(x).numpy() for model, _ in ranks]
-        np.testing.assert_allclose(parts[0] + parts[1] - block.ffn.layers[1].bias.numpy(),
-                                   block.ffn(x).numpy(), rtol=1e-5, atol=1e-6)
 
 
 # ---- --plan_only -----------------------------------------------------------------------------

@@ -20,8 +20,9 @@ Everything tfbig-train's Trainer does applies: --strategy single | horovod (ZeRO
 MiCS groups; or --elastic: ranks may die and join) | multiworker | mirrored, checkpoints and
 exact resume (run it again), SIGTERM preemption, --precision and loss scaling,
 --grad_accum_steps, --grad_clip_norm, profiling, TensorBoard and the time budget, and
---tensor_parallel for a task that declares its `tensor_layout` (which Dense layers are column-
-or row-split). --plan_only builds the model,
+--tensor_parallel for a task that declares its `tensor_layout` (which Dense layers are
+column- or row-split, which attention layers split their heads, which embedding and output
+layer their vocabulary). --plan_only builds the model,
 counts its variables and returns the plan (tfbig.plan.user: the state per rank; activations
 and step time when the task declares its `transformer_shape`) instead of training. Refused by
 name for a user task (USER_TASK_REFUSED): tensor parallelism without a declared layout,
@@ -43,9 +44,9 @@ __all__ = ["DataShard", "Run", "Task", "config_from_flags", "configure", "define
 
 # flag -> (its value when unused, why a user task refuses it)
 USER_TASK_REFUSED = {
-    "tensor_parallel": (1, "tensor parallelism splits the Dense layers a task declares in "
-                           "its tensor_layout ({layer path: 'column' | 'row'}, Task docs); "
-                           "this task declares none"),
+    "tensor_parallel": (1, "tensor parallelism splits the layers a task declares in its "
+                           "tensor_layout ({layer path: 'column' | 'row' | 'heads' | "
+                           "'vocab'}, Task docs); this task declares none"),
     "pipeline_stages": (0, "pipeline stages are cut at tfbig's own families' layer boundaries"),
     "init_checkpoint": ("", "it loads tfbig-convert / tfbig-train runs of tfbig's own models; "
                             "load your weights in build_model"),
@@ -98,8 +99,8 @@ def config_from_flags(flag_values=None):
 
 # flag -> (its value when unused, why --tensor_parallel with a declared layout refuses it)
 TENSOR_LAYOUT_REFUSED = {
-    "sequence_parallel": (False, "a declared tensor_layout splits Dense layers, not the "
-                                 "sequence"),
+    "sequence_parallel": (False, "a declared tensor_layout splits layers along their width, "
+                                 "not the sequence"),
     "zero_stage": (0, "ZeRO over a declared tensor layout is untested"),
     "activation_checkpointing": (False, "recomputing a user task's layers under tensor "
                                         "parallelism is untested"),

@@ -4,7 +4,8 @@ trained weight (tests/equality.py's rule, fp32), the sharded runs' pieces joined
 
 Default run: one `horovodrun -np 2 --gloo` launch (data parallel with activation checkpointing
 of the layers the task names and 2 accumulation steps). Slow: tensor parallelism over 2 ranks
-with the layout the task declares (own_model.LAYOUT; first-step gradients compared too), ZeRO-3
+with the layout the task declares (own_model.LAYOUT: vocabulary, attention heads and
+feed-forward pairs; first-step gradients compared too), ZeRO-3
 on 4 ranks over MiCS partition groups of 2 (the task's named layers gathered one at a time),
 2 MultiWorkerMirrored workers under tfbig-launch, and MirroredStrategy over 2 logical CPU
 devices in one process (one input pipeline whose consecutive batches go to the replicas).
@@ -138,7 +139,8 @@ def test_my_model_mirrored_over_two_cpu_devices_equals_one_process(tmp_path):
 @pytest.mark.parametrize("name", sorted(TENSOR))
 def test_my_model_with_a_declared_layout_under_tensor_parallelism_equals_one_process(
         tmp_path, name):
-    """MyModel's feed-forward Dense pairs split column/row (own_model.LAYOUT) over 2 Horovod
+    """MyModel with its token table and output Dense split over the vocabulary, its attention
+    over the heads and its feed-forward Dense pairs column/row (own_model.LAYOUT) over 2 Horovod
     ranks of a tensor group (tp2: one group; tp2_dp2: 2 data-parallel replicas of one on 4
     ranks): each step's loss, each weight's first-step gradient (the ranks' slices joined)
     and the trained weights (joined from the ranks' checkpoints) equal one process."""
@@ -148,7 +150,9 @@ def test_my_model_with_a_declared_layout_under_tensor_parallelism_equals_one_pro
                       ranks=("-np", str(ranks), "-H", f"localhost:{ranks}"))
     assert code == 0, read(tmp_path / "log.txt")[-6000:]
     layout = json.loads((tmp_path / name / "tensor.json").read_text())
-    assert layout["tensor_parallel"] == 2 and len(layout["splits"]) == 6  # 2 x (W, b; W)
+    # per block: q, k, v (W, b) and the output W of the heads, the FFN's (W, b; W); the token
+    # table; the output Dense (W, b)
+    assert layout["tensor_parallel"] == 2 and len(layout["splits"]) == 2 * (7 + 3) + 1 + 2
     recorded = assert_equals_one_process(tmp_path, name, flags, replicas=replicas)
     paths = json.loads((tmp_path / name / "gradients.json").read_text())
     with np.load(tmp_path / name / "gradients.npz") as saved:

@@ -43,7 +43,11 @@ class Split:
     which holds the [CLS] token, goes to every rank). `sequence=False` marks a layer of the
     replicated region after the backbone (ALBERT's heads read the [CLS] token and masked
     positions anywhere in the sequence): it sees the whole sequence on every rank, so its
-    replicated weights' gradients are complete there, not summed over the group."""
+    replicated weights' gradients are complete there, not summed over the group.
+    A user task's declared layout (split_declared_model) adds two: keras_heads (a Keras
+    MultiHeadAttention keeping 1/T of its heads: its input copied into the region, its output
+    projection's partial sums reduced before the bias) and vocab_logits (a column-split output
+    Dense whose logits are gathered whole for the task's own loss)."""
 
     kind: str
     sections: int = 1
@@ -262,30 +266,75 @@ def split_model(task, group, wrap=None):
 
 
 def split_declared_model(task, group, wrap=None):
-    """split_model for a task that declares its layout as data (tfbig.tasks.user: Dense layers
-    by path, "column" or "row"): its model is built at full size, then each declared Dense
-    layer's variables are replaced, in place and under the same paths, by rank
-    `group.rank`'s slices (the twin of split_model would need the model's config)."""
+    """split_model for a task that declares its layout as data (tfbig.tasks.user: Keras
+    layers by path and kind): its model is built at full size, then each declared layer's
+    variables are replaced, in place and under the same paths, by rank `group.rank`'s slices
+    (the twin of split_model would need the model's config). Kinds: "column" / "row" (a
+    Dense's units / input rows), "heads" (a MultiHeadAttention's heads: its query, key, value
+    and output projections sliced on the heads axis), "vocab" (an Embedding's rows, or the
+    output Dense's columns, its logits gathered whole for the task's loss)."""
     if group.sequence_parallel:
-        raise ValueError("--sequence_parallel: a declared tensor_layout splits Dense layers "
-                         "only; run it without --sequence_parallel")
+        raise ValueError("--sequence_parallel: a declared tensor_layout splits layers along "
+                         "their width, not the sequence; run it without --sequence_parallel")
     model = task.build_model()
     splits = {}
     for layer, kind in task.declared_layout(model):
-        split = Split(kind)
-        if kind == "column":
-            _divide(layer.units, group.size, f"the units of {layer.name}")
-            layer.units //= group.size
-        else:
-            rows = _divide(layer.kernel.shape[0], group.size, f"the input width of {layer.name}")
-            layer.input_spec = keras.InputSpec(min_ndim=2, axes={-1: rows})
-        for variable, piece in _variable_splits(layer, split):
-            _replace_variable(layer, variable, take_slice(
+        split, pieces = _shrink_declared(layer, kind, group)
+        for owner, variable, piece in pieces:
+            _replace_variable(owner, variable, take_slice(
                 variable.numpy(), *piece, group.rank, group.size))
             splits[variable.path] = piece
         if wrap is not None:
             wrap(layer, split, group)
     return model, splits
+
+
+def _shrink_declared(layer, kind, group):
+    """(Split, [(owning layer, variable, (axis, sections))]) of a declared layer, its sizes
+    shrunk to rank `group.rank`'s 1/T."""
+    size, path = group.size, layer.path
+    if kind == "heads":
+        return Split("keras_heads"), _shrink_attention(layer, group)
+    if kind == "vocab" and isinstance(layer, keras.layers.Embedding):
+        layer.input_dim = _divide(layer.input_dim, size, f"{path}'s vocabulary (input_dim)")
+        return Split("vocab"), [(layer, layer.embeddings, (0, 1))]
+    if kind == "row":
+        rows = _divide(layer.kernel.shape[0], size, f"{path}'s input width")
+        layer.input_spec = keras.InputSpec(min_ndim=2, axes={-1: rows})
+        return Split("row"), [(layer, layer.kernel, (0, 1))]  # the bias is replicated
+    split = Split("column" if kind == "column" else "vocab_logits")
+    what = f"{path}'s units" if kind == "column" else f"{path}'s vocabulary (units)"
+    layer.units = _divide(layer.units, size, what)
+    return split, [(layer, v, (-1, 1)) for v in (layer.kernel, layer.bias) if v is not None]
+
+
+def _shrink_attention(attention, group):
+    """A keras MultiHeadAttention reduced to heads rank*N/T .. (rank+1)*N/T - 1: the query,
+    key, value (and gate) projections' kernels (H, N, d) and biases (N, d) sliced on N, the
+    output projection's kernel (N, d, H) on N (its bias replicated: added once, after the
+    sum). Its attention dropout draws this rank's own mask (the state offset by the rank)."""
+    heads = _divide(attention.num_heads, group.size, f"{attention.path}'s num_heads")
+    attention._num_heads = heads  # read by get_config only; the shapes come from the kernels
+    projections = [attention.query_dense, attention.key_dense, attention.value_dense]
+    projections += [attention._gate_dense] if getattr(attention, "_use_gate", False) else []
+    pieces = []
+    for projection in projections:
+        projection.partial_output_shape = (*projection.partial_output_shape[:-2], heads,
+                                           projection.partial_output_shape[-1])
+        pieces += [(projection, v, (len(v.shape) - 2, 1))
+                   for v in (projection.kernel, projection.bias) if v is not None]
+    output = attention.output_dense
+    pieces.append((output, output.kernel, (0, 1)))
+    for state in _attention_mask_states(attention):
+        state.assign(state.numpy() + np.asarray(group.rank, state.dtype))
+    return pieces
+
+
+def _attention_mask_states(attention):
+    """The seed-generator states of a MultiHeadAttention's dropout of attention probabilities
+    (none when its dropout is 0)."""
+    return [v for v in attention._dropout_layer.non_trainable_variables
+            if "seed_generator" in v.path]
 
 
 def _replace_variable(layer, variable, value):
@@ -310,9 +359,13 @@ def _held(variable):
     return tuple(variable.value.shape) == tuple(variable.shape)
 
 
-def own_mask_states(model, group):
+def own_mask_states(model, group, task=None):
     """ids of the dropout generator states of `model` (a rank's split model) that draw a mask
-    of their own on each tensor rank (their state is the single-device one + the rank)."""
+    of their own on each tensor rank (their state is the single-device one + the rank): a
+    family's own_mask layers, a declared layout's split MultiHeadAttention layers (`task`)."""
+    if getattr(task, "tensor_layout", None):
+        return {id(v) for layer, kind in task.declared_layout(model) if kind == "heads"
+                for v in _attention_mask_states(layer)}
     own = ("own_mask", "sequence_mask") if group.sequence_parallel else ("own_mask",)
     return {id(v) for pattern, split in plan_for(model) if split.kind in own
             for layer in _resolve(model, pattern)

@@ -13,6 +13,12 @@ the collectives. What runs on rank t of a tensor group of T:
     logits      the tied table (or untied head) gives this slice's V/T logits; the loss is
                 the vocabulary-parallel cross-entropy: no rank forms (batch, seq, V) logits
 
+A user task's declared layout (tfbig.tasks.user, tensor_layout.split_declared_model) uses the
+same collectives on Keras layers: column/row Dense pairs, a MultiHeadAttention's heads (its
+inputs copied into the region once, its output projection's partial sums reduced before the
+bias), an Embedding's vocabulary rows, and an output Dense's vocabulary columns whose logits are
+all-gathered (the task's own loss reads whole logits, so no vocabulary-parallel loss there).
+
 The collectives are the conjugate pair: `copy_to_region` (identity forward, all-reduce of the
 gradient backward) before every column-parallel layer and before the vocabulary projection,
 `reduce_from_region` (all-reduce forward, identity backward) after every row-parallel layer and
@@ -177,6 +183,60 @@ def vocab_parallel_cross_entropy(labels, logits, group):
     return tf.math.log(sum_exp) - target
 
 
+def gather_last_axis(x, group):
+    """(..., V/T) slices -> (..., V) forward, in tensor-rank order (a declared vocab Dense's
+    logits, whole for the task's own loss); backward each rank keeps its slice of the
+    gradient, which is the same on every rank of the group (the loss is replicated)."""
+    width, rank = x.shape[-1], len(x.shape)
+    columns = tf.range(group.rank * width, (group.rank + 1) * width)
+    first = [rank - 1] + list(range(rank - 1))  # Horovod gathers along axis 0
+
+    @tf.custom_gradient
+    def gather(x):
+        wide = x.dtype == tf.bfloat16  # Gloo: no bfloat16 collectives, carried in float32
+        y = hvd.allgather(tf.transpose(tf.cast(x, tf.float32) if wide else x, first),
+                          process_set=group.process_set)
+        y = tf.ensure_shape(y, [width * group.size, *x.shape[:-1]])
+        y = tf.transpose(y, list(range(1, rank)) + [0])
+        return (tf.cast(y, tf.bfloat16) if wide else y), lambda dy: tf.gather(dy, columns,
+                                                                                axis=-1)
+
+    return gather(x)
+
+
+def _entering_attention(call, enter, process_set):
+    """A Keras MultiHeadAttention's call with its query, value and key entering the split
+    region once each (self-attention passes one tensor: one all-reduce backward), their Keras
+    masks kept."""
+    from keras.src import backend
+
+    def attention_call(query, value, key=None, *args, **kwargs):
+        entered = {}
+
+        def into(x):
+            if x is not None and id(x) not in entered:
+                entered[id(x)] = enter(x, process_set)
+                mask = backend.get_keras_mask(x)
+                if mask is not None:
+                    backend.set_keras_mask(entered[id(x)], mask)
+            return None if x is None else entered[id(x)]
+
+        return call(into(query), into(value), into(key), *args, **kwargs)
+
+    return attention_call
+
+
+def _reduced_projection(layer, leave, process_set):
+    """An EinsumDense's call (a MultiHeadAttention's output projection over this rank's heads)
+    with its partial sums reduced over the group before its bias is added, once."""
+    def projection_call(x, *args, **kwargs):
+        y = leave(ops.einsum(layer.equation, x, layer.kernel), process_set)
+        y = y if layer.bias is None else ops.add(y, layer.bias)
+        return y if layer.activation is None else layer.activation(y)
+
+    return projection_call
+
+
 def _wrap(layer, split, group):
     kind, ps = split.kind, group.process_set
     call = layer.call
@@ -201,6 +261,12 @@ def _wrap(layer, split, group):
             return leave(rows * ops.cast(inside[..., None], rows.dtype), ps)
 
         layer.call = vocab_call
+    elif kind == "keras_heads":  # a declared Keras MultiHeadAttention
+        layer.call = _entering_attention(call, enter, ps)
+        layer.output_dense.call = _reduced_projection(layer.output_dense, leave, ps)
+    elif kind == "vocab_logits":  # a declared output Dense: the task's loss sees all logits
+        layer.call = lambda x, *args, **kwargs: gather_last_axis(
+            call(enter(x, ps), *args, **kwargs), group)
     elif kind == "vocab_input":
         layer.call = lambda *args, **kwargs: enter(call(*args, **kwargs), ps)
     elif kind == "positions" and group.sequence_parallel:
@@ -261,7 +327,7 @@ def restore_from_single_device(trainer, path, group, splits):
                         optimizer=optimizer, **counters).restore(
         path).assert_existing_objects_matched()
     source = state_arrays(SimpleNamespace(model=full, optimizer=optimizer, **counters), splits)
-    own = own_mask_states(trainer.model, group)
+    own = own_mask_states(trainer.model, group, trainer.task)
     own_rng = {f"rng/{i}" for i, v in enumerate(
         v for v in trainer.model.variables if "seed_generator" in v.path) if id(v) in own}
     for name, variable in state_variables(trainer).items():
@@ -312,10 +378,11 @@ class TensorParallelStrategy(HorovodStrategy):
         size = self.group.size
         split = [v for v in self._trainable if v.path in self.splits]
         held = sum(math.prod(v.shape) for v in self._trainable)
-        if not hasattr(model_config, "num_heads"):  # a user task's declared Dense layout
+        if not hasattr(model_config, "num_heads"):  # a user task's declared layout
             return (f"{self.mesh.mesh.describe()}\ntensor parallel: each rank holds 1/{size} "
-                    f"of {len(split)} variables of the declared column/row Dense layers "
-                    f"({held:,} parameters on this rank); the rest replicated")
+                    f"of {len(split)} variables of the declared layers (column/row Dense, "
+                    f"attention heads, vocabulary) ({held:,} parameters on this rank); the "
+                    f"rest replicated")
         heads = model_config.num_heads // size
         rows = model_config.vocab_size // size
         return (f"{self.mesh.mesh.describe()}\n"

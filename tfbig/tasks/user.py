@@ -65,15 +65,20 @@ class Task:
             list `model.blocks`) of the layers `--activation_checkpointing` recomputes in the
             backward and `--zero_stage=3` gathers one at a time; empty: those flags are
             refused by name.
-        tensor_layout: how `--tensor_parallel=T` splits the model's Dense layers (data; the
-            model stays distribution-free): {Dense layer: "column" | "row"}, the layer named
-            by its attribute path below the model as in checkpoint_layers
-            ("transformer_blocks.*.ffn.layers.0"; a number indexes a list) or by its weights'
-            path without "/kernel" (`layer.kernel.path`, e.g. "my_model/block/fc"; shell
-            wildcards allowed). Megatron's pair: a
-            "column" Dense keeps 1/T of its output units on each rank, the "row" Dense after it
-            1/T of its input rows, and the ranks' outputs are summed (one all-reduce) after
-            the row layer. Empty: --tensor_parallel is refused by name.
+        tensor_layout: how `--tensor_parallel=T` splits the model's layers (data; the model
+            stays distribution-free): {layer: kind}, the layer named by its attribute path
+            below the model as in checkpoint_layers ("transformer_blocks.*.att"; a number
+            indexes a list) or by its path (`layer.path`, or a Dense's `kernel.path`, e.g.
+            "my_model/block/fc"; shell wildcards allowed). Kinds, Megatron's:
+            "column" (a keras.layers.Dense keeps 1/T of its output units on each rank) and
+            "row" (the Dense after it keeps 1/T of its input rows; the ranks' outputs are
+            summed, one all-reduce, its bias added once); "heads" (a
+            keras.layers.MultiHeadAttention keeps 1/T of its heads: query, key, value and
+            output projections sliced on the heads axis, the outputs summed, the output bias
+            added once); "vocab" (a keras.layers.Embedding keeps 1/T of its rows and looks up
+            the ids it holds, the ranks' rows summed; or the output Dense keeps 1/T of its
+            vocabulary columns and its logits are gathered whole for `loss`). T must divide
+            the units, heads and vocabulary split. Empty: --tensor_parallel is refused by name.
         transformer_shape: for `--plan_only`, the sizes of a transformer the model is, as
             {"hidden_size", "num_layers", "num_heads", "seq_length", "vocab_size"} and
             optionally "intermediate_size" (default 4 x hidden_size): the plan then gives the
@@ -228,64 +233,98 @@ def fresh_layer_names():
         global_state.set_global_attribute("object_name_uids", previous)
 
 
-LAYOUT_KINDS = ("column", "row")
+# kind -> the Keras layers it splits (tfbig.distribute.tensor_layout.split_declared_model)
+LAYOUT_KINDS = {"column": ("Dense",), "row": ("Dense",), "vocab": ("Embedding", "Dense"),
+                "heads": ("MultiHeadAttention",)}
+_WEIGHTS = {"Dense": "kernel", "Embedding": "embeddings"}  # a layer's own weight, by type
+
+
+def _splittable(model):
+    """{layer path: (type name, layer)} of the built Dense, Embedding and MultiHeadAttention
+    layers of `model` (subclasses count as their base)."""
+    import keras
+
+    types = {"Dense": keras.layers.Dense, "Embedding": keras.layers.Embedding,
+             "MultiHeadAttention": keras.layers.MultiHeadAttention}
+    return {layer.path: (name, layer) for layer in model._flatten_layers(include_self=False)
+            for name, base in types.items() if isinstance(layer, base) and layer.built}
 
 
 def declared_layout(model, layout, owner):
-    """[(Dense layer, "column" | "row")] of a task's `tensor_layout` ({layer path pattern:
-    kind}) on its built `model`; refused, naming the entry, when a kind is unknown, a pattern
-    names no Dense layer of the model, a layer is named twice, or a row-split Dense has an
-    activation (it would apply to each rank's partial sum)."""
+    """[(layer, kind)] of a task's `tensor_layout` ({layer path pattern: kind}) on its built
+    `model`: "column" / "row" for a keras.layers.Dense, "heads" for a
+    keras.layers.MultiHeadAttention, "vocab" for a keras.layers.Embedding (its rows) or the
+    output Dense (its columns, the logits gathered). Refused, naming the entry, when a kind is
+    unknown or does not fit the layer it names, a pattern names no such layer, a layer is
+    named twice, or a row or vocab Dense has an activation."""
     import fnmatch
 
-    import keras
-
-    dense = {layer.kernel.path.rsplit("/", 1)[0]: layer
-             for layer in model._flatten_layers(include_self=False)
-             if isinstance(layer, keras.layers.Dense) and layer.built}
+    layers = _splittable(model)
     chosen = {}
     for pattern, kind in layout.items():
         where = f"{owner}.tensor_layout[{pattern!r}]"
         if kind not in LAYOUT_KINDS:
-            raise UsageError(f"{where} = {kind!r}: a Dense layer is split by 'column' or 'row'")
-        if "/" in pattern:  # a weight path
-            matched = [path for path in dense if fnmatch.fnmatchcase(path, pattern)
-                       or fnmatch.fnmatchcase(path + "/kernel", pattern)]
+            raise UsageError(f"{where} = {kind!r}: the kinds are 'column' and 'row' (a Dense), "
+                             "'heads' (a MultiHeadAttention) and 'vocab' (an Embedding or the "
+                             "output Dense)")
+        if "/" in pattern or any(fnmatch.fnmatchcase(path, pattern) for path in layers):
+            # a layer's or weight's path (a functional model's layers: "dense_1")
+            matched = [path for path, (name, _) in layers.items()
+                       if fnmatch.fnmatchcase(path, pattern) or
+                       fnmatch.fnmatchcase(f"{path}/{_WEIGHTS.get(name)}", pattern)]
             if not matched:
-                raise UsageError(f"{where}: {_no_dense(model, pattern, dense)}")
+                raise UsageError(f"{where}: {_no_layer(model, pattern, layers)}")
         else:  # an attribute path, as checkpoint_layers
-            layers = resolve_layers(model, [pattern], where)
-            strays = [layer for layer in layers if layer not in dense.values()]
+            found = resolve_layers(model, [pattern], where)
+            paths = {id(layer): path for path, (_, layer) in layers.items()}
+            strays = [layer for layer in found if id(layer) not in paths]
             if strays:
                 raise UsageError(f"{where}: names {type(strays[0]).__name__} "
                                  f"{getattr(strays[0], 'name', '')!r}, not a built "
-                                 "keras.layers.Dense; only Dense layers are split")
-            matched = [layer.kernel.path.rsplit("/", 1)[0] for layer in layers]
+                                 "keras.layers.Dense, MultiHeadAttention or Embedding; only "
+                                 "those are split")
+            matched = [paths[id(layer)] for layer in found]
         for path in matched:
             if chosen.get(path, kind) != kind:
                 raise UsageError(f"{where}: {path!r} is declared both {chosen[path]!r} and "
                                  f"{kind!r}")
+            _check_kind(where, path, kind, *layers[path])
             chosen[path] = kind
-    for path, kind in chosen.items():
-        activation = getattr(dense[path].activation, "__name__", "")
-        if kind == "row" and activation not in ("linear", ""):
-            raise UsageError(f"{owner}.tensor_layout: the row-split Dense {path!r} has "
-                             f"activation {activation!r}, which would act on each rank's "
-                             "partial sum; give it none and apply it after the layer")
-    return [(dense[path], kind) for path, kind in chosen.items()]
+    return [(layers[path][1], kind) for path, kind in chosen.items()]
 
 
-def _no_dense(model, pattern, dense):
-    """Why `pattern` names no Dense layer of `model`."""
+def _check_kind(where, path, kind, type_name, layer):
+    """Refuse a kind that does not fit the layer, and a row or vocab Dense's activation."""
+    if type_name not in LAYOUT_KINDS[kind]:
+        fits = [k for k, names in LAYOUT_KINDS.items() if type_name in names]
+        raise UsageError(f"{where} = {kind!r}: {path!r} ({type_name}) is split by "
+                         f"{_either([repr(k) for k in fits])}; {kind!r} splits "
+                         f"{_either(LAYOUT_KINDS[kind])} layers")
+    activation = getattr(getattr(layer, "activation", None), "__name__", "")
+    if type_name == "Dense" and kind in ("row", "vocab") and activation not in ("linear", ""):
+        what = "each rank's partial sum" if kind == "row" else "each rank's slice of the logits"
+        raise UsageError(f"{where}: the {kind}-split Dense {path!r} has activation "
+                         f"{activation!r}, which would act on {what}; give it none and apply "
+                         "it after the layer")
+
+
+def _either(words):
+    """'a', 'a or b', 'a, b or c'."""
+    return " or ".join([", ".join(words[:-1]), words[-1]] if len(words) > 1 else words)
+
+
+def _no_layer(model, pattern, layers):
+    """Why `pattern` names no layer tfbig splits in `model`."""
     import fnmatch
 
     weights = [v.path for v in model.variables if fnmatch.fnmatchcase(v.path, pattern)
                or fnmatch.fnmatchcase(v.path.rsplit("/", 1)[0], pattern)]
     if weights:
-        return (f"names {weights[0]!r}, not the weights of a keras.layers.Dense; only Dense "
-                "layers are split ('column' or 'row')")
-    return (f"names no weight of {type(model).__name__}; its Dense layers are "
-            f"{', '.join(sorted(dense)) or 'none'}")
+        return (f"names {weights[0]!r}, not the weights of a keras.layers.Dense, "
+                "MultiHeadAttention or Embedding; only those are split (a MultiHeadAttention "
+                "as a whole, by 'heads')")
+    return (f"names no weight of {type(model).__name__}; the layers it could split are "
+            f"{', '.join(sorted(layers)) or 'none'}")
 
 
 KEYS = "x{:03d}"  # the flat batch's keys: leaf i of the (inputs, targets) structure
@@ -347,11 +386,11 @@ class UserTask:
 
     @property
     def tensor_layout(self):
-        """The task's declared {layer path pattern: "column" | "row"} ({}: none)."""
+        """The task's declared {layer path pattern: kind} ({}: none; kinds: LAYOUT_KINDS)."""
         return dict(self.user.tensor_layout or {})
 
     def declared_layout(self, model):
-        """[(Dense layer, "column" | "row")] the task's tensor_layout names in `model`."""
+        """[(layer, kind)] the task's tensor_layout names in `model` (declared_layout)."""
         return declared_layout(model, self.tensor_layout, self.user_name)
 
     # ---- batches ---------------------------------------------------------------------------------
