@@ -22,11 +22,14 @@ exact resume (run it again), SIGTERM preemption, --precision and loss scaling,
 --grad_accum_steps, --grad_clip_norm, profiling, TensorBoard and the time budget, and
 --tensor_parallel for a task that declares its `tensor_layout` (which Dense layers are column-
 or row-split). --plan_only builds the model,
-counts its variables and returns the plan (tfbig.plan.user: the state per rank; activations
-and step time when the task declares its `transformer_shape`) instead of training. Refused by
-name for a user task (USER_TASK_REFUSED): tensor parallelism without a declared layout,
-pipeline parallelism and --init_checkpoint; with --plan_only (PLAN_REFUSED)
---tensor_parallel, --context_parallel and --calibration.
+counts its variables and returns the plan (tfbig.plan.user: the state per rank, under
+--tensor_parallel counted on a rank's slices of the declared layout; activations and step time
+when the task declares its `transformer_shape`, with --tensor_parallel and --context_parallel
+by the planner's closed forms and with --calibration beside the spec figures) instead of
+training. `consolidate_run` writes a ZeRO or tensor-parallel run of a task as one
+single-device checkpoint. Refused by name for a user task (USER_TASK_REFUSED): tensor
+parallelism without a declared layout, pipeline parallelism and --init_checkpoint; with
+--plan_only and no transformer_shape (PLAN_REFUSED) --context_parallel.
 """
 import atexit
 import copy
@@ -38,8 +41,8 @@ from tfbig.finetune import LossRecorder
 from tfbig.tasks.user import DataShard, FunctionTask, Task, UserTask
 from tfbig.trainer import Trainer, precision_policy
 
-__all__ = ["DataShard", "Run", "Task", "config_from_flags", "configure", "define_flags",
-           "evaluate", "predict", "train"]
+__all__ = ["DataShard", "Run", "Task", "config_from_flags", "configure", "consolidate_run",
+           "define_flags", "evaluate", "predict", "train"]
 
 # flag -> (its value when unused, why a user task refuses it)
 USER_TASK_REFUSED = {
@@ -51,13 +54,13 @@ USER_TASK_REFUSED = {
                             "load your weights in build_model"),
 }
 
-# flag -> (its value when unused, why --plan_only of a user task refuses it)
+# flag -> (its value when unused, why --plan_only of a task without a transformer_shape
+# refuses it)
 PLAN_REFUSED = {
-    "tensor_parallel": (1, "the plan of a user task covers data-parallel layouts; the split "
-                           "of a declared tensor_layout is not in the planner's closed forms"),
-    "context_parallel": (1, "the plan of a user task covers data-parallel layouts"),
-    "calibration": ("", "a user task's plan uses this machine's probe, not a calibration "
-                        "file"),
+    "context_parallel": (1, "context parallelism changes the activations and the step time, "
+                            "which the plan derives only from the task's transformer_shape "
+                            "(the state per rank is the same as without it); this task "
+                            "declares none"),
 }
 
 
@@ -107,9 +110,10 @@ TENSOR_LAYOUT_REFUSED = {
 
 
 def check_user_flags(config, task=None):
-    """Refuse, by flag, what a user task cannot run (USER_TASK_REFUSED); --tensor_parallel
-    only once the `task` is known: it runs when the task declares a tensor_layout (without
-    the flags of TENSOR_LAYOUT_REFUSED)."""
+    """Refuse, by flag, what a user task cannot run (USER_TASK_REFUSED); once the `task` is
+    known, --tensor_parallel unless it declares a tensor_layout (and then the flags of
+    TENSOR_LAYOUT_REFUSED with it), and with --plan_only PLAN_REFUSED unless it declares a
+    transformer_shape."""
     if config.train.strategy == "pipeline":
         raise UsageError("--strategy=pipeline: " + USER_TASK_REFUSED["pipeline_stages"][1]
                          + "; use single, horovod, multiworker or mirrored")
@@ -124,7 +128,8 @@ def check_user_flags(config, task=None):
             continue  # a declared layout: tensor_layout.split_declared_model
         if values[flag] != unused:
             raise UsageError(f"--{flag}={values[flag]!r} is refused for a user task: {why}")
-    if values["plan_only"]:
+    if values["plan_only"] and task is not None and \
+            getattr(task, "transformer_shape", None) is None:
         for flag, (unused, why) in PLAN_REFUSED.items():
             if values[flag] != unused:
                 raise UsageError(f"--{flag}={values[flag]!r} with --plan_only is refused for "
@@ -234,17 +239,32 @@ def plan(task, config, device=None, world_size=None):
     """The UserPlan (tfbig.plan.user) of `task` under `config`: its model built here (no
     backend, nothing written), its variables counted; on `device` (default: this machine's,
     probed as tfbig-train --plan_only does) and `world_size` ranks (default: the launcher's)."""
-    from tfbig.plan import local, user
+    from tfbig.plan import calibration, local, user
 
+    check_user_flags(config, task)
     shape = getattr(task, "transformer_shape", None)
     if shape is not None:  # checked before the build and the device probe
         _planner_refusals(lambda: user.check_shape(task.name, shape))
+    if config.train.calibration:
+        _planner_refusals(lambda: calibration.load(config.train.calibration))
     with precision_policy(config.train.precision):
-        model = UserTask(task).build_model()
+        counts, held = _planner_refusals(lambda: _counted(task, config.parallel.tensor_parallel))
     device = device or local.local_device(config.train.precision, config.profile.peak_tflops)
     return _planner_refusals(lambda: user.user_plan(
-        task.name, user.count_variables(model), shape, config, device,
-        world_size or local.processes()))
+        task.name, counts, shape, config, device, world_size or local.processes(), held))
+
+
+def _counted(task, tensor):
+    """((trainable, other) values of the task's model, trainable values one rank holds):
+    under --tensor_parallel counted on tensor rank 0's model, split as training splits it."""
+    from tfbig.distribute.tensor_layout import TensorGroup, split_declared_model
+    from tfbig.plan import user
+
+    if tensor == 1:
+        counts = user.count_variables(UserTask(task).build_model())
+        return counts, counts[0]
+    model, splits = split_declared_model(UserTask(task), TensorGroup(None, 0, tensor))
+    return user.count_split(model, splits, tensor)
 
 
 def _planner_refusals(call):
