@@ -276,6 +276,64 @@ def _planner_refusals(call):
         raise UsageError(str(error)) from error
 
 
+def consolidate_run(task_or_model_fn, model_dir, output_dir, **task_options):
+    """Write the newest checkpoint of a sharded run of your model (--zero_stage 1-3, MiCS
+    groups included, or --tensor_parallel with the task's tensor_layout) in `model_dir` as one
+    single-device checkpoint in `output_dir`: weights, optimizer slots, step and input
+    position, which train/evaluate/predict then resume or read under any layout (and
+    `python -m tfbig.consolidate` refuses, having no way to build your model).
+
+    Args:
+        task_or_model_fn: the tfbig.Task the run trained, or its model_fn.
+        model_dir: the run's directory (only read).
+        output_dir: an empty or new directory.
+        **task_options: with a model_fn, the Task options it was trained with: name (the
+            run's config.json must name the same task) and, for a tensor-parallel run,
+            tensor_layout.
+    Returns the path of the checkpoint written. Its data is not read: nothing but the model
+    is built.
+
+        tfbig.consolidate_run(model_fn, "runs/zero3", "runs/zero3-single", name="own_model")
+    """
+    from tfbig import consolidate
+
+    if isinstance(task_or_model_fn, Task):
+        if task_options:
+            raise UsageError("consolidate_run(task, ...): a Task carries its own options; give "
+                             "them only with a model_fn")
+        task_or_model_fn, task_options = task_or_model_fn.build_model, _options_of(
+            task_or_model_fn)
+    elif not callable(task_or_model_fn):
+        raise UsageError("consolidate_run: give the tfbig.Task the run trained, or its model_fn")
+    unknown = set(task_options) - set(TASK_OPTIONS)
+    if unknown:
+        raise UsageError(f"consolidate_run: {', '.join(sorted(unknown))}: not a Task option "
+                         f"(they are {', '.join(TASK_OPTIONS)})")
+    model_only = FunctionTask(task_or_model_fn, dataset_fn=lambda shard: None, **task_options)
+    with precision_policy(_saved_precision(model_dir)):
+        return consolidate.consolidate(model_dir, output_dir,
+                                       task=UserTask(model_only, predicting=True))
+
+
+def _options_of(task):
+    """The Task options of a Task (what consolidation rebuilds its model with)."""
+    return {"name": task.name, "tokens_per_example": task.tokens_per_example,
+            "checkpoint_layers": task.checkpoint_layers,
+            "tensor_layout": dict(task.tensor_layout or {})}
+
+
+def _saved_precision(model_dir):
+    """--precision of the run in `model_dir` (its config.json)."""
+    import json
+    import os
+
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.exists(path):
+        raise UsageError(f"{model_dir} has no config.json: it is not a tfbig run directory")
+    with open(path) as f:
+        return json.load(f).get("train", {}).get("precision", "fp32")
+
+
 def evaluate(task_or_model_fn, loss_fn=None, dataset_fn=None, config=None, **kwargs):
     """The task's validation metrics ({name: float}) of the run in the config's model_dir
     (its newest checkpoint; give the config it was trained with), computed once over the
