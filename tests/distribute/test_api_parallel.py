@@ -5,7 +5,9 @@ trained weight (tests/equality.py's rule, fp32), the sharded runs' pieces joined
 Default run: one `horovodrun -np 2 --gloo` launch (data parallel with activation checkpointing
 of the layers the task names and 2 accumulation steps). Slow: tensor parallelism over 2 ranks
 with the layout the task declares (own_model.LAYOUT; first-step gradients compared too), ZeRO-3
-on 4 ranks over MiCS partition groups of 2 (the task's named layers gathered one at a time),
+on 4 ranks over MiCS partition groups of 2 (the task's named layers gathered one at a time)
+and on 2 ranks, the tensor-parallel and 2-rank ZeRO-3 runs also consolidated
+(tfbig.consolidate_run) to the weights they report,
 2 MultiWorkerMirrored workers under tfbig-launch, and MirroredStrategy over 2 logical CPU
 devices in one process (one input pipeline whose consecutive batches go to the replicas).
 """
@@ -42,6 +44,7 @@ PARALLEL = {"strategy", "zero_stage", "shard_degree", "tensor_parallel"}
 HOROVOD = {"dp2_recompute_accum2": {"strategy": "horovod", "activation_checkpointing": True,
                                     "grad_accum_steps": 2}}
 ZERO3 = {"zero3_mics": {"strategy": "horovod", "zero_stage": 3, "shard_degree": 2}}
+ZERO3_DP2 = {"zero3_dp2": {"strategy": "horovod", "zero_stage": 3}}
 MULTIWORKER = {"multiworker": {"strategy": "multiworker"}}
 MIRRORED = {"mirrored": {"strategy": "mirrored"}}
 # name -> (flags, ranks, data-parallel replicas)
@@ -83,6 +86,31 @@ def trained_weights(run_dir):
     return {v.path: reader.get_tensor(reader_key(model, v)) for v in model.trainable_variables}
 
 
+def reported_weights(run_dir):
+    """{variable path: array} of the trained weights the run reported (api_worker.py)."""
+    paths = json.loads((run_dir / "weights.json").read_text())
+    with np.load(run_dir / "weights.npz") as saved:
+        return dict(zip(paths, (saved[f"arr_{i}"] for i in range(len(paths)))))
+
+
+def assert_consolidated_equals_reported(run_dir, **task_options):
+    """tfbig.consolidate_run of the run: a single-device checkpoint holding, bit for bit, the
+    weights the run reported, at its last step."""
+    import tfbig
+
+    path = tfbig.consolidate_run(own_model.model_fn, str(run_dir), str(run_dir) + "_single",
+                                 name="own_model", **task_options)
+    with fresh_layer_names():
+        model = own_model.model_fn()
+    reader = tf.train.load_checkpoint(path)
+    reported = reported_weights(run_dir)
+    assert sorted(reported) == sorted(v.path for v in model.trainable_variables)
+    for v in model.trainable_variables:
+        np.testing.assert_array_equal(reader.get_tensor(reader_key(model, v)), reported[v.path],
+                                      err_msg=v.path)
+    assert reader.get_tensor("step/.ATTRIBUTES/VARIABLE_VALUE") == STEPS["max_steps"]
+
+
 def assert_equals_one_process(root, name, flags, replicas):
     world = json.loads((root / name / "world.json").read_text())
     assert world["num_replicas"] == replicas, world
@@ -115,6 +143,17 @@ def test_my_model_under_zero3_on_four_ranks_equals_one_process(tmp_path):
 
 
 @pytest.mark.slow
+def test_my_model_under_zero3_on_two_ranks_consolidates_to_the_weights_it_reports(tmp_path):
+    """A 2-rank ZeRO-3 run of MyModel equals one process, and tfbig.consolidate_run writes
+    the weights it reports (each rank's slices gathered) as one single-device checkpoint."""
+    code = horovodrun([WORKER, str(write_plan(tmp_path, ZERO3_DP2))], tmp_path / "log.txt")
+    assert code == 0, read(tmp_path / "log.txt")[-6000:]
+    assert_equals_one_process(tmp_path, "zero3_dp2", ZERO3_DP2["zero3_dp2"], replicas=2)
+    assert_consolidated_equals_reported(tmp_path / "zero3_dp2",
+                                        checkpoint_layers=("transformer_blocks.*",))
+
+
+@pytest.mark.slow
 def test_my_model_on_two_multiworker_workers_equals_one_process(tmp_path):
     plan = write_plan(tmp_path, MULTIWORKER)
     done = subprocess.run([sys.executable, "-m", "launch.local", "--workers=2", "--",
@@ -141,7 +180,8 @@ def test_my_model_with_a_declared_layout_under_tensor_parallelism_equals_one_pro
     """MyModel's feed-forward Dense pairs split column/row (own_model.LAYOUT) over 2 Horovod
     ranks of a tensor group (tp2: one group; tp2_dp2: 2 data-parallel replicas of one on 4
     ranks): each step's loss, each weight's first-step gradient (the ranks' slices joined)
-    and the trained weights (joined from the ranks' checkpoints) equal one process."""
+    and the trained weights (joined from the ranks' checkpoints) equal one process; the run
+    consolidated (tfbig.consolidate_run) holds the weights it reports."""
     flags, ranks, replicas = TENSOR[name]
     plan = write_plan(tmp_path, {name: flags}, tensor_layout=own_model.LAYOUT)
     code = horovodrun([WORKER, str(plan)], tmp_path / "log.txt",
@@ -157,3 +197,4 @@ def test_my_model_with_a_declared_layout_under_tensor_parallelism_equals_one_pro
     for path, theirs in zip(recorded.paths, recorded.gradients()[0]):
         np.testing.assert_allclose(ours[path], theirs, rtol=GRADIENT_RTOL, atol=GRADIENT_ATOL,
                                    err_msg=path)
+    assert_consolidated_equals_reported(tmp_path / name, tensor_layout=own_model.LAYOUT)
