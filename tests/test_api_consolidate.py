@@ -69,3 +69,10 @@ def test_a_zero3_run_of_a_user_model_consolidates_to_the_weights_it_reports(tmp_
     assert saved["model_format"] == "user" and saved["model_config"] == {"task": "own_model"}
     assert saved["train"]["strategy"] == "single" and saved["parallel"]["zero_stage"] == 0
     assert not (tmp_path / "single" / "zero.json").exists()
+    # one process resumes the consolidated run where the sharded one stopped
+    resumed = tfbig.train(own_model.model_fn, own_model.loss_fn, training_only,
+                          model_dir=str(tmp_path / "single"), name="own_model",
+                          checkpoint_layers=BLOCKS, max_steps=2, batch_size=8, xla=False,
+                          peak_tflops=1.0, log_every=1)
+    assert resumed.trainer.restored_from == path and resumed.summary["step"] == 2
+    assert len(resumed.losses) == 1
