@@ -3,8 +3,8 @@ one single-device checkpoint holding the weights the run itself reports; `python
 tfbig.consolidate`, which cannot build a user's model, refuses such a run naming the API.
 
 Default run: one process under --strategy=horovod --zero_stage=3 (Horovod of one rank, in this
-process). Multi-rank runs (ZeRO-3 on 2 ranks, tensor parallelism with the declared layout) are
-consolidated in tests/distribute/test_api_parallel.py (slow)."""
+process). Multi-rank runs (ZeRO-3 on 4 ranks over MiCS groups, tensor parallelism with the
+declared layout) are consolidated in tests/distribute/test_api_parallel.py (slow)."""
 import json
 import os
 import sys
@@ -30,7 +30,7 @@ def training_only(shard):
     return own_model.dataset_fn(shard) if shard.training else None
 
 
-def consolidated_weights(path, **task_options):
+def consolidated_weights(path):
     """{variable path: array} of the trainable weights in single-device checkpoint `path`."""
     with fresh_layer_names():  # the names of the run's own build
         model = own_model.model_fn()

@@ -7,9 +7,9 @@ PLAN_JSON: [{"name": ..., "flags": {tfbig-train flag: value}, "model_dir": ...,
 "tensor_layout": {...} (optional: the task's)}, ...]. The chief writes MODEL_DIR/losses.json
 (each logged step's loss), world.json (the number of data-parallel replicas) and weights.npz
 (the trained weights as the run reports them: its strategy's gather_full, in the order of the
-paths in weights.json); the weights are also the run's checkpoint. A scenario with a tensor_layout also writes gradients.npz: the first
-update's gradient of each weight (its path in gradients.json), the tensor ranks' slices
-joined. CPU_DEVICES splits the CPU into that many logical devices first (for
+paths in weights.json); the weights are also the run's checkpoint. A scenario with a
+tensor_layout also writes gradients.npz: the first update's gradient of each weight (its path
+in gradients.json), the tensor ranks' slices joined. CPU_DEVICES splits the CPU into that many logical devices first (for
 strategy="mirrored").
 """
 import json
