@@ -9,8 +9,8 @@ PLAN_JSON: [{"name": ..., "flags": {tfbig-train flag: value}, "model_dir": ...,
 (the trained weights as the run reports them: its strategy's gather_full, in the order of the
 paths in weights.json); the weights are also the run's checkpoint. A scenario with a
 tensor_layout also writes gradients.npz: the first update's gradient of each weight (its path
-in gradients.json), the tensor ranks' slices joined. CPU_DEVICES splits the CPU into that many logical devices first (for
-strategy="mirrored").
+in gradients.json), the tensor ranks' slices joined. CPU_DEVICES splits the CPU into that
+many logical devices first (for strategy="mirrored").
 """
 import json
 import os
