@@ -145,10 +145,10 @@ def test_bad_input_is_refused_by_name_before_the_run_directory_is_written(
                                                     "task: tensor parallelism"),
     ({"strategy": "pipeline"}, "--strategy=pipeline: pipeline stages"),
     ({"strategy": "horovod", "pipeline_stages": 2}, "--pipeline_stages=2 is refused"),
-    ({"plan_only": True, "strategy": "horovod", "tensor_parallel": 2,
-      "tensor_layout": own_model.LAYOUT}, "--tensor_parallel=2 with --plan_only is refused for "
-                                          "a user task: the plan of a user task covers "
-                                          "data-parallel layouts"),
+    ({"plan_only": True, "strategy": "horovod", "context_parallel": 2},
+     "--context_parallel=2 with --plan_only is refused for a user task: context parallelism "
+     "changes the activations and the step time, which the plan derives only from the task's "
+     "transformer_shape"),
     ({"plan_only": True, "transformer_shape": {"hidden_size": 32, "num_layers": 2}},
      "transformer_shape {'hidden_size': 32, 'num_layers': 2}: missing num_heads, seq_length, "
      "vocab_size"),

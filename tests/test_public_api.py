@@ -39,6 +39,12 @@ def test_the_python_api_page_documents_the_public_api():
     page = open(os.path.join(ROOT, "docs", "reference", "python-api.md")).read()
     for name in ("tfbig.api", "tfbig.tasks.user.Task", "tfbig.tasks.user.DataShard"):
         assert f"::: {name}" in page, name
+    from tfbig import api
+
+    members = page[page.index("::: tfbig.api"):].split("members: [", 1)[1].split("]", 1)[0]
+    documented = {name.strip() for name in members.split(",")}
+    # Task and DataShard are tfbig.tasks.user's, documented there
+    assert set(api.__all__) - {"Task", "DataShard"} <= documented, documented
 
 
 @pytest.mark.parametrize("old, new", sorted(MOVED.items()))

@@ -2,7 +2,7 @@
 
 The public surface (`__all__`): `tfbig.train`, `tfbig.evaluate`, `tfbig.predict`, `tfbig.Task`,
 `tfbig.DataShard`, `tfbig.Run`, `tfbig.configure`, `tfbig.define_flags`,
-`tfbig.config_from_flags` (tfbig.api), `tfbig.ExperimentConfig`.
+`tfbig.config_from_flags`, `tfbig.consolidate_run` (tfbig.api), `tfbig.ExperimentConfig`.
 `import tfbig` imports nothing: each name is loaded from tfbig.api when first used.
 
 Layers. Imports inside tfbig/ point down the list below, never up, and never in a circle; an
@@ -49,7 +49,7 @@ name of its own (only `from tfbig import module`), so the top layer makes no cir
 """
 
 __all__ = ["DataShard", "ExperimentConfig", "Run", "Task", "config_from_flags", "configure",
-           "define_flags", "evaluate", "predict", "train"]
+           "consolidate_run", "define_flags", "evaluate", "predict", "train"]
 
 
 def __getattr__(name):

@@ -23,11 +23,14 @@ exact resume (run it again), SIGTERM preemption, --precision and loss scaling,
 --tensor_parallel for a task that declares its `tensor_layout` (which Dense layers are
 column- or row-split, which attention layers split their heads, which embedding and output
 layer their vocabulary). --plan_only builds the model,
-counts its variables and returns the plan (tfbig.plan.user: the state per rank; activations
-and step time when the task declares its `transformer_shape`) instead of training. Refused by
-name for a user task (USER_TASK_REFUSED): tensor parallelism without a declared layout,
-pipeline parallelism and --init_checkpoint; with --plan_only (PLAN_REFUSED)
---tensor_parallel, --context_parallel and --calibration.
+counts its variables and returns the plan (tfbig.plan.user: the state per rank, under
+--tensor_parallel counted on a rank's slices of the declared layout; activations and step time
+when the task declares its `transformer_shape`, with --tensor_parallel and --context_parallel
+by the planner's closed forms and with --calibration beside the spec figures) instead of
+training. `consolidate_run` writes a ZeRO or tensor-parallel run of a task as one
+single-device checkpoint. Refused by name for a user task (USER_TASK_REFUSED): tensor
+parallelism without a declared layout, pipeline parallelism and --init_checkpoint; with
+--plan_only and no transformer_shape (PLAN_REFUSED) --context_parallel.
 """
 import atexit
 import copy
@@ -39,8 +42,8 @@ from tfbig.finetune import LossRecorder
 from tfbig.tasks.user import DataShard, FunctionTask, Task, UserTask
 from tfbig.trainer import Trainer, precision_policy
 
-__all__ = ["DataShard", "Run", "Task", "config_from_flags", "configure", "define_flags",
-           "evaluate", "predict", "train"]
+__all__ = ["DataShard", "Run", "Task", "config_from_flags", "configure", "consolidate_run",
+           "define_flags", "evaluate", "predict", "train"]
 
 # flag -> (its value when unused, why a user task refuses it)
 USER_TASK_REFUSED = {
@@ -52,13 +55,13 @@ USER_TASK_REFUSED = {
                             "load your weights in build_model"),
 }
 
-# flag -> (its value when unused, why --plan_only of a user task refuses it)
+# flag -> (its value when unused, why --plan_only of a task without a transformer_shape
+# refuses it)
 PLAN_REFUSED = {
-    "tensor_parallel": (1, "the plan of a user task covers data-parallel layouts; the split "
-                           "of a declared tensor_layout is not in the planner's closed forms"),
-    "context_parallel": (1, "the plan of a user task covers data-parallel layouts"),
-    "calibration": ("", "a user task's plan uses this machine's probe, not a calibration "
-                        "file"),
+    "context_parallel": (1, "context parallelism changes the activations and the step time, "
+                            "which the plan derives only from the task's transformer_shape "
+                            "(the state per rank is the same as without it); this task "
+                            "declares none"),
 }
 
 
@@ -108,9 +111,10 @@ TENSOR_LAYOUT_REFUSED = {
 
 
 def check_user_flags(config, task=None):
-    """Refuse, by flag, what a user task cannot run (USER_TASK_REFUSED); --tensor_parallel
-    only once the `task` is known: it runs when the task declares a tensor_layout (without
-    the flags of TENSOR_LAYOUT_REFUSED)."""
+    """Refuse, by flag, what a user task cannot run (USER_TASK_REFUSED); once the `task` is
+    known, --tensor_parallel unless it declares a tensor_layout (and then the flags of
+    TENSOR_LAYOUT_REFUSED with it), and with --plan_only PLAN_REFUSED unless it declares a
+    transformer_shape."""
     if config.train.strategy == "pipeline":
         raise UsageError("--strategy=pipeline: " + USER_TASK_REFUSED["pipeline_stages"][1]
                          + "; use single, horovod, multiworker or mirrored")
@@ -125,7 +129,8 @@ def check_user_flags(config, task=None):
             continue  # a declared layout: tensor_layout.split_declared_model
         if values[flag] != unused:
             raise UsageError(f"--{flag}={values[flag]!r} is refused for a user task: {why}")
-    if values["plan_only"]:
+    if values["plan_only"] and task is not None and \
+            getattr(task, "transformer_shape", None) is None:
         for flag, (unused, why) in PLAN_REFUSED.items():
             if values[flag] != unused:
                 raise UsageError(f"--{flag}={values[flag]!r} with --plan_only is refused for "
@@ -235,17 +240,32 @@ def plan(task, config, device=None, world_size=None):
     """The UserPlan (tfbig.plan.user) of `task` under `config`: its model built here (no
     backend, nothing written), its variables counted; on `device` (default: this machine's,
     probed as tfbig-train --plan_only does) and `world_size` ranks (default: the launcher's)."""
-    from tfbig.plan import local, user
+    from tfbig.plan import calibration, local, user
 
+    check_user_flags(config, task)
     shape = getattr(task, "transformer_shape", None)
     if shape is not None:  # checked before the build and the device probe
         _planner_refusals(lambda: user.check_shape(task.name, shape))
+    if config.train.calibration:
+        _planner_refusals(lambda: calibration.load(config.train.calibration))
     with precision_policy(config.train.precision):
-        model = UserTask(task).build_model()
+        counts, held = _planner_refusals(lambda: _counted(task, config.parallel.tensor_parallel))
     device = device or local.local_device(config.train.precision, config.profile.peak_tflops)
     return _planner_refusals(lambda: user.user_plan(
-        task.name, user.count_variables(model), shape, config, device,
-        world_size or local.processes()))
+        task.name, counts, shape, config, device, world_size or local.processes(), held))
+
+
+def _counted(task, tensor):
+    """((trainable, other) values of the task's model, trainable values one rank holds):
+    under --tensor_parallel counted on tensor rank 0's model, split as training splits it."""
+    from tfbig.distribute.tensor_layout import TensorGroup, split_declared_model
+    from tfbig.plan import user
+
+    if tensor == 1:
+        counts = user.count_variables(UserTask(task).build_model())
+        return counts, counts[0]
+    model, splits = split_declared_model(UserTask(task), TensorGroup(None, 0, tensor))
+    return user.count_split(model, splits, tensor)
 
 
 def _planner_refusals(call):
@@ -255,6 +275,64 @@ def _planner_refusals(call):
         return call()
     except ValueError as error:
         raise UsageError(str(error)) from error
+
+
+def consolidate_run(task_or_model_fn, model_dir, output_dir, **task_options):
+    """Write the newest checkpoint of a sharded run of your model (--zero_stage 1-3, MiCS
+    groups included, or --tensor_parallel with the task's tensor_layout) in `model_dir` as one
+    single-device checkpoint in `output_dir`: weights, optimizer slots, step and input
+    position, which train/evaluate/predict then resume or read under any layout (and
+    `python -m tfbig.consolidate` refuses, having no way to build your model).
+
+    Args:
+        task_or_model_fn: the tfbig.Task the run trained, or its model_fn.
+        model_dir: the run's directory (only read).
+        output_dir: an empty or new directory.
+        **task_options: with a model_fn, the Task options it was trained with: name (the
+            run's config.json must name the same task) and, for a tensor-parallel run,
+            tensor_layout.
+    Returns the path of the checkpoint written. Its data is not read: nothing but the model
+    is built.
+
+        tfbig.consolidate_run(model_fn, "runs/zero3", "runs/zero3-single", name="own_model")
+    """
+    from tfbig import consolidate
+
+    if isinstance(task_or_model_fn, Task):
+        if task_options:
+            raise UsageError("consolidate_run(task, ...): a Task carries its own options; give "
+                             "them only with a model_fn")
+        task_or_model_fn, task_options = task_or_model_fn.build_model, _options_of(
+            task_or_model_fn)
+    elif not callable(task_or_model_fn):
+        raise UsageError("consolidate_run: give the tfbig.Task the run trained, or its model_fn")
+    unknown = set(task_options) - set(TASK_OPTIONS)
+    if unknown:
+        raise UsageError(f"consolidate_run: {', '.join(sorted(unknown))}: not a Task option "
+                         f"(they are {', '.join(TASK_OPTIONS)})")
+    model_only = FunctionTask(task_or_model_fn, dataset_fn=lambda shard: None, **task_options)
+    with precision_policy(_saved_precision(model_dir)):
+        return consolidate.consolidate(model_dir, output_dir,
+                                       task=UserTask(model_only, predicting=True))
+
+
+def _options_of(task):
+    """The Task options of a Task (what consolidation rebuilds its model with)."""
+    return {"name": task.name, "tokens_per_example": task.tokens_per_example,
+            "checkpoint_layers": task.checkpoint_layers,
+            "tensor_layout": dict(task.tensor_layout or {})}
+
+
+def _saved_precision(model_dir):
+    """--precision of the run in `model_dir` (its config.json)."""
+    import json
+    import os
+
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.exists(path):
+        raise UsageError(f"{model_dir} has no config.json: it is not a tfbig run directory")
+    with open(path) as f:
+        return json.load(f).get("train", {}).get("precision", "fp32")
 
 
 def evaluate(task_or_model_fn, loss_fn=None, dataset_fn=None, config=None, **kwargs):

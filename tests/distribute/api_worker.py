@@ -5,11 +5,12 @@
 
 PLAN_JSON: [{"name": ..., "flags": {tfbig-train flag: value}, "model_dir": ...,
 "tensor_layout": {...} (optional: the task's)}, ...]. The chief writes MODEL_DIR/losses.json
-(each logged step's loss) and world.json (the number of data-parallel replicas); the weights
-are the run's checkpoint. A scenario with a tensor_layout also writes gradients.npz: the first
-update's gradient of each weight (its path in gradients.json), the tensor ranks' slices
-joined. CPU_DEVICES splits the CPU into that many logical devices first (for
-strategy="mirrored").
+(each logged step's loss), world.json (the number of data-parallel replicas) and weights.npz
+(the trained weights as the run reports them: its strategy's gather_full, in the order of the
+paths in weights.json); the weights are also the run's checkpoint. A scenario with a
+tensor_layout also writes gradients.npz: the first update's gradient of each weight (its path
+in gradients.json), the tensor ranks' slices joined. CPU_DEVICES splits the CPU into that
+many logical devices first (for strategy="mirrored").
 """
 import json
 import os
@@ -46,7 +47,22 @@ def main(plan_path, cpu_devices=0):
                 json.dump(run.losses, f)
             with open(os.path.join(scenario["model_dir"], "world.json"), "w") as f:
                 json.dump({"num_replicas": run.trainer.strategy.num_replicas}, f)
+        write_reported_weights(run.trainer, scenario["model_dir"])
     run.close()
+
+
+def write_reported_weights(trainer, model_dir):
+    """MODEL_DIR/weights.npz (+ weights.json, their paths): the trained weights gathered whole
+    by the run's strategy (a collective on every rank of a ZeRO or tensor-parallel run)."""
+    import numpy as np
+
+    variables = trainer.model.trainable_variables
+    gather = getattr(trainer.strategy, "gather_full", None)
+    values = gather(variables) if gather else [v.numpy() for v in variables]
+    if trainer.strategy.is_chief:
+        with open(os.path.join(model_dir, "weights.json"), "w") as f:
+            json.dump([v.path for v in variables], f)
+        np.savez(os.path.join(model_dir, "weights.npz"), *values)
 
 
 def train_recording_gradients(scenario):
@@ -77,6 +93,7 @@ def train_recording_gradients(scenario):
         with open(os.path.join(scenario["model_dir"], "gradients.json"), "w") as f:
             json.dump([v.path for v in variables], f)
         np.savez(os.path.join(scenario["model_dir"], "gradients.npz"), *first)
+    write_reported_weights(trainer, scenario["model_dir"])
     return Run(trainer, {}, trainer.logger.losses)
 
 

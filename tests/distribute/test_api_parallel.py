@@ -7,6 +7,8 @@ of the layers the task names and 2 accumulation steps). Slow: tensor parallelism
 with the layout the task declares (own_model.LAYOUT: vocabulary, attention heads and
 feed-forward pairs; first-step gradients compared too), ZeRO-3
 on 4 ranks over MiCS partition groups of 2 (the task's named layers gathered one at a time),
+the tensor-parallel and ZeRO-3 runs also consolidated (tfbig.consolidate_run) to the weights
+they report,
 2 MultiWorkerMirrored workers under tfbig-launch, and MirroredStrategy over 2 logical CPU
 devices in one process (one input pipeline whose consecutive batches go to the replicas).
 """
@@ -84,6 +86,31 @@ def trained_weights(run_dir):
     return {v.path: reader.get_tensor(reader_key(model, v)) for v in model.trainable_variables}
 
 
+def reported_weights(run_dir):
+    """{variable path: array} of the trained weights the run reported (api_worker.py)."""
+    paths = json.loads((run_dir / "weights.json").read_text())
+    with np.load(run_dir / "weights.npz") as saved:
+        return dict(zip(paths, (saved[f"arr_{i}"] for i in range(len(paths)))))
+
+
+def assert_consolidated_equals_reported(run_dir, **task_options):
+    """tfbig.consolidate_run of the run: a single-device checkpoint holding, bit for bit, the
+    weights the run reported, at its last step."""
+    import tfbig
+
+    path = tfbig.consolidate_run(own_model.model_fn, str(run_dir), str(run_dir) + "_single",
+                                 name="own_model", **task_options)
+    with fresh_layer_names():
+        model = own_model.model_fn()
+    reader = tf.train.load_checkpoint(path)
+    reported = reported_weights(run_dir)
+    assert sorted(reported) == sorted(v.path for v in model.trainable_variables)
+    for v in model.trainable_variables:
+        np.testing.assert_array_equal(reader.get_tensor(reader_key(model, v)), reported[v.path],
+                                      err_msg=v.path)
+    assert reader.get_tensor("step/.ATTRIBUTES/VARIABLE_VALUE") == STEPS["max_steps"]
+
+
 def assert_equals_one_process(root, name, flags, replicas):
     world = json.loads((root / name / "world.json").read_text())
     assert world["num_replicas"] == replicas, world
@@ -113,6 +140,8 @@ def test_my_model_under_zero3_on_four_ranks_equals_one_process(tmp_path):
     assert code == 0, read(tmp_path / "log.txt")[-6000:]
     assert json.loads((tmp_path / "zero3_mics" / "zero.json").read_text())["zero_stage"] == 3
     assert_equals_one_process(tmp_path, "zero3_mics", ZERO3["zero3_mics"], replicas=4)
+    assert_consolidated_equals_reported(tmp_path / "zero3_mics",
+                                        checkpoint_layers=("transformer_blocks.*",))
 
 
 @pytest.mark.slow
@@ -143,7 +172,8 @@ def test_my_model_with_a_declared_layout_under_tensor_parallelism_equals_one_pro
     over the heads and its feed-forward Dense pairs column/row (own_model.LAYOUT) over 2 Horovod
     ranks of a tensor group (tp2: one group; tp2_dp2: 2 data-parallel replicas of one on 4
     ranks): each step's loss, each weight's first-step gradient (the ranks' slices joined)
-    and the trained weights (joined from the ranks' checkpoints) equal one process."""
+    and the trained weights (joined from the ranks' checkpoints) equal one process; the run
+    consolidated (tfbig.consolidate_run) holds the weights it reports."""
     flags, ranks, replicas = TENSOR[name]
     plan = write_plan(tmp_path, {name: flags}, tensor_layout=own_model.LAYOUT)
     code = horovodrun([WORKER, str(plan)], tmp_path / "log.txt",
@@ -161,3 +191,4 @@ def test_my_model_with_a_declared_layout_under_tensor_parallelism_equals_one_pro
     for path, theirs in zip(recorded.paths, recorded.gradients()[0]):
         np.testing.assert_allclose(ours[path], theirs, rtol=GRADIENT_RTOL, atol=GRADIENT_ATOL,
                                    err_msg=path)
+    assert_consolidated_equals_reported(tmp_path / name, tensor_layout=own_model.LAYOUT)

@@ -3,11 +3,17 @@ not write.
 
 Always known: the built model's variables, counted (`count_variables`), so the weights,
 gradients and optimizer slots each rank holds under the run's data layout and ZeRO stage
-(`estimate.state_memory`, the closed forms tfbig-train's plan uses). Known only when the task
-declares its `transformer_shape` ({hidden_size, num_layers, num_heads, seq_length,
-vocab_size[, intermediate_size]}): the activation memory and the step time, from the planner's
-closed forms for tfbig's GPT of that shape (`estimate`), its parameter count replaced by the
-counted one. Without it the plan says which parts are unknown rather than guess them.
+(`estimate.state_memory`, the closed forms tfbig-train's plan uses). Under --tensor_parallel=T
+(a task that declares its `tensor_layout`) they are counted on rank 0's model as
+tensor_layout.split_declared_model slices it (`count_split`): the declared Dense layers' 1/T,
+every other weight whole. Known only when the task declares its `transformer_shape`
+({hidden_size, num_layers, num_heads, seq_length, vocab_size[, intermediate_size]}): the
+activation memory and the step time, from the planner's closed forms for tfbig's GPT of that
+shape (`estimate`; its tensor and context axes for --tensor_parallel and --context_parallel),
+its parameter count replaced by the counted one; with --calibration, on the measured device
+beside the spec one, as tfbig-train --plan_only plans tfbig's own models. Without a shape the
+plan says which parts are unknown rather than guess them, and that a calibration changes none
+of what it gives.
 
 Example:
     plan = user_plan("my_task", count_variables(model), None, cfg, device, world_size=2)
@@ -15,6 +21,7 @@ Example:
 """
 import dataclasses
 
+from tfbig.plan import calibration as calibration_lib
 from tfbig.plan import estimate, models, report, search
 from tfbig.plan.hardware import Cluster
 
@@ -41,6 +48,15 @@ def count_variables(model):
     """(trainable weights, other variables' values) of a built Keras model."""
     return (sum(_product(v.shape) for v in model.trainable_variables),
             sum(_product(v.shape) for v in model.non_trainable_variables))
+
+
+def count_split(model, splits, tensor):
+    """((trainable weights, other variables' values) of the whole model, trainable weights one
+    rank holds) of tensor rank 0's `model` as split_declared_model returns it with `splits`
+    ({variable path: (axis, sections)}): each split variable holds 1/`tensor` of its values."""
+    held, other = count_variables(model)
+    sliced = sum(_product(v.shape) for v in model.trainable_variables if v.path in splits)
+    return (held + (tensor - 1) * sliced, other), held
 
 
 def _product(shape):
@@ -75,45 +91,95 @@ def declared_shape(name, transformer_shape, params):
 
 
 def data_layout(cfg, world_size):
-    """The Layout of a user task's run: data parallel over `world_size` ranks, its ZeRO stage,
+    """The Layout of a user task's run on `world_size` ranks: --tensor_parallel x
+    --context_parallel ranks per model copy, data parallel over the copies, its ZeRO stage,
     partition group and accumulation steps."""
     fixed = search.layout_from_config(cfg)
-    zero = fixed["zero_stage"] if world_size > 1 else 0
-    return estimate.Layout(world_size, 1, 1, zero, fixed["shard_degree"] if zero else 0,
-                           fixed["num_microbatches"], fixed["activation_checkpointing"])
+    tensor, context = fixed["tensor_parallel"], fixed["context_parallel"]
+    if world_size % (tensor * context):
+        raise ValueError(f"--tensor_parallel={tensor} x --context_parallel={context} = "
+                         f"{tensor * context} ranks per model copy does not divide the "
+                         f"{world_size} rank(s) planned: plan under the launch that will train "
+                         f"(horovodrun -np N ...), or give tfbig.api.plan world_size=N")
+    data = world_size // (tensor * context)
+    zero = fixed["zero_stage"] if data > 1 else 0
+    return estimate.Layout(data, 1, tensor, zero, fixed["shard_degree"] if zero else 0,
+                           fixed["num_microbatches"], fixed["activation_checkpointing"],
+                           context=context)
 
 
-def user_plan(name, counts, transformer_shape, cfg, device, world_size):
+def user_plan(name, counts, transformer_shape, cfg, device, world_size, held=None):
     """The UserPlan of a task named `name` whose built model holds `counts` = (trainable,
-    other) values, trained with ExperimentConfig `cfg` on `world_size` ranks of `device`."""
+    other) values, trained with ExperimentConfig `cfg` on `world_size` ranks of `device`;
+    `held`: the trainable values one rank holds under --tensor_parallel (`count_split`;
+    default: all of them)."""
     params, other = counts
+    held = params if held is None else held
     layout = data_layout(cfg, world_size)
     lines = [f"{name}: a user task, {params:,} trainable parameters counted on the built model"
              + (f", {other:,} other values (not sharded)" if other else "")]
+    if layout.tensor > 1:
+        lines.append(f"tensor parallel: each of {layout.tensor} ranks holds {held:,} of them "
+                     f"(the tensor_layout's Dense layers 1/{layout.tensor} each, every other "
+                     f"weight whole)")
     if transformer_shape is None:
-        return _state_plan(lines, params, other, layout, device, world_size)
+        return _state_plan(lines, (params, held, other), layout, device, cfg.train.calibration)
     shape, gpt_params = declared_shape(name, transformer_shape, params)
     if gpt_params != params:
         lines.append(f"note: tfbig's GPT of this transformer_shape holds {gpt_params:,}; "
                      f"the state below counts the built model, activations and FLOPs are "
                      f"that GPT's closed forms")
-    fixed = {**search.layout_from_config(cfg), "tensor_parallel": 1, "context_parallel": 1,
-             "sequence_parallel": False, "zero_stage": layout.zero_stage}
-    cluster = Cluster(device, world_size, 1, device.local_bandwidth)
-    best = search.search(shape, cluster, cfg.train.precision, cfg.train.batch_size,
-                         fixed=fixed)[0]
-    text = report.text(shape, cluster, cfg.train.precision, 300e9, [best], top=1)
+    lines += _shape_notes(layout)
+    best, cluster, spec = _search(shape, held, layout, cfg, device, world_size)
+    text = report.text(shape, cluster, cfg.train.precision, 300e9, [best], top=1, spec=spec)
     return UserPlan("\n".join(lines) + "\n" + text, params, other, best.memory, (), best)
 
 
-def _state_plan(lines, params, other, layout, device, world_size):
-    """The plan of a model without a declared shape: its state per rank, the rest unknown."""
-    memory = estimate.state_memory(params, layout)
+def _shape_notes(layout):
+    """What the planner's closed forms assume of a user model under tensor or context
+    parallelism."""
+    notes = []
+    if layout.tensor > 1:
+        notes.append(f"note: activations and step time are tfbig's GPT's of this shape split "
+                     f"{layout.tensor} ways (attention heads and MLP width, Megatron's pair); "
+                     f"a layout that splits fewer layers keeps more activations")
+    if layout.context > 1:
+        notes.append("note: --context_parallel trains only models with a context plan "
+                     "(tfbig's GPT, BERT and ALBERT: tfbig.distribute.context_parallel); this "
+                     "is the plan of tfbig's GPT of the declared shape")
+    return notes
+
+
+def _search(shape, held, layout, cfg, device, world_size):
+    """(the planner's Estimate of `layout` for `shape`, the cluster it is on, the same layout
+    on the spec `device` when --calibration gives the measured one, else None). The planner
+    divides a shape's weights by T; a declared layout splits only its Dense layers, so it is
+    given T x what one rank holds."""
+    planned = dataclasses.replace(shape, params=held * layout.tensor)
+    fixed = {**search.layout_from_config(cfg), "sequence_parallel": False,
+             "zero_stage": layout.zero_stage}
+    precision = cfg.train.precision
+    cluster = spec = Cluster(device, world_size, 1, device.local_bandwidth)
+    if cfg.train.calibration:
+        cluster = calibration_lib.cluster(calibration_lib.load(cfg.train.calibration),
+                                          precision, world_size, 1, 0.0)
+    best = search.search(planned, cluster, precision, cfg.train.batch_size, fixed=fixed)[0]
+    beside = cfg.train.calibration and search.evaluate(planned, best.layout, best.batch_size,
+                                                       precision, spec, 300e9)
+    return best, cluster, beside or None
+
+
+def _state_plan(lines, counts, layout, device, calibration):
+    """The plan of a model without a declared shape: its state per rank, the rest unknown (a
+    `calibration` file, read, changes none of it)."""
+    params, held, other = counts
+    memory = estimate.state_memory(held, layout)
     memory["parameters"] += 4 * other  # every rank keeps its own statistics
     zero = (f"ZeRO stage {layout.zero_stage} over {layout.partition} rank(s)"
             if layout.zero_stage else "no ZeRO")
+    tensor = f" x {layout.tensor} tensor-parallel ranks" if layout.tensor > 1 else ""
     total = sum(memory.values())
-    lines += [f"layout: {world_size} data-parallel rank(s), {zero}, "
+    lines += [f"layout: {layout.data} data-parallel replica(s){tensor}, {zero}, "
               f"{layout.num_microbatches} micro-batch(es) per step",
               f"state per rank: {_bytes(total)} of {_bytes(device.memory_bytes)} ("
               + ", ".join(f"{k} {_bytes(memory[k])}" for k in STATE) + ")",
@@ -121,6 +187,11 @@ def _state_plan(lines, params, other, layout, device, world_size):
               f"layers, which tfbig cannot read from a model it did not write): declare the "
               f"task's transformer_shape ({', '.join(SHAPE_FIELDS)}) for the planner's "
               f"closed forms"]
+    if calibration:
+        calibration_lib.load(calibration)  # a bad file is refused all the same
+        lines.append(f"calibration: {calibration} changes nothing this plan gives: the state "
+                     f"per rank is counted, not timed; its measured speeds apply to the step "
+                     f"time, which needs the task's transformer_shape")
     return UserPlan("\n".join(lines), params, other, memory, UNKNOWN_WITHOUT_SHAPE)
 
 
