@@ -45,17 +45,21 @@ def held_state_bytes(task, rank, size):
 
 
 def test_tensor_parallel_state_per_rank_is_what_each_split_rank_holds():
-    """--tensor_parallel=2 with own_model.LAYOUT (each block's feed-forward pair: the column
-    Dense's kernel and bias, the row Dense's kernel halved; the row bias and everything else
-    whole): the planned state per rank is the bytes both ranks' split models hold, and data
-    parallelism over the copies (4 ranks: 2 replicas) changes none of it."""
+    """--tensor_parallel=2 with own_model.LAYOUT (halved: the token table, each block's
+    attention query/key/value kernels and biases and output kernel, the feed-forward column
+    Dense's kernel and bias and the row Dense's kernel, the output Dense's kernel and bias;
+    whole: the attention output and row biases, the position table and the LayerNorms): the
+    planned state per rank is the bytes both ranks' split models hold, and data parallelism
+    over the copies (4 ranks: 2 replicas) changes none of it."""
     task = own_model_task(tensor_layout=own_model.LAYOUT)
     config = tfbig.configure(plan_only=True, batch_size=8, strategy="horovod", tensor_parallel=2)
     held = held_state_bytes(task, 0, 2)
     assert held == held_state_bytes(task, 1, 2)
     whole = sum(int(np.prod(v.shape)) for v in own_model.model_fn().trainable_variables)
-    embed, ff = own_model.SIZE["embed_dim"], own_model.SIZE["feed_forward_dim"]
-    split = own_model.SIZE["num_layers"] * (embed * ff + ff + ff * embed)
+    size = own_model.SIZE
+    embed, ff, vocab = size["embed_dim"], size["feed_forward_dim"], size["vocab_size"]
+    block = 3 * (embed * embed + embed) + embed * embed + embed * ff + ff + ff * embed
+    split = vocab * embed + size["num_layers"] * block + embed * vocab + vocab
     for world_size in (2, 4):
         found = api.plan(task, config, plan_device(), world_size=world_size)
         assert found.memory == held, world_size
@@ -68,8 +72,9 @@ def test_tensor_parallel_state_per_rank_is_what_each_split_rank_holds():
 def test_tensor_parallel_plan_refuses_what_training_refuses():
     task = own_model_task(tensor_layout=own_model.LAYOUT)
     config = tfbig.configure(plan_only=True, batch_size=8, strategy="horovod", tensor_parallel=3)
-    with pytest.raises(UsageError, match="--tensor_parallel=3 does not divide the units of "
-                                         "dense=64"):
+    with pytest.raises(UsageError, match=r"--tensor_parallel=3 does not divide "
+                                         r"my_model/token_and_position_embedding/embedding's "
+                                         r"vocabulary \(input_dim\)=32"):
         api.plan(task, config, plan_device(), world_size=3)
     config = tfbig.configure(plan_only=True, batch_size=8, strategy="horovod", tensor_parallel=2)
     with pytest.raises(UsageError, match="= 2 ranks per model copy does not divide the 1 "

@@ -5,8 +5,8 @@ Always known: the built model's variables, counted (`count_variables`), so the w
 gradients and optimizer slots each rank holds under the run's data layout and ZeRO stage
 (`estimate.state_memory`, the closed forms tfbig-train's plan uses). Under --tensor_parallel=T
 (a task that declares its `tensor_layout`) they are counted on rank 0's model as
-tensor_layout.split_declared_model slices it (`count_split`): the declared Dense layers' 1/T,
-every other weight whole. Known only when the task declares its `transformer_shape`
+tensor_layout.split_declared_model slices it (`count_split`): the declared layers' split
+weights 1/T (Dense columns or rows, attention heads, vocabularies), every other weight whole. Known only when the task declares its `transformer_shape`
 ({hidden_size, num_layers, num_heads, seq_length, vocab_size[, intermediate_size]}): the
 activation memory and the step time, from the planner's closed forms for tfbig's GPT of that
 shape (`estimate`; its tensor and context axes for --tensor_parallel and --context_parallel),
