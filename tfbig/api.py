@@ -46,7 +46,9 @@ USER_TASK_REFUSED = {
     "tensor_parallel": (1, "tensor parallelism splits the Dense layers a task declares in "
                            "its tensor_layout ({layer path: 'column' | 'row'}, Task docs); "
                            "this task declares none"),
-    "pipeline_stages": (0, "pipeline stages are cut at tfbig's own families' layer boundaries"),
+    "pipeline_stages": (0, "pipeline stages are cut between the layers a task declares in "
+                           "its pipeline_layers (attribute paths whose composition is the "
+                           "forward, Task docs); this task declares none"),
     "init_checkpoint": ("", "it loads tfbig-convert / tfbig-train runs of tfbig's own models; "
                             "load your weights in build_model"),
 }
@@ -110,20 +112,22 @@ def check_user_flags(config, task=None):
     """Refuse, by flag, what a user task cannot run (USER_TASK_REFUSED); --tensor_parallel
     only once the `task` is known: it runs when the task declares a tensor_layout (without
     the flags of TENSOR_LAYOUT_REFUSED)."""
-    if config.train.strategy == "pipeline":
-        raise UsageError("--strategy=pipeline: " + USER_TASK_REFUSED["pipeline_stages"][1]
-                         + "; use single, horovod, multiworker or mirrored")
     values = {f.name: getattr(getattr(config, s.name), f.name)
               for s in dataclasses.fields(config)
               for f in dataclasses.fields(getattr(config, s.name))}
     declared = bool(task is None or getattr(task, "tensor_layout", None))
+    cut = bool(task is None or getattr(task, "pipeline_layers", None))
+    if config.train.strategy == "pipeline" and not cut:
+        raise UsageError("--strategy=pipeline: " + USER_TASK_REFUSED["pipeline_stages"][1]
+                         + "; use single, horovod, multiworker or mirrored")
     for flag, (unused, why) in USER_TASK_REFUSED.items():
-        if flag == "pipeline_stages" and values[flag] == 1:
-            continue  # one stage: no pipeline
+        if flag == "pipeline_stages" and (values[flag] == 1 or cut):
+            continue  # one stage: no pipeline; declared layers: user_pipeline
         if flag == "tensor_parallel" and declared:
             continue  # a declared layout: tensor_layout.split_declared_model
         if values[flag] != unused:
             raise UsageError(f"--{flag}={values[flag]!r} is refused for a user task: {why}")
+    _check_user_pipeline(config, values)
     if values["plan_only"]:
         for flag, (unused, why) in PLAN_REFUSED.items():
             if values[flag] != unused:
@@ -135,6 +139,16 @@ def check_user_flags(config, task=None):
         if values[flag] != unused:
             raise UsageError(f"--{flag}={values[flag]!r} with --tensor_parallel="
                              f"{values['tensor_parallel']} is refused for a user task: {why}")
+
+
+def _check_user_pipeline(config, values):
+    """Refuse, by flag, what a user task's pipeline (--strategy=pipeline, or
+    --pipeline_stages > 1 under horovod) does not run."""
+    piped = config.train.strategy == "pipeline" or values["pipeline_stages"] > 1
+    if piped and values["tensor_parallel"] != 1:
+        raise UsageError(f"--tensor_parallel={values['tensor_parallel']} with a pipeline is "
+                         "refused for a user task: a declared tensor_layout inside pipeline "
+                         "stages is not built; use one of the two")
 
 
 def _task(task_or_model_fn, loss_fn, dataset_fn, task_options):
@@ -149,7 +163,7 @@ def _task(task_or_model_fn, loss_fn, dataset_fn, task_options):
 
 
 TASK_OPTIONS = ("name", "tokens_per_example", "checkpoint_layers", "metrics_fn",
-                "tensor_layout", "transformer_shape")
+                "tensor_layout", "transformer_shape", "pipeline_layers")
 
 
 def _split(kwargs):
@@ -211,7 +225,7 @@ def train(task_or_model_fn, loss_fn=None, dataset_fn=None, config=None, **kwargs
         config: an ExperimentConfig (default: tfbig-train's defaults).
         **kwargs: tfbig-train flags by name (max_steps=100, strategy="horovod", ...), and with
             a model_fn the Task options name, tokens_per_example, checkpoint_layers, metrics_fn,
-            tensor_layout, transformer_shape.
+            tensor_layout, transformer_shape, pipeline_layers.
     Returns a Run; training again with the same model_dir resumes from its checkpoint. With
     plan_only=True nothing trains: the plan is printed and its UserPlan returned.
     """
