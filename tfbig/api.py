@@ -21,11 +21,14 @@ MiCS groups; or --elastic: ranks may die and join) | multiworker | mirrored, che
 exact resume (run it again), SIGTERM preemption, --precision and loss scaling,
 --grad_accum_steps, --grad_clip_norm, profiling, TensorBoard and the time budget, and
 --tensor_parallel for a task that declares its `tensor_layout` (which Dense layers are column-
-or row-split). --plan_only builds the model,
+or row-split), --strategy=pipeline and --pipeline_stages=K under horovod for a task that
+declares its `pipeline_layers` (the layers whose composition is its forward:
+tfbig.tasks.user_pipeline). --plan_only builds the model,
 counts its variables and returns the plan (tfbig.plan.user: the state per rank; activations
 and step time when the task declares its `transformer_shape`) instead of training. Refused by
 name for a user task (USER_TASK_REFUSED): tensor parallelism without a declared layout,
-pipeline parallelism and --init_checkpoint; with --plan_only (PLAN_REFUSED)
+pipeline parallelism without declared pipeline_layers (and with --tensor_parallel) and
+--init_checkpoint; with --plan_only (PLAN_REFUSED)
 --tensor_parallel, --context_parallel and --calibration.
 """
 import atexit

@@ -17,6 +17,10 @@ subclassed or functional.
 
     summary = tfbig.train(MyTask(), max_steps=100, batch_size=32, model_dir="runs/mine")
 
+A task that declares its `tensor_layout` or `pipeline_layers` (data: which Dense layers are
+split, between which layers the stages are cut) also runs under --tensor_parallel, and under
+--strategy=pipeline or --pipeline_stages=K (tfbig.tasks.user_pipeline).
+
 `UserTask` adapts a `Task` to what the Trainer reads of tfbig's own tasks (tasks.gpt); its
 `preflight` refuses, before anything is written to the run directory, a model built outside
 the backend's scope, a loss that is not a float scalar and batches of the wrong size.
@@ -453,6 +457,13 @@ class UserTask:
         if training and start:
             dataset = dataset.skip(start // (batch_size * count))
         return dataset
+
+    def first_batch(self, rows=2):
+        """The first flat training batch of `rows` rows (one replica of one)."""
+        dataset = self._user_dataset(DataShard("train", rows))
+        if dataset is None:
+            raise UsageError(f"{self.user_name}.dataset returned None for the 'train' split")
+        return next(iter(dataset.take(1)))
 
     def count_records(self, split):
         """Examples in the evaluation dataset of `split` (None: the task has none)."""

@@ -133,28 +133,25 @@ def _check_weights(model, layers, owner):
 def _check_composition(task, model, layers):
     """The layers called in order on the first training batch's inputs give the model's
     outputs (inference mode), and the loss of those outputs is a float scalar."""
-    from tfbig.tasks.user import DataShard, check_loss
-
-    dataset = task._user_dataset(DataShard("train", 2))
-    if dataset is None:
-        raise UsageError(f"{task.user_name}.dataset returned None for the 'train' split")
-    inputs, targets = task.unflatten(next(iter(dataset.take(1))))
+    batch = task.first_batch()
+    inputs = task.model_inputs(batch)
     expected = model(inputs, training=False)
     x = inputs
     for name, layer in layers:
         try:
             x = layer(x, training=False)
         except Exception as error:  # the user's layer on the previous one's output
-            raise UsageError(f"{task.user_name}.pipeline_layers: {name!r} fails on the output "
-                             f"of the layer before it ({type(error).__name__}: {error}); the "
-                             "layers, called in order, must compute the model's forward") from error
+            raise UsageError(
+                f"{task.user_name}.pipeline_layers: {name!r} fails on the output of the layer "
+                f"before it ({type(error).__name__}: {error}); the layers, called in order, "
+                "must compute the model's forward") from error
     same = _same_values(expected, x)
     if same is not True:
         raise UsageError(f"{task.user_name}.pipeline_layers {[n for n, _ in layers]}: called in "
                          f"order on the first batch they do not give the model's outputs "
                          f"({same}); list every layer of the forward in order, and keep the "
                          "model's call to exactly that composition")
-    check_loss(task.user.loss(targets, x), task.user_name)
+    task.loss_from_outputs(x, batch)  # a float scalar, or refused by name
 
 
 def _same_values(expected, got):
