@@ -4,8 +4,8 @@ layers, against one process on the same global batches (fp32; clipping at 0.5 ac
 each step's loss, the first update's gradient of every weight and the trained weights
 (tests/equality.py's rule).
 
-Default run: --strategy=pipeline over 2 logical CPU devices (1F1B, 2 micro-batches) and the
-refusals, each before anything is
+Default run: --strategy=pipeline over 2 logical CPU devices (1F1B, 2 micro-batches; the
+validation loss too) and the refusals, each before anything is
 written. Slow (a launch each): the cross-rank pipeline on `horovodrun -np 2` (PP2, 1F1B,
 stopped after 2 steps and resumed from its stage checkpoints) and on 4 ranks (PP2 x DP2,
 GPipe with each stage recomputed in the backward).
@@ -44,13 +44,8 @@ CROSS_RANK = {  # name: (flags, ranks, data-parallel replicas, interrupt_at)
 }
 
 
-def training_only(shard):
-    """own_model's training batches, no validation split (no evaluation: faster tests)."""
-    return own_model.dataset_fn(shard) if shard.split == "train" else None
-
-
 def task(**options):
-    return FunctionTask(own_model.model_fn, own_model.loss_fn, training_only,
+    return FunctionTask(own_model.model_fn, own_model.loss_fn, own_model.dataset_fn,
                         name="own_model", **{"pipeline_layers": own_model.PIPELINE, **options})
 
 
@@ -62,13 +57,13 @@ def one_process(tmp_path_factory):
 
 
 def reference(root):
-    """One process on STEPS: (each step's loss, RecordedGradients)."""
+    """One process on STEPS: (each step's loss, RecordedGradients, validation metrics)."""
     config = configure(model_dir=str(root), **STEPS)
     trainer = Trainer(config, task=UserTask(task()),
                       logger=LossRecorder(str(root), True, STEPS["max_steps"]))
     recorded = RecordedGradients(trainer)
-    trainer.fit()
-    return trainer.logger.losses, recorded
+    summary = trainer.fit()
+    return trainer.logger.losses, recorded, summary["eval"]
 
 
 def assert_first_gradients(ours, recorded, name):
@@ -82,11 +77,13 @@ def assert_first_gradients(ours, recorded, name):
 def test_my_model_in_two_stages_with_microbatches_equals_one_process(tmp_path, capsys,
                                                                      one_process):
     flags = dict(strategy="pipeline", pipeline_stages=2, num_microbatches=2, schedule="1f1b")
-    losses, recorded = one_process
+    losses, recorded, evaluation = one_process
     config = configure(model_dir=str(tmp_path / "pipe"), **STEPS, **flags)
     trainer = _trainer(task(), config, recorder=True)
     ours = RecordedGradients(trainer)
-    trainer.fit()
+    summary = trainer.fit()
+    # the validation split through the stages: the task's per-example losses, gathered
+    assert summary["eval"]["loss"] == pytest.approx(evaluation["loss"], rel=1e-5)
     plan = capsys.readouterr().out
     assert "embedding_layer..transformer_blocks.0" in plan and "activations unknown" in plan
     devices = {v.value.device[-5:] for v in trainer.model.trainable_variables}
@@ -107,7 +104,7 @@ def train_refused(tmp_path, options=None, **flags):
         check_user_flags(config, chosen)
         _trainer(chosen, config)
     assert not model_dir.exists()
-    return str(error.value)
+    return str(error.value)  # (a task declaring none: tests/test_api.py)
 
 
 class Skipping(own_model.MyModel):
@@ -126,9 +123,6 @@ def skipping_model():
 
 
 @pytest.mark.parametrize("options,flags,message", [
-    ({"pipeline_layers": ()}, {}, "declares none"),
-    ({"pipeline_layers": ()}, {"strategy": "horovod", "pipeline_stages": 2},
-     "--pipeline_stages=2 is refused for a user task"),
     ({"pipeline_layers": ("embedding_layer", "blocks.*", "output_layer")}, {},
      "'blocks.*' names no layer of MyModel (no attribute 'blocks')"),
     ({"pipeline_layers": ("embedding_layer", "transformer_blocks.0", "output_layer")}, {},
@@ -138,7 +132,7 @@ def skipping_model():
     ({"pipeline_layers": own_model.PIPELINE, "tensor_layout": own_model.LAYOUT},
      {"tensor_parallel": 2},
      "--tensor_parallel=2 with a pipeline is refused"),
-], ids=["none-in-process", "none-cross-rank", "no-such-layer", "weight-in-none", "shared",
+], ids=["no-such-layer", "weight-in-none", "shared",
         "with-tensor-parallel"])
 def test_a_pipeline_the_task_does_not_declare_correctly_is_refused(tmp_path, options, flags,
                                                                    message):
@@ -188,12 +182,13 @@ def test_my_model_in_stages_on_horovod_ranks_equals_one_process(tmp_path, one_pr
     steps and resumes from its stage checkpoints."""
     flags, ranks, replicas, interrupt_at = CROSS_RANK[name]
     results = launch(tmp_path, name)
-    losses, recorded = one_process
+    losses, recorded, evaluation = one_process
     by_stage = {}
     for result in results:
         assert int(result["num_replicas"]) == replicas and int(result["step"]) == 4
         assert int(result["restored_step"]) == (interrupt_at or -1)
         np.testing.assert_allclose(result["losses"], losses, rtol=1e-5, err_msg=name)
+        assert float(result["eval_loss"]) == pytest.approx(evaluation["loss"], rel=1e-5)
         paths = [str(p) for p in result["paths"]]
         assert_first_gradients({p: result[f"g{i}"] for i, p in enumerate(paths)}, recorded,
                                name)

@@ -8,7 +8,7 @@ PLAN_JSON: [{"name", "flags": {tfbig-train flag: value}, "model_dir", "out",
 "interrupt_at": steps (optional: stop there, then resume from the stage checkpoints)}].
 Each rank writes OUT/NAME.rankR.npz: its stage and data index, the paths and trained values
 of the weights it holds, their first update's gradients (averaged over the data group),
-each logged step's loss, the step it resumed from.
+each logged step's loss, the validation loss, the step it resumed from.
 """
 import json
 import os
@@ -46,11 +46,12 @@ def train(scenario):
         losses = list(trainer.logger.losses)
         trainer = _trainer(task(), config, recorder=True)  # resumes from its stage checkpoint
         arrays["restored_step"] = int(trainer.step.numpy())
-        trainer.fit()
+        summary = trainer.fit()
         losses += trainer.logger.losses
     else:
-        trainer.fit()
+        summary = trainer.fit()
         first, losses = recorded.gradients()[0], trainer.logger.losses
+    arrays["eval_loss"] = summary["eval"]["loss"]
     strategy = trainer.strategy
     held = trainer.model.trainable_variables
     arrays.update({f"w{i}": v.numpy() for i, v in enumerate(held)})
