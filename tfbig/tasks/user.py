@@ -501,8 +501,8 @@ class UserTask:
         (traced on the first batch's shapes, nothing run) before the run directory is written.
         The declared tensor_layout is checked against the model under every backend.
         Prediction reads no training batches and needs no loss: nothing else to check."""
-        if self.tensor_layout:
-            self.declared_layout(model)
+        if self.tensor_layout:  # (a pipeline rank's stage: on its whole Keras model)
+            self.declared_layout(model if isinstance(model, keras.Model) else model.model)
         if self.predicting:
             return
         rows = grad_accum_steps * micro_batch
