@@ -161,6 +161,37 @@ def test_layers_that_do_not_compose_to_the_forward_are_refused(tmp_path):
     assert not model_dir.exists()
 
 
+class Normalised(own_model.keras.Model):
+    """Embedding, BatchNormalization, Dense: the statistics are non-trainable state."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        layers = own_model.layers
+        self.embedding = layers.Embedding(own_model.SIZE["vocab_size"], 8)
+        self.norm = layers.BatchNormalization()
+        self.head = layers.Dense(own_model.SIZE["vocab_size"])
+
+    def call(self, inputs, training=None):
+        return self.head(self.norm(self.embedding(inputs), training=training))
+
+
+def normalised_model():
+    model = Normalised()
+    model(np.zeros((1, own_model.SIZE["maxlen"]), np.int32))
+    return model
+
+
+def test_a_layer_with_non_trainable_state_is_refused(tmp_path):
+    model_dir = tmp_path / "run"
+    config = configure(model_dir=str(model_dir), **STEPS, strategy="pipeline",
+                       num_microbatches=2)
+    chosen = FunctionTask(normalised_model, own_model.loss_fn, own_model.dataset_fn,
+                          pipeline_layers=("embedding", "norm", "head"))
+    with pytest.raises(UsageError, match="'norm' keeps non-trainable state"):
+        _trainer(chosen, config)
+    assert not model_dir.exists()
+
+
 def launch(tmp_path, name):
     flags, ranks, _, interrupt_at = CROSS_RANK[name]
 

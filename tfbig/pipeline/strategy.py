@@ -166,7 +166,7 @@ class PipelineStrategy(Strategy):
         if names != [spec.name for spec in specs]:
             raise ValueError(f"tfbig/pipeline/layers.py: layer names {names} differ from the "
                              f"cost model's {[spec.name for spec in specs]}")
-        self._check_placement()
+        self._check_placement(task)
         self.model, self.task = model, task
         if self.cfg is not None:  # fail before any graph is built; print the plan
             micro = microbatch_size(self.cfg.train.batch_size // self.num_replicas,
@@ -175,15 +175,19 @@ class PipelineStrategy(Strategy):
                 print(self.describe(micro * task.seq_length), flush=True)
         return model
 
-    def _check_placement(self):
+    def _check_placement(self, task):
         for stage in self.plan:
             for layer in self.layers[stage.start:stage.stop]:
                 for v in (v for m in layer.modules for v in m.trainable_variables):
                     if not same_device(v.value.device, self.devices[stage.index]):
+                        why = ("the task's build_model created its weights in another order "
+                               "than its first build (it must build the same model each "
+                               "time)" if getattr(task, "placed", None) else
+                               "its layer's name scopes in tfbig/pipeline/layers.py do not "
+                               "match the model's")
                         raise RuntimeError(
                             f"{v.path} of stage {stage.index} was created on {v.value.device}, "
-                            f"not {self.devices[stage.index]}: its layer's name scopes in "
-                            f"tfbig/pipeline/layers.py do not match the model's")
+                            f"not {self.devices[stage.index]}: {why}")
 
     def describe(self, micro_batch_tokens):
         """The plan as a table (layers, parameters, est. memory per stage)."""
