@@ -11,6 +11,8 @@ writes, and every tfbig-train flag applies (--strategy, --zero_stage, --precisio
         --model_dir=/tmp/own2 --max_steps=50
     ... --strategy=horovod --zero_stage=3 --shard_degree=2   # ZeRO-3 over MiCS groups of 2
     ... --strategy=horovod --tensor_parallel=2   # heads, vocabulary and FFNs split (LAYOUT)
+    ... --strategy=horovod --pipeline_stages=2   # MyModel cut between the layers of PIPELINE
+    python examples/own_model.py --strategy=pipeline --num_microbatches=4   # 2 CPU devices
     python examples/own_model.py --plan_only     # memory per rank and step time, no training
 """
 import json
@@ -117,6 +119,11 @@ LAYOUT = {"embedding_layer.token_emb": "vocab",
           "output_layer": "vocab"}
 
 
+# Where --strategy=pipeline and --pipeline_stages=K may cut MyModel, as data: the layers whose
+# calls in this order are its forward (the embedding, each block, the vocabulary projection).
+PIPELINE = ("embedding_layer", "transformer_blocks.*", "output_layer")
+
+
 # What --plan_only reads of MyModel: the sizes of the transformer it is (tfbig's planner then
 # gives its activation memory and step time by the closed forms of tfbig's GPT of that shape).
 SHAPE = dict(hidden_size=SIZE["embed_dim"], num_layers=SIZE["num_layers"],
@@ -171,7 +178,7 @@ def main(argv):
     run = tfbig.train(model_fn, loss_fn, dataset_fn, tfbig.config_from_flags(flags.FLAGS),
                       name="own_model", tokens_per_example=SIZE["maxlen"],
                       checkpoint_layers=("transformer_blocks.*",), tensor_layout=LAYOUT,
-                      transformer_shape=SHAPE)
+                      pipeline_layers=PIPELINE, transformer_shape=SHAPE)
     if flags.FLAGS.plan_only:  # tfbig.train printed the plan; nothing trained
         return
     if run.trainer.strategy.is_chief:

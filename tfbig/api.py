@@ -22,15 +22,18 @@ exact resume (run it again), SIGTERM preemption, --precision and loss scaling,
 --grad_accum_steps, --grad_clip_norm, profiling, TensorBoard and the time budget, and
 --tensor_parallel for a task that declares its `tensor_layout` (which Dense layers are
 column- or row-split, which attention layers split their heads, which embedding and output
-layer their vocabulary). --plan_only builds the model,
+layer their vocabulary), --strategy=pipeline and --pipeline_stages=K under horovod for a task
+that declares its `pipeline_layers` (the layers whose composition is its forward:
+tfbig.tasks.user_pipeline). --plan_only builds the model,
 counts its variables and returns the plan (tfbig.plan.user: the state per rank, under
 --tensor_parallel counted on a rank's slices of the declared layout; activations and step time
 when the task declares its `transformer_shape`, with --tensor_parallel and --context_parallel
 by the planner's closed forms and with --calibration beside the spec figures) instead of
 training. `consolidate_run` writes a ZeRO or tensor-parallel run of a task as one
 single-device checkpoint. Refused by name for a user task (USER_TASK_REFUSED): tensor
-parallelism without a declared layout, pipeline parallelism and --init_checkpoint; with
---plan_only and no transformer_shape (PLAN_REFUSED) --context_parallel.
+parallelism without a declared layout, pipeline parallelism without declared pipeline_layers
+(and with --tensor_parallel) and --init_checkpoint; with --plan_only and no transformer_shape
+(PLAN_REFUSED) --context_parallel.
 """
 import atexit
 import copy
@@ -50,7 +53,9 @@ USER_TASK_REFUSED = {
     "tensor_parallel": (1, "tensor parallelism splits the layers a task declares in its "
                            "tensor_layout ({layer path: 'column' | 'row' | 'heads' | "
                            "'vocab'}, Task docs); this task declares none"),
-    "pipeline_stages": (0, "pipeline stages are cut at tfbig's own families' layer boundaries"),
+    "pipeline_stages": (0, "pipeline stages are cut between the layers a task declares in "
+                           "its pipeline_layers (attribute paths whose composition is the "
+                           "forward, Task docs); this task declares none"),
     "init_checkpoint": ("", "it loads tfbig-convert / tfbig-train runs of tfbig's own models; "
                             "load your weights in build_model"),
 }
@@ -113,22 +118,24 @@ TENSOR_LAYOUT_REFUSED = {
 def check_user_flags(config, task=None):
     """Refuse, by flag, what a user task cannot run (USER_TASK_REFUSED); once the `task` is
     known, --tensor_parallel unless it declares a tensor_layout (and then the flags of
-    TENSOR_LAYOUT_REFUSED with it), and with --plan_only PLAN_REFUSED unless it declares a
-    transformer_shape."""
-    if config.train.strategy == "pipeline":
-        raise UsageError("--strategy=pipeline: " + USER_TASK_REFUSED["pipeline_stages"][1]
-                         + "; use single, horovod, multiworker or mirrored")
+    TENSOR_LAYOUT_REFUSED with it), a pipeline unless it declares pipeline_layers, and with
+    --plan_only PLAN_REFUSED unless it declares a transformer_shape."""
     values = {f.name: getattr(getattr(config, s.name), f.name)
               for s in dataclasses.fields(config)
               for f in dataclasses.fields(getattr(config, s.name))}
     declared = bool(task is None or getattr(task, "tensor_layout", None))
+    cut = bool(task is None or getattr(task, "pipeline_layers", None))
+    if config.train.strategy == "pipeline" and not cut:
+        raise UsageError("--strategy=pipeline: " + USER_TASK_REFUSED["pipeline_stages"][1]
+                         + "; use single, horovod, multiworker or mirrored")
     for flag, (unused, why) in USER_TASK_REFUSED.items():
-        if flag == "pipeline_stages" and values[flag] == 1:
-            continue  # one stage: no pipeline
+        if flag == "pipeline_stages" and (values[flag] == 1 or cut):
+            continue  # one stage: no pipeline; declared layers: user_pipeline
         if flag == "tensor_parallel" and declared:
             continue  # a declared layout: tensor_layout.split_declared_model
         if values[flag] != unused:
             raise UsageError(f"--{flag}={values[flag]!r} is refused for a user task: {why}")
+    _check_user_pipeline(config, values)
     if values["plan_only"] and task is not None and \
             getattr(task, "transformer_shape", None) is None:
         for flag, (unused, why) in PLAN_REFUSED.items():
@@ -143,6 +150,16 @@ def check_user_flags(config, task=None):
                              f"{values['tensor_parallel']} is refused for a user task: {why}")
 
 
+def _check_user_pipeline(config, values):
+    """Refuse, by flag, what a user task's pipeline (--strategy=pipeline, or
+    --pipeline_stages > 1 under horovod) does not run."""
+    piped = config.train.strategy == "pipeline" or values["pipeline_stages"] > 1
+    if piped and values["tensor_parallel"] != 1:
+        raise UsageError(f"--tensor_parallel={values['tensor_parallel']} with a pipeline is "
+                         "refused for a user task: a declared tensor_layout inside pipeline "
+                         "stages is not built; use one of the two")
+
+
 def _task(task_or_model_fn, loss_fn, dataset_fn, task_options):
     if isinstance(task_or_model_fn, Task):
         if loss_fn or dataset_fn or task_options:
@@ -155,7 +172,7 @@ def _task(task_or_model_fn, loss_fn, dataset_fn, task_options):
 
 
 TASK_OPTIONS = ("name", "tokens_per_example", "checkpoint_layers", "metrics_fn",
-                "tensor_layout", "transformer_shape")
+                "tensor_layout", "transformer_shape", "pipeline_layers")
 
 
 def _split(kwargs):
@@ -217,7 +234,7 @@ def train(task_or_model_fn, loss_fn=None, dataset_fn=None, config=None, **kwargs
         config: an ExperimentConfig (default: tfbig-train's defaults).
         **kwargs: tfbig-train flags by name (max_steps=100, strategy="horovod", ...), and with
             a model_fn the Task options name, tokens_per_example, checkpoint_layers, metrics_fn,
-            tensor_layout, transformer_shape.
+            tensor_layout, transformer_shape, pipeline_layers.
     Returns a Run; training again with the same model_dir resumes from its checkpoint. With
     plan_only=True nothing trains: the plan is printed and its UserPlan returned.
     """

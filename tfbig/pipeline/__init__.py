@@ -1,6 +1,7 @@
 """Pipeline parallelism, written by hand: a model cut into stages on several devices.
 
-    layers.py      the model as a sequence of cut-able layers, with their costs (per family)
+    layers.py      the model as a sequence of cut-able layers (per family, or as a user task
+                   declares them: tfbig.tasks.user_pipeline)
     partition.py   stage boundaries (balanced or given) and the printed plan
     devices.py     one device per stage: GPUs, else logical CPU devices
     stages.py      a stage: forward/backward of one micro-batch, gradients summed

@@ -37,7 +37,8 @@ With --tensor_parallel=T each stage is also split over T ranks (tfbig.pipeline.t
 GPT, ALBERT and BERT, with or without --sequence_parallel). Not built (refused before
 training): --zero_stage, --shard_degree, --elastic, --offload_activations with
 --pipeline_stages > 1. GPT, ALBERT (its shared block and tied word table are weights used by
-several stages) and BERT.
+several stages), BERT, and a user task that declares its `pipeline_layers`
+(tfbig.tasks.user_pipeline; not with --tensor_parallel).
 
 Example (2 stages x 2 data-parallel replicas):
     horovodrun -np 4 -H localhost:4 --gloo tfbig-train --strategy=horovod --pipeline_stages=2 \\

@@ -7,6 +7,10 @@ balance the stages) is the planner's `LayerSpec` (tfbig.plan.models.layer_specs,
 tfbig-train and tfbig-plan cut a model by the same costs. The model itself stays unaware of
 all this.
 
+A user task declares its layers as data instead (`Task.pipeline_layers`, attribute paths of the
+layers whose composition is its forward; tfbig.tasks.user_pipeline checks them and counts their
+costs) and hands them over as `task.pipe_layers(model)`.
+
 GPT is `embedding, block_0 .. block_{L-1}, head` where `head` is the final LayerNorm and the
 vocabulary projection (`model.logits`); with tied embeddings the head also reads the token table
 that lives with the embedding on the first stage. ALBERT is `embedding, layer_0 .. layer_{L-1},
@@ -181,8 +185,13 @@ FAMILIES = {  # model class: its layer sequence
 }
 
 
-def layer_sequence(model):
-    """The model as a list of PipeLayers, in the order activations flow."""
+def layer_sequence(model, task=None):
+    """The model as a list of PipeLayers, in the order activations flow: a family's (FAMILIES)
+    or those the task declares (`task.pipe_layers(model)`: [(name, call, modules)], a user
+    task's pipeline_layers, tfbig.tasks.user_pipeline)."""
+    declared = getattr(task, "pipe_layers", None)
+    if declared is not None:
+        return [PipeLayer(name, call, modules) for name, call, modules in declared(model)]
     for cls, layers in FAMILIES.items():
         if isinstance(model, cls):
             return layers(model)

@@ -125,9 +125,12 @@ def format_plan(plan, devices, memory):
     for stage, device, mem in zip(plan, devices, memory):
         layers = (stage.layer_names[0] if len(stage.layer_names) == 1 else
                   f"{stage.layer_names[0]}..{stage.layer_names[-1]} ({len(stage.layer_names)})")
+        row = (f"{stage.index:<6}{device:<17}{layers:<26}{_human(stage.params):>9}"
+               f"{stage.flops_per_token / total_flops:>7.0%}")
+        if mem["activations"] is None:  # a user model: state counted, activations unknown
+            rows.append(row + f"{_human(mem['state'], 'B'):>14} + activations unknown")
+            continue
         total = mem["state"] + mem["activations"]
-        rows.append(f"{stage.index:<6}{device:<17}{layers:<26}{_human(stage.params):>9}"
-                    f"{stage.flops_per_token / total_flops:>7.0%}"
-                    f"{_human(total, 'B'):>14} = {_human(mem['state'], 'B')} + "
+        rows.append(row + f"{_human(total, 'B'):>14} = {_human(mem['state'], 'B')} + "
                     f"{_human(mem['activations'], 'B')}")
     return "\n".join(rows)

@@ -6,6 +6,10 @@ empty placeholder (0 bytes; its initializer never runs, so the weights this stag
 the single-device initial values) and returns a `StageModel`: the variables this rank holds,
 under the model's name, which is all the trainer reads (optimizer, checkpoint, broadcast).
 
+A user task (`builds_whole_model`: its own build may run the model, which empty weights would
+not survive) builds every weight, and the stage holds, saves and updates only its own: the
+optimizer slots and gradients are the stage's, the other weights only take memory.
+
 A stage also holds a copy of every weight it reads but another stage owns (GPT's tied token
 table on the last stage, ALBERT's shared blocks and word table): the copies start equal, their
 gradients are summed over the stages using them, so they stay equal. Global norms count each
@@ -95,9 +99,15 @@ def build_stage_model(task, plan, specs, stage_index, device, build=None):
     one building its tensor rank's slices: tfbig.pipeline.tensor_stage)."""
     every, mine = held_scopes(specs, plan, stage_index)
     placeholders = set()
-    with tf.device(device), hold_only(every, mine, placeholders):
+    whole = getattr(task, "builds_whole_model", False)
+    with tf.device(device), (contextlib.nullcontext() if whole else
+                             hold_only(every, mine, placeholders)):
         model = (build or task.build_model)()
-    layers = layer_sequence(model)
+    if whole:  # a user task: its specs' scopes are weight paths; the others' are dropped
+        every, mine = set(every), set(mine)
+        placeholders = {id(v.value) for v in model.variables
+                        if v.path in every and v.path not in mine}
+    layers = layer_sequence(model, task)
     names = [layer.name for layer in layers]
     if names != [spec.name for spec in specs]:
         raise ValueError(f"tfbig/pipeline/layers.py: layer names {names} differ from the "

@@ -61,7 +61,11 @@ def split_microbatches(batch, num_microbatches, batch_axes=1):
 
 def stage_memory(task, plan, options, micro_batch_tokens, precision="fp32"):
     """Per stage of `plan`, tfbig-plan's bytes ({"state", "activations"}: estimate.stage_table)
-    of `task`'s model under the pipeline `options` with micro-batches of `micro_batch_tokens`."""
+    of `task`'s model under the pipeline `options` with micro-batches of `micro_batch_tokens`.
+    A user task's (declared pipe_layers): the fp32 state of its counted weights (weights,
+    gradients, Adam's two slots: 16 bytes each), activations unknown (None)."""
+    if getattr(task, "pipe_layers", None) is not None:  # a user model: no activation model
+        return [{"state": 16 * stage.params, "activations": None} for stage in plan]
     masked = getattr(task, "max_predictions_per_seq", None)
     config = task.model_config
     shape = plan_models.shape_of(config, plan_models.family_of(config), task.seq_length, masked)
@@ -85,11 +89,18 @@ def task_layer_specs(task):
                        getattr(task, "max_predictions_per_seq", None))
 
 
-@contextlib.contextmanager
-def place_variables(plan, specs, devices):
-    """Create each layer's variables on the device of its stage (matched by Keras name scope)."""
+def place_variables(plan, specs, devices, task=None):
+    """A context creating each layer's variables on the device of its stage: matched by Keras
+    name scope, or by weight path where the task places them itself (`task.placed`: a user
+    task, whose build creates its weights in a name scope of its own)."""
     owner = {scope: devices[stage.index] for stage in plan
              for spec in specs[stage.start:stage.stop] for scope in spec.scopes}
+    placed = getattr(task, "placed", None)
+    return placed(owner) if placed is not None else _placed_by_scope(owner)
+
+
+@contextlib.contextmanager
+def _placed_by_scope(owner):
 
     def creator(next_creator, **kwargs):
         parts = tf.get_current_name_scope().split("/")
@@ -148,14 +159,14 @@ class PipelineStrategy(Strategy):
         specs = task_layer_specs(task)
         self.plan = partition_lib.partition(specs, o.pipeline_stages, o.stage_boundaries,
                                             o.pipeline_balance)
-        with place_variables(self.plan, specs, self.devices):
+        with place_variables(self.plan, specs, self.devices, task):
             model = task.build_model()
-        self.layers = layer_sequence(model)
+        self.layers = layer_sequence(model, task)
         names = [layer.name for layer in self.layers]
         if names != [spec.name for spec in specs]:
             raise ValueError(f"tfbig/pipeline/layers.py: layer names {names} differ from the "
                              f"cost model's {[spec.name for spec in specs]}")
-        self._check_placement()
+        self._check_placement(task)
         self.model, self.task = model, task
         if self.cfg is not None:  # fail before any graph is built; print the plan
             micro = microbatch_size(self.cfg.train.batch_size // self.num_replicas,
@@ -164,15 +175,19 @@ class PipelineStrategy(Strategy):
                 print(self.describe(micro * task.seq_length), flush=True)
         return model
 
-    def _check_placement(self):
+    def _check_placement(self, task):
         for stage in self.plan:
             for layer in self.layers[stage.start:stage.stop]:
                 for v in (v for m in layer.modules for v in m.trainable_variables):
                     if not same_device(v.value.device, self.devices[stage.index]):
+                        why = ("the task's build_model created its weights in another order "
+                               "than its first build (it must build the same model each "
+                               "time)" if getattr(task, "placed", None) else
+                               "its layer's name scopes in tfbig/pipeline/layers.py do not "
+                               "match the model's")
                         raise RuntimeError(
                             f"{v.path} of stage {stage.index} was created on {v.value.device}, "
-                            f"not {self.devices[stage.index]}: its layer's name scopes in "
-                            f"tfbig/pipeline/layers.py do not match the model's")
+                            f"not {self.devices[stage.index]}: {why}")
 
     def describe(self, micro_batch_tokens):
         """The plan as a table (layers, parameters, est. memory per stage)."""

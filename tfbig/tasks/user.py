@@ -17,6 +17,10 @@ subclassed or functional.
 
     summary = tfbig.train(MyTask(), max_steps=100, batch_size=32, model_dir="runs/mine")
 
+A task that declares its `tensor_layout` or `pipeline_layers` (data: which Dense layers are
+split, between which layers the stages are cut) also runs under --tensor_parallel, and under
+--strategy=pipeline or --pipeline_stages=K (tfbig.tasks.user_pipeline).
+
 `UserTask` adapts a `Task` to what the Trainer reads of tfbig's own tasks (tasks.gpt); its
 `preflight` refuses, before anything is written to the run directory, a model built outside
 the backend's scope, a loss that is not a float scalar and batches of the wrong size.
@@ -25,6 +29,7 @@ import collections
 import contextlib
 import dataclasses
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -79,6 +84,17 @@ class Task:
             the ids it holds, the ranks' rows summed; or the output Dense keeps 1/T of its
             vocabulary columns and its logits are gathered whole for `loss`). T must divide
             the units, heads and vocabulary split. Empty: --tensor_parallel is refused by name.
+        pipeline_layers: attribute paths below the model, in order, of the layers whose
+            sequential composition is the model's forward (`("embedding", "blocks.*",
+            "head")`: model.embedding, every element of model.blocks, model.head, each
+            called on the previous one's output, the first on the batch's inputs, the last
+            giving the outputs the loss reads). `--strategy=pipeline` and
+            `--pipeline_stages=K` under --strategy=horovod cut the model between them
+            (`--stage_boundaries` names them "blocks.1" ...). Checked on the first batch
+            before anything is written: every path names a layer, the composition gives the
+            model's outputs, each trainable weight belongs to exactly one layer (no weight
+            shared between layers), no layer keeps non-trainable state besides dropout seeds.
+            Empty: those flags are refused by name.
         transformer_shape: for `--plan_only`, the sizes of a transformer the model is, as
             {"hidden_size", "num_layers", "num_heads", "seq_length", "vocab_size"} and
             optionally "intermediate_size" (default 4 x hidden_size): the plan then gives the
@@ -91,6 +107,7 @@ class Task:
     tokens_per_example = 1
     checkpoint_layers = ()
     tensor_layout = {}
+    pipeline_layers = ()
     transformer_shape = None
 
     def build_model(self):
@@ -131,8 +148,9 @@ class FunctionTask(Task):
 
     def __init__(self, model_fn, loss_fn=None, dataset_fn=None, name="task", tokens_per_example=1,
                  checkpoint_layers=(), metrics_fn=None, tensor_layout=None,
-                 transformer_shape=None):
+                 transformer_shape=None, pipeline_layers=()):
         self.model_fn, self.loss_fn, self.dataset_fn = model_fn, loss_fn, dataset_fn
+        self.pipeline_layers = tuple(pipeline_layers)
         self.name, self.tokens_per_example = name, tokens_per_example
         self.checkpoint_layers, self.metrics_fn = tuple(checkpoint_layers), metrics_fn
         self.tensor_layout = dict(tensor_layout or {})
@@ -348,6 +366,7 @@ class UserTask:
         self.seq_length = int(task.tokens_per_example)
         self.manifest = _Examples(self)
         self.structure = None  # the (inputs, targets) nest of the batches, from the first dataset
+        self._described = None  # (LayerSpecs, variable creation order) of pipeline_layers
 
     # ---- the model -----------------------------------------------------------------------------
     def build_model(self):
@@ -393,6 +412,58 @@ class UserTask:
         """[(layer, kind)] the task's tensor_layout names in `model` (declared_layout)."""
         return declared_layout(model, self.tensor_layout, self.user_name)
 
+    # ---- the pipeline: the layers the task declares (tfbig.tasks.user_pipeline) -----------------
+    # A stage rank builds the whole model, then holds its stage's weights (no placeholders:
+    # a user's build may run the model, which empty weights would not survive).
+    builds_whole_model = True
+
+    def _pipeline(self):
+        if not self.user.pipeline_layers:
+            raise UsageError(f"{self.user_name} declares no pipeline_layers: pipeline "
+                             "parallelism needs them (Task docs)")
+        if self._described is None:
+            from tfbig.tasks import user_pipeline
+
+            self._described = user_pipeline.describe(self)
+        return self._described
+
+    def layer_specs(self):
+        """The LayerSpecs the pipeline cuts the model by (one per declared layer)."""
+        return self._pipeline()[0]
+
+    def pipe_layers(self, model):
+        """[(name, call(x, training), [layer])] of the declared layers of `model`."""
+        from tfbig.tasks import user_pipeline
+
+        return [(name, _layer_call(layer), [layer]) for name, layer in
+                user_pipeline.named_layers(model, self.user.pipeline_layers, self.user_name)]
+
+    def placed(self, device_of):
+        """A context in which build_model creates each weight on `device_of[its path]`."""
+        from tfbig.tasks import user_pipeline
+
+        return user_pipeline.placed_by_order(self._pipeline()[1], device_of)
+
+    def model_inputs(self, batch):
+        return self.unflatten(batch)[0]
+
+    def loss_from_outputs(self, outputs, batch):
+        """(float32 loss, {"loss": loss}) of the model's outputs on a flat batch; 0 when
+        predicting (a pipeline's last stage asks for it; predict needs no loss_fn)."""
+        if self.predicting:
+            zero = tf.constant(0.0)
+            return zero, {"loss": zero}
+        loss = self.user.loss(self.unflatten(batch)[1], outputs)
+        check_loss(loss, self.user_name)
+        loss = tf.cast(loss, tf.float32)
+        return loss, {"loss": loss}
+
+    def validation_outputs(self, outputs, batch):
+        """What validation_step gives, from the model's outputs on a flat batch."""
+        if self.predicting:
+            return outputs if isinstance(outputs, dict) else {"outputs": outputs}
+        return self.user.validation_outputs(self.unflatten(batch)[1], outputs)
+
     # ---- batches ---------------------------------------------------------------------------------
     def _user_dataset(self, shard):
         dataset = self.user.dataset(shard)
@@ -430,6 +501,13 @@ class UserTask:
             dataset = dataset.skip(start // (batch_size * count))
         return dataset
 
+    def first_batch(self, rows=2):
+        """The first flat training batch of `rows` rows (one replica of one)."""
+        dataset = self._user_dataset(DataShard("train", rows))
+        if dataset is None:
+            raise UsageError(f"{self.user_name}.dataset returned None for the 'train' split")
+        return next(iter(dataset.take(1)))
+
     def count_records(self, split):
         """Examples in the evaluation dataset of `split` (None: the task has none)."""
         dataset = self._user_dataset(DataShard(split, 256, training=False))
@@ -451,11 +529,7 @@ class UserTask:
         return loss, {"loss": loss}
 
     def validation_step(self, model, batch):
-        inputs, targets = self.unflatten(batch)
-        outputs = model(inputs, training=False)
-        if self.predicting:
-            return outputs if isinstance(outputs, dict) else {"outputs": outputs}
-        return self.user.validation_outputs(targets, outputs)
+        return self.validation_outputs(model(self.model_inputs(batch), training=False), batch)
 
     def reduce_aggregated_logs(self, gathered):
         return self.user.compute_metrics(gathered)
@@ -466,8 +540,8 @@ class UserTask:
         (traced on the first batch's shapes, nothing run) before the run directory is written.
         The declared tensor_layout is checked against the model under every backend.
         Prediction reads no training batches and needs no loss: nothing else to check."""
-        if self.tensor_layout:
-            self.declared_layout(model)
+        if self.tensor_layout:  # (a pipeline rank's stage: on its whole Keras model)
+            self.declared_layout(model if isinstance(model, keras.Model) else model.model)
         if self.predicting:
             return
         rows = grad_accum_steps * micro_batch
@@ -484,6 +558,8 @@ class UserTask:
                 f"{shard.index} of {shard.count}; expected shard.batch_size={rows} (--batch_size "
                 f"split over {shard.count} replica(s) x --grad_accum_steps={grad_accum_steps}): "
                 "batch each replica's share with dataset.batch(shard.batch_size)")
+        if not isinstance(model, keras.Model):  # a pipeline rank's stage: its layers were
+            return  # checked with the loss on the whole model (tfbig.tasks.user_pipeline)
         spec = {k: tf.TensorSpec([micro_batch, *t.shape[1:]], t.dtype) for k, t in first.items()}
         traced = tf.function(self._unchecked_loss).get_concrete_function(model, spec)
         check_loss(traced.structured_outputs, self.user_name)  # outside the trace: its own error
@@ -491,6 +567,10 @@ class UserTask:
     def _unchecked_loss(self, model, batch):
         inputs, targets = self.unflatten(batch)
         return self.user.loss(targets, model(inputs, training=True))
+
+
+def _layer_call(layer):
+    return lambda x, training: layer(x, training=training)
 
 
 def check_loss(loss, owner):

@@ -1,0 +1,197 @@
+"""A user task's model as pipeline layers: what its `Task.pipeline_layers` declares, checked.
+
+The pipeline (tfbig.pipeline) cuts a model into stages at layer boundaries. tfbig's families
+describe their layers in tfbig/pipeline/layers.py; a user model describes them as data: the
+attribute paths of the layers whose sequential composition is its forward. `describe` builds
+the model once (the random state of the run left as it was, so the real build draws the same
+initial weights), resolves the paths, checks them on the first training batch and returns
+
+    specs   a LayerSpec per layer (tfbig.plan.models: name, the paths of its weights,
+            parameters counted on the built model, FLOPs per token as 6 x its weights outside
+            embedding tables: 2 forward + 4 backward per weight per token, exact for Dense and
+            attention projections; an embedding lookup and attention's scores are not counted)
+    order   the paths of the model's variables in the order its build creates them, so a
+            backend can place each on its stage's device while the user's own code builds it
+
+Refused by name, before anything is written: a path naming no layer, layers whose composition
+does not give the model's outputs, a weight belonging to two layers or to none, a layer
+keeping non-trainable state other than dropout seeds (the stages would not update it).
+
+Example:
+    specs, order = describe(user_task)   # user_task: a tfbig.tasks.user.UserTask
+    [s.name for s in specs]              # ["embedding", "blocks.0", "blocks.1", "head"]
+"""
+import contextlib
+import random
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfbig.errors import UsageError
+from tfbig.plan.models import LayerSpec
+
+SEED_STATE = "seed_generator"  # a dropout's seed state: carried by the pipeline's stages
+
+
+def named_layers(model, paths, owner):
+    """[(name, layer)] at attribute paths below `model`; "blocks.*" gives "blocks.0",
+    "blocks.1", ... (the names --stage_boundaries accepts)."""
+    found = []
+    for path in paths:
+        objects = [("", model)]
+        for part in path.split("."):
+            objects = [(f"{name}.{key}" if name else key, child) for name, obj in objects
+                       for key, child in _children(obj, part, path, owner, model)]
+        found += objects
+    for name, layer in found:
+        if not isinstance(layer, keras.layers.Layer):
+            raise UsageError(f"{owner}.pipeline_layers: {name!r} is a {type(layer).__name__}, "
+                             "not a Keras layer")
+    return found
+
+
+def _children(obj, part, path, owner, model):
+    if part == "*":
+        if not isinstance(obj, (list, tuple)):
+            raise UsageError(f"{owner}.pipeline_layers: {path!r}: '*' follows a "
+                             f"{type(obj).__name__}, not a list of layers")
+        return [(str(i), child) for i, child in enumerate(obj)]
+    if part.isdigit() and isinstance(obj, (list, tuple)):
+        child = obj[int(part)] if int(part) < len(obj) else None
+    else:
+        child = getattr(obj, part, None)
+    if child is None:
+        raise UsageError(f"{owner}.pipeline_layers: {path!r} names no layer of "
+                         f"{type(model).__name__} (no attribute {part!r})")
+    return [(part, child)]
+
+
+@contextlib.contextmanager
+def random_state_kept():
+    """Python's, NumPy's and Keras' global random states as they were after the block: a
+    model built inside draws nothing from the run's initial weights."""
+    from keras.src.backend.common import global_state
+
+    python, numpy = random.getstate(), np.random.get_state()
+    generator = global_state.get_global_attribute("global_seed_generator")
+    state = None if generator is None else generator.state.numpy()
+    try:
+        yield
+    finally:
+        random.setstate(python)
+        np.random.set_state(numpy)
+        if generator is None:
+            global_state.set_global_attribute("global_seed_generator", None)
+        else:
+            generator.state.assign(state)
+
+
+def describe(task):
+    """(LayerSpecs, variable paths in creation order) of `task`'s (a UserTask) model, its
+    declared pipeline_layers checked (see the module docstring)."""
+    created = []
+
+    def record(next_creator, **kwargs):
+        variable = next_creator(**kwargs)
+        created.append(id(variable))
+        return variable
+
+    with random_state_kept(), tf.variable_creator_scope(record):
+        model = task.build_model()
+    path_of = {id(getattr(v, "_value", v)): v.path for v in model.variables}
+    order = [path_of.get(i) for i in created]
+    layers = named_layers(model, task.user.pipeline_layers, task.user_name)
+    _check_weights(model, layers, task.user_name)
+    _check_composition(task, model, layers)
+    return [_spec(name, layer) for name, layer in layers], order
+
+
+def _check_weights(model, layers, owner):
+    """Each trainable weight in exactly one layer; no non-trainable state but dropout seeds."""
+    where = {}
+    for name, layer in layers:
+        for v in layer.trainable_variables:
+            if id(v) in where:
+                raise UsageError(f"{owner}.pipeline_layers: the weight {v.path!r} belongs to "
+                                 f"both {where[id(v)]!r} and {name!r}; a weight shared between "
+                                 "pipeline layers is not supported for a user model: declare "
+                                 "the layers using it as one")
+            where[id(v)] = name
+        state = [v.path for v in layer.non_trainable_variables if SEED_STATE not in v.path]
+        if state:
+            raise UsageError(f"{owner}.pipeline_layers: {name!r} keeps non-trainable state "
+                             f"({', '.join(state[:3])}) that pipeline stages would not update "
+                             "(only dropout seeds are carried); this model cannot be pipelined")
+    left = [v.path for v in model.trainable_variables if id(v) not in where]
+    if left:
+        raise UsageError(f"{owner}.pipeline_layers: {', '.join(left[:3])} belong(s) to none "
+                         f"of the layers {[name for name, _ in layers]}; name every layer of "
+                         "the model's forward, in order")
+
+
+def _check_composition(task, model, layers):
+    """The layers called in order on the first training batch's inputs give the model's
+    outputs (inference mode), and the loss of those outputs is a float scalar."""
+    batch = task.first_batch()
+    inputs = task.model_inputs(batch)
+    expected = model(inputs, training=False)
+    x = inputs
+    for name, layer in layers:
+        try:
+            x = layer(x, training=False)
+        except Exception as error:  # the user's layer on the previous one's output
+            raise UsageError(
+                f"{task.user_name}.pipeline_layers: {name!r} fails on the output of the layer "
+                f"before it ({type(error).__name__}: {error}); the layers, called in order, "
+                "must compute the model's forward") from error
+    same = _same_values(expected, x)
+    if same is not True:
+        raise UsageError(f"{task.user_name}.pipeline_layers {[n for n, _ in layers]}: called in "
+                         f"order on the first batch they do not give the model's outputs "
+                         f"({same}); list every layer of the forward in order, and keep the "
+                         "model's call to exactly that composition")
+    task.loss_from_outputs(x, batch)  # a float scalar, or refused by name
+
+
+def _same_values(expected, got):
+    """True, or why the two output nests differ."""
+    try:
+        tf.nest.assert_same_structure(expected, got)
+    except (ValueError, TypeError):
+        return f"their structure differs: {tf.nest.map_structure(lambda t: t.shape, got)}"
+    for a, b in zip(tf.nest.flatten(expected), tf.nest.flatten(got)):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        if a.shape != b.shape:
+            return f"shape {b.shape} instead of {a.shape}"
+        if not np.allclose(a, b, rtol=1e-5, atol=1e-5):
+            return f"largest difference {np.max(np.abs(a - b)):.3g}"
+    return True
+
+
+def _spec(name, layer):
+    """The LayerSpec of one user layer (see the module docstring for its FLOPs)."""
+    tables = {id(v) for sub in layer._flatten_layers(include_self=True)
+              if isinstance(sub, keras.layers.Embedding) for v in sub.trainable_variables}
+    params = sum(int(np.prod(v.shape)) for v in layer.trainable_variables)
+    matmul = sum(int(np.prod(v.shape)) for v in layer.trainable_variables
+                 if id(v) not in tables)
+    return LayerSpec(name, tuple(v.path for v in layer.variables), params, 6.0 * matmul)
+
+
+@contextlib.contextmanager
+def placed_by_order(order, device_of):
+    """Variables created in the block go, the i-th to the device `device_of` gives the path
+    `order[i]` (None or an unknown path: the current device)."""
+    count = [0]
+
+    def creator(next_creator, **kwargs):
+        index, count[0] = count[0], count[0] + 1
+        device = device_of.get(order[index]) if index < len(order) else None
+        if device is None:
+            return next_creator(**kwargs)
+        with tf.device(device):
+            return next_creator(**kwargs)
+
+    with tf.variable_creator_scope(creator):
+        yield
