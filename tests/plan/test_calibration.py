@@ -37,13 +37,15 @@ def planned(path, capsys, extra=()):
 
 
 def test_the_plan_takes_peak_and_collective_times_from_the_calibration(tmp_path, capsys):
-    base = planned(write(tmp_path), capsys)
+    # a memory so fast that the matmuls' operand traffic is nothing: their time is the peak's
+    fast_memory = {"memory_bandwidth": 1e15}
+    base = planned(write(tmp_path, **fast_memory), capsys)
     assert base["top"][0]["layout"]["data"] == 2 and base["calibration"].endswith(".json")
-    faster = planned(write(tmp_path, "fast.json", peak=2e11), capsys)
-    slower_network = planned(write(tmp_path, "slow.json", allreduce_seconds=(1e-4, 2e-2)),
-                             capsys)
+    faster = planned(write(tmp_path, "fast.json", peak=2e11, **fast_memory), capsys)
+    slower_network = planned(write(tmp_path, "slow.json", allreduce_seconds=(1e-4, 2e-2),
+                                   **fast_memory), capsys)
     compute, data = base["top"][0]["time"]["compute"], base["top"][0]["time"]["data"]
-    assert faster["top"][0]["time"]["compute"] == pytest.approx(compute / 2)
+    assert faster["top"][0]["time"]["compute"] == pytest.approx(compute / 2, rel=1e-4)
     assert faster["top"][0]["time"]["data"] == pytest.approx(data)
     # the tiny model's float32 gradients (~2.5 MB) sit between the two measured sizes: twice
     # the time at the top size doubles the interpolated share of it
@@ -106,3 +108,26 @@ def test_calibration_without_plan_only_is_refused(tmp_path):
     cfg.train.calibration = write(tmp_path)
     with pytest.raises(ValueError, match="--calibration=.* is read by --plan_only only"):
         check_applicable(cfg)
+
+
+def test_a_narrow_models_logits_pay_their_traffic_and_square_products_their_measured_time(
+        tmp_path):
+    """The calibrated matmul time is a roofline sum: a square product of a measured size takes
+    its measured time (the efficiency's own operand traffic is taken out, then added back), and
+    a narrow model's vocabulary-wide logits (2048 x 64 x 8000: 16 FLOPs per byte streamed)
+    take their streamed bytes besides, where the cube-root size alone ran them near peak."""
+    loaded = calibration.load(write(tmp_path, peak=1.4e11, memory_bandwidth=1e10,
+                                    efficiency={"64": 0.4, "256": 0.8, "1024": 0.9}))
+    device = calibration.device(loaded, "fp32")
+    for size, fraction in ((256, 0.8), (1024, 0.9)):
+        compute = dict(device.matmul_efficiency)[size]
+        seconds = 2 * size ** 3 / (1.4e11 * compute) + 3 * size ** 2 * 4 / 1e10
+        assert seconds == pytest.approx(2 * size ** 3 / (1.4e11 * fraction))
+    narrow = models.shape_of(models.model_config("gpt", "tiny", hidden_size=64, vocab_size=8000),
+                             "gpt", 128)
+    streamed = estimate.matmul_fraction(narrow, estimate.Layout(), 16, device)
+    # the same measured efficiencies on a memory 1000 times faster: the traffic is nothing
+    instant = calibration.device(calibration.load(write(
+        tmp_path, "instant.json", peak=1.4e11, memory_bandwidth=1e13,
+        efficiency={"64": 0.4, "256": 0.8, "1024": 0.9})), "fp32")
+    assert streamed < 0.8 * estimate.matmul_fraction(narrow, estimate.Layout(), 16, instant)

@@ -18,7 +18,9 @@ The file is JSON (schema "tfbig-calibration/1"):
 
 How the plan uses it: the peak of the run's precision; each matmul of a layer (the QKV, output,
 MLP, attention and logits products of a micro-batch) at the efficiency of its size (the cube
-root of m k n, interpolated in log-size between the measured sizes, held at the ends);
+root of m k n, interpolated in log-size between the measured sizes, held at the ends) plus its
+operands and result streamed at the measured bandwidth (the measured efficiencies have their
+square products' own traffic taken out: `compute_efficiency`);
 element-wise passes at the measured bandwidth (no further fraction: it is already achieved);
 a collective of S bytes over n ranks at the bus bandwidth measured for S (nccl-tests' busbw,
 which a ring keeps from one group size to another), never faster than the measured latency;
@@ -103,13 +105,29 @@ def load(path):
         _fail(path, f"missing or malformed field {error}")
 
 
+def compute_efficiency(efficiency, peak, bandwidth, value_bytes):
+    """((size, fraction), ...) of a square matmul's FLOPs alone: its measured time less its
+    operands and result (3 size^2 values) streamed at `bandwidth`, the traffic term the plan
+    adds to every product (tfbig.plan.estimate.matmul_fraction), so that the plan gives back
+    the measured time of each square product. At least a tenth of the measured time stays
+    compute (a product that small is all launch and traffic)."""
+    fractions = []
+    for size, fraction in efficiency:
+        measured = 2.0 * size ** 3 / (peak * fraction)
+        compute = max(measured - 3.0 * size ** 2 * value_bytes / bandwidth, 0.1 * measured)
+        fractions.append((size, 2.0 * size ** 3 / (peak * compute)))
+    return tuple(fractions)
+
+
 def device(calibration, precision):
     """The hardware.Device a calibration measured, at a tfbig --precision: its peak, its
-    matmul efficiency by size, its element-wise bandwidth (already achieved: fraction 1), its
-    links at the intra-host all-reduce's best bus bandwidth (memory bandwidth without one)."""
+    matmul efficiency by size (its compute part: `compute_efficiency`), its element-wise
+    bandwidth (already achieved: fraction 1), its links at the intra-host all-reduce's best
+    bus bandwidth (memory bandwidth without one)."""
     key = PRECISION_KEYS.get(precision, precision)
     peak = calibration.peak(precision)
-    efficiency = calibration.matmul_efficiency[key]
+    efficiency = compute_efficiency(calibration.matmul_efficiency[key], peak,
+                                    calibration.memory_bandwidth, 4 if key == "fp32" else 2)
     link = calibration.memory_bandwidth
     if calibration.has("intra_host"):
         ranks, rows = calibration.collectives["intra_host"]["allreduce"]

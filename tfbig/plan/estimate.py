@@ -344,29 +344,34 @@ def matmul_products(shape, layout, micro_batch):
 
 def matmul_fraction(shape, layout, micro_batch, device, precision="fp32"):
     """Achieved / peak FLOP/s of a layer's matmuls, each product's time weighted by its FLOPs
-    (a harmonic mean: the time):
-    - with a measured efficiency by size (a calibration): each product at the efficiency of
-      its size (the cube root of m k n);
-    - a spec-table GPU (`device.roofline`): each product takes its FLOPs at
-      `device.matmul_fraction` of peak plus its operands and result (m k + k n + m n values)
-      streamed once at the achieved memory bandwidth, not overlapped. Large products are
-      compute-bound and run near the big-GEMM fraction; products whose arithmetic intensity
-      (FLOPs per byte) is near or below the GPU's ridge point (peak / bandwidth: ~140 on a
-      V100 in fp16, ~17 in fp32) lose to memory traffic: a 768-wide layer or attention's
-      head-sized products run further from peak than a 12,288-wide layer. One sum of two
-      physical terms, not a fitted curve: published BERT figures check it
-      (tests/plan/test_published.py);
-    - otherwise (a measured CPU peak): `device.matmul_fraction`."""
+    (a harmonic mean: the time). A roofline sum where the device has one: each product takes
+    its FLOPs at a fraction of peak plus its operands and result (m k + k n + m n values)
+    streamed once at the achieved memory bandwidth, not overlapped. Large products are
+    compute-bound and run near the compute fraction; products whose arithmetic intensity
+    (FLOPs per byte) is near or below the ridge point (peak / bandwidth: ~140 on a V100 in
+    fp16, ~17 in fp32; ~13 on one core of this project's CPU) lose to memory traffic: a
+    768-wide layer, attention's head-sized products and a narrow model's vocabulary-wide
+    logits run further from peak than a 12,288-wide layer. One sum of two physical terms, not
+    a fitted curve:
+    - a calibration (`device.matmul_efficiency`): the compute fraction of each product is the
+      one measured for its size (the cube root of m k n; tfbig.plan.calibration takes each
+      measured square product's own traffic out of it, so the sum gives back its time);
+    - a spec-table GPU (`device.roofline`): `device.matmul_fraction`, the big-GEMM fraction;
+      published BERT figures check it (tests/plan/test_published.py);
+    - otherwise (a measured CPU peak without a calibration): `device.matmul_fraction`, no
+      traffic term."""
+    if not (device.roofline or device.matmul_efficiency):
+        return device.matmul_fraction
     products = matmul_products(shape, layout, micro_batch)
     work = [2 * m * k * n * count for (m, k, n), count in products]
-    if device.matmul_efficiency:
-        seconds = [w / hardware.log_interpolate(device.matmul_efficiency, (m * k * n) ** (1 / 3))
-                   for w, ((m, k, n), _) in zip(work, products)]
-        return sum(work) / sum(seconds)
-    if not device.roofline:
-        return device.matmul_fraction
     bandwidth = device.memory_bandwidth * device.bandwidth_fraction
-    seconds = [w / (device.peak_flops * device.matmul_fraction)
+
+    def compute_fraction(m, k, n):
+        if device.matmul_efficiency:
+            return hardware.log_interpolate(device.matmul_efficiency, (m * k * n) ** (1 / 3))
+        return device.matmul_fraction
+
+    seconds = [w / (device.peak_flops * compute_fraction(m, k, n))
                + count * _act_bytes(precision) * (m * k + k * n + m * n) / bandwidth
                for w, ((m, k, n), count) in zip(work, products)]
     return sum(work) / sum(seconds) / device.peak_flops
