@@ -78,7 +78,8 @@ def test_two_ranks_report_every_field_and_name_the_slowed_rank(tmp_path):
     bad = [(path, value) for path, value in numbers(report) if not value or value <= 0]
     assert not bad, bad
     for section in ("build", "device", "xla", "precisions", "matmul_tflops",
-                    "memory_bandwidth_gbps", "steps_per_sec", "spec", "interconnect"):
+                    "memory_bandwidth_gbps", "softmax_bandwidth_gbps", "update_us_per_variable",
+                    "steps_per_sec", "spec", "interconnect"):
         assert all(section in record for record in report["per_rank"]), section
     assert report["rank_hosts"] == {"0": report["hosts"][0], "1": report["hosts"][0]}
     table = report["collectives"]["intra_host"]
@@ -113,7 +114,7 @@ def test_four_ranks_measure_partition_groups_and_without_strict_exit_zero(tmp_pa
 
 def record(rank, host, rate=1.0):
     return {"rank": rank, "host": host, "matmul_tflops": {"fp32": {"256": rate}},
-            "memory_bandwidth_gbps": 10.0, "steps_per_sec": 5.0}
+            "memory_bandwidth_gbps": 10.0, "softmax_bandwidth_gbps": 3.0, "steps_per_sec": 5.0}
 
 
 def test_a_slow_host_is_named_as_a_host_and_its_ranks_as_ranks():

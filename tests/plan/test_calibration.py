@@ -131,3 +131,24 @@ def test_a_narrow_models_logits_pay_their_traffic_and_square_products_their_meas
         tmp_path, "instant.json", peak=1.4e11, memory_bandwidth=1e13,
         efficiency={"64": 0.4, "256": 0.8, "1024": 0.9})), "fp32")
     assert streamed < 0.8 * estimate.matmul_fraction(narrow, estimate.Layout(), 16, instant)
+
+
+def test_softmax_and_layernorm_passes_take_the_measured_softmax_rate(tmp_path):
+    """A calibration's normalisation_bandwidth (tfbig-doctor's row-softmax probe) times the
+    softmaxes' and LayerNorms' row passes and the loss's softmax; the other element-wise passes
+    keep the map rate. Measured at the map rate, the plan is the one without the field."""
+    cfg = models.model_config("gpt", "tiny")
+    shape = models.shape_of(cfg, "gpt", cfg.seq_length)
+
+    def elementwise(**fields):
+        cluster = calibration.cluster(calibration.load(write(
+            tmp_path, f"{len(fields)}{sorted(fields.values())}.json", **fields)), "fp32", 1, 1,
+            0.0)
+        return estimate.step_time(shape, estimate.Layout(), 8, "fp32", cluster)["elementwise"]
+
+    unmeasured = elementwise()
+    assert elementwise(normalisation_bandwidth=1e10) == pytest.approx(unmeasured)
+    slower = elementwise(normalisation_bandwidth=2.5e9)
+    rows = (2 * estimate.normalisation_bytes(shape, estimate.Layout(), "fp32") * cfg.num_layers
+            + estimate.LOSS_SOFTMAX_BYTES * cfg.vocab_size) * 8 * cfg.seq_length
+    assert slower - unmeasured == pytest.approx(rows / 2.5e9 - rows / 1e10)

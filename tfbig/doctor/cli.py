@@ -94,6 +94,10 @@ def measure_rank(args, ranks):
                                                   delay).items()},
             "memory_bandwidth_gbps": probes.memory_bandwidth(device, bandwidth_bytes, seconds,
                                                              delay) / 1e9,
+            "softmax_bandwidth_gbps": probes.normalisation_bandwidth(
+                device, bandwidth_bytes, seconds, delay) / 1e9,
+            "update_us_per_variable": 1e6 * probes.update_seconds_per_variable(device, seconds,
+                                                                              delay),
             "steps_per_sec": probes.step_rate(device, seconds, delay),
             "spec": findings.spec_of(description)}, device
 

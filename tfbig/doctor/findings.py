@@ -4,7 +4,7 @@ report, and the calibration file tfbig-plan reads (tfbig.plan.calibration docume
 A straggler is a rank (or, with several hosts, a host: the median of its ranks) whose figure on a
 measurement is at least `threshold` (20%) below the median of all of them. Measurements, all
 rates (higher is better): matmul_<precision> (TFLOP/s at the best size), memory_bandwidth,
-training_step (steps/s of the tiny model).
+softmax_bandwidth, training_step (steps/s of the tiny model).
 """
 import datetime
 import statistics
@@ -22,6 +22,7 @@ def rank_measurements(record):
     """{measurement: rate} of one rank's record."""
     values = {f"matmul_{p}": max(rates.values()) for p, rates in record["matmul_tflops"].items()}
     values["memory_bandwidth"] = record["memory_bandwidth_gbps"]
+    values["softmax_bandwidth"] = record["softmax_bandwidth_gbps"]
     values["training_step"] = record["steps_per_sec"]
     return values
 
@@ -108,13 +109,15 @@ def text(report):
                      f"{b['keras']}, Horovod {b['horovod']} (built: {', '.join(built) or '-'})"
                      f"; {r['device']['name']}; XLA {'ok' if r['xla']['compiles'] else 'FAILS'};"
                      f" precisions {', '.join(p for p, ok in r['precisions'].items() if ok)}")
-    lines.append("per device (TFLOP/s by matmul size; memory GB/s; tiny steps/s):")
+    lines.append("per device (TFLOP/s by matmul size; memory and softmax GB/s; tiny steps/s):")
     for r in report["per_rank"]:
         matmul = "; ".join(f"{p} " + " ".join(f"{s}:{v:.3g}" for s, v in rates.items())
                            for p, rates in r["matmul_tflops"].items())
         spec = r["spec"] if isinstance(r["spec"], str) else (
             f"spec {r['spec']['tflops']} TFLOP/s, {r['spec']['memory_bandwidth_gbps']} GB/s")
         lines.append(f"  rank {r['rank']}: {matmul}; memory {r['memory_bandwidth_gbps']:.3g}; "
+                     f"softmax {r['softmax_bandwidth_gbps']:.3g}; "
+                     f"update {r['update_us_per_variable']:.3g} us/variable; "
                      f"step {r['steps_per_sec']:.3g}; {spec}")
     lines += _collective_lines(report["collectives"])
     c = report["correctness"]
@@ -182,6 +185,10 @@ def calibration(report):
             "peak_flops": peaks, "matmul_efficiency": efficiency,
             "memory_bandwidth": statistics.median(r["memory_bandwidth_gbps"]
                                                   for r in records) * 1e9,
+            "normalisation_bandwidth": statistics.median(r["softmax_bandwidth_gbps"]
+                                                         for r in records) * 1e9,
+            "update_seconds_per_variable": statistics.median(r["update_us_per_variable"]
+                                                             for r in records) / 1e6,
             "collectives": collectives}
 
 

@@ -215,6 +215,52 @@ def memory_bandwidth(device, size_bytes, seconds, delay=0.0):
     return 2.0 * size_bytes / typical
 
 
+NORMALISED_ROW = 1024  # values per row of the softmax probe
+
+
+def normalisation_bandwidth(device, size_bytes, seconds, delay=0.0):
+    """Bytes/s (read + write) an XLA-compiled softmax over rows of NORMALISED_ROW float32
+    values streams: a reduction along each row (max, then the sum of exponentials) and a map,
+    as attention's softmax and the LayerNorms run. A CPU runs it several times slower per byte
+    than a map (`memory_bandwidth`), so the plan counts those passes at this rate."""
+    import tensorflow as tf
+
+    with tf.device(device):
+        x = tf.ones([max(1, size_bytes // (4 * NORMALISED_ROW)), NORMALISED_ROW], tf.float32)
+        softmax = tf.function(lambda v: tf.nn.softmax(v, axis=-1), jit_compile=True)
+        typical = typical_seconds(lambda: softmax(x)[:1, :1].numpy(), seconds, delay)
+    return 2.0 * 4 * int(x.shape[0]) * NORMALISED_ROW / typical
+
+
+UPDATE_VARIABLES = 64  # small variables the optimizer probe updates per step
+
+
+def update_seconds_per_variable(device, seconds, delay=0.0):
+    """Seconds tfbig's optimizer step spends per variable when the bytes are nothing: the
+    global norm for clipping and AdamW's update of UPDATE_VARIABLES variables of 16 values,
+    in one tf.function as the Trainer runs it (not XLA-compiled), over the variable count.
+    A small model's step pays it for each of its variables."""
+    import tensorflow as tf
+
+    from tfbig.config import TrainConfig
+    from tfbig.optim import build_optimizer
+
+    with tf.device(device):
+        variables = [tf.Variable(tf.ones([16])) for _ in range(UPDATE_VARIABLES)]
+        gradients = [tf.ones([16]) * 1e-3 for _ in variables]
+        optimizer = build_optimizer(TrainConfig(max_steps=10 ** 6, warmup_steps=1,
+                                                grad_clip_norm=1.0), variables)
+
+        @tf.function
+        def step(grads):
+            clipped, norm = tf.clip_by_global_norm(grads, 1.0)
+            optimizer.apply(clipped, variables)
+            return norm
+
+        typical = typical_seconds(lambda: step(gradients).numpy(), seconds, delay)
+    return typical / UPDATE_VARIABLES
+
+
 # ---- a tiny training step, on one device and across the ranks ---------------------------------
 TINY_MODEL = dict(hidden_size=16, num_layers=2, num_heads=2, seq_length=16, vocab_size=64)
 TINY_SEQUENCES_PER_RANK = 2

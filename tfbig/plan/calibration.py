@@ -12,6 +12,8 @@ The file is JSON (schema "tfbig-calibration/1"):
      "matmul_efficiency": {"fp32": {"256": 0.41, "1024": 0.93, ...}, ...},
                                                   achieved / peak by square matmul size
      "memory_bandwidth": bytes/s an element-wise op streams (read + write),
+     "normalisation_bandwidth": bytes/s a row softmax streams (read + write; optional),
+     "update_seconds_per_variable": the optimizer step's time per small variable (optional),
      "collectives": {"intra_host" | "inter_host":
                      {"allreduce" | "allgather" | "reducescatter":
                       {"ranks": group size, "bytes": [...], "seconds": [...]}}}}
@@ -21,7 +23,9 @@ MLP, attention and logits products of a micro-batch) at the efficiency of its si
 root of m k n, interpolated in log-size between the measured sizes, held at the ends) plus its
 operands and result streamed at the measured bandwidth (the measured efficiencies have their
 square products' own traffic taken out: `compute_efficiency`);
-element-wise passes at the measured bandwidth (no further fraction: it is already achieved);
+element-wise passes at the measured bandwidth (no further fraction: it is already achieved),
+the softmaxes' and LayerNorms' at the measured softmax bandwidth where the file has one; the
+optimizer step at its bytes streamed plus the measured time per variable (its ops' launches);
 a collective of S bytes over n ranks at the bus bandwidth measured for S (nccl-tests' busbw,
 which a ring keeps from one group size to another), never faster than the measured latency;
 a scope that was not measured (one host: no inter_host) keeps the spec link.
@@ -48,7 +52,9 @@ class Calibration:
     peak_flops: dict  # precision key -> FLOP/s
     matmul_efficiency: dict  # precision key -> ((size, fraction), ...) by size
     memory_bandwidth: float
-    collectives: dict  # scope -> kind -> (ranks, ((bytes, seconds), ...))
+    collectives: dict
+    normalisation_bandwidth: float = 0.0  # 0: not measured (memory_bandwidth stands in)
+    update_seconds_per_variable: float = 0.0  # 0: not measured  # scope -> kind -> (ranks, ((bytes, seconds), ...))
 
     def peak(self, precision):
         key = PRECISION_KEYS.get(precision, precision)
@@ -100,7 +106,9 @@ def load(path):
         return Calibration(path, data["device"]["kind"], data["device"]["name"],
                            float(data["device"]["memory_bytes"]),
                            {k: float(v) for k, v in data["peak_flops"].items()}, efficiency,
-                           float(data["memory_bandwidth"]), collectives)
+                           float(data["memory_bandwidth"]), collectives,
+                           float(data.get("normalisation_bandwidth", 0.0)),
+                           float(data.get("update_seconds_per_variable", 0.0)))
     except (KeyError, TypeError, ValueError) as error:
         _fail(path, f"missing or malformed field {error}")
 
@@ -137,7 +145,9 @@ def device(calibration, precision):
                            calibration.memory_bytes, calibration.memory_bandwidth, link,
                            matmul_fraction=max(v for _, v in efficiency),
                            reserve_bytes=hardware.GPU_RESERVE_BYTES if gpu else 0.0,
-                           bandwidth_fraction=1.0, matmul_efficiency=efficiency)
+                           bandwidth_fraction=1.0, matmul_efficiency=efficiency,
+                           normalisation_bandwidth=calibration.normalisation_bandwidth,
+                           update_seconds_per_variable=calibration.update_seconds_per_variable)
 
 
 def cluster(calibration, precision, gpus_per_node, nodes, internode_bandwidth):

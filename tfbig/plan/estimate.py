@@ -68,6 +68,7 @@ SCHEDULES = ("1f1b", "gpipe")
 LAYERNORM_OUTPUTS = 4
 # Bytes per head and token blockwise attention keeps for its backward: the float32 log-sum-exp.
 LSE_BYTES = 4
+LOSS_SOFTMAX_BYTES = 8  # the loss's softmax reads and writes each float32 logit once
 # The width the element-wise passes of a layer move their values at, whatever --precision.
 ELEMENTWISE_PRECISION = "fp32"
 
@@ -174,6 +175,18 @@ def layer_activation_bytes(shape, layout, precision):
     split = (24 * h + scores + gathered) / t
     statistics = LSE_BYTES * a / t if blockwise else 0
     return (replicated + split) * _act_bytes(precision) / 2 + statistics
+
+
+def normalisation_bytes(shape, layout, precision):
+    """The part of `layer_activation_bytes` row normalisations pass over: the attention
+    softmax's (T, T) scores per head (and with dropout its mask and output) and the LayerNorms'
+    outputs. Their max or mean and sum or variance are reductions along a row, which a CPU
+    runs several times slower per byte than a map (tfbig-doctor measures both)."""
+    h, a, s, t = shape.hidden_size, shape.num_heads, shape.seq_length, layout.tensor
+    blockwise = shape.blockwise or layout.context > 1
+    norms = LAYERNORM_OUTPUTS * h / (t if layout.sequence_parallel else 1)
+    scores = 0 if blockwise else (5 if shape.dropout else 2) * a * s / t
+    return (norms + scores) * _act_bytes(precision) / 2
 
 
 def head_bytes(shape, layout, precision):
@@ -396,12 +409,23 @@ def tick_time(shape, layout, micro_batch, precision, cluster, stage):
     # counted at float32 width in every precision: tfbig's softmax and LayerNorms run in
     # float32 under mixed precision (tfbig.models), and each cast around them is a pass too
     wide = layer_activation_bytes(dense, layout, ELEMENTWISE_PRECISION)
-    traffic = ((5 if recompute else 4) * wide * layers
-               + (2 * logits_traffic(shape, layout, precision) if last else 0)) * tokens
+    rows = normalisation_bytes(dense, layout, ELEMENTWISE_PRECISION)
+    passes = 5 if recompute else 4
+    # of a step's passes over the softmaxes' and LayerNorms' bytes, the forward normalisation
+    # (again when recomputed) and the backward's are reductions along the row, the rest maps;
+    # the loss normalises the float32 logits once (its gradient is formed in that forward)
+    row_passes = 3 if recompute else 2
+    loss_rows = LOSS_SOFTMAX_BYTES * shape.vocab_size / t if last else 0.0
+    loss_maps = 2 * logits_traffic(shape, layout, precision) - loss_rows if last else 0.0
+    maps = ((passes * wide - row_passes * rows) * layers + loss_maps) * tokens
+    normalised = (row_passes * rows * layers + loss_rows) * tokens
+    bandwidth = device.memory_bandwidth * device.bandwidth_fraction
+    row_bandwidth = (device.normalisation_bandwidth or device.memory_bandwidth) * (
+        device.bandwidth_fraction)
     boundary = tokens * shape.hidden_size * _act_bytes(precision)
     fraction = matmul_fraction(shape, layout, micro_batch, device, precision)
     return {"compute": flops / (device.peak_flops * fraction),
-            "elementwise": traffic / (device.memory_bandwidth * device.bandwidth_fraction),
+            "elementwise": maps / bandwidth + normalised / row_bandwidth,
             "tensor": layers * (6 if recompute else 4) * cluster.collective_time(boundary, t, 1,
                                                                                  2),
             "context": context}
@@ -428,7 +452,10 @@ def step_time(shape, layout, micro_batch, precision, cluster):
     data = data_sync_time(shape, layout, cluster)
     state = sum(v for key, v in memory(shape, layout, micro_batch, precision, device).items()
                 if key in ("parameters", "gradients", "optimizer"))
-    update = 2 * state / (device.memory_bandwidth * device.bandwidth_fraction)
+    # the optimizer's ops run per variable (clipping's norm, AdamW's slots): a calibration
+    # measures their time per variable; a stage updates about its share of the variables
+    update = (2 * state / (device.memory_bandwidth * device.bandwidth_fraction)
+              + shape.num_variables / k * device.update_seconds_per_variable)
     return {"compute": ticks * tick["compute"], "elementwise": ticks * tick["elementwise"],
             "tensor": ticks * tick["tensor"], "context": ticks * tick["context"],
             "pipeline": ticks * pipe, "data": data,

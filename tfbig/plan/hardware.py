@@ -66,6 +66,12 @@ class Device:
     # a spec-sheet device: each matmul at matmul_fraction of peak plus its operands' memory
     # traffic (its size sets its efficiency); False: every matmul at matmul_fraction
     roofline: bool = False
+    # bytes/s a row normalisation (softmax, LayerNorm: a reduction along the row, then a map)
+    # streams, as measured (tfbig.plan.calibration); 0: memory_bandwidth
+    normalisation_bandwidth: float = 0.0
+    # seconds the optimizer step spends per variable besides streaming its bytes (its ops'
+    # launches), as measured (tfbig.plan.calibration); 0: not counted
+    update_seconds_per_variable: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -63,6 +63,9 @@ class Shape:
     # attention runs blockwise (--attention; "auto" by seq_length): no (T, T) tensor is kept,
     # only a float32 log-sum-exp per head and token
     blockwise: bool = False
+    # trainable variables as tfbig's models create them (the optimizer updates each with its
+    # own ops; a calibration times that per variable)
+    num_variables: int = 0
 
     @property
     def shared_layers(self):
@@ -80,7 +83,8 @@ def shape_of(cfg, family, seq_length, masked_per_seq=None):
     return Shape(family, cfg.num_layers, c, cfg.num_heads, f, cfg.vocab_size, seq_length,
                  cfg.dropout > 0, cfg.num_params(), layer, distinct * layer,
                  cfg.flops_per_token(seq_length), *_end_params(cfg, family), tuple(specs),
-                 uses_blockwise(cfg.attention, seq_length))
+                 uses_blockwise(cfg.attention, seq_length),
+                 LAYER_VARIABLES * distinct + _end_variables(cfg, family))
 
 
 def family_of(cfg):
@@ -105,6 +109,19 @@ def fine_tune_specs(cfg, seq_length):
     head = LayerSpec("heads", ("pooler", "classifier_head", "span_head"),
                      (h * h + h) + (2 * h + 2), 6 * (h * h / t + 2 * h))
     return layer_specs(cfg, seq_length)[:-1] + [head]
+
+
+LAYER_VARIABLES = 12  # 2 LayerNorms' scale and offset; QKV, output, MLP in and out: kernel, bias
+
+
+def _end_variables(cfg, family):
+    """Trainable variables besides the transformer layers: GPT's token and position tables,
+    final LayerNorm (pre-LN) and untied head; ALBERT's and BERT's three tables, embedding
+    LayerNorm, (ALBERT's projection), pooler, masked-LM transform, its LayerNorm and output
+    bias, and the sentence-pair head."""
+    if family == "gpt":
+        return 2 + (2 if cfg.pre_layer_norm else 0) + (0 if cfg.tie_embeddings else 1)
+    return 3 + 2 + (2 if family == "albert" else 0) + 2 + 2 + 2 + 1 + 2
 
 
 def _end_params(cfg, family):
