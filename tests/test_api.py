@@ -153,6 +153,8 @@ def test_bad_input_is_refused_by_name_before_the_run_directory_is_written(
      "transformer_shape {'hidden_size': 32, 'num_layers': 2}: missing num_heads, seq_length, "
      "vocab_size"),
     ({"init_checkpoint": "runs/x"}, "--init_checkpoint='runs/x' is refused"),
+    ({"strategy": "horovod", "context_parallel": 2}, "--context_parallel=2 is refused for a "
+                                                     "user task: context parallelism replaces"),
     ({"no_such_flag": 1}, "no_such_flag=1: not a tfbig-train flag"),
     # with a declared layout --tensor_parallel runs (tests/distribute/test_api_parallel.py),
     # but not these with it

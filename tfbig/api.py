@@ -32,8 +32,8 @@ by the planner's closed forms and with --calibration beside the spec figures) in
 training. `consolidate_run` writes a ZeRO or tensor-parallel run of a task as one
 single-device checkpoint. Refused by name for a user task (USER_TASK_REFUSED): tensor
 parallelism without a declared layout, pipeline parallelism without declared pipeline_layers
-(and with --tensor_parallel) and --init_checkpoint; with --plan_only and no transformer_shape
-(PLAN_REFUSED) --context_parallel.
+(and with --tensor_parallel), --init_checkpoint and training with --context_parallel; with
+--plan_only and no transformer_shape (PLAN_REFUSED) --context_parallel.
 """
 import atexit
 import copy
@@ -136,6 +136,12 @@ def check_user_flags(config, task=None):
         if values[flag] != unused:
             raise UsageError(f"--{flag}={values[flag]!r} is refused for a user task: {why}")
     _check_user_pipeline(config, values)
+    if values["context_parallel"] != 1 and not values["plan_only"]:
+        raise UsageError(f"--context_parallel={values['context_parallel']} is refused for a "
+                         "user task: context parallelism replaces the attention of tfbig's own "
+                         "models (tfbig/distribute/context_parallel.py), and a user model's "
+                         "attention has no such plan; --plan_only plans it from the task's "
+                         "transformer_shape")
     if values["plan_only"] and task is not None and \
             getattr(task, "transformer_shape", None) is None:
         for flag, (unused, why) in PLAN_REFUSED.items():
