@@ -159,11 +159,9 @@ def matmul_flops(device, sizes, precisions, seconds, delay=0.0, longest_call=1.0
             if previous and 2.0 * size ** 3 / previous > longest_call:
                 break
             batch = _matmul_batch(device, size, dtype)
+            multiply, pairs = _multiply_pairs(), _pairs(device, batch, size, dtype)
             with tf.device(device):
-                a = tf.cast(tf.random.normal([batch, size, size], dtype=tf.float32, seed=1),
-                            dtype)
-                multiply = tf.function(lambda x: tf.reduce_sum(tf.matmul(x, x)), jit_compile=True)
-                typical = typical_seconds(lambda: multiply(a).numpy(), seconds, delay)
+                typical = typical_seconds(lambda: multiply(pairs).numpy(), seconds, delay)
             work = 2.0 * batch * size ** 3
             rates[name][str(size)] = work / typical
             previous = work / max(typical - delay, 1e-9)
@@ -185,16 +183,30 @@ def _matmul_batch(device, size, dtype, call_seconds=None):
         batch = min(largest, batch * max(2, round(CALL_SECONDS / max(took, 1e-6))))
 
 
+def _multiply_pairs():
+    """An XLA-compiled call multiplying each (size, size) matrix of a batch by itself."""
+    import tensorflow as tf
+
+    return tf.function(lambda x: tf.reduce_sum(tf.matmul(x, x)), jit_compile=True)
+
+
+def _pairs(device, batch, size, dtype):
+    """`batch` random (size, size) matrices of `dtype` on `device`."""
+    import tensorflow as tf
+
+    with tf.device(device):
+        return tf.cast(tf.random.normal([batch, size, size], dtype=tf.float32, seed=1), dtype)
+
+
 def _matmul_call_timer(device, size, dtype):
     """batch -> seconds of one XLA-compiled call multiplying `batch` size x size pairs."""
     import tensorflow as tf
 
-    multiply = tf.function(lambda x: tf.reduce_sum(tf.matmul(x, x)), jit_compile=True)
+    multiply = _multiply_pairs()
 
     def call_seconds(batch):
+        pairs = _pairs(device, batch, size, dtype)
         with tf.device(device):
-            pairs = tf.cast(tf.random.normal([batch, size, size], dtype=tf.float32, seed=1),
-                            dtype)
             multiply(pairs).numpy()  # compile
             start = time.perf_counter()
             multiply(pairs).numpy()
