@@ -34,6 +34,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfbig.errors import UsageError
+from tfbig.tasks import layer_paths
 
 __all__ = ["DataShard", "FunctionTask", "Task"]
 
@@ -215,24 +216,7 @@ class _Examples:
 def resolve_layers(model, paths, what="checkpoint_layers"):
     """The layers at attribute paths below `model` ("blocks.*": each element of model.blocks;
     "ffn.layers.0": the first element of the list model.ffn.layers)."""
-    found = []
-    for path in paths:
-        objects = [model]
-        for part in path.split("."):
-            objects = [x for obj in objects for x in _attribute(obj, part)]
-            if any(x is None for x in objects):
-                raise UsageError(f"{what}: {path!r} names no layer of "
-                                 f"{type(model).__name__} (no attribute {part!r})")
-        found += objects
-    return found
-
-
-def _attribute(obj, part):
-    if part == "*":
-        return list(obj)
-    if part.isdigit() and isinstance(obj, (list, tuple)):
-        return [obj[int(part)] if int(part) < len(obj) else None]
-    return [getattr(obj, part, None)]
+    return [layer for _, layer in layer_paths.named_layers(model, paths, what)]
 
 
 @contextlib.contextmanager

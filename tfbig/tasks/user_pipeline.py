@@ -30,41 +30,20 @@ import tensorflow as tf
 
 from tfbig.errors import UsageError
 from tfbig.plan.models import LayerSpec
+from tfbig.tasks import layer_paths
 
 SEED_STATE = "seed_generator"  # a dropout's seed state: carried by the pipeline's stages
 
 
 def named_layers(model, paths, owner):
-    """[(name, layer)] at attribute paths below `model`; "blocks.*" gives "blocks.0",
-    "blocks.1", ... (the names --stage_boundaries accepts)."""
-    found = []
-    for path in paths:
-        objects = [("", model)]
-        for part in path.split("."):
-            objects = [(f"{name}.{key}" if name else key, child) for name, obj in objects
-                       for key, child in _children(obj, part, path, owner, model)]
-        found += objects
+    """[(name, layer)] at attribute paths below `model` (tfbig.tasks.layer_paths), each a
+    Keras layer."""
+    found = layer_paths.named_layers(model, paths, f"{owner}.pipeline_layers")
     for name, layer in found:
         if not isinstance(layer, keras.layers.Layer):
             raise UsageError(f"{owner}.pipeline_layers: {name!r} is a {type(layer).__name__}, "
                              "not a Keras layer")
     return found
-
-
-def _children(obj, part, path, owner, model):
-    if part == "*":
-        if not isinstance(obj, (list, tuple)):
-            raise UsageError(f"{owner}.pipeline_layers: {path!r}: '*' follows a "
-                             f"{type(obj).__name__}, not a list of layers")
-        return [(str(i), child) for i, child in enumerate(obj)]
-    if part.isdigit() and isinstance(obj, (list, tuple)):
-        child = obj[int(part)] if int(part) < len(obj) else None
-    else:
-        child = getattr(obj, part, None)
-    if child is None:
-        raise UsageError(f"{owner}.pipeline_layers: {path!r} names no layer of "
-                         f"{type(model).__name__} (no attribute {part!r})")
-    return [(part, child)]
 
 
 @contextlib.contextmanager
