@@ -262,9 +262,10 @@ def activation_memory(shape, layout, micro_batch, precision, stage=0):
         return live * layers * per_layer * tokens + (live - 1) * head + backward
     if layout.pipeline > 1:
         # tfbig's pipeline stage keeps only its input per micro-batch in flight and recomputes
-        # the whole stage's forward in the backward of one (tfbig.pipeline.stages)
+        # the whole stage's forward in the backward of one (tfbig.pipeline.stages); that one's
+        # input is its first layer's, counted in the recomputed layers' bytes
         kept = stage_input_bytes(shape, layout, precision, stage)
-        return live * kept * tokens + layers * per_layer * tokens + backward
+        return (live - 1) * kept * tokens + layers * per_layer * tokens + backward
     # without stages each block is recomputed (tfbig.distribute.recompute): block inputs, and
     # one block's full set while it is recomputed
     kept = _act_bytes(precision) * shape.hidden_size / (
