@@ -248,8 +248,11 @@ def train(task_or_model_fn, loss_fn=None, dataset_fn=None, config=None, **kwargs
         loss_fn, config = None, loss_fn
     task, config = _task_and_config(task_or_model_fn, loss_fn, dataset_fn, config, kwargs)
     if config.train.plan_only:
+        from tfbig.plan.local import first_process
+
         found = plan(task, config)
-        print(found.text)
+        if first_process():  # one copy per job, not one per rank
+            print(found.text)
         return found
     with precision_policy(config.train.precision):
         trainer = _trainer(task, config, recorder=True)

@@ -33,7 +33,7 @@ def main(argv, started=None):
         raise UsageError(f"unexpected arguments {argv[1:]}; every option is a --flag")
     recipes.apply(flags.FLAGS)  # e.g. LAMB for ALBERT, the main job's schedule for gpt/small
     if flags.FLAGS.plan_only:  # before any data or model is built
-        from tfbig.plan.local import training_plan
+        from tfbig.plan.local import first_process, training_plan
 
         if flags.FLAGS.init_checkpoint:
             raise UsageError("--plan_only plans the model of --preset and its overrides; with "
@@ -41,7 +41,9 @@ def main(argv, started=None):
 
         cfg = config_lib.from_flags(flags.FLAGS)
         config_lib.check_applicable(cfg)
-        print(training_plan(cfg))
+        text = training_plan(cfg)  # every rank plans (and checks) the same layout
+        if first_process():  # one copy per job, not one per rank of horovodrun or TF_CONFIG
+            print(text)
         return
     import tensorflow as tf
 

@@ -8,8 +8,8 @@ LAMB, ALBERT (with LAMB under stage 3), bf16 and an untied GPT under stage 3, pe
 gradients of the first batch, resumes from the per-slice checkpoints, and an fp16 step made
 non-finite on one rank only (then trained as the single-device mixed run). A slow launch of its
 own runs fp16/bf16 under stages 1-2 against plain Horovod of the same precision (the default
-run keeps fp16 on stage 3), GPT at stage 3, degree 2 in fp32, and BERT under stage 3
-(SLOW_SCENARIOS).
+run keeps fp16 under plain Horovod and tensor parallelism), GPT at stage 3, degree 2 in fp32
+and fp16, and BERT under stage 3 (SLOW_SCENARIOS).
 """
 import json
 import math
@@ -46,21 +46,24 @@ FP16, BF16 = {"precision": "mixed_float16"}, {"precision": "mixed_bfloat16"}
 SCENARIOS = {  # name: (zero_stage, shard_degree, data, train options, worker options)
     "z1_d2": (1, 2, "gpt_data", {}, {}),
     "z2_d4_lamb": (2, 4, "gpt_data", LAMB, {}),
-    # fp16 on stage 3 (the skip is the same code for stages 2 and 3: all_reduce_gradients)
-    "z3_d2_fp16_skip": (3, 2, "gpt_data", {"precision": "mixed_float16"}, {"poison_rank": 3}),
     # stage 3: parameters sharded too, gathered per layer (tfbig/distribute/zero3.py)
     "z3_d4_lamb_resumed": (3, 4, "gpt_data", LAMB, {"first_gradients": True,
                                                     "interrupt_at": 2}),
     # ALBERT's shared block with LAMB: the trust ratio's norms over all slices of a variable
     "z3_d2_albert_lamb": (3, 2, "albert_data", {**ALBERT, **LAMB}, {"first_gradients": True}),
 }
-# GPT at stage 3, degree 2, fp32, and BERT run in the slow launch: by default GPT's stage-3
-# gathers are checked at fp32 by z3_d4_lamb_resumed (degree 4) and at degree 2 by
-# z3_d2_fp16_skip, and the degree-2 (partition + replica group) sync of stage 3 at fp32 by
-# z3_d2_albert_lamb, first-batch gradients included. ALBERT under stage 2 and a stage-1 resume
+# GPT at stage 3, degree 2, fp32 and fp16, and BERT run in the slow launch: by default GPT's
+# stage-3 gathers are checked at fp32 by z3_d4_lamb_resumed (degree 4), and the degree-2
+# (partition + replica group) gathers and sync of stage 3 at fp32 by z3_d2_albert_lamb,
+# first-batch gradients included. ALBERT under stage 2 and a stage-1 resume
 # too: by default ALBERT runs under stage 3 (z3_d2_albert_lamb), resumes from slices under
 # stage 3 (z3_d4_lamb_resumed) and, for stage 1, under TP x ZeRO-1 (test_tensor_parallel).
 SLOW_SCENARIOS = {"z3_d2": (3, 2, "gpt_data", {}, {"first_gradients": True}),
+                  # fp16 on stage 3 (the skip is the same code for stages 2 and 3:
+                  # all_reduce_gradients); the default run skips a poisoned fp16 step under
+                  # plain Horovod (test_horovod) and tensor parallelism (test_tensor_parallel)
+                  "z3_d2_fp16_skip": (3, 2, "gpt_data", {"precision": "mixed_float16"},
+                                      {"poison_rank": 3}),
                   # bf16 compute on stage 3, and a GPT with its own output projection
                   # (tie_embeddings off); the default run has bf16 in test_trainer
                   "z3_d4_bf16_untied": (3, 4, "gpt_data", {"precision": "mixed_bfloat16"},
@@ -71,9 +74,11 @@ SLOW_SCENARIOS = {"z3_d2": (3, 2, "gpt_data", {}, {"first_gradients": True}),
                   # to the MLM head)
                   "z3_d2_bert": (3, 2, "bert_data", BERT, {"first_gradients": True}),
 }
-SLOW = [pytest.param(name, marks=pytest.mark.slow) for name in SLOW_SCENARIOS]
+OWN_TESTS = ("z3_d2_fp16_skip",)  # trained as the single-device mixed run: tests of its own
+SLOW = [pytest.param(name, marks=pytest.mark.slow) for name in SLOW_SCENARIOS
+        if name not in OWN_TESTS]
 SLOW_STAGE_3 = [pytest.param(name, marks=pytest.mark.slow) for name, scenario
-                in SLOW_SCENARIOS.items() if scenario[0] == 3]
+                in SLOW_SCENARIOS.items() if scenario[0] == 3 and name not in OWN_TESTS]
 EQUAL_TO_ONE_DEVICE = ["z1_d2", "z2_d4_lamb", "z3_d4_lamb_resumed", "z3_d2_albert_lamb"] + SLOW
 # Tolerances against the single-device run: fp32 tight; bf16 compute rounds the activations
 # of a micro-batch of 2 (here) vs 8 (single device) sequences and sums the gradients in a
@@ -227,21 +232,23 @@ def check_the_poisoned_step_is_skipped_on_all(out, name):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 @pytest.mark.multiproc
-def test_a_non_finite_slice_on_one_rank_skips_the_step_on_all(runs):
-    check_the_poisoned_step_is_skipped_on_all(runs[1], "z3_d2_fp16_skip")
+def test_a_non_finite_slice_on_one_rank_skips_the_step_on_all(slow_runs):
+    check_the_poisoned_step_is_skipped_on_all(slow_runs[1], "z3_d2_fp16_skip")
 
 
+@pytest.mark.slow
 @pytest.mark.multiproc
-def test_fp16_stage_3_trains_as_the_single_device_mixed_run(runs, gpt_data, tmp_path):
+def test_fp16_stage_3_trains_as_the_single_device_mixed_run(slow_runs, gpt_data, tmp_path):
     """mixed_float16 with dynamic loss scaling, stage 3 at degree 2: the poisoned first step
     (skipped everywhere) and the 3 steps after it follow the single-device mixed run on the
     same batches, poisoned alike. fp16 activations of 2 vs 8 sequences per micro-batch and
     another summation order: losses within rtol 1e-3, weights within atol 2e-3 (measured:
     losses inside 1e-3, one weight of 4096 off by 1.1e-3, the rest inside 1e-3)."""
-    _, out = runs
+    _, out = slow_runs
     ours = load(out, "z3_d2_fp16_skip", 0)
-    cfg = make_cfg(gpt_data, tmp_path, **{**TRAIN, **SCENARIOS["z3_d2_fp16_skip"][3]})
+    cfg = make_cfg(gpt_data, tmp_path, **{**TRAIN, **SLOW_SCENARIOS["z3_d2_fp16_skip"][3]})
     logger = RecordingLogger(cfg.train.model_dir, True, cfg.train.max_steps)
     task = PoisonedTask(cfg.train)
     single = Trainer(cfg, task=ReplicasTask(cfg.train, RANKS, task), logger=logger)

@@ -179,6 +179,45 @@ def test_tfbig_train_plan_only_exits_before_any_data(tmp_path):
     assert not os.path.exists(tmp_path / "run")
 
 
+def test_plan_only_under_horovodrun_prints_one_plan_of_the_whole_job(tmp_path):
+    """Every rank plans (and checks) the layout; rank 0 alone prints it."""
+    horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+    env = {**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    out = subprocess.run(
+        [horovodrun, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, "-m",
+         "tfbig.train", "--plan_only", "--preset=tiny", "--batch_size=8", "--strategy=horovod",
+         f"--data_dir={tmp_path}/none", f"--model_dir={tmp_path}/run", "--peak_tflops=0.1"],
+        env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.stdout.count("recommended: ") == 1, out.stdout
+    assert "recommended: D2 P1 T1 M1" in out.stdout
+    assert not os.path.exists(tmp_path / "run")
+
+
+@pytest.mark.parametrize("variables, first", [
+    ({}, True),
+    ({"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2"}, True),
+    ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"}, False),
+    ({"TF_CONFIG": json.dumps({"cluster": {"worker": ["a:1", "b:2"]},
+                               "task": {"type": "worker", "index": 1}})}, False),
+    ({"TF_CONFIG": json.dumps({"cluster": {"worker": ["a:1", "b:2"]},
+                               "task": {"type": "worker", "index": 0}})}, True),
+    ({"TF_CONFIG": json.dumps({"cluster": {"chief": ["a:1"], "worker": ["b:2"]},
+                               "task": {"type": "worker", "index": 0}})}, False),
+    ({"TF_CONFIG": json.dumps({"cluster": {"chief": ["a:1"], "worker": ["b:2"]},
+                               "task": {"type": "chief", "index": 0}})}, True),
+], ids=["alone", "horovod-0", "mpi-1", "worker-1", "worker-0", "worker-0-of-chief", "chief"])
+def test_the_first_process_of_a_job_is_the_one_that_prints(monkeypatch, variables, first):
+    from tfbig.distribute.mesh import RANK_VARIABLES, WORLD_SIZE_VARIABLES
+    from tfbig.plan.local import first_process
+
+    for name in RANK_VARIABLES + WORLD_SIZE_VARIABLES + ("TF_CONFIG",):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    assert first_process() is first
+
+
 def test_albert_shared_layers_are_held_by_every_stage():
     shape = cli.shape_from_flags({**{k: v[1] for k, v in cli.FLAGS_SPEC.items()},
                                   "model": "albert", "preset": "xxlarge"})

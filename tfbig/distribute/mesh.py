@@ -38,6 +38,7 @@ AXIS_NAMES = ("data", "pipeline", "context", "tensor")
 PLACEMENTS = {"cluster": "DPT", "spread": "TPD"}
 # What horovodrun (Gloo), Open MPI and MPICH/Slurm PMI set for every process before hvd.init.
 WORLD_SIZE_VARIABLES = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 
 
 def launcher_world_size():
@@ -49,6 +50,14 @@ def launcher_world_size():
         if os.environ.get(name):
             return int(os.environ[name])
     return 1
+
+
+def launcher_rank():
+    """This process's rank among the launcher's (0 when not started by one), before hvd.init."""
+    for name in RANK_VARIABLES:
+        if os.environ.get(name):
+            return int(os.environ[name])
+    return 0
 
 
 def placement_order(placement):

@@ -16,12 +16,12 @@ Example (2 replicas x 2 stages, 4 devices in all):
 """
 import os
 
-LAUNCHER_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+from tfbig.distribute.mesh import RANK_VARIABLES
 
 
 def launched_by_horovod():
     """Whether this process was started by horovodrun or mpirun (one of several ranks)."""
-    return any(name in os.environ for name in LAUNCHER_VARIABLES)
+    return any(name in os.environ for name in RANK_VARIABLES)
 
 
 class HorovodGrid:

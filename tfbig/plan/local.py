@@ -62,6 +62,24 @@ def processes():
     return launcher_world_size() if launcher_world_size() > 1 else len(workers or [None])
 
 
+def first_process():
+    """Whether this process is the one of its job that prints a plan: Horovod/MPI's rank 0,
+    TF_CONFIG's chief (its worker 0 where it names no chief), or the only process."""
+    import json
+    import os
+
+    from tfbig.distribute.mesh import launcher_rank, launcher_world_size
+
+    if launcher_world_size() > 1:
+        return launcher_rank() == 0
+    config = json.loads(os.environ.get("TF_CONFIG") or "{}")
+    task = config.get("task") or {}
+    if not task:
+        return True
+    chief = "chief" in config.get("cluster", {})
+    return task.get("type") == ("chief" if chief else "worker") and int(task.get("index", 0)) == 0
+
+
 def training_plan(cfg, device=None, world_size=None):
     """The plan text of an ExperimentConfig's model, batch and layout on this machine; with
     --calibration, on the measured device and collectives, this machine's probe beside."""
