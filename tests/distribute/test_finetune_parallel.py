@@ -4,10 +4,11 @@ commands themselves, against one process on the same global batches: per-step lo
 trained weight of the run's checkpoint (a tensor-parallel or ZeRO run's pieces joined;
 tests/equality.py's rule), and the predictions and scores, made on every rank and gathered.
 
-Scenarios: the default run launches BERT classification at TP2 x DP2; slow launches: BERT SQuAD
-with ZeRO-2 over partition groups of 2 (MiCS, two replica groups; 46 s, over the default run's
-budget: pretraining's ZeRO and MiCS launch, tests/distribute/test_zero.py, is in it),
-classification with ZeRO-1 over all 4 ranks, SQuAD ZeRO-3 over partition groups of 2, SQuAD ZeRO-2 in fp16
+Scenarios, all slow (launches of 30-60 s each, over the default run's budget: the default run
+has pretraining's TP and ZeRO/MiCS launches, tests/distribute/test_tensor_parallel.py and
+test_zero.py, fine-tuning on two Horovod ranks, tests/test_classify.py, and the in-process
+tests below): BERT classification at TP2 x DP2, BERT SQuAD with ZeRO-2 over partition groups
+of 2 (MiCS, two replica groups), classification with ZeRO-1 over all 4 ranks, SQuAD ZeRO-3 over partition groups of 2, SQuAD ZeRO-2 in fp16
 against one process of the same precision, SQuAD at TP2 x DP2, and SQuAD at TP2 x PP2 (tensor groups inside 2 cross-rank stages; every
 rank's first-step gradients too, tests/distribute/squad_worker.py). In process (default run):
 a split span model keeps the pooler frozen, and cross-rank stages of a fine-tuning model are
@@ -49,10 +50,8 @@ ALBERT = dict(vocab_size=32, embedding_size=16, hidden_size=32, num_layers=2, nu
 FP16, BF16 = {"precision": "mixed_float16"}, {"precision": "mixed_bfloat16"}
 PARALLEL_FLAGS = {"tensor_parallel", "sequence_parallel", "zero_stage", "shard_degree"}
 FAST = {"peak_tflops": 1.0}  # MFU against a given peak: no CPU matmul probe per run
-SCENARIOS = {  # name: (command, flags)
+SCENARIOS = {  # name: (command, flags); all slow (the module's docstring says why)
     "classify_tp2_dp2": ("classify", {"tensor_parallel": 2}),
-}
-SLOW_SCENARIOS = {
     "squad_zero2_mics": ("squad", {"zero_stage": 2, "shard_degree": 2}),
     # parameters sharded too, gathered per layer (zero3.PLANS), over 2 partition groups of 2;
     # each rank slices the --init_checkpoint backbone its deferred build loaded
@@ -63,7 +62,7 @@ SLOW_SCENARIOS = {
     "squad_zero3_mics": ("squad", {"zero_stage": 3, "shard_degree": 2}),
     "squad_zero2_mics_fp16": ("squad", {"zero_stage": 2, "shard_degree": 2, **FP16}),
     # the span model split (its frozen pooler stays frozen: tensor_layout.split_model); 65 s
-    # idle, over the default run's budget: the in-process tests below cover the default run
+    # idle: the in-process tests below cover it in the default run
     "squad_tp2_dp2": ("squad", {"tensor_parallel": 2}),
 }
 
@@ -164,7 +163,7 @@ def whole_weights(run, command):
 
 def _check(name, files, tmp_path):
     """Losses, trained weights and outputs of the 4-rank run equal one process's."""
-    command, parallel = {**SCENARIOS, **SLOW_SCENARIOS}[name]
+    command, parallel = SCENARIOS[name]
     ours = launch(tmp_path, command, parallel, files)
     one = tmp_path / "one"
     flags = {k: v for k, v in parallel.items() if k not in PARALLEL_FLAGS}
@@ -232,16 +231,10 @@ def _check_mixed(ours, one, precision, command):
 
 
 
+@pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 def test_fine_tuning_split_or_sharded_equals_one_process(name, files, tmp_path):
-    _check(name, files, tmp_path)
-
-
-@pytest.mark.slow
-@pytest.mark.multiproc
-@pytest.mark.parametrize("name", sorted(SLOW_SCENARIOS))
-def test_more_layouts_equal_one_process(name, files, tmp_path):
     _check(name, files, tmp_path)
 
 

@@ -74,8 +74,8 @@ def test_planner_configs_are_the_trainers():
             assert models.model_config(family, name) == cls.from_preset(name)
 
 
-def horovod_cases(data_dir, root):
-    """Per-rank cases for one launch of 2 ranks; ZeRO / tensor-parallel rows are further
+def horovod_cases(data_dir, root, names=("dp2", "zero1", "zero2", "zero3", "tp2", "pp2")):
+    """Per-rank cases `names` for one launch of 2 ranks; ZeRO / tensor-parallel rows are
     entries with cfg.parallel set (their layout is read back with layout_from_config)."""
     cfg = config_lib.ExperimentConfig()
     for key, value in dict(data_dir=data_dir, model_dir=str(root / "dp2"), preset="tiny",
@@ -100,7 +100,7 @@ def horovod_cases(data_dir, root):
     cfg.train.model_dir, cfg.parallel.tensor_parallel = str(root / "pp2"), 1
     cfg.pipeline.pipeline_stages, cfg.pipeline.num_microbatches = 2, 2
     cases.append({"name": "pp2", "config": config_lib.to_dict(cfg)})
-    return cases
+    return [case for case in cases if case["name"] in names]
 
 
 def launch(worker, cases, tmp_path, ranks=2):
@@ -123,8 +123,14 @@ def launch(worker, cases, tmp_path, ranks=2):
 
 
 @pytest.mark.multiproc
-def test_horovod_rank_model_state_within_10_percent(gpt_data, tmp_path):
-    cases = horovod_cases(gpt_data, tmp_path)
+@pytest.mark.parametrize("names", [
+    ("dp2", "zero3", "tp2", "pp2"),
+    # 12 s: the default run checks stages 1 and 2's per-rank bytes against their closed form
+    # in test_zero (test_per_rank_model_state_is_the_closed_form)
+    pytest.param(("zero1", "zero2"), marks=pytest.mark.slow)], ids=["dp-zero3-tp-pp", "zero1-2"])
+def test_horovod_rank_model_state_within_10_percent(gpt_data, tmp_path, names):
+    cases = horovod_cases(gpt_data, tmp_path, names)
+    assert [case["name"] for case in cases] == list(names)
     launch("horovod_memory_worker.py", cases, tmp_path)
     for case in cases:
         for rank in (0, 1):
