@@ -208,14 +208,17 @@ def test_plan_only_under_horovodrun_prints_one_plan_of_the_whole_job(tmp_path):
                                "task": {"type": "chief", "index": 0}})}, True),
 ], ids=["alone", "horovod-0", "mpi-1", "worker-1", "worker-0", "worker-0-of-chief", "chief"])
 def test_the_first_process_of_a_job_is_the_one_that_prints(monkeypatch, variables, first):
+    """And the job is planned for all its processes: a TF_CONFIG chief counts beside the
+    workers."""
     from tfbig.distribute.mesh import RANK_VARIABLES, WORLD_SIZE_VARIABLES
-    from tfbig.plan.local import first_process
+    from tfbig.plan.local import first_process, processes
 
     for name in RANK_VARIABLES + WORLD_SIZE_VARIABLES + ("TF_CONFIG",):
         monkeypatch.delenv(name, raising=False)
     for name, value in variables.items():
         monkeypatch.setenv(name, value)
     assert first_process() is first
+    assert processes() == (1 if not variables else 2)
 
 
 def test_albert_shared_layers_are_held_by_every_stage():

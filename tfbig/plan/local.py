@@ -51,28 +51,32 @@ def local_device(precision, peak_tflops=0.0):
                            matmul_fraction=1.0, reserve_bytes=0.0)
 
 
-def processes():
-    """Processes of this job: Horovod/MPI's world size, else TF_CONFIG's workers, else 1."""
+def _tf_config():
     import json
     import os
 
+    return json.loads(os.environ.get("TF_CONFIG") or "{}")
+
+
+def processes():
+    """Processes of this job: Horovod/MPI's world size, else TF_CONFIG's chief and workers,
+    else 1."""
     from tfbig.distribute.mesh import launcher_world_size
 
-    workers = json.loads(os.environ.get("TF_CONFIG") or "{}").get("cluster", {}).get("worker")
-    return launcher_world_size() if launcher_world_size() > 1 else len(workers or [None])
+    if launcher_world_size() > 1:
+        return launcher_world_size()
+    cluster = _tf_config().get("cluster", {})
+    return max(1, len(cluster.get("chief", [])) + len(cluster.get("worker", [])))
 
 
 def first_process():
     """Whether this process is the one of its job that prints a plan: Horovod/MPI's rank 0,
     TF_CONFIG's chief (its worker 0 where it names no chief), or the only process."""
-    import json
-    import os
-
     from tfbig.distribute.mesh import launcher_rank, launcher_world_size
 
     if launcher_world_size() > 1:
         return launcher_rank() == 0
-    config = json.loads(os.environ.get("TF_CONFIG") or "{}")
+    config = _tf_config()
     task = config.get("task") or {}
     if not task:
         return True
