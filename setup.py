@@ -29,16 +29,16 @@ setup(
     entry_points={
         "console_scripts": [
             "tfbig-prep=data_prep.prep:run",
-            "tfbig-train=tfbig.train_command:run",
-            "tfbig-generate=tfbig.generate:run",
-            "tfbig-squad=tfbig.squad.cli:run",
-            "tfbig-export=tfbig.export:run",
-            "tfbig-profile=tfbig.profiling.report:run",
+            "tfbig-train=tfbig.commands.train:run",
+            "tfbig-generate=tfbig.commands.generate:run",
+            "tfbig-squad=tfbig.commands.squad:run",
+            "tfbig-export=tfbig.commands.export:run",
+            "tfbig-profile=tfbig.commands.profile:run",
             "tfbig-launch=launch.local:run",
-            "tfbig-plan=tfbig.plan.cli:run",
-            "tfbig-convert=tfbig.convert:run",
-            "tfbig-classify=tfbig.classify:run",
-            "tfbig-doctor=tfbig.doctor.cli:run",
+            "tfbig-plan=tfbig.commands.plan:run",
+            "tfbig-convert=tfbig.commands.convert:run",
+            "tfbig-classify=tfbig.commands.classify:run",
+            "tfbig-doctor=tfbig.commands.doctor:run",
         ]
     },
 )

@@ -24,7 +24,7 @@ ONE_THREAD = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1",
 def worker(config_path, out_path):
     """One process: train the config; the chief writes its last logged train values."""
     from tfbig import config as config_lib
-    from tfbig.trainer import Trainer
+    from tfbig.training.trainer import Trainer
 
     with open(config_path) as f:
         trainer = Trainer(config_lib.from_dict(json.load(f)))

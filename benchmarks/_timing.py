@@ -48,7 +48,7 @@ def peak_flops(precision):
     2048^3 XLA matmul probe, ~2 s for each figure."""
     import tensorflow as tf
 
-    from tfbig.perf import cpu_peak_flops, device_peak_flops
+    from tfbig.profiling.perf import cpu_peak_flops, device_peak_flops
 
     if tf.config.list_physical_devices("GPU"):
         return device_peak_flops(precision)[0], None

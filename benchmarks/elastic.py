@@ -40,8 +40,8 @@ GOAL_SECONDS = 30.0
 def worker(config_path, out_dir):
     """One elastic rank: train, appending {"time", "step", "world"} per step to a file."""
     from tfbig import config as config_lib
-    from tfbig.distribute.registry import get_strategy
-    from tfbig.trainer import Trainer
+    from tfbig.training.registry import get_strategy
+    from tfbig.training.trainer import Trainer
 
     with open(config_path) as f:
         cfg = config_lib.from_dict(json.load(f))

@@ -47,7 +47,7 @@ def bert_config():
 
 
 def options(output_dir="runs/classify"):
-    from tfbig.classify import ClassifyOptions
+    from tfbig.commands.classify import ClassifyOptions
 
     return ClassifyOptions(max_seq_length=FLAGS.seq_length, train_batch_size=FLAGS.batch_size,
                            xla=True, output_dir=output_dir)
@@ -79,11 +79,11 @@ def trainer_of(data, steps):
     randomly initialised BERT of bert_config()."""
     import tempfile
 
-    from tfbig import finetune
+    from tfbig.training import finetune
     from tfbig.models.bert import BertClassifier
     from tfbig.tasks.classify import ClassifyTask
     from tfbig.tasks.fine_tuning import Examples
-    from tfbig.trainer import Trainer
+    from tfbig.training.trainer import Trainer
 
     class RandomBert(ClassifyTask):  # the command's task without a run directory
         def __init__(self, train):
@@ -125,7 +125,7 @@ def run_keras_hub(data):
     import keras
     import keras_hub
 
-    from tfbig import finetune
+    from tfbig.training import finetune
     from tfbig.optim import build_optimizer
 
     config, steps = bert_config(), 1 + FLAGS.steps

@@ -18,7 +18,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from tfbig.generate import Generator  # noqa: E402
+from tfbig.models.generation import Generator  # noqa: E402
 from tfbig.models.gpt import GPT, GPTConfig  # noqa: E402
 
 flags.DEFINE_string("preset", "small", "GPT preset to time.")

@@ -38,7 +38,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app, flags  # noqa: E402
 
-from tfbig import perf  # noqa: E402
+from tfbig.profiling import perf  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("lengths", ["1024", "2048", "4096", "8192"], "Sequence lengths measured.")
@@ -77,7 +77,7 @@ def run_case(attention, length, kind):
     """One case in this process: {"step_peak", "gradients"} bytes or {"wall_s", "cpu_s"}."""
     import tensorflow as tf
 
-    from tfbig.plan.measure import allocator_peak
+    from tfbig.training.measure import allocator_peak
 
     model, optimizer = build(attention, length)
     ids = tf.random.uniform((1, length + 1), 0, MODEL["vocab_size"], tf.int32, seed=0)
@@ -114,7 +114,7 @@ def run_context_case(size, length):
     import numpy as np
     import tensorflow as tf
 
-    from tfbig.plan.measure import allocator_peak
+    from tfbig.training.measure import allocator_peak
 
     model, optimizer = build("blockwise", length)
     cross_entropy, average, gather, rank = tf.nn.sparse_softmax_cross_entropy_with_logits, \
@@ -244,7 +244,8 @@ def context_main():
 
 def planned_activations(attention, length):
     """tfbig-plan's activation bytes of this step (fp32, batch 1, one device)."""
-    from tfbig.plan import estimate, models
+    from tfbig.plan import estimate
+    from tfbig.models import shapes as models
 
     cfg = models.model_config("gpt", "small", seq_length=length, attention=attention)
     return estimate.activation_memory(models.shape_of(cfg, "gpt", length), estimate.Layout(),
@@ -287,7 +288,8 @@ def longest(lengths, peaks, degree, budget):
 
 def planned_longest(attention, budget):
     """The longest T (to 256 tokens) whose planned state + activations fit `budget` bytes."""
-    from tfbig.plan import estimate, hardware, models
+    from tfbig.plan import estimate, hardware
+    from tfbig.models import shapes as models
 
     cpu = hardware.Device("cpu", 1e11, 2 ** 50, 1e10, 1e10, 1.0, 0.0)
     t = 256

@@ -38,7 +38,7 @@ def worker(plan_path, warmup, steps):
     import horovod.tensorflow as hvd
 
     from tfbig import config as config_lib
-    from tfbig.trainer import Trainer
+    from tfbig.training.trainer import Trainer
 
     with open(plan_path) as f:
         plan = json.load(f)

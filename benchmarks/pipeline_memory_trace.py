@@ -4,10 +4,10 @@
         [--activation_checkpointing]
 
 Runs stage `--stage` of benchmarks/plan_accuracy.py's 2-stage h128 GPT alone
-(tfbig.plan.measure.stage_alone, whose ops are named F<m>/... and B<m>/... by micro-batch) under
+(tfbig.training.measure.stage_alone, whose ops are named F<m>/... and B<m>/... by micro-batch) under
 TensorFlow's profiler, replays the CPU allocator's allocation and deallocation events, and prints
 one JSON line: the allocator's least peak of 5 steps, the tensors' least peak of 3
-(tfbig.plan.measure.tensor_peak) and the plan's bytes (as plan_accuracy); of one traced step, the
+(tfbig.training.measure.tensor_peak) and the plan's bytes (as plan_accuracy); of one traced step, the
 peak of the tensors' bytes and of the allocator's chunks holding them, the live bytes at the
 tensors' peak by op (F<m>/B<m> and the stage function call), and the largest live tensors with
 the op that made them.
@@ -29,9 +29,8 @@ import tensorflow as tf  # noqa: E402
 
 from tfbig.pipeline.devices import configure_cpu_devices  # noqa: E402
 from tfbig.plan import estimate  # noqa: E402
-from tfbig.plan.measure import (allocation_events, allocator_peak, live_at_peak,  # noqa: E402
-                                pipeline_step, planned_stage_peak, stage_alone, stage_layers,
-                                tensor_peak)
+from tfbig.training.measure import (allocation_events, allocator_peak, live_at_peak,  # noqa: E402
+    pipeline_step, planned_stage_peak, stage_alone, stage_layers, tensor_peak)
 
 PIPELINE = dict(hidden_size=128, num_layers=4, num_heads=2, seq_length=128, vocab_size=2048)
 MICRO_BATCH = 4

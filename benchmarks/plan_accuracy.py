@@ -12,7 +12,7 @@ Rows (each a ratio measured / planned, 1.0 = exact):
               (stages on logical CPU devices sharing one allocator, so each stage's column of
               the schedule is also run alone) and, with --cross_rank, one stage per Horovod
               rank (each its own allocator). "stage<k>": the bytes of the tensors alive at the
-              peak (tfbig.plan.measure.tensor_peak, what the plan counts); "allocator": the
+              peak (tfbig.training.measure.tensor_peak, what the plan counts); "allocator": the
               allocator's peak of the same steps per stage, which also counts the slack of the
               chunks it handed out (up to 2x a tensor's size)
     speed     tokens/s of two GPTs (h128 x 2 layers, seq 128; h256 x 4 layers, seq 256; batch 16,
@@ -44,10 +44,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from tfbig.pipeline.devices import configure_cpu_devices  # noqa: E402
 from tfbig.plan import calibration as calibration_lib  # noqa: E402
-from tfbig.plan import estimate, hardware, models, search  # noqa: E402
-from tfbig.plan.local import local_device  # noqa: E402
-from tfbig.plan.measure import (allocator_peak, measure_step, pipeline_step,  # noqa: E402
-                                planned_stage_peak, stage_alone, stage_layers, tensor_peak)
+from tfbig.plan import estimate, hardware, search  # noqa: E402
+from tfbig.models import shapes as models
+from tfbig.training.local_plan import local_device  # noqa: E402
+from tfbig.training.measure import (allocator_peak, measure_step, pipeline_step,  # noqa: E402
+    planned_stage_peak, stage_alone, stage_layers, tensor_peak)
 
 CPU = hardware.Device("cpu", 1e11, 2 ** 40, 1e10, 1e10, 1.0, 0.0)  # memory terms only
 SINGLE = {"h128": dict(hidden_size=128, num_layers=2, num_heads=4, seq_length=128,

@@ -50,7 +50,7 @@ def worker(config_path, out_path, warmup, steps):
     import tensorflow as tf
 
     from tfbig import config as config_lib
-    from tfbig.trainer import Trainer
+    from tfbig.training.trainer import Trainer
 
     with open(config_path) as f:
         trainer = Trainer(config_lib.from_dict(json.load(f)))

@@ -86,9 +86,9 @@ def main():
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     from tfbig.data import Tokenizer
     from tfbig.models.albert import AlbertConfig
-    from tfbig.squad import evaluate, postprocess
-    from tfbig.squad.model import pretrained_config
-    from tfbig.squad.features import convert_examples, examples_from_dataset, first_questions
+    from tfbig.data.squad import evaluate, postprocess
+    from tfbig.tasks.squad_model import pretrained_config
+    from tfbig.data.squad.features import convert_examples, examples_from_dataset, first_questions
 
     if args.init_checkpoint:
         config, tokenizer = pretrained_config(args.init_checkpoint)
@@ -117,11 +117,11 @@ def main():
 
     import numpy as np
 
-    from tfbig import finetune as recipe
-    from tfbig.squad.cli import SquadOptions
-    from tfbig.squad.model import INPUTS
+    from tfbig.training import finetune as recipe
+    from tfbig.commands.squad import SquadOptions
+    from tfbig.tasks.squad_model import INPUTS
     from tfbig.tasks.squad import LABELS, SquadTask
-    from tfbig.trainer import Trainer
+    from tfbig.training.trainer import Trainer
 
     options = SquadOptions(  # the Trainer running tfbig.tasks.squad, as tfbig-squad does
         train_file=args.train_file, predict_file=args.predict_file,

@@ -47,7 +47,7 @@ def write_files(root, args):
     import keras
     import numpy as np
 
-    from tfbig.checkpoint import model_variables
+    from tfbig.checkpoints.checkpoint import model_variables
     from tfbig.convert import run_dir
     from tfbig.models.bert import BertConfig, BertForPretraining
 
@@ -75,11 +75,11 @@ def write_files(root, args):
 
 def worker(root, out, args, strategy):
     """Build tfbig-squad's Trainer on the predict file; time evaluations after the first."""
-    from tfbig import finetune
-    from tfbig.squad.cli import SquadOptions
-    from tfbig.squad.model import pretrained_config
+    from tfbig.training import finetune
+    from tfbig.commands.squad import SquadOptions
+    from tfbig.tasks.squad_model import pretrained_config
     from tfbig.tasks.squad import SquadTask
-    from tfbig.trainer import Trainer
+    from tfbig.training.trainer import Trainer
 
     options = SquadOptions(init_checkpoint=os.path.join(root, "run"),
                            predict_file=os.path.join(root, "dev.json"), train_file="",

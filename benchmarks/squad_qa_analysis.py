@@ -22,7 +22,7 @@ import numpy as np
 
 from data_prep.shakespeare_qa import _SPEAKER
 from tfbig.data import Tokenizer
-from tfbig.squad.features import convert_examples, read_squad, token_char_spans
+from tfbig.data.squad.features import convert_examples, read_squad, token_char_spans
 
 RARE = 5  # a piece seen fewer times than this in the training contexts is barely trained
 QUOTE = re.compile(r"Who says: '(.*)'\?|How does the line '(.*) \.\.\.' go on\?")

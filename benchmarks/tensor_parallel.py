@@ -48,7 +48,7 @@ def worker(config_path, out_path, warmup, steps, dry):
     from tfbig import config as config_lib
     from tfbig.distribute import tensor_parallel
     from _timing import time_steps
-    from tfbig.trainer import Trainer
+    from tfbig.training.trainer import Trainer
 
     if dry:  # the same compute without the tensor group's communication
         tensor_parallel._all_reduce_sum = lambda x, process_set: tf.identity(x)

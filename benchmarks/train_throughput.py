@@ -44,7 +44,7 @@ def train_once(precision, xla, model_dir, preset=None, batch_size=None, seq_leng
     model's config. Arguments left None take this script's flags (--preset, ...); `model`
     overrides the preset's fields (hidden_size, num_layers, num_heads: tfbig-train's flags)."""
     from tfbig.config import ExperimentConfig
-    from tfbig.trainer import Trainer
+    from tfbig.training.trainer import Trainer
 
     settings = dict(preset=preset or FLAGS.preset, batch_size=batch_size or FLAGS.batch_size,
                     seq_length=seq_length or FLAGS.seq_length,

@@ -56,7 +56,7 @@ def train_config(model_dir):
 
 
 def run_tfbig(model_dir):
-    from tfbig.trainer import Trainer
+    from tfbig.training.trainer import Trainer
 
     trainer = Trainer(train_config(model_dir))
     marks = _timing.clock_steps(trainer)
@@ -74,7 +74,7 @@ def run_keras_hub(model_dir):
     from tfbig import data
     from tfbig.optim import build_optimizer
     from tfbig.tasks.gpt import GPTTask
-    from tfbig.trainer import set_precision
+    from tfbig.training.trainer import set_precision
 
     cfg = train_config(model_dir)
     set_precision(cfg.train.precision)

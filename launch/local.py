@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 
-from tfbig.cli import ArgumentParser
+from tfbig.commands.cli import ArgumentParser
 
 POLL_SECONDS = 0.2
 PREEMPTED = 143  # tfbig-train after SIGTERM: checkpoint saved (128 + SIGTERM)

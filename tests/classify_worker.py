@@ -25,10 +25,10 @@ def poisoned_run(options, poison_step, poisoned):
     Returns (trainer, {losses, scales, initial*, after*, final*})."""
     import tensorflow as tf
 
-    from tfbig import finetune
+    from tfbig.training import finetune
     from tfbig.optim import loss_scale
     from tfbig.tasks.classify import ClassifyTask
-    from tfbig.trainer import Trainer, precision_policy
+    from tfbig.training.trainer import Trainer, precision_policy
 
     cfg = finetune.experiment(options, "classify")
     with precision_policy(options.precision):
@@ -60,7 +60,7 @@ def poisoned_run(options, poison_step, poisoned):
 
 
 def main(path):
-    from tfbig.classify import ClassifyOptions
+    from tfbig.commands.classify import ClassifyOptions
 
     with open(path) as file:
         run = json.load(file)

@@ -158,7 +158,7 @@ def gpt2_bpe(tmp_path_factory):
     from tokenizers import Tokenizer as Backend
     from tokenizers import models, pre_tokenizers, trainers
 
-    from tfbig.convert import ConvertOptions, convert
+    from tfbig.commands.convert import ConvertOptions, convert
     from tfbig.data import prepare
 
     root = tmp_path_factory.mktemp("gpt2_bpe")

@@ -246,7 +246,7 @@ def test_a_declared_transformer_shape_plans_as_tfbigs_own_gpt_of_that_shape():
     --model=gpt --preset=tiny, figure for figure, on 2 ranks with ZeRO 1 (its parameter
     count, counted on the built model, is the closed form's)."""
     from tfbig import api
-    from tfbig.plan.local import training_plan
+    from tfbig.training.local_plan import training_plan
 
     flags = dict(plan_only=True, batch_size=8, zero_stage=1)
     found = api.plan(DeclaredGPT(), tfbig.configure(**flags), plan_device(), world_size=2)

@@ -1,6 +1,6 @@
 """tfbig.consolidate_run: a sharded run of a user's own model (examples/own_model.py) written as
 one single-device checkpoint holding the weights the run itself reports; `python -m
-tfbig.consolidate`, which cannot build a user's model, refuses such a run naming the API.
+tfbig.training.consolidate`, which cannot build a user's model, refuses such a run naming the API.
 
 Default run: one process under --strategy=horovod --zero_stage=3 (Horovod of one rank, in this
 process). Multi-rank runs (ZeRO-3 on 4 ranks over MiCS groups, tensor parallelism with the
@@ -18,8 +18,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 import own_model  # noqa: E402
 
 import tfbig  # noqa: E402
-from tfbig import consolidate  # noqa: E402
-from tfbig.checkpoint import reader_key  # noqa: E402
+from tfbig.training import consolidate  # noqa: E402
+from tfbig.checkpoints.checkpoint import reader_key  # noqa: E402
 from tfbig.tasks.user import fresh_layer_names  # noqa: E402
 
 BLOCKS = ("transformer_blocks.*",)  # what ZeRO-3 gathers one at a time

@@ -18,9 +18,9 @@ from test_calibration import write as write_calibration  # noqa: E402
 
 import tfbig  # noqa: E402
 from tfbig import api, optim  # noqa: E402
-from tfbig.distribute.tensor_layout import TensorGroup, split_declared_model  # noqa: E402
+from tfbig.layouts.tensor_layout import TensorGroup, split_declared_model  # noqa: E402
 from tfbig.errors import UsageError  # noqa: E402
-from tfbig.plan.local import training_plan  # noqa: E402
+from tfbig.training.local_plan import training_plan  # noqa: E402
 from tfbig.tasks.user import FunctionTask, UserTask  # noqa: E402
 
 # tfbig's GPT declared as Megatron splits it: QKV and fc by columns, the projections by rows
@@ -110,8 +110,9 @@ def test_a_declared_shape_plans_tensor_parallelism_as_tfbigs_own_gpt():
 
 def _own_estimate(config):
     """The planner's Estimate of tfbig's tiny GPT under `config` on 2 ranks of plan_device()
-    (tfbig.plan.local.training_plan's search)."""
-    from tfbig.plan import hardware, models, search
+    (tfbig.training.local_plan.training_plan's search)."""
+    from tfbig.plan import hardware, search
+    from tfbig.models import shapes as models
 
     shape = models.shape_of(models.model_config("gpt", "tiny"), "gpt", 128)
     cluster = hardware.Cluster(plan_device(), 2, 1, plan_device().local_bandwidth)

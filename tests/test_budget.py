@@ -1,4 +1,4 @@
-"""--max_steps=0: as many steps as fit in --time_budget_minutes (tfbig.budget)."""
+"""--max_steps=0: as many steps as fit in --time_budget_minutes (tfbig.training.budget)."""
 import json
 import os
 import subprocess
@@ -7,10 +7,10 @@ import sys
 import numpy as np
 import pytest
 
-from tfbig import budget
+from tfbig.training import budget
 from tfbig.config import ExperimentConfig, check_applicable
 from tfbig.optim import WarmupDecay, learning_rate
-from tfbig.trainer import Trainer
+from tfbig.training.trainer import Trainer
 
 from test_trainer import make_cfg, weights
 
@@ -113,7 +113,7 @@ def test_budgeted_run_fixes_its_steps_and_equals_an_explicit_run_of_that_count(g
 
 def test_tf_distribute_agrees_through_its_all_workers_collective():
     # MultiWorker and Mirrored share the collective; here one process, all of its replicas.
-    from tfbig.distribute.registry import get_strategy
+    from tfbig.training.registry import get_strategy
 
     cfg = ExperimentConfig()
     cfg.train.strategy = "mirrored"

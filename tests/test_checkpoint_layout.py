@@ -1,11 +1,13 @@
-"""The one reader of a sharded checkpoint's layout file (tfbig.checkpoint), shared by the
+"""The one reader of a sharded checkpoint's layout file (tfbig.checkpoints.checkpoint), shared by the
 tensor-parallel, ZeRO and cross-rank pipeline layouts, and the checks before consolidating one
-(tfbig.consolidate)."""
+(tfbig.training.consolidate)."""
 import pytest
 
-from tfbig import checkpoint, config as config_lib, consolidate
-from tfbig.distribute import tensor_layout, zero_checkpoint
-from tfbig.pipeline import stage_checkpoint
+from tfbig.checkpoints import checkpoint
+from tfbig import config as config_lib
+from tfbig.training import consolidate
+from tfbig.layouts import tensor_layout, zero_checkpoint
+from tfbig.layouts import stage_checkpoint
 
 
 def a_run(tmp_path, filename, layout, model="gpt"):

@@ -9,8 +9,8 @@ import keras
 import numpy as np
 import pytest
 
-from tfbig.checkpoint import model_variables
-from tfbig.classify import ClassifyOptions, fine_tune
+from tfbig.checkpoints.checkpoint import model_variables
+from tfbig.commands.classify import ClassifyOptions, fine_tune
 from tfbig.tasks.classify import read_examples, scores
 from tfbig.convert import run_dir
 from tfbig.errors import UsageError
@@ -105,12 +105,12 @@ def test_bad_columns_and_labels_name_the_file(bert_run, tmp_path):
 
 
 def _launch(strategy, flags, out, root):
-    """Two processes of `python -m tfbig.classify` under horovodrun or tfbig-launch."""
+    """Two processes of `python -m tfbig.commands.classify` under horovodrun or tfbig-launch."""
     import os
     import subprocess
     import sys
 
-    program = [sys.executable, "-m", "tfbig.classify", f"--strategy={strategy}",
+    program = [sys.executable, "-m", "tfbig.commands.classify", f"--strategy={strategy}",
                f"--output_dir={out}", *flags]
     launcher = ([os.path.join(os.path.dirname(sys.executable), "horovodrun"), "-np", "2", "-H",
                  "localhost:2", "--gloo"] if strategy == "horovod" else
@@ -286,7 +286,7 @@ def test_kill_9_and_the_same_command_again_equal_an_uninterrupted_run(bert_run, 
     steps = 8
 
     def command(out):
-        return [sys.executable, "-m", "tfbig.classify", f"--init_checkpoint={bert_run / 'run'}",
+        return [sys.executable, "-m", "tfbig.commands.classify", f"--init_checkpoint={bert_run / 'run'}",
                 f"--train_file={train}", f"--eval_file={dev}", "--max_seq_length=24",
                 "--train_batch_size=8", "--learning_rate=3e-3", f"--max_steps={steps}",
                 "--deterministic", "--checkpoint_every=1", "--noxla", "--peak_tflops=1",

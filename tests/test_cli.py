@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tfbig import cli
+from tfbig.commands import cli
 from tfbig.errors import UsageError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,7 +34,7 @@ def train_flags(data_dir, model_dir, **extra):
 
 
 def test_the_last_line_of_a_run_says_steps_wall_time_and_bits_per_byte():
-    from tfbig.train_command import done_line
+    from tfbig.commands.train import done_line
 
     summary = {"step": 500, "eval": {"loss": 4.95, "bits_per_byte": 2.23571}}
     assert done_line(summary, 601.4) == (
@@ -109,7 +109,7 @@ def test_user_errors_are_tfbigs_own_checks_and_bugs_keep_their_traceback():
         except Exception as error:  # noqa: BLE001
             return cli.user_message(error)
 
-    from tfbig.trainer import micro_batch_size
+    from tfbig.training.trainer import micro_batch_size
 
     assert caught(micro_batch_size, 6, 1, 4).startswith("--batch_size=6 must be")
     assert caught(_raise, UsageError("--x=1: bad")) == "--x=1: bad"

@@ -86,7 +86,7 @@ def _help(entry, prog, *args):
 
 
 def _flags_in_help(text, prefix=""):
-    """Flag names a --help text lists: tfbig.cli's, absl's own list, or argparse's (absl's own
+    """Flag names a --help text lists: tfbig.commands.cli's, absl's own list, or argparse's (absl's own
     flags, under an `absl.flags:` heading, are not the script's)."""
     text = re.sub(r"^absl\.[\w.]+:\n(?:[ \t].*\n?)*", "", text, flags=re.M)
     names = re.findall(r"^[ \t]+--(?:\[no\])?(\w+)(?:[=:]|\s|$)", text, flags=re.M)

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfbig import evaluation
-from tfbig.trainer import Trainer
+from tfbig.training import evaluation
+from tfbig.training.trainer import Trainer
 from test_trainer import make_cfg
 
 

@@ -11,8 +11,8 @@ import tensorflow_datasets as tfds
 from tensorflow_datasets.text import glue as tfds_glue
 
 from test_classify import WORDS, bert_run  # noqa: F401 (a fixture)
-from tfbig import glue
-from tfbig.classify import ClassifyOptions, fine_tune
+from tfbig.data import glue
+from tfbig.commands.classify import ClassifyOptions, fine_tune
 from tfbig.errors import UsageError
 
 MNLI_LABELS = ["entailment", "neutral", "contradiction"]

@@ -13,17 +13,17 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfbig import init_checkpoint
-from tfbig.checkpoint import model_variables
+from tfbig.convert import init_checkpoint
+from tfbig.checkpoints.checkpoint import model_variables
 from tfbig.config import ExperimentConfig
 from tfbig.convert import run_dir
 from tfbig.data import load_manifest
 from tfbig.data.bpe import ByteLevelBPE
 from tfbig.data.tokenizer import for_run
 from tfbig.errors import UsageError
-from tfbig.generate import load_model
+from tfbig.convert.run_dir import load_model
 from tfbig.tasks.gpt import GPTTask
-from tfbig.trainer import Trainer
+from tfbig.training.trainer import Trainer
 
 
 def _cfg(**train):

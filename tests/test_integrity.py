@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from test_trainer import make_cfg, weights
-from tfbig import integrity
+from tfbig.checkpoints import integrity
 from tfbig.errors import DamagedCheckpointError
-from tfbig.logs import RunLogger
-from tfbig.trainer import Trainer
+from tfbig.training.logs import RunLogger
+from tfbig.training.trainer import Trainer
 
 
 class Recorder(RunLogger):
@@ -112,7 +112,7 @@ def test_resume_falls_back_to_the_newest_intact_checkpoint(gpt_data, trained, tm
 def test_a_relative_model_dir_resumes_and_generates(gpt_data, trained, tmp_path, monkeypatch):
     """The main job's --model_dir is relative (runs/gpt-small): its second run resumes from it
     and tfbig-generate reads it (both joined the directory to the state file's paths twice)."""
-    from tfbig.generate import load_model
+    from tfbig.convert.run_dir import load_model
 
     source, _ = trained
     shutil.copytree(source, tmp_path / "runs" / "gpt")

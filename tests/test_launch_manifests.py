@@ -23,12 +23,12 @@ CLEAN_POD_POLICIES = {"None", "Running", "All"}
 
 
 def preempted_exit_code():
-    """tfbig.train_command.PREEMPTED_EXIT_CODE, read without importing TensorFlow."""
+    """tfbig.commands.train.PREEMPTED_EXIT_CODE, read without importing TensorFlow."""
     tree = ast.parse(open(os.path.join(ROOT, "tfbig", "train_command.py")).read())
     for node in tree.body:
         if isinstance(node, ast.Assign) and node.targets[0].id == "PREEMPTED_EXIT_CODE":
             return node.value.value
-    raise AssertionError("tfbig/train_command.py defines no PREEMPTED_EXIT_CODE")
+    raise AssertionError("tfbig/commands/train.py defines no PREEMPTED_EXIT_CODE")
 
 
 def dockerfile_images():

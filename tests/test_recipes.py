@@ -3,7 +3,7 @@ gives none, never over a flag that was given, and only to their own model/preset
 from absl import flags
 
 from tfbig import config as config_lib
-from tfbig import recipes
+from tfbig.commands import recipes
 
 
 def parsed(*args):

@@ -12,9 +12,9 @@ import numpy as np
 import tensorflow as tf
 
 from test_trainer import make_cfg
-from tfbig.export import export
-from tfbig.generate import Generator
-from tfbig.trainer import Trainer
+from tfbig.commands.export import export
+from tfbig.models.generation import Generator
+from tfbig.training.trainer import Trainer
 
 PROMPTS = [[1, 5, 9, 2, 11], [3, 3, 7, 8, 40]]
 NEW_TOKENS = 6

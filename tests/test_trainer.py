@@ -7,9 +7,10 @@ import pytest
 import tensorflow as tf
 
 from tfbig.config import ExperimentConfig
-from tfbig.generate import Generator, load_model
+from tfbig.models.generation import Generator
+from tfbig.convert.run_dir import load_model
 from tfbig.tasks.gpt import GPTTask
-from tfbig.trainer import NonFiniteLossError, Trainer
+from tfbig.training.trainer import NonFiniteLossError, Trainer
 
 
 def make_cfg(data_dir, model_dir, **train):
@@ -154,7 +155,7 @@ def test_run_writes_tensorboard_events_and_generates(gpt_data, tmp_path):
 
 
 def test_exported_savedmodel_equals_the_trained_model(gpt_data, tmp_path):
-    from tfbig.export import export
+    from tfbig.commands.export import export
 
     trainer = Trainer(make_cfg(gpt_data, tmp_path / "run", max_steps=1))
     trainer.fit()

@@ -41,9 +41,9 @@ import dataclasses
 
 from tfbig.config import ExperimentConfig
 from tfbig.errors import UsageError
-from tfbig.finetune import LossRecorder
+from tfbig.training.finetune import LossRecorder
 from tfbig.tasks.user import DataShard, FunctionTask, Task, UserTask
-from tfbig.trainer import Trainer, precision_policy
+from tfbig.training.trainer import Trainer, precision_policy
 
 __all__ = ["DataShard", "Run", "Task", "config_from_flags", "configure", "consolidate_run",
            "define_flags", "evaluate", "predict", "train"]
@@ -211,7 +211,7 @@ class Run:
 def _trainer(task, config, recorder=False, predicting=False):
     """A Trainer of `task` (its newest checkpoint in model_dir restored); with `recorder` its
     logger keeps each logged loss."""
-    from tfbig.distribute.registry import get_strategy
+    from tfbig.training.registry import get_strategy
 
     strategy = get_strategy(config.train.strategy, config)
     logger = LossRecorder(config.train.model_dir, strategy.is_chief, config.train.max_steps) \
@@ -248,7 +248,7 @@ def train(task_or_model_fn, loss_fn=None, dataset_fn=None, config=None, **kwargs
         loss_fn, config = None, loss_fn
     task, config = _task_and_config(task_or_model_fn, loss_fn, dataset_fn, config, kwargs)
     if config.train.plan_only:
-        from tfbig.plan.local import first_process
+        from tfbig.training.local_plan import first_process
 
         found = plan(task, config)
         if first_process():  # one copy per job, not one per rank
@@ -266,7 +266,8 @@ def plan(task, config, device=None, world_size=None):
     """The UserPlan (tfbig.plan.user) of `task` under `config`: its model built here (no
     backend, nothing written), its variables counted; on `device` (default: this machine's,
     probed as tfbig-train --plan_only does) and `world_size` ranks (default: the launcher's)."""
-    from tfbig.plan import calibration, local, user
+    from tfbig.plan import calibration, user
+    from tfbig.training import local_plan as local
 
     check_user_flags(config, task)
     shape = getattr(task, "transformer_shape", None)
@@ -284,7 +285,7 @@ def plan(task, config, device=None, world_size=None):
 def _counted(task, tensor):
     """((trainable, other) values of the task's model, trainable values one rank holds):
     under --tensor_parallel counted on tensor rank 0's model, split as training splits it."""
-    from tfbig.distribute.tensor_layout import TensorGroup, split_declared_model
+    from tfbig.layouts.tensor_layout import TensorGroup, split_declared_model
     from tfbig.plan import user
 
     if tensor == 1:
@@ -308,7 +309,7 @@ def consolidate_run(task_or_model_fn, model_dir, output_dir, **task_options):
     groups included, or --tensor_parallel with the task's tensor_layout) in `model_dir` as one
     single-device checkpoint in `output_dir`: weights, optimizer slots, step and input
     position, which train/evaluate/predict then resume or read under any layout (and
-    `python -m tfbig.consolidate` refuses, having no way to build your model).
+    `python -m tfbig.commands.consolidate` refuses, having no way to build your model).
 
     Args:
         task_or_model_fn: the tfbig.Task the run trained, or its model_fn.
@@ -322,7 +323,7 @@ def consolidate_run(task_or_model_fn, model_dir, output_dir, **task_options):
 
         tfbig.consolidate_run(model_fn, "runs/zero3", "runs/zero3-single", name="own_model")
     """
-    from tfbig import consolidate
+    from tfbig.training import consolidate
 
     if isinstance(task_or_model_fn, Task):
         if task_options:

@@ -1,6 +1,6 @@
 """Exceptions that mean "the user asked for something that cannot work", not "tfbig has a bug".
 
-Console scripts (tfbig.cli) print these as one line `tfbig-<name>: error: ...` and exit 2.
+Console scripts (tfbig.commands.cli) print these as one line `tfbig-<name>: error: ...` and exit 2.
 Raise them (or a ValueError / FileNotFoundError from tfbig's own checks) with a message that
 names the flag or file, the value seen and what would be valid.
 """

@@ -1,12 +1,12 @@
 """Print the flags a console script defines, as JSON, without running it.
 
-    python docs/hooks/flags_of.py tfbig.train_command:run tfbig-train
+    python docs/hooks/flags_of.py tfbig.commands.train:run tfbig-train
 
 The script's entry point is called with no arguments and stopped at the moment it would parse
 its command line, which is where every flag is defined and nothing has run yet:
-- absl scripts through `tfbig.cli.run_app` (sections as their `--help` groups them);
+- absl scripts through `tfbig.commands.cli.run_app` (sections as their `--help` groups them);
 - absl scripts with their own `FlagValues` (tfbig-plan): the `FlagValues` being parsed;
-- argparse scripts (`tfbig.cli.ArgumentParser`): the parser's actions.
+- argparse scripts (`tfbig.commands.cli.ArgumentParser`): the parser's actions.
 Run in a process of its own per script: absl's global FLAGS would otherwise collide.
 Output: {"prog", "summary", "sections": [{"title", "flags": [{"name", "type", "default", "help"}]}]}.
 """
@@ -37,7 +37,7 @@ def _own_absl_names(flag_values):
 def extract(entry, prog):
     from absl import flags
 
-    from tfbig import cli
+    from tfbig.commands import cli
 
     captured = {}
 

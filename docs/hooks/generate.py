@@ -74,7 +74,7 @@ def flags_page(info, guide):
 
 def _guides():
     sys.path.insert(0, ROOT)
-    from tfbig.cli import GUIDES
+    from tfbig.commands.cli import GUIDES
 
     return GUIDES
 

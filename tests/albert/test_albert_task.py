@@ -6,7 +6,7 @@ import pytest
 from tfbig.config import ExperimentConfig
 from tfbig.tasks import get_task
 from tfbig.tasks.albert import AlbertTask
-from tfbig.trainer import Trainer
+from tfbig.training.trainer import Trainer
 
 
 def make_cfg(data_dir, model_dir, **train):

@@ -11,7 +11,7 @@ import pytest
 from tfbig.data import WordPieceVocab, bert as bert_data, load_tokenizer
 from tfbig.data import MaskingVocab
 from tfbig.data.tokenizer import tokenizer_file
-from tfbig.wordpiece import WordPieceTokenizer
+from tfbig.data.wordpiece import WordPieceTokenizer
 
 
 ODD_TEXT = "Héllo, WORLD! 東京は… naïve café — «quote» [SEP] x² 3.14 don't"

@@ -6,7 +6,7 @@ import pytest
 from tfbig.config import ExperimentConfig, check_applicable
 from tfbig.tasks import get_task
 from tfbig.tasks.bert import BertTask
-from tfbig.trainer import Trainer
+from tfbig.training.trainer import Trainer
 
 
 def make_cfg(data_dir, model_dir, **train):
@@ -42,7 +42,7 @@ def test_resume_is_exact(bert_data_dir, tmp_path):
     import filecmp
     import json
 
-    from tfbig.squad.model import pretrained_config
+    from tfbig.tasks.squad_model import pretrained_config
 
     assert filecmp.cmp(tmp_path / "whole" / "vocab.txt", f"{bert_data_dir}/vocab.txt",
                        shallow=False)

@@ -16,11 +16,12 @@ import sentencepiece as spm
 import tensorflow as tf
 from safetensors.numpy import save_file
 
-from tfbig.convert import ConvertOptions, convert, run_dir
+from tfbig.commands.convert import ConvertOptions, convert
+from tfbig.convert import run_dir
 from tfbig.data.albert_spm import AlbertSentencePiece
 from tfbig.errors import UsageError
 from tfbig.models.albert import AlbertConfig, AlbertForPretraining, AlbertForQuestionAnswering
-from tfbig.squad.model import pretrained_config
+from tfbig.tasks.squad_model import pretrained_config
 
 SIZES = dict(vocabulary_size=101, num_layers=4, num_groups=2, num_heads=3, embedding_dim=10,
              hidden_dim=36, intermediate_dim=52, max_sequence_length=40, num_segments=2,

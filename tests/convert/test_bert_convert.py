@@ -19,10 +19,11 @@ import pytest
 import tensorflow as tf
 from safetensors.numpy import load_file, save_file
 
-from tfbig.convert import ConvertOptions, bert_names, convert, run_dir
+from tfbig.commands.convert import ConvertOptions, convert
+from tfbig.convert import bert_names, run_dir
 from tfbig.errors import UsageError
 from tfbig.models.bert import BertForPretraining, BertForQuestionAnswering
-from tfbig.wordpiece import WordPieceTokenizer
+from tfbig.data.wordpiece import WordPieceTokenizer
 
 SIZES = dict(vocabulary_size=101, num_layers=2, num_heads=3, hidden_dim=36, intermediate_dim=52,
              max_sequence_length=40, num_segments=2)

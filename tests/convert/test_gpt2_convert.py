@@ -24,11 +24,13 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from tfbig.convert import ConvertOptions, convert, run_dir
+from tfbig.commands.convert import ConvertOptions, convert
+from tfbig.convert import run_dir
 from tfbig.data.bpe import ByteLevelBPE
 from tfbig.data.tokenizer import Tokenizer, for_run
 from tfbig.errors import UsageError
-from tfbig.generate import Generator, load_model
+from tfbig.models.generation import Generator
+from tfbig.convert.run_dir import load_model
 
 HIDDEN, LAYERS, HEADS, POSITIONS = 36, 2, 3, 40
 TEXT = ("Héllo, wörld!! Ça va? «Quoi»—naïve café...  東京は晴れ。\n\n"
@@ -299,7 +301,7 @@ def test_savedmodel_export_of_a_converted_gpt2_carries_its_bpe(reference, tmp_pa
     and the serving signature gives keras-hub's logits."""
     import tensorflow as tf
 
-    from tfbig.export import export
+    from tfbig.commands.export import export
 
     exported = export(str(_hf_run(reference)), str(tmp_path / "savedmodel"))
     assert sorted(os.listdir(os.path.join(exported, "assets"))) == ["merges.txt", "vocab.json"]
@@ -313,7 +315,7 @@ def test_tfbig_train_refuses_a_converted_run_and_leaves_it_intact(reference, gpt
     """Pointed at a converted run as --model_dir, tfbig-train would overwrite the run's
     config.json (and so its tokenizer entry); it refuses, naming --init_checkpoint instead."""
     from tfbig.config import ExperimentConfig
-    from tfbig.trainer import Trainer
+    from tfbig.training.trainer import Trainer
 
     run = tmp_path / "run"
     shutil.copytree(_hf_run(reference), run)

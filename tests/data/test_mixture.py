@@ -90,7 +90,7 @@ def test_bad_mixtures_are_refused_with_the_item(sources, tmp_path, corpus_writer
 
 def test_training_on_a_mixture_resumes_exactly_and_logs_tokens_per_source(gpt_data, corpus_writer, tmp_path):
     from tfbig.config import ExperimentConfig
-    from tfbig.trainer import Trainer
+    from tfbig.training.trainer import Trainer
 
     def make_cfg(data_dir, model_dir, max_steps):
         cfg = ExperimentConfig()

@@ -74,7 +74,7 @@ def test_one_piece_holds_out_documents_and_trains_with_validation(kind, tmp_path
 
 def _train_with_validation(data_dir, model_dir):
     from tfbig.config import ExperimentConfig
-    from tfbig.trainer import Trainer
+    from tfbig.training.trainer import Trainer
 
     cfg = ExperimentConfig()
     for key, value in dict(data_dir=data_dir, model_dir=str(model_dir), preset="tiny", seq_length=SEQ, num_layers=1,

@@ -23,8 +23,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 
 from tfbig import config as config_lib  # noqa: E402
-from tfbig.distribute.registry import get_strategy  # noqa: E402
-from tfbig.trainer import Trainer  # noqa: E402
+from tfbig.training.registry import get_strategy  # noqa: E402
+from tfbig.training.trainer import Trainer  # noqa: E402
 
 
 def fingerprint(row):

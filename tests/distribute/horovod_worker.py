@@ -43,11 +43,11 @@ import tensorflow as tf  # noqa: E402
 
 from tfbig import config as config_lib  # noqa: E402
 from tfbig.distribute import horovod_keras
-from tfbig.distribute.registry import get_strategy  # noqa: E402
-from tfbig.logs import RunLogger  # noqa: E402
+from tfbig.training.registry import get_strategy  # noqa: E402
+from tfbig.training.logs import RunLogger  # noqa: E402
 from tfbig.optim import learning_rate, loss_scale  # noqa: E402
 from tfbig.tasks.gpt import GPTTask  # noqa: E402
-from tfbig.trainer import Trainer  # noqa: E402
+from tfbig.training.trainer import Trainer  # noqa: E402
 
 
 class RecordingLogger(RunLogger):
@@ -248,7 +248,7 @@ def own_mask_states(trainer):
     """ids of the dropout generator states the tensor-parallel plan gives a mask per rank."""
     if not hasattr(trainer.strategy, "splits"):
         return set()
-    from tfbig.distribute import tensor_layout
+    from tfbig.layouts import tensor_layout
 
     return tensor_layout.own_mask_states(trainer.model, trainer.strategy.group)
 

@@ -19,8 +19,8 @@ import horovod.tensorflow as hvd  # noqa: E402
 import numpy as np  # noqa: E402
 
 from tfbig import config as config_lib  # noqa: E402
-from tfbig.distribute.registry import get_strategy  # noqa: E402
-from tfbig.trainer import Trainer  # noqa: E402
+from tfbig.training.registry import get_strategy  # noqa: E402
+from tfbig.training.trainer import Trainer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from test_integrity import DAMAGE, Recorder, data_file  # noqa: E402

@@ -29,7 +29,7 @@ def main(config_path, out_dir, steps=None, cpu_devices=0, hang_rank=-1):
         tf.config.set_logical_device_configuration(
             cpu, [tf.config.LogicalDeviceConfiguration()] * cpu_devices)
     from tfbig import config as config_lib
-    from tfbig.trainer import Trainer
+    from tfbig.training.trainer import Trainer
 
     with open(config_path) as f:
         cfg = config_lib.from_dict(json.load(f))

@@ -20,7 +20,7 @@ import numpy as np  # noqa: E402
 
 
 def main(path):
-    from tfbig.squad.cli import SquadOptions, fine_tune
+    from tfbig.commands.squad import SquadOptions, fine_tune
 
     with open(path) as file:
         run = json.load(file)

@@ -32,10 +32,10 @@ from test_horovod import horovodrun, read  # noqa: E402
 import own_model  # noqa: E402
 
 from tfbig.api import configure  # noqa: E402
-from tfbig.checkpoint import reader_key  # noqa: E402
-from tfbig.finetune import LossRecorder  # noqa: E402
+from tfbig.checkpoints.checkpoint import reader_key  # noqa: E402
+from tfbig.training.finetune import LossRecorder  # noqa: E402
 from tfbig.tasks.user import FunctionTask, UserTask, fresh_layer_names  # noqa: E402
-from tfbig.trainer import Trainer, precision_policy  # noqa: E402
+from tfbig.training.trainer import Trainer, precision_policy  # noqa: E402
 
 WORKER = os.path.join(HERE, "api_worker.py")
 # Clipping at 0.5 is active, so averaging twice or clipping before averaging would show.
@@ -74,7 +74,7 @@ def reference(root, flags):
 
 def trained_weights(run_dir):
     """{variable path: array} of the run's newest checkpoint, a ZeRO run's slices joined."""
-    from tfbig.distribute import tensor_layout, zero_checkpoint
+    from tfbig.layouts import tensor_layout, zero_checkpoint
 
     with fresh_layer_names():  # the layer names of the run's own build
         model = own_model.model_fn()

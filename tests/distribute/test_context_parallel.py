@@ -25,7 +25,7 @@ from test_trainer import make_cfg  # noqa: E402
 from tfbig.config import ExperimentConfig, ParallelConfig  # noqa: E402
 from tfbig.distribute.context_parallel import ContextGroup, check_sequence  # noqa: E402
 from tfbig.distribute.horovod import build_mesh  # noqa: E402
-from tfbig.distribute.registry import horovod_backend  # noqa: E402
+from tfbig.training.registry import horovod_backend  # noqa: E402
 
 BERT_CP = {**BERT, "learning_rate": 3e-3}  # as test_tensor_parallel's BERT_TP
 SCENARIOS = {  # name: (context, tensor, train options, worker options); 2 ranks

@@ -1,5 +1,5 @@
 """A user task's declared tensor layout (tfbig.tasks.user.declared_layout,
-tfbig.distribute.tensor_layout.split_declared_model, the collectives of
+tfbig.layouts.tensor_layout.split_declared_model, the collectives of
 tfbig.distribute.tensor_parallel) in one process: the T ranks of a tensor group run as T
 threads whose all-reduces and all-gathers meet in memory (ThreadCollectives stands in for
 Horovod), so the split MyModel (examples/own_model.py: vocabulary, attention heads and
@@ -24,7 +24,7 @@ from equality import GRADIENT_ATOL, GRADIENT_RTOL  # noqa: E402
 import own_model  # noqa: E402
 
 from tfbig.distribute import tensor_parallel  # noqa: E402
-from tfbig.distribute.tensor_layout import TensorGroup, join_slices, split_declared_model  # noqa: E402,E501
+from tfbig.layouts.tensor_layout import TensorGroup, join_slices, split_declared_model  # noqa: E402,E501
 from tfbig.errors import UsageError  # noqa: E402
 from tfbig.tasks.user import FunctionTask, UserTask, declared_layout, fresh_layer_names  # noqa: E402,E501
 
@@ -253,9 +253,9 @@ def test_a_single_device_checkpoint_restores_into_each_ranks_declared_slices(tmp
     restore_from_single_device, here for each rank in one process): every weight and optimizer
     slot is its slice of the single-device state, the replicated ones whole."""
     from tfbig.api import configure
-    from tfbig.consolidate import OfflineSlice
-    from tfbig.distribute.tensor_layout import state_arrays
-    from tfbig.trainer import Trainer
+    from tfbig.training.consolidate import OfflineSlice
+    from tfbig.layouts.tensor_layout import state_arrays
+    from tfbig.training.trainer import Trainer
 
     class SliceOnLoad(OfflineSlice):
         def restore(self, trainer, path):

@@ -22,8 +22,8 @@ from test_trainer import make_cfg  # noqa: E402
 from tfbig import config as config_lib  # noqa: E402
 from tfbig.config import ExperimentConfig, check_applicable  # noqa: E402
 from tfbig.errors import UsageError  # noqa: E402
-from tfbig.logs import RunLogger  # noqa: E402
-from tfbig.trainer import Trainer  # noqa: E402
+from tfbig.training.logs import RunLogger  # noqa: E402
+from tfbig.training.trainer import Trainer  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))

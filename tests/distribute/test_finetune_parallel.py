@@ -31,13 +31,13 @@ from equality import RecordedGradients  # noqa: E402
 from test_classify import WORDS, _rows  # noqa: E402 - the same GLUE-style rows
 from test_horovod import horovodrun, read  # noqa: E402
 
-from tfbig.checkpoint import model_variables  # noqa: E402
-from tfbig.classify import ClassifyOptions  # noqa: E402
-from tfbig.classify import fine_tune as classify  # noqa: E402
+from tfbig.checkpoints.checkpoint import model_variables  # noqa: E402
+from tfbig.commands.classify import ClassifyOptions  # noqa: E402
+from tfbig.commands.classify import fine_tune as classify  # noqa: E402
 from tfbig.convert import run_dir  # noqa: E402
 from tfbig.models.bert import BertConfig, BertForPretraining  # noqa: E402
-from tfbig.squad.cli import SquadOptions  # noqa: E402
-from tfbig.squad.cli import fine_tune as squad  # noqa: E402
+from tfbig.commands.squad import SquadOptions  # noqa: E402
+from tfbig.commands.squad import fine_tune as squad  # noqa: E402
 
 # vocabulary 20 and 2 heads: both split over a tensor group of 2
 VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "yes", "no", "what"] + WORDS
@@ -128,7 +128,7 @@ RUN = {"classify": classify, "squad": squad}
 
 def launch(root, command, flags, files):
     """`horovodrun -np 4 python -m tfbig.<command> --strategy=horovod ...`: the run directory."""
-    module = {"classify": "tfbig.classify", "squad": "tfbig.squad.cli"}[command]
+    module = {"classify": "tfbig.commands.classify", "squad": "tfbig.commands.squad"}[command]
     args = [f"--{k}={v}" for k, v in _options(command, files, flags).items()
             if not isinstance(v, bool)]
     args += [f"--{'' if v else 'no'}{k}" for k, v in _options(command, files, flags).items()
@@ -144,10 +144,10 @@ def launch(root, command, flags, files):
 def whole_weights(run, command):
     """{variable path: array} of the trained weights in run directory `run`'s newest checkpoint,
     a tensor-parallel or ZeRO run's pieces joined."""
-    from tfbig.checkpoint import reader_key
-    from tfbig.distribute import tensor_layout, zero_checkpoint
+    from tfbig.checkpoints.checkpoint import reader_key
+    from tfbig.layouts import tensor_layout, zero_checkpoint
     from tfbig.models.bert import BertClassifier
-    from tfbig.squad.model import build_model
+    from tfbig.tasks.squad_model import build_model
 
     if command == "classify":
         model = BertClassifier(BertConfig(**BERT), num_classes=2, name="bert_classifier")
@@ -250,7 +250,7 @@ def _held(result, prefix):
 
 def _as_held(result, path, full):
     """`full` (one process's array) as rank `result` holds weight `path`: its slice if split."""
-    from tfbig.distribute.tensor_layout import take_slice
+    from tfbig.layouts.tensor_layout import take_slice
 
     splits = json.loads(str(result["splits"]))
     return take_slice(full, *splits[path], int(result["tensor"]), 2) if path in splits else full
@@ -326,7 +326,7 @@ def test_the_commands_refuse_what_the_trainer_refuses(command, strategy, flags, 
 
 
 def _squad_task():
-    from tfbig.squad.model import build_model
+    from tfbig.tasks.squad_model import build_model
 
     class Task:  # what split_model and stage_plan read of tfbig.tasks.squad.SquadTask
         seq_length = 24
@@ -336,7 +336,7 @@ def _squad_task():
             return build_model(self.model_config)
 
         def layer_specs(self):
-            from tfbig.plan.models import fine_tune_specs
+            from tfbig.models.shapes import fine_tune_specs
 
             return fine_tune_specs(self.model_config, self.seq_length)
 
@@ -344,10 +344,10 @@ def _squad_task():
 
 
 def test_a_split_span_model_keeps_its_pooler_frozen():
-    """The span head reads tokens only, so tfbig.squad.model freezes the pooler; each tensor
+    """The span head reads tokens only, so tfbig.tasks.squad_model freezes the pooler; each tensor
     rank's model trains the same weights (a trained pooler had no gradient: the first TP
     step of tfbig-squad failed)."""
-    from tfbig.distribute.tensor_layout import TensorGroup, split_model
+    from tfbig.layouts.tensor_layout import TensorGroup, split_model
 
     task = _squad_task()
     whole = {v.path for v in task.build_model().trainable_variables}
@@ -361,7 +361,7 @@ def test_cross_rank_stages_of_the_span_model_hold_only_their_layers():
     span head on the last stage), not pretraining's (whose heads read the word table and own
     no span head: every stage held the span head, the last a stray table copy)."""
     from tfbig.config import PipelineConfig
-    from tfbig.distribute.tensor_layout import TensorGroup
+    from tfbig.layouts.tensor_layout import TensorGroup
     from tfbig.pipeline.cross_rank import stage_plan
     from tfbig.pipeline.tensor_stage import build_tensor_stage
 
@@ -382,7 +382,7 @@ def test_fine_tuning_plans_split_the_backbone_and_keep_the_head_whole(family, he
     """tensor_layout.fine_tune_plan: the backbone split as in pretraining (q, k, v, MLP and the
     word table halved), the task head replicated and outside the sequence-split region (its
     gradients are complete on every rank, never summed over the tensor group)."""
-    from tfbig.distribute.tensor_layout import TensorGroup, split_model, whole_sequence_paths
+    from tfbig.layouts.tensor_layout import TensorGroup, split_model, whole_sequence_paths
     from tfbig.models.albert import AlbertConfig, AlbertForQuestionAnswering
     from tfbig.models.bert import BertClassifier, BertForQuestionAnswering
 

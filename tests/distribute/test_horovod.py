@@ -27,9 +27,9 @@ from test_trainer import ReplicasTask, make_cfg, weights  # noqa: E402
 
 from horovod_worker import RecordingLogger  # noqa: E402
 from tfbig import config as config_lib  # noqa: E402
-from tfbig import init_checkpoint  # noqa: E402
+from tfbig.convert import init_checkpoint  # noqa: E402
 from tfbig.tasks import get_task  # noqa: E402
-from tfbig.trainer import Trainer  # noqa: E402
+from tfbig.training.trainer import Trainer  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))

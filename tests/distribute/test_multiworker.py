@@ -27,7 +27,7 @@ from test_trainer import ReplicasTask, assert_weights_close, make_cfg, weights  
 from launch.local import free_ports, tf_config  # noqa: E402
 from tfbig import config as config_lib  # noqa: E402
 from tfbig.tasks import get_task  # noqa: E402
-from tfbig.trainer import Trainer  # noqa: E402
+from tfbig.training.trainer import Trainer  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -352,7 +352,7 @@ def test_srun_environment_makes_a_two_worker_cluster(gpt_data, tmp_path, monkeyp
 ])
 def test_bad_options_are_refused_naming_the_flag(strategy, options, env, message, monkeypatch):
     from tfbig.config import ExperimentConfig
-    from tfbig.distribute.registry import get_strategy
+    from tfbig.training.registry import get_strategy
 
     monkeypatch.delenv("TF_CONFIG", raising=False)
     for key, value in env.items():

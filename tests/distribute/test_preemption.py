@@ -17,7 +17,7 @@ from test_multiworker import (  # noqa: E402
 from test_trainer import assert_weights_close, make_cfg, weights  # noqa: E402
 
 from tfbig.distribute.base import SingleDevice  # noqa: E402
-from tfbig.trainer import Trainer  # noqa: E402
+from tfbig.training.trainer import Trainer  # noqa: E402
 
 
 def test_sigterm_saves_a_checkpoint_and_the_next_start_resumes_there(gpt_data, tmp_path):

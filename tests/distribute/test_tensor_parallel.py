@@ -31,12 +31,12 @@ from test_trainer import ReplicasTask, make_cfg, weights  # noqa: E402
 from horovod_worker import RecordingLogger  # noqa: E402
 from tfbig.config import ParallelConfig  # noqa: E402
 from tfbig.distribute.horovod import build_mesh  # noqa: E402
-from tfbig.consolidate import consolidate  # noqa: E402
-from tfbig.distribute.tensor_layout import join_slices, take_slice  # noqa: E402
-from tfbig.generate import load_model  # noqa: E402
+from tfbig.training.consolidate import consolidate  # noqa: E402
+from tfbig.layouts.tensor_layout import join_slices, take_slice  # noqa: E402
+from tfbig.convert.run_dir import load_model  # noqa: E402
 from tfbig.optim import loss_scale  # noqa: E402
 from tfbig.tasks import get_task  # noqa: E402
-from tfbig.trainer import Trainer  # noqa: E402
+from tfbig.training.trainer import Trainer  # noqa: E402
 
 RANKS = 4
 # Clipping at 0.5 is active at every step; 2 micro-batches per data-parallel rank.
@@ -326,8 +326,8 @@ def test_a_single_device_checkpoint_restores_into_each_ranks_slices(gpt_data, tm
     optimizer slot is its slice of the single-device state; dropout states as split_model."""
     import tensorflow as tf
 
-    from tfbig.consolidate import OfflineSlice
-    from tfbig.distribute.tensor_layout import state_arrays
+    from tfbig.training.consolidate import OfflineSlice
+    from tfbig.layouts.tensor_layout import state_arrays
     from tfbig.distribute.tensor_parallel import restore_from_single_device
 
     class SliceOnLoad(OfflineSlice):
@@ -409,7 +409,7 @@ class _Task:
      "the sequence length 16 must be a multiple of 3"),
 ])
 def test_models_that_do_not_split_are_refused_with_the_reason(config, size, message):
-    from tfbig.distribute.tensor_layout import TensorGroup, split_model
+    from tfbig.layouts.tensor_layout import TensorGroup, split_model
 
     sequence = config.pop("sequence", False)
     with pytest.raises(ValueError, match=message):
@@ -422,7 +422,7 @@ def test_masked_lm_sequence_parallel_plan_keeps_the_heads_whole(family):
     sequence: they run after the backbone's output is gathered, so their replicated weights'
     gradients are complete on every rank (not summed over the group); the rest is split like
     GPT's. BERT's blocks (one per layer) are each split as ALBERT's shared one."""
-    from tfbig.distribute.tensor_layout import TensorGroup, split_model, whole_sequence_paths
+    from tfbig.layouts.tensor_layout import TensorGroup, split_model, whole_sequence_paths
     from tfbig.models.albert import AlbertConfig, AlbertForPretraining
     from tfbig.models.bert import BertConfig, BertForPretraining
 
@@ -458,7 +458,7 @@ def test_sequence_parallel_dropouts_draw_their_own_masks(sequence):
     """Without sequence parallelism only the attention-probability dropouts (split heads) are
     offset by the tensor rank; with it also those of the sequence-split region (embedding,
     residuals), whose ranks hold different positions."""
-    from tfbig.distribute.tensor_layout import TensorGroup, split_model
+    from tfbig.layouts.tensor_layout import TensorGroup, split_model
 
     import keras
 
@@ -476,7 +476,7 @@ def test_sequence_parallel_dropouts_draw_their_own_masks(sequence):
 
 
 def test_a_split_rank_holds_its_slice_of_the_single_device_initialisation():
-    from tfbig.distribute.tensor_layout import TensorGroup, split_model
+    from tfbig.layouts.tensor_layout import TensorGroup, split_model
 
     import keras
 
@@ -505,7 +505,7 @@ def test_tensor_zero1_ranks_hold_the_closed_form_of_slot_bytes(gpt_data, runs, t
     S_t = sum over t's variables of ceil(n / 2); its checkpoint piece is its own directory."""
     import math
 
-    from tfbig.distribute.tensor_layout import TensorGroup, split_model
+    from tfbig.layouts.tensor_layout import TensorGroup, split_model
 
     root, out = runs
     cfg = tp_cfg(gpt_data, tmp_path, 2)

@@ -31,11 +31,11 @@ from horovod_worker import PoisonedTask, RecordingLogger, UntiedTask  # noqa: E4
 from equality import RecordedGradients  # noqa: E402
 from tfbig import config as config_lib  # noqa: E402
 from tfbig.config import ParallelConfig  # noqa: E402
-from tfbig.consolidate import main as consolidate_main  # noqa: E402
+from tfbig.commands.consolidate import main as consolidate_main  # noqa: E402
 from tfbig.distribute.horovod import build_mesh  # noqa: E402
 from tfbig.optim import loss_scale  # noqa: E402
 from tfbig.tasks import get_task  # noqa: E402
-from tfbig.trainer import Trainer  # noqa: E402
+from tfbig.training.trainer import Trainer  # noqa: E402
 
 RANKS = 4
 LAUNCH_TIMEOUT = 1800  # ten runs of 4 ranks on 2 shared cores: minutes when the machine is busy
@@ -457,7 +457,7 @@ def test_a_4_rank_checkpoint_resumes_on_2_ranks(runs, on_two_ranks, gpt_data, tm
 
 @pytest.mark.multiproc
 def test_generate_reads_a_stage_3_checkpoint(runs):
-    from tfbig.generate import load_model
+    from tfbig.convert.run_dir import load_model
 
     root, out = runs
     model, _ = load_model(str(root / "z3_d4_lamb_resumed"))
@@ -474,8 +474,8 @@ def test_export_reads_a_stage_3_checkpoint(request, tmp_path, name):
     the slow launch)."""
     import tensorflow as tf
 
-    from tfbig.export import export
-    from tfbig.generate import load_model
+    from tfbig.commands.export import export
+    from tfbig.convert.run_dir import load_model
 
     root, out = request.getfixturevalue("slow_runs" if name in SLOW_SCENARIOS else "runs")
     model, _ = load_model(str(root / name))

@@ -13,7 +13,7 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from tfbig import config as config_lib  # noqa: E402
-from tfbig.trainer import Trainer  # noqa: E402
+from tfbig.training.trainer import Trainer  # noqa: E402
 
 
 def peak_rss():

@@ -164,7 +164,7 @@ def test_bus_bandwidth_follows_nccl_tests():
     (["--straggler_threshold=1.5"], "--straggler_threshold=1.5: expected a fraction"),
 ])
 def test_bad_flags_are_named_errors(argv, message, capsys):
-    from tfbig.doctor import cli
+    from tfbig.commands import doctor as cli
 
     with pytest.raises(SystemExit) as exit_info:
         cli.parse(argv)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfbig.generate import Generator
+from tfbig.models.generation import Generator
 from tfbig.models.attention import blockwise_attention, merge_attention
 from tfbig.models.bert import BertConfig, BertForPretraining
 from tfbig.models.gpt import GPT, GPTConfig
@@ -310,7 +310,7 @@ def test_unknown_attention_is_a_clear_error():
 def attention_step_peak(attention, length, block_size=128):
     """The CPU allocator's peak above what was held, of one forward and backward of a
     4-head causal attention over `length` tokens (a TensorFlow graph, no XLA)."""
-    from tfbig.plan.measure import allocator_peak
+    from tfbig.training.measure import allocator_peak
 
     keras.utils.set_random_seed(0)
     layer = MultiHeadAttention(64, 4, causal=True, attention=attention,

@@ -4,7 +4,7 @@ import keras
 import numpy as np
 import pytest
 
-from tfbig.checkpoint import model_variables
+from tfbig.checkpoints.checkpoint import model_variables
 from tfbig.models.albert import AlbertConfig, AlbertForPretraining
 from tfbig.models.bert import (BertClassifier, BertConfig, BertForPretraining,
                                BertForQuestionAnswering)

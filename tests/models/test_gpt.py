@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfbig.generate import Generator
+from tfbig.models.generation import Generator
 from tfbig.models.gpt import GPT, GPTConfig
 
 

@@ -5,7 +5,7 @@ import keras
 import numpy as np
 import pytest
 
-from tfbig.checkpoint import model_variables, rng_variables
+from tfbig.checkpoints.checkpoint import model_variables, rng_variables
 from tfbig.models.albert import AlbertConfig, AlbertForPretraining
 from tfbig.models.gpt import GPT, GPTConfig
 from tfbig.models.layers import Embeddings, MultiHeadAttention, TransformerBlock
@@ -181,7 +181,7 @@ def test_gelu_equals_keras_and_its_backward_keeps_only_the_input(approximate):
     import tensorflow as tf
 
     from tfbig.models.layers import gelu
-    from tfbig.plan.measure import tensor_peak
+    from tfbig.training.measure import tensor_peak
 
     x = tf.constant(np.linspace(-3, 3, 1 << 20).reshape(256, 4096), tf.float32)
     chain = 8

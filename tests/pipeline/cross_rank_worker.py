@@ -32,10 +32,10 @@ import tensorflow as tf  # noqa: E402
 
 from horovod_worker import RecordingLogger  # noqa: E402
 from tfbig import config as config_lib  # noqa: E402
-from tfbig.distribute.registry import get_strategy  # noqa: E402
+from tfbig.training.registry import get_strategy  # noqa: E402
 from tfbig.optim import loss_scale  # noqa: E402
 from tfbig.tasks.gpt import GPTTask  # noqa: E402
-from tfbig.trainer import Trainer  # noqa: E402
+from tfbig.training.trainer import Trainer  # noqa: E402
 
 
 class PoisonedStageTask(GPTTask):

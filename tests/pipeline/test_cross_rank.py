@@ -23,13 +23,13 @@ from test_trainer import ReplicasTask, make_cfg  # noqa: E402
 
 from horovod_worker import RecordingLogger  # noqa: E402
 from tfbig import config as config_lib  # noqa: E402
-from tfbig.checkpoint import slot_owners  # noqa: E402
-from tfbig.consolidate import consolidate  # noqa: E402
-from tfbig.generate import load_model  # noqa: E402
-from tfbig.pipeline import stage_checkpoint  # noqa: E402
+from tfbig.checkpoints.checkpoint import slot_owners  # noqa: E402
+from tfbig.training.consolidate import consolidate  # noqa: E402
+from tfbig.convert.run_dir import load_model  # noqa: E402
+from tfbig.layouts import stage_checkpoint  # noqa: E402
 from tfbig.pipeline.cross_rank import pipeline_mesh, stage_plan  # noqa: E402
 from tfbig.tasks import get_task  # noqa: E402
-from tfbig.trainer import Trainer  # noqa: E402
+from tfbig.training.trainer import Trainer  # noqa: E402
 
 WORKER = os.path.join(HERE, "cross_rank_worker.py")
 RANKS = 4

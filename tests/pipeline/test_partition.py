@@ -7,8 +7,8 @@ from tfbig.config import PipelineConfig
 from tfbig.models.albert import AlbertConfig
 from tfbig.models.bert import BertConfig
 from tfbig.models.gpt import GPTConfig
-from tfbig.plan.models import layer_specs
-from tfbig.pipeline.partition import balanced_starts, format_plan, partition
+from tfbig.models.shapes import layer_specs
+from tfbig.layouts.partition import balanced_starts, format_plan, partition
 from tfbig.pipeline.strategy import stage_memory
 
 CONFIG = GPTConfig(vocab_size=320, seq_length=16, num_layers=6, hidden_size=32, num_heads=4)

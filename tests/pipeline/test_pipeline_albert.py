@@ -19,7 +19,7 @@ from tfbig.data import sources  # noqa: E402
 from tfbig.distribute.base import accumulate_gradients  # noqa: E402
 from tfbig.pipeline.strategy import PipelineStrategy  # noqa: E402
 from tfbig.tasks.albert import AlbertTask  # noqa: E402
-from tfbig.trainer import Trainer  # noqa: E402
+from tfbig.training.trainer import Trainer  # noqa: E402
 
 BATCH = 8
 

@@ -19,7 +19,7 @@ from equality import RecordedGradients  # noqa: E402
 from test_trainer import make_cfg, weights  # noqa: E402
 
 from horovod_worker import RecordingLogger  # noqa: E402
-from tfbig.trainer import Trainer  # noqa: E402
+from tfbig.training.trainer import Trainer  # noqa: E402
 
 # AdamW at make_cfg's peak lr 3e-3: a weight whose gradient is near zero moves by up to the lr
 # whatever the gradient's last bits (at 1e-2 one position-table entry of 4096 differed by 1e-6).

@@ -28,12 +28,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from equality import RecordedGradients  # noqa: E402
 from test_finetune_parallel import BERT, assert_same_checkpoints, write_files  # noqa: E402
 
-from tfbig.checkpoint import model_variables  # noqa: E402
-from tfbig.classify import ClassifyOptions  # noqa: E402
-from tfbig.classify import fine_tune as classify  # noqa: E402
+from tfbig.checkpoints.checkpoint import model_variables  # noqa: E402
+from tfbig.commands.classify import ClassifyOptions  # noqa: E402
+from tfbig.commands.classify import fine_tune as classify  # noqa: E402
 from tfbig.convert import run_dir  # noqa: E402
-from tfbig.squad.cli import SquadOptions  # noqa: E402
-from tfbig.squad.cli import fine_tune as squad  # noqa: E402
+from tfbig.commands.squad import SquadOptions  # noqa: E402
+from tfbig.commands.squad import fine_tune as squad  # noqa: E402
 
 STEPS = dict(max_steps=4, train_batch_size=8, learning_rate=3e-3, max_seq_length=24, xla=False)
 
@@ -62,9 +62,9 @@ PIPELINE = dict(pipeline_stages=4, num_microbatches=2, schedule="gpipe")  # Trai
 def test_classifier_stages_equal_one_device(files, tmp_path, capsys):
     """tfbig-classify --strategy=pipeline on the Trainer: the first step's per-variable
     gradients equal one device's; the run's losses, checkpoint, predictions and scores too."""
-    from tfbig import finetune
+    from tfbig.training import finetune
     from tfbig.tasks.classify import ClassifyTask
-    from tfbig.trainer import Trainer
+    from tfbig.training.trainer import Trainer
 
     options = _classify_options(files, output_dir=str(tmp_path / "grads"), strategy="pipeline")
     cfg = finetune.experiment(options, "classify", **PIPELINE, peak_tflops=1.0)
@@ -124,9 +124,9 @@ def test_squad_stages_equal_one_device(files, tmp_path, capsys):
     assert len(losses[0]) == 4 and losses[0][0] != losses[0][-1]
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
     reader = tf.train.load_checkpoint(tf.train.latest_checkpoint(str(runs[0])))
-    from tfbig.checkpoint import reader_key
+    from tfbig.checkpoints.checkpoint import reader_key
     from tfbig.models.bert import BertConfig
-    from tfbig.squad.model import build_model
+    from tfbig.tasks.squad_model import build_model
 
     whole = build_model(BertConfig(**BERT))
     by_path = {v.path: v for v in whole.trainable_variables}
@@ -185,8 +185,8 @@ def test_more_stages_than_layers_is_refused_naming_the_flag():
     """A 1-layer ALBERT with the span head has 3 pipeline layers (embedding, layer_0, heads):
     4 stages cannot each get one."""
     from tfbig.models.albert import AlbertConfig
-    from tfbig.pipeline.partition import partition
-    from tfbig.plan.models import fine_tune_specs
+    from tfbig.layouts.partition import partition
+    from tfbig.models.shapes import fine_tune_specs
 
     config = AlbertConfig(vocab_size=32, embedding_size=16, hidden_size=32, num_layers=1,
                           num_heads=2, intermediate_size=48, seq_length=16)
@@ -198,7 +198,7 @@ def test_more_stages_than_layers_is_refused_naming_the_flag():
 def _pipeline_trainer(gpt2_bpe, model_dir):
     from test_init_checkpoint import _cfg
 
-    from tfbig.trainer import Trainer
+    from tfbig.training.trainer import Trainer
 
     cfg = _cfg(init_checkpoint=gpt2_bpe["run"], data_dir=gpt2_bpe["data"], strategy="pipeline",
                model_dir=str(model_dir))
@@ -223,7 +223,7 @@ def test_tfbig_train_pipeline_first_step_is_the_converted_models(gpt2_bpe, tmp_p
     tfbig-generate loads it)."""
     from test_init_checkpoint import _first_step_loss_and_reference
 
-    from tfbig.generate import load_model
+    from tfbig.convert.run_dir import load_model
 
     trainer = _pipeline_trainer(gpt2_bpe, tmp_path / "continued")
     loss, expected = _first_step_loss_and_reference(trainer, load_model(gpt2_bpe["run"])[0])

@@ -19,7 +19,7 @@ from equality import RecordedGradients  # noqa: E402
 from test_trainer import ReplicasTask, make_cfg  # noqa: E402
 
 from tfbig import config as config_lib  # noqa: E402
-from tfbig.trainer import Trainer  # noqa: E402
+from tfbig.training.trainer import Trainer  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))

@@ -9,7 +9,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from equality import RecordedGradients  # noqa: E402
 from test_trainer import assert_weights_close, make_cfg, weights  # noqa: E402
 
-from tfbig.trainer import Trainer  # noqa: E402
+from tfbig.training.trainer import Trainer  # noqa: E402
 
 # Clipping at 0.5 is active, so a gradient summed instead of averaged over micro-batches
 # (or a micro-batch counted twice) would change the weights.

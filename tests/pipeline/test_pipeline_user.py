@@ -29,9 +29,9 @@ import own_model  # noqa: E402
 
 from tfbig.api import _trainer, check_user_flags, configure  # noqa: E402
 from tfbig.errors import UsageError  # noqa: E402
-from tfbig.finetune import LossRecorder  # noqa: E402
+from tfbig.training.finetune import LossRecorder  # noqa: E402
 from tfbig.tasks.user import FunctionTask, UserTask  # noqa: E402
-from tfbig.trainer import Trainer  # noqa: E402
+from tfbig.training.trainer import Trainer  # noqa: E402
 
 WORKER = os.path.join(HERE, "user_pipeline_worker.py")
 STEPS = dict(max_steps=4, batch_size=8, learning_rate=3e-3, warmup_steps=1, xla=False,
@@ -140,7 +140,7 @@ def test_a_pipeline_the_task_does_not_declare_correctly_is_refused(tmp_path, opt
 
 
 def test_more_stages_than_declared_layers_are_refused():
-    from tfbig.pipeline.partition import partition
+    from tfbig.layouts.partition import partition
 
     specs = UserTask(task()).layer_specs()
     assert [s.name for s in specs] == ["embedding_layer", "transformer_blocks.0",

@@ -35,17 +35,17 @@ from test_trainer import ReplicasTask, make_cfg  # noqa: E402
 from cross_rank_worker import PoisonedStageTask  # noqa: E402
 from horovod_worker import RecordingLogger  # noqa: E402
 
-from tfbig import consolidate  # noqa: E402
-from tfbig.checkpoint import slot_owners  # noqa: E402
-from tfbig.distribute import tensor_layout  # noqa: E402
-from tfbig.distribute.tensor_layout import TensorGroup, take_slice  # noqa: E402
-from tfbig.generate import load_model  # noqa: E402
+from tfbig.training import consolidate  # noqa: E402
+from tfbig.checkpoints.checkpoint import slot_owners  # noqa: E402
+from tfbig.layouts import tensor_layout  # noqa: E402
+from tfbig.layouts.tensor_layout import TensorGroup, take_slice  # noqa: E402
+from tfbig.convert.run_dir import load_model  # noqa: E402
 from tfbig.optim import loss_scale  # noqa: E402
-from tfbig.pipeline import stage_checkpoint  # noqa: E402
+from tfbig.layouts import stage_checkpoint  # noqa: E402
 from tfbig.pipeline.cross_rank import pipeline_mesh, stage_plan  # noqa: E402
 from tfbig.pipeline.tensor_stage import build_tensor_stage  # noqa: E402
 from tfbig.tasks import get_task  # noqa: E402
-from tfbig.trainer import Trainer  # noqa: E402
+from tfbig.training.trainer import Trainer  # noqa: E402
 
 # Clipping at 0.5 is active at every step; 2 accumulation steps of the schedule's micro-batches.
 TRAIN = dict(max_steps=3, batch_size=8, grad_clip_norm=0.5, dropout=0.0, grad_accum_steps=2,
@@ -341,7 +341,7 @@ def test_more_stages_than_layers_are_refused_with_tensor_parallel(gpt_data, tmp_
 
 
 def test_a_checkpoint_of_another_tp_pp_layout_is_refused(tmp_path):
-    from tfbig.checkpoint import write_layout
+    from tfbig.checkpoints.checkpoint import write_layout
 
     write_layout(str(tmp_path), stage_checkpoint.LAYOUT_FILE,
                  {"pipeline_stages": 2, "stages": [], "tensor_parallel": 2, "splits": {}})

@@ -18,7 +18,7 @@ import horovod.tensorflow as hvd  # noqa: E402
 
 from tfbig import config as config_lib  # noqa: E402
 from tfbig.plan.search import layout_from_config  # noqa: E402
-from tfbig.trainer import Trainer  # noqa: E402
+from tfbig.training.trainer import Trainer  # noqa: E402
 
 
 def main(cases_path, out_dir):

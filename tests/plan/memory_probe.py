@@ -5,7 +5,8 @@ further `Case`s with their layout and a measurement taken on their rank.
 """
 import dataclasses
 
-from tfbig.plan import estimate, hardware, models
+from tfbig.plan import estimate, hardware
+from tfbig.models import shapes as models
 
 CPU = hardware.Device("cpu", 1e11, 2 ** 40, 1e10, 1e10, 1.0, 0.0)
 

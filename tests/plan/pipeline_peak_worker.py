@@ -1,7 +1,7 @@
 """Runs under `horovodrun` for tests/plan/test_memory.py: each rank holds one pipeline stage
 (--strategy=horovod --pipeline_stages=K) and measures the CPU allocator's peak of a
 forward/backward step above what it held before (its own process: one stage's bytes), and the
-bytes of the tensors alive at the step's peak (tfbig.plan.measure.tensor_peak).
+bytes of the tensors alive at the step's peak (tfbig.training.measure.tensor_peak).
 
     horovodrun -np K -H localhost:K --gloo python pipeline_peak_worker.py CASES_JSON OUT_DIR
 
@@ -18,8 +18,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import horovod.tensorflow as hvd  # noqa: E402
 
 from tfbig.plan.estimate import Layout  # noqa: E402
-from tfbig.plan.measure import (allocator_peak, pipeline_step, stage_layers,  # noqa: E402
-                                tensor_peak)
+from tfbig.training.measure import allocator_peak, pipeline_step, stage_layers, tensor_peak  # noqa: E402
 
 
 def main(cases_path, out_dir):

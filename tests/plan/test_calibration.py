@@ -5,8 +5,10 @@ import json
 import pytest
 
 from tfbig.config import ExperimentConfig, check_applicable
-from tfbig.plan import calibration, cli, estimate, hardware, models
-from tfbig.plan.local import training_plan
+from tfbig.plan import calibration, estimate, hardware
+from tfbig.commands import plan as cli
+from tfbig.models import shapes as models
+from tfbig.training.local_plan import training_plan
 
 # A single-process layout with two data ranks on one node: compute and the gradient all-reduce.
 FIXED = ["--preset=tiny", "--gpus_per_node=2", "--tensor_parallel=1", "--pipeline_stages=1",

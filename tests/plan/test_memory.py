@@ -1,6 +1,6 @@
 """Predicted bytes per rank beside the bytes measured on this machine (within 10%).
 
-What is compared, per case (tfbig/plan/measure.py): the model state a rank holds (weights
+What is compared, per case (tfbig/training/measure.py): the model state a rank holds (weights
 and optimizer slots: the bytes of its variables) and the peak of a training step (that state +
 the CPU allocator's peak above it during forward, backward and apply). Cases: a single device,
 which is also every rank of plain Horovod data parallelism (each holds the whole model state).
@@ -22,9 +22,9 @@ from tfbig import config as config_lib
 
 from tfbig.models.albert import ALBERT_PRESETS, AlbertConfig
 from tfbig.models.gpt import GPT_PRESETS, GPTConfig
-from tfbig.plan import models
+from tfbig.models import shapes as models
 
-from tfbig.plan.measure import measure_step
+from tfbig.training.measure import measure_step
 
 from .memory_probe import Case, predicted, predicted_rank_state
 
@@ -55,7 +55,7 @@ def test_predicted_memory_within_10_percent_of_measured(case):
 
 
 def test_gpu_peaks_are_the_ones_mfu_is_reported_against():
-    from tfbig import perf
+    from tfbig.profiling import perf
     from tfbig.plan import hardware
 
     for name, (peaks, *_) in hardware.GPUS.items():

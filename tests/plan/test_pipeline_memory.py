@@ -1,11 +1,11 @@
 """What a pipeline stage holds at its peak, measured, against tfbig-plan's per-stage estimate.
 
 Each stage's column of the schedule runs alone on its logical CPU device
-(tfbig.plan.measure.stage_alone: the activation and gradient a neighbour would send arrive
+(tfbig.training.measure.stage_alone: the activation and gradient a neighbour would send arrive
 just before the op that reads them), and the bytes of the tensors alive together at its peak
-(tfbig.plan.measure.tensor_peak: the allocator's records of each allocation, replayed; the
+(tfbig.training.measure.tensor_peak: the allocator's records of each allocation, replayed; the
 least of 3 steps) are compared with `estimate.memory(..., stage=k)`'s gradients + activations +
-send/receive buffers (tfbig.plan.measure.planned_stage_peak), within 10% (`bounds`). The
+send/receive buffers (tfbig.training.measure.planned_stage_peak), within 10% (`bounds`). The
 stages of a 2-stage GPT are cut by tfbig-train's FLOPs partition (3 blocks and the embedding,
 1 block and the output matrix). These only agree because each stage runs its schedule in
 order (tfbig.pipeline.stages waits for the values of its previous op): before, 1F1B's last
@@ -17,8 +17,8 @@ import dataclasses
 import pytest
 
 from tfbig.plan import estimate
-from tfbig.plan.measure import (pipeline_step, planned_stage_peak, stage_alone, stage_layers,
-                                tensor_peak)
+from tfbig.training.measure import (pipeline_step, planned_stage_peak, stage_alone, stage_layers,
+    tensor_peak)
 
 # megabytes per stage and micro-batch: the closed form, not the allocator's rounding, is
 # what is measured

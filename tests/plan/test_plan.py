@@ -9,8 +9,10 @@ import time
 import pytest
 
 from tfbig.config import ExperimentConfig
-from tfbig.plan import cli, estimate, hardware, models, search
-from tfbig.plan.local import training_plan
+from tfbig.commands import plan as cli
+from tfbig.plan import estimate, hardware, search
+from tfbig.models import shapes as models
+from tfbig.training.local_plan import training_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 P4D = ["--preset=175b", "--gpu=A100-40GB", "--gpus_per_node=8", "--nodes=120",
@@ -53,7 +55,7 @@ def test_cli_answers_175b_in_under_2_seconds_without_tensorflow():
     for text in ("recommended: ", "memory per GPU", "samples/s", "tokens/s",
                  "model TFLOP/s per GPU", "MFU", "days", "GPU-hours"):
         assert text in out
-    probe = "import sys, tfbig.plan.cli, tfbig.plan.local; print('tensorflow' in sys.modules)"
+    probe = "import sys, tfbig.commands.plan, tfbig.training.local_plan; print('tensorflow' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
                           text=True, check=True).stdout.strip() == "False"
 
@@ -211,7 +213,7 @@ def test_the_first_process_of_a_job_is_the_one_that_prints(monkeypatch, variable
     """And the job is planned for all its processes: a TF_CONFIG chief counts beside the
     workers."""
     from tfbig.distribute.mesh import RANK_VARIABLES, WORLD_SIZE_VARIABLES
-    from tfbig.plan.local import first_process, processes
+    from tfbig.training.local_plan import first_process, processes
 
     for name in RANK_VARIABLES + WORLD_SIZE_VARIABLES + ("TF_CONFIG",):
         monkeypatch.delenv(name, raising=False)
@@ -285,9 +287,9 @@ def test_pipeline_activations_follow_the_schedule_per_stage():
 
 def test_search_cuts_stages_as_tfbig_train_does():
     """The plan's stages hold the layers of tfbig-train's FLOPs-balanced partition (one
-    function: tfbig.pipeline.partition over tfbig.plan.models.layer_specs), and the slowest
+    function: tfbig.layouts.partition over tfbig.models.shapes.layer_specs), and the slowest
     stage paces the pipeline."""
-    from tfbig.pipeline.partition import partition
+    from tfbig.layouts.partition import partition
 
     values = {**{k: v[1] for k, v in cli.FLAGS_SPEC.items()}, "preset": "1.3b"}
     shape = cli.shape_from_flags(values)

@@ -14,7 +14,8 @@ import dataclasses
 import pytest
 
 from tfbig.models.configs import BertConfig
-from tfbig.plan import estimate, hardware, models, search
+from tfbig.plan import estimate, hardware, search
+from tfbig.models import shapes as models
 
 BERT_TF2 = ("https://github.com/NVIDIA/DeepLearningExamples/blob/master/TensorFlow2/"
             "LanguageModeling/BERT/README.md")

@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from tfbig.logs import RunLogger
+from tfbig.training.logs import RunLogger
 from tfbig.profiling.events import compare_runs, read_scalars
 
 

@@ -5,11 +5,11 @@ import subprocess
 import sys
 import time
 
-from tfbig.perf import cpu_peak_flops, cpu_threads
+from tfbig.profiling.perf import cpu_peak_flops, cpu_threads
 
 
 def test_cpu_threads_follows_the_intra_op_setting():
-    code = "from tfbig.perf import cpu_threads; print(cpu_threads())"
+    code = "from tfbig.profiling.perf import cpu_threads; print(cpu_threads())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "TF_NUM_INTRAOP_THREADS": "1"}).stdout
     assert out.split()[-1] == "1"

@@ -17,7 +17,7 @@ from test_trainer import make_cfg  # noqa: E402
 from tfbig.profiling import report  # noqa: E402
 from tfbig.profiling.diagnose import diagnose, load_run, summarize  # noqa: E402
 from tfbig.tasks.gpt import GPTTask  # noqa: E402
-from tfbig.trainer import Trainer  # noqa: E402
+from tfbig.training.trainer import Trainer  # noqa: E402
 
 INPUT_DELAY = 0.15  # seconds the throttled pipeline sleeps per batch: more than a step takes
 # even on a loaded machine (0.04 gave an input share of 0.25 in a CI run at load 6)
@@ -182,7 +182,7 @@ cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 sys.path.insert(0, {tests!r})
 from test_trainer import make_cfg
-from tfbig.trainer import Trainer
+from tfbig.training.trainer import Trainer
 cfg = make_cfg({data!r}, {model_dir!r}, strategy="mirrored", deterministic=False, max_steps=6,
                log_every=6, eval_steps=1)
 cfg.profile.monitor_interval_ms = 0

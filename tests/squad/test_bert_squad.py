@@ -14,12 +14,13 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from tfbig.checkpoint import model_variables
-from tfbig.convert import ConvertOptions, bert_names, convert
+from tfbig.checkpoints.checkpoint import model_variables
+from tfbig.commands.convert import ConvertOptions, convert
+from tfbig.convert import bert_names
 from tfbig.models.bert import BertConfig, BertForPretraining
-from tfbig.squad import features as squad_features
-from tfbig.squad import model as squad_model
-from tfbig.squad.cli import SquadOptions, fine_tune
+from tfbig.data.squad import features as squad_features
+from tfbig.tasks import squad_model
+from tfbig.commands.squad import SquadOptions, fine_tune
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from equality import RecordedGradients  # noqa: E402
@@ -147,14 +148,14 @@ def test_fine_tune_bert_in_mixed_float16(bert_run, qa_sets, tmp_path):
 
 
 def launch(strategy, flags, out, root):
-    """Two processes of `python -m tfbig.squad.cli` under horovodrun or tfbig-launch."""
+    """Two processes of `python -m tfbig.commands.squad` under horovodrun or tfbig-launch."""
     import subprocess
     import sys
 
     launcher = ([os.path.join(os.path.dirname(sys.executable), "horovodrun"), "-np", "2", "-H",
                  "localhost:2", "--gloo"] if strategy == "horovod" else
                 [sys.executable, "-m", "launch.local", "--workers=2", "--"])
-    command = launcher + [sys.executable, "-m", "tfbig.squad.cli", f"--strategy={strategy}",
+    command = launcher + [sys.executable, "-m", "tfbig.commands.squad", f"--strategy={strategy}",
                           f"--output_dir={out}", *flags]
     return subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": root, "TF_CPP_MIN_LOG_LEVEL": "2"})
@@ -172,7 +173,7 @@ def assert_same_run(two, one, recorded):
     losses = [json.loads((run / "train_losses.json").read_text()) for run in (two, one)]
     assert len(losses[0]) == 4 and losses[0][0] != losses[0][-1]
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
-    from tfbig.checkpoint import reader_key
+    from tfbig.checkpoints.checkpoint import reader_key
 
     reader, model = checkpoint_reader(two), recorded.trainer.model
     by_path = {v.path: v for v in model.trainable_variables}
@@ -225,7 +226,7 @@ def test_kill_9_and_the_same_command_again_equal_an_uninterrupted_run(bert_run, 
     steps = 8
 
     def command(out):
-        return [sys.executable, "-m", "tfbig.squad.cli", f"--init_checkpoint={bert_run[0]}",
+        return [sys.executable, "-m", "tfbig.commands.squad", f"--init_checkpoint={bert_run[0]}",
                 f"--train_file={tmp_path / 'train.json'}",
                 f"--predict_file={tmp_path / 'dev.json'}", "--max_seq_length=64",
                 "--doc_stride=32", "--max_query_length=24", "--train_batch_size=8",

@@ -26,7 +26,7 @@ def test_embedded_albert_squad_run(tmp_path):
     run("data_prep.shakespeare_qa", "--output_dir=runs/qa", cwd=cwd)
     scores = {}
     for name, extra in (("pretrained", []), ("random", ["--random_init"])):
-        run("tfbig.squad.cli", "--init_checkpoint=runs/albert", *extra,
+        run("tfbig.commands.squad", "--init_checkpoint=runs/albert", *extra,
             "--train_file=runs/qa/shakespeare-qa-v2.0-train.json",
             "--predict_file=runs/qa/shakespeare-qa-v2.0-dev.json", f"--output_dir=runs/{name}",
             "--max_seq_length=128", "--doc_stride=64", "--max_query_length=32",

@@ -10,16 +10,16 @@ import json
 
 import pytest
 
-from tfbig import finetune
+from tfbig.training import finetune
 from tfbig.models.albert import AlbertConfig
-from tfbig.squad.cli import SquadOptions
-from tfbig.squad.features import examples_from_dataset, first_questions
+from tfbig.commands.squad import SquadOptions
+from tfbig.data.squad.features import examples_from_dataset, first_questions
 
 
 @pytest.mark.slow
 def test_fine_tuning_fits_64_training_questions(qa_sets, qa_tokenizer, tmp_path):
     from tfbig.tasks.squad import SquadTask
-    from tfbig.trainer import Trainer
+    from tfbig.training.trainer import Trainer
 
     dataset = first_questions(qa_sets["2.0", "train"], 64)
     examples = examples_from_dataset(dataset)

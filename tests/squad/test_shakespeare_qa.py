@@ -88,7 +88,7 @@ def test_deterministic_and_dev_plays_held_out(qa_play_paths):
 
 
 def test_writes_squad_files_the_reader_accepts(tmp_path, monkeypatch, qa_play_paths):
-    from tfbig.squad.features import read_squad
+    from tfbig.data.squad.features import read_squad
 
     monkeypatch.setattr(shakespeare_qa, "split_plays", lambda: qa_play_paths)
     paths = shakespeare_qa.write_all(str(tmp_path))

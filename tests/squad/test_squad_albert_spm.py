@@ -12,7 +12,7 @@ import pytest
 import sentencepiece as spm
 
 from tfbig.data.albert_spm import AlbertSentencePiece, preprocess_text
-from tfbig.squad.features import char_span, convert_examples, examples_from_dataset
+from tfbig.data.squad.features import char_span, convert_examples, examples_from_dataset
 
 UNDERLINE = "\u2581"
 ODD = ("  Héllo,  WÖRLD!! Ça va?\t«Quoi» naïve CAFÉ... In 1990, 42,5% (a+b)=c;\n\n"
@@ -77,7 +77,7 @@ def test_char_spans_locate_each_piece_in_the_original_text(albert_run):
 
 
 def test_squad_tokenizer_of_a_converted_albert_is_albert_sentencepiece(albert_run):
-    from tfbig.squad.model import pretrained_config
+    from tfbig.tasks.squad_model import pretrained_config
 
     config, tokenizer = pretrained_config(str(albert_run[0]))
     assert isinstance(tokenizer, AlbertSentencePiece) and tokenizer.lowercase
@@ -92,7 +92,7 @@ def test_squad_tokenizer_of_a_converted_albert_is_albert_sentencepiece(albert_ru
 
 
 def test_squad_features_label_the_answer_characters(albert_run):
-    from tfbig.squad.model import pretrained_config
+    from tfbig.tasks.squad_model import pretrained_config
 
     _, tokenizer = pretrained_config(str(albert_run[0]))
     dataset = {"version": "v1.1", "data": [{"title": "t", "paragraphs": [{
@@ -119,7 +119,7 @@ def test_squad_features_label_the_answer_characters(albert_run):
 
 
 def test_shakespeare_answers_are_recovered_through_albert_preparation(albert_run, qa_sets):
-    from tfbig.squad.model import pretrained_config
+    from tfbig.tasks.squad_model import pretrained_config
 
     _, tokenizer = pretrained_config(str(albert_run[0]))
     examples = examples_from_dataset(qa_sets["2.0", "train"])

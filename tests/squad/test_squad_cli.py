@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfbig.squad import model as squad_model
-from tfbig.squad.cli import SquadOptions, fine_tune
+from tfbig.tasks import squad_model
+from tfbig.commands.squad import SquadOptions, fine_tune
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +19,7 @@ def pretrained_run(tmp_path_factory, qa_tokenizer, qa_play_paths):
     from tfbig.config import ExperimentConfig
     from tfbig.data import prepare
     from tfbig.tasks import get_task
-    from tfbig.trainer import Trainer
+    from tfbig.training.trainer import Trainer
 
     text = tmp_path_factory.mktemp("pretrain_text")
     with open(qa_play_paths[0][0], encoding="utf-8") as file:
@@ -84,7 +84,7 @@ def test_fine_tune_predict_and_score_v2(pretrained_run, qa_sets, tmp_path):
     nbest = json.loads((out / "nbest_predictions.json").read_text())
     assert all(len(candidates) <= 20 for candidates in nbest.values())
     # Predict-only, from the fine-tuned checkpoint, via the console script's code path.
-    subprocess.run([sys.executable, "-m", "tfbig.squad.cli", f"--output_dir={out}",
+    subprocess.run([sys.executable, "-m", "tfbig.commands.squad", f"--output_dir={out}",
                     f"--predict_file={tmp_path / 'dev.json'}",
                     "--max_seq_length=64", "--doc_stride=32", "--max_query_length=24",
                     f"--null_score_diff_threshold={scores['null_score_diff_threshold']}",
@@ -127,7 +127,7 @@ def test_time_budget_is_refused_naming_the_reason(tmp_path):
     recipe's warmup and decay are shares of a step count known before the first step."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     result = subprocess.run(
-        [sys.executable, "-m", "tfbig.squad.cli", "--time_budget_minutes=5",
+        [sys.executable, "-m", "tfbig.commands.squad", "--time_budget_minutes=5",
          f"--output_dir={tmp_path / 'out'}", "--train_file=train.json"],
         cwd=root, capture_output=True, text=True, timeout=300,
         env={**os.environ, "PYTHONPATH": root})

@@ -3,8 +3,8 @@ evaluate-v1.1.py / evaluate-v2.0.py) on a handmade predictions file, and hand-co
 import pytest
 from official.nlp.tools import squad_evaluate_v1_1, squad_evaluate_v2_0
 
-from tfbig.squad.evaluate import evaluate, tune_null_threshold
-from tfbig.squad.postprocess import apply_null_threshold
+from tfbig.data.squad.evaluate import evaluate, tune_null_threshold
+from tfbig.data.squad.postprocess import apply_null_threshold
 
 # (gold answers, prediction, exact match, F1) -- the normalisation lower-cases, drops ASCII
 # punctuation and the articles a/an/the, and squeezes whitespace.

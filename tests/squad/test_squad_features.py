@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
-from tfbig.squad.features import (Example, char_span, convert_examples, examples_from_dataset,
-                                  token_char_spans, windows)
+from tfbig.data.squad.features import (Example, char_span, convert_examples,
+    examples_from_dataset, token_char_spans, windows)
 from tfbig.data import Tokenizer
 
 TRICKY = "  Naïve café —  ‘quoted’ text\twith tabs,\nnew lines\n\nand  DOUBLE  spaces ½."

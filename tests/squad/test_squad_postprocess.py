@@ -1,8 +1,8 @@
 """n-best post-processing: valid spans only, max_answer_length, windows, null score."""
 import numpy as np
 
-from tfbig.squad.features import Example, convert_examples
-from tfbig.squad.postprocess import apply_null_threshold, best_spans
+from tfbig.data.squad.features import Example, convert_examples
+from tfbig.data.squad.postprocess import apply_null_threshold, best_spans
 
 CONTEXT = "VIOLA\nWhat country, friends, is this?\n\nCAPTAIN\nThis is Illyria, lady.\n"
 
@@ -17,7 +17,7 @@ def setup(tokenizer, max_seq_length=64, stride=16):
 
 def position_of(features, feature, text):
     """Feature positions (first, last) whose context span is `text`."""
-    from tfbig.squad.features import char_span
+    from tfbig.data.squad.features import char_span
 
     row = features.arrays["context_token"][feature]
     for first in np.flatnonzero(row >= 0):
@@ -38,7 +38,7 @@ def _max_context(features, feature, text):
 
 
 def _window_chars(features, feature):
-    from tfbig.squad.features import char_span
+    from tfbig.data.squad.features import char_span
 
     row = np.flatnonzero(features.arrays["context_token"][feature] >= 0)
     return range(*char_span(features, feature, row[0], row[-1]))

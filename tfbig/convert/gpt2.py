@@ -243,10 +243,10 @@ def export(source_dir, output_dir):
     directory; returns (path of model.safetensors, a note on the tokenizer)."""
     from safetensors.numpy import save_file
 
-    from tfbig.checkpoint import model_variables
+    from tfbig.checkpoints.checkpoint import model_variables
     from tfbig.data.bpe import ByteLevelBPE
     from tfbig.data.tokenizer import for_run
-    from tfbig.generate import load_model
+    from tfbig.convert.run_dir import load_model
 
     model, _ = load_model(source_dir)  # any layout tfbig-train writes (ZeRO, tensor, pipeline)
     config = model.config

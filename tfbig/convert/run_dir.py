@@ -15,13 +15,17 @@ import dataclasses
 import json
 import os
 import shutil
+import sys
 
 import numpy as np
 import tensorflow as tf
 
-from tfbig.checkpoint import model_key, model_variables
+from tfbig.checkpoints import integrity
+from tfbig.checkpoints.checkpoint import model_key, model_variables
 from tfbig.errors import UsageError
+from tfbig.layouts import stage_checkpoint, tensor_layout, zero_checkpoint
 from tfbig.models.configs import AlbertConfig, BertConfig, GPTConfig
+from tfbig.models.gpt import GPT
 
 
 def write(output_dir, config, weights, vocab_file, lowercase, source, family="bert"):
@@ -121,3 +125,33 @@ def assign(model, weights):
         raise ValueError(f"weights not in {model.name}: {unknown[:3]}")
     for key, value in weights.items():
         variables[key].assign(np.asarray(value, variables[key].dtype.name))
+
+
+def load_model(model_dir):
+    """The GPT in `model_dir` (config.json + latest checkpoint) and its tokenizer path."""
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"--model_dir={model_dir} has no config.json; train a model "
+                                f"there with tfbig-train first")
+    with open(path) as f:
+        saved = json.load(f)
+    if saved.get("model_format", "gpt") != "gpt":
+        raise ValueError(f"--model_dir={model_dir} holds a {saved['model_format']} model; "
+                         f"tfbig-generate needs a GPT")
+    warn = lambda m: print(m, file=sys.stderr)  # noqa: E731
+    latest, _ = integrity.newest_intact(model_dir, warn=warn)
+    if latest is None:
+        raise FileNotFoundError(f"--model_dir={model_dir} has no checkpoint")
+    model = GPT(GPTConfig(**saved["model_config"]), name="gpt")
+    model.build((None, None))
+    pieces = next((m for m in (tensor_layout, stage_checkpoint, zero_checkpoint)  # per-rank pieces
+                   if m.read_layout(model_dir) is not None), None)
+    if pieces is not None:
+        weights = pieces.assembled_weights(model_dir, model, warn)
+        for v in model.variables:
+            if v.path in weights:
+                v.assign(weights[v.path])
+        return model, os.path.join(model_dir, "tokenizer.model")
+    status = tf.train.Checkpoint(model=model_variables(model)).restore(latest)
+    status.assert_existing_objects_matched().expect_partial()  # every weight, not the optimizer
+    return model, os.path.join(model_dir, "tokenizer.model")

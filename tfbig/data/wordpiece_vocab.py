@@ -8,7 +8,7 @@ pieces: prep keeps the trained vocab.txt (reused while its recipe holds) and the
 are deterministic given the vocabulary, set up as BERT's own tokenizer: BERT normalisation
 (control characters dropped, CJK characters split, lowercasing with accent stripping for an
 uncased vocabulary), whitespace + punctuation pre-split, greedy longest-match pieces with "##"
-continuations, a word that cannot be spelled becomes [UNK]. tfbig.wordpiece (tensorflow-text,
+continuations, a word that cannot be spelled becomes [UNK]. tfbig.data.wordpiece (tensorflow-text,
 used by fine-tuning) gives the same ids; tests/bert checks it.
 
 The casing is read off the vocabulary: a vocabulary with upper-case letters outside its

@@ -207,7 +207,7 @@ class Strategy:
     def checkpoint_model(self, model):
         """{key: variable} of the model's weights in this process's checkpoint (ZeRO-3: its
         slices under the same keys)."""
-        from tfbig.checkpoint import model_variables
+        from tfbig.checkpoints.checkpoint import model_variables
 
         return model_variables(model)
 
@@ -218,14 +218,14 @@ class Strategy:
     def restore(self, trainer, path):
         """Restore checkpoint `path` into the trainer's state (a split backend may slice; a
         ZeRO backend may re-shard a checkpoint of another layout)."""
-        from tfbig.distribute.zero_checkpoint import LAYOUT_FILE
+        from tfbig.layouts.zero_checkpoint import LAYOUT_FILE
 
         if os.path.exists(os.path.join(os.path.dirname(path), LAYOUT_FILE)):
             raise ValueError(
                 f"{os.path.dirname(path)} holds a --zero_stage checkpoint (its {LAYOUT_FILE}): "
                 f"resume it with --strategy=horovod --zero_stage=1|2|3 (any number of "
                 f"processes, re-sharded on load) or write a single-device copy with "
-                f"python -m tfbig.consolidate MODEL_DIR OUT_DIR")
+                f"python -m tfbig.commands.consolidate MODEL_DIR OUT_DIR")
         trainer.checkpoint.restore(path).assert_existing_objects_matched()
 
     def checkpoint_dir(self, model_dir):

@@ -54,7 +54,7 @@ from tensorflow.python.eager import record  # stop_recording: no public equivale
 
 from tfbig.distribute import horovod_keras
 from tfbig.distribute.horovod_keras import hvd
-from tfbig.distribute.tensor_layout import _resolve
+from tfbig.layouts.tensor_layout import _resolve
 from tfbig.distribute.tensor_parallel import _on_sequence_axis
 from tfbig.models.attention import blockwise_attention, blockwise_attention_backward
 

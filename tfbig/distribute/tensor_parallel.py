@@ -1,6 +1,6 @@
 """Megatron-style tensor parallelism on Horovod (`--tensor_parallel=T`), applied from outside.
 
-The model file knows nothing of it. A *plan* (data, tfbig.distribute.tensor_layout: attribute
+The model file knows nothing of it. A *plan* (data, tfbig.layouts.tensor_layout: attribute
 path -> how that part is split) says which Dense layers are column- or row-parallel, which
 attention/MLP widths shrink, which embedding is split over the vocabulary. `split_model` builds
 each rank's slice of the single-device model; this module wraps the split layers' `call`s with
@@ -38,7 +38,7 @@ runs as a TensorFlow graph, not XLA-compiled (--xla is ignored with a notice).
 
 Checkpoints: each rank of the first data-parallel replica writes what it holds (tensor rank 0
 in --model_dir, rank t in MODEL_DIR/tensor/rank-t) and MODEL_DIR/tensor.json records the
-layout. `python -m tfbig.consolidate MODEL_DIR OUT_DIR` assembles the full variables (weights
+layout. `python -m tfbig.commands.consolidate MODEL_DIR OUT_DIR` assembles the full variables (weights
 and optimizer slots) into a single-device checkpoint; a tensor-parallel run started on a
 single-device checkpoint slices it on load (`restore_from_single_device`), so a run moves from
 one degree to another through one consolidation. tfbig-generate and tfbig-export read the
@@ -55,14 +55,13 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
-from tfbig.checkpoint import piece_dir, write_layout
+from tfbig.checkpoints.checkpoint import piece_dir, write_layout
 from tfbig.distribute import recompute
 from tfbig.distribute.base import Strategy
 from tfbig.distribute.horovod import HorovodStrategy
 from tfbig.distribute.horovod_keras import hvd
-from tfbig.distribute.tensor_layout import (LAYOUT_FILE, TensorGroup, join_slices, own_mask_states,
-                                            split_model, state_arrays, state_variables,
-                                            take_slice, whole_sequence_paths)
+from tfbig.layouts.tensor_layout import (LAYOUT_FILE, TensorGroup, join_slices, own_mask_states,
+    split_model, state_arrays, state_variables, take_slice, whole_sequence_paths)
 
 
 # ---- the conjugate collectives (Megatron's mappings) -----------------------------------------
@@ -314,10 +313,10 @@ def restore_from_single_device(trainer, path, group, splits):
     The full model and its optimizer are built on this process for the duration of the restore
     (P parameters and their slots, as one device of the single-device run held them), restored,
     and every variable's slice assigned; dropout states as `split_model` offsets them. So a run
-    consolidated from any layout (tfbig.consolidate) resumes under any --tensor_parallel."""
+    consolidated from any layout (tfbig.training.consolidate) resumes under any --tensor_parallel."""
     from types import SimpleNamespace
 
-    from tfbig.checkpoint import model_variables, rng_variables
+    from tfbig.checkpoints.checkpoint import model_variables, rng_variables
 
     full = trainer.task.build_model()
     optimizer = Strategy(trainer.cfg).build_optimizer(trainer.cfg.train, full.trainable_variables)
@@ -525,7 +524,7 @@ class TensorParallelStrategy(HorovodStrategy):
                 f"--model_dir={model_dir} was written with --tensor_parallel="
                 f"{saved['tensor_parallel']}; this run has {self.group.size}. Resume with the "
                 f"same degree, or assemble a single-device checkpoint first (it resumes with "
-                f"any degree): python -m tfbig.consolidate {model_dir} OUT_DIR")
+                f"any degree): python -m tfbig.commands.consolidate {model_dir} OUT_DIR")
         return saved
 
     def after_checkpoint(self, directory):

@@ -30,10 +30,10 @@ Example:
 """
 import tensorflow as tf
 
-from tfbig.checkpoint import piece_dir, write_layout
-from tfbig.distribute import zero_checkpoint
-from tfbig.distribute.tensor_layout import LAYOUT_FILE as TENSOR_LAYOUT
-from tfbig.distribute.tensor_layout import read_layout as read_tensor_layout
+from tfbig.checkpoints.checkpoint import piece_dir, write_layout
+from tfbig.layouts import zero_checkpoint
+from tfbig.layouts.tensor_layout import LAYOUT_FILE as TENSOR_LAYOUT
+from tfbig.layouts.tensor_layout import read_layout as read_tensor_layout
 from tfbig.distribute.tensor_parallel import TensorParallelStrategy
 from tfbig.distribute.zero import ZeroStrategy
 

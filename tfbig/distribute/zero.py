@@ -33,7 +33,7 @@ records the layout. Stages 1-2 files also hold the full parameters (tfbig-genera
 read --model_dir as usual; with stage 3 they assemble the slices). Resuming with another stage
 (3 vs 1-2), shard degree or number of processes re-shards on load (zero_checkpoint.py: every
 piece is read, full values assembled, this rank's slices cut); a plain checkpoint loads too.
-`python -m tfbig.consolidate MODEL_DIR OUT_DIR` writes a single-device checkpoint.
+`python -m tfbig.commands.consolidate MODEL_DIR OUT_DIR` writes a single-device checkpoint.
 
 Example:
     horovodrun -np 8 -H localhost:8 --gloo tfbig-train --strategy=horovod --zero_stage=3 \
@@ -45,8 +45,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfbig.checkpoint import model_key, piece_dir, write_layout
-from tfbig.distribute import recompute, zero3, zero_checkpoint
+from tfbig.checkpoints.checkpoint import model_key, piece_dir, write_layout
+from tfbig.distribute import recompute, zero3
+from tfbig.layouts import zero_checkpoint
 from tfbig.distribute.base import accumulate_gradients
 from tfbig.distribute.horovod import HorovodStrategy
 from tfbig.distribute.horovod_keras import average_gradients, hvd

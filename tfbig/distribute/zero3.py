@@ -310,7 +310,7 @@ class Gatherer:
         def wrapped(x, *args, **kwargs):
             if kwargs.get("cache") is not None:
                 raise ValueError("--zero_stage=3 models do not decode with a cache; "
-                                 "consolidate the run (python -m tfbig.consolidate) first")
+                                 "consolidate the run (python -m tfbig.commands.consolidate) first")
             full = self._gather_for_forward(layer, x)
             return self._run(layer, call, states, x, full, args, kwargs)
 

@@ -76,7 +76,7 @@ def rank_device(local_rank):
         index = local_rank % len(gpus)
         name = tf.config.experimental.get_device_details(gpus[index]).get("device_name", "GPU")
         return f"/GPU:{index}", {"kind": "gpu", "name": name, "gpus_on_host": len(gpus)}
-    from tfbig import perf
+    from tfbig.profiling import perf
 
     return "/CPU:0", {"kind": "cpu", "name": perf.cpu_model(), "threads": perf.cpu_threads()}
 

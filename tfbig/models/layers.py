@@ -13,7 +13,7 @@ dropout sits:
 
 Softmax, LayerNorm statistics and logits stay in float32 under mixed precision. The layers know
 nothing about distribution: a tensor-parallel backend shrinks `num_heads`/`intermediate_size` and
-the Dense widths from outside (tfbig.distribute.tensor_layout), so every width below is read
+the Dense widths from outside (tfbig.layouts.tensor_layout), so every width below is read
 from those attributes, never recomputed from the constructor's arguments; and with sequence
 parallelism the QKV projection's input is a chunk of the sequence that the projection gathers,
 so attention takes its length from the projection's output. Context parallelism replaces

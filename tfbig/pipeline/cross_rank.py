@@ -29,9 +29,9 @@ tfbig.pipeline.transport). One optimizer step, per rank:
 
 Checkpoints: each rank of data replica 0 writes its stage (stage 0 in --model_dir, stage k in
 MODEL_DIR/pipeline/stage-k) and the chief writes MODEL_DIR/pipeline.json (which stage owns
-which weight). Resuming needs the same --pipeline_stages; tfbig.pipeline.stage_checkpoint
+which weight). Resuming needs the same --pipeline_stages; tfbig.layouts.stage_checkpoint
 assembles the single-device model (tfbig-generate/export read it), and
-python -m tfbig.consolidate MODEL_DIR OUT_DIR writes a single-device checkpoint.
+python -m tfbig.commands.consolidate MODEL_DIR OUT_DIR writes a single-device checkpoint.
 
 With --tensor_parallel=T each stage is also split over T ranks (tfbig.pipeline.tensor_stage;
 GPT, ALBERT and BERT, with or without --sequence_parallel). Not built (refused before
@@ -48,14 +48,14 @@ import math
 
 import tensorflow as tf
 
-from tfbig.checkpoint import piece_dir, write_layout
+from tfbig.checkpoints.checkpoint import piece_dir, write_layout
 from tfbig.config import pipeline_stages
 from tfbig.distribute.horovod import HorovodStrategy
 from tfbig.distribute.horovod_keras import hvd
 from tfbig.distribute.mesh import HorovodMesh, Mesh, launcher_world_size
-from tfbig.pipeline import partition as partition_lib
+from tfbig.layouts import partition as partition_lib
 from tfbig.pipeline import schedules
-from tfbig.pipeline import stage_checkpoint
+from tfbig.layouts import stage_checkpoint
 from tfbig.pipeline.stage_model import build_stage_model
 from tfbig.pipeline.stages import Stage
 from tfbig.pipeline.strategy import (microbatch_size, split_microbatches, stage_memory,

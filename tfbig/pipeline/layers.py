@@ -3,7 +3,7 @@
 The pipeline cuts a model into stages at layer boundaries, so it needs the model as a list of
 `PipeLayer`s: what each layer computes on the activation coming from the layer before, which
 Keras modules own its weights (to place them on the stage's device). What each layer costs (to
-balance the stages) is the planner's `LayerSpec` (tfbig.plan.models.layer_specs, no Keras):
+balance the stages) is the planner's `LayerSpec` (tfbig.models.shapes.layer_specs, no Keras):
 tfbig-train and tfbig-plan cut a model by the same costs. The model itself stays unaware of
 all this.
 

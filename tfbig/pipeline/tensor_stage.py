@@ -30,7 +30,7 @@ stage adjacent, on one host). The rank at (data d, pipeline k, tensor t):
                 group are slice t of the block's one gradient. BERT as ALBERT, a block of
                 its own per layer and no projection; the pooler and the NSP (SOP) head are
                 replicated on the last stage's tensor ranks, as the plan
-                (tfbig.distribute.tensor_layout.masked_lm_plan) has them
+                (tfbig.layouts.tensor_layout.masked_lm_plan) has them
     gradients   averaged over the data group (the D ranks holding the same slice of the same
                 stage); the global norm, non-finite count and stop flag go in one all-reduce
                 over the model group (pipeline x tensor): a split weight counted by every
@@ -42,7 +42,7 @@ stage adjacent, on one host). The rank at (data d, pipeline k, tensor t):
 Checkpoints: each rank of data replica 0 writes what it holds, stage k tensor rank t in
 piece_dir(piece_dir(MODEL_DIR, "pipeline", k), "tensor", t) (MODEL_DIR for 0/0,
 MODEL_DIR/pipeline/stage-k/tensor/rank-t in general); MODEL_DIR/pipeline.json records the
-stages and the tensor splits. `python -m tfbig.consolidate MODEL_DIR OUT_DIR` writes a
+stages and the tensor splits. `python -m tfbig.commands.consolidate MODEL_DIR OUT_DIR` writes a
 single-device checkpoint; tfbig-generate/export read
 the pieces directly. Resuming needs the same --pipeline_stages and --tensor_parallel.
 
@@ -63,13 +63,13 @@ Example (2 stages x 2 tensor ranks x 2 replicas):
 """
 import tensorflow as tf
 
-from tfbig.checkpoint import piece_dir, write_layout
+from tfbig.checkpoints.checkpoint import piece_dir, write_layout
 from tfbig.distribute.horovod_keras import hvd
-from tfbig.distribute.tensor_layout import TensorGroup, split_model, whole_sequence_paths
+from tfbig.layouts.tensor_layout import TensorGroup, split_model, whole_sequence_paths
 from tfbig.distribute.tensor_parallel import (_all_reduce_sum, _wrap, gather_whole_sequence,
                                               vocab_parallel_argmax,
                                               vocab_parallel_cross_entropy)
-from tfbig.pipeline import stage_checkpoint
+from tfbig.layouts import stage_checkpoint
 from tfbig.pipeline.cross_rank import CrossRankPipeline
 from tfbig.pipeline.stage_model import build_stage_model
 

@@ -59,7 +59,7 @@ Step time (nothing assumed overlapped; tfbig runs collectives between XLA-compil
 """
 import dataclasses
 
-from tfbig.pipeline import partition as partition_lib
+from tfbig.layouts import partition as partition_lib
 from tfbig.plan import hardware
 
 SCHEDULES = ("1f1b", "gpipe")
@@ -115,7 +115,7 @@ def _act_bytes(precision):
 
 
 def stage_layer_counts(plan):
-    """Transformer layers on each stage of a partition (tfbig.pipeline.partition's StagePlans
+    """Transformer layers on each stage of a partition (tfbig.layouts.partition's StagePlans
     of a layer sequence `embedding, layers..., head`): what `Layout.stage_layers` holds."""
     last = plan[-1].stop
     return tuple(s.stop - s.start - (s.start == 0) - (s.stop == last) for s in plan)
@@ -123,7 +123,7 @@ def stage_layer_counts(plan):
 
 def partition_layers(shape, stages):
     """Transformer layers per stage when tfbig-train cuts `shape`'s model into `stages`
-    (--pipeline_balance=flops, no --stage_boundaries: tfbig.pipeline.partition)."""
+    (--pipeline_balance=flops, no --stage_boundaries: tfbig.layouts.partition)."""
     if stages == 1:
         return (shape.num_layers,)
     if not shape.pipe_layers:  # a Shape built by hand: the layers split evenly
@@ -317,7 +317,7 @@ def peak_stage_memory(shape, layout, micro_batch, precision, device):
 
 def stage_table(shape, layout, micro_batch, precision):
     """Per pipeline stage, the bytes it holds as tfbig-train prints them beside its partition
-    (tfbig.pipeline.partition.format_plan): {"state": weights, gradients and optimizer slots,
+    (tfbig.layouts.partition.format_plan): {"state": weights, gradients and optimizer slots,
     "activations": activations and send/receive buffers} (no framework reserve)."""
     device = hardware.Device("memory", 1.0, 0.0, 1.0, 1.0, 1.0, 0.0)
     table = []

@@ -20,7 +20,7 @@ GIB = 2 ** 30
 # 75-85% of the tensor-core peak on big GEMMs; 0.75 is that measured library figure, not a fit
 # to any training run. A spec-table GPU runs smaller products further from it: each product
 # also streams its operands through memory (tfbig.plan.estimate.matmul_fraction).
-# On a CPU the peak is itself a measured matmul rate (tfbig.perf), so the fraction is 1.
+# On a CPU the peak is itself a measured matmul rate (tfbig.profiling.perf), so the fraction is 1.
 MATMUL_FRACTION = 0.75
 # Achieved / nominal bandwidth of large streaming transfers: NCCL/Gloo ring collectives reach
 # ~80% of the link rate (bus bandwidth in nccl-tests), and memory-bound kernels ~80% of HBM
@@ -42,7 +42,7 @@ GPUS = {
     "H100-80GB": ({"fp32": 67, "tf32": 495, "fp16": 989, "bf16": 989}, 80, 3350, 450),
     "H200-141GB": ({"fp32": 67, "tf32": 495, "fp16": 989, "bf16": 989}, 141, 4800, 450),
 }
-# tfbig --precision -> the peak it runs at: the keys tfbig.perf reports MFU against (fp32 is the
+# tfbig --precision -> the peak it runs at: the keys tfbig.profiling.perf reports MFU against (fp32 is the
 # plain fp32 peak there, although TF may run fp32 matmuls as TF32 on A100/H100).
 PRECISION_KEYS = {"fp32": "fp32", "mixed_float16": "fp16", "mixed_bfloat16": "bf16"}
 

@@ -2,7 +2,7 @@
 
 Every layout flag the user gives fixes that part; the rest is searched: tensor parallel within a
 node (dividing the heads and the node's GPUs), pipeline stages dividing the layers (cut as
-tfbig-train cuts them: FLOPs-balanced, tfbig.pipeline.partition), data = GPUs / (T x K), ZeRO 0-3
+tfbig-train cuts them: FLOPs-balanced, tfbig.layouts.partition), data = GPUs / (T x K), ZeRO 0-3
 over all data ranks or a node-sized partition group (MiCS), micro-batches dividing the per-replica
 batch, with and without activation checkpointing, sequence parallel wherever T > 1, context
 parallel C (2, 4, 8: without pipeline stages, sequence parallelism or ZeRO 2-3, where 2C

@@ -22,7 +22,8 @@ Example:
 import dataclasses
 
 from tfbig.plan import calibration as calibration_lib
-from tfbig.plan import estimate, models, report, search
+from tfbig.plan import estimate, report, search
+from tfbig.models import shapes as models
 from tfbig.plan.hardware import Cluster
 
 SHAPE_FIELDS = ("hidden_size", "num_layers", "num_heads", "seq_length", "vocab_size")

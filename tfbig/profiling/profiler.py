@@ -55,7 +55,7 @@ def peak_flops(precision, override_tflops=0.0):
     """(peak FLOP/s of one device, its source); measured once per process on CPU."""
     if override_tflops > 0:
         return override_tflops * 1e12, "flag:peak_tflops"
-    from tfbig.perf import device_peak_flops
+    from tfbig.profiling.perf import device_peak_flops
 
     return device_peak_flops(precision)
 

@@ -9,9 +9,7 @@ Example:
     tfbig-profile report runs/gpt-small
 """
 import os
-import sys
 
-from tfbig.cli import ArgumentParser
 from tfbig.profiling.diagnose import diagnose, load_run, summarize
 from tfbig.profiling.timing import PHASES
 
@@ -156,28 +154,3 @@ def format_report(summary, findings, charts):
         lines += [f"  advice:   {a}" for a in finding.advice]
     lines += [f"chart: {c}" for c in charts]
     return "\n".join(lines)
-
-
-def main(argv=None):
-    parser = ArgumentParser(prog="tfbig-profile", description=__doc__.split("\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    report = commands.add_parser("report", help="charts and a bottleneck diagnosis of a run")
-    report.add_argument("run_dir", help="a tfbig-train --model_dir")
-    report.add_argument("--output_dir", default=None,
-                        help="where the PNG charts go (default: RUN_DIR/profile)")
-    args = parser.parse_args(argv)
-    try:
-        summary, findings, charts = render(args.run_dir, args.output_dir)
-    except (FileNotFoundError, ValueError) as error:
-        print(f"tfbig-profile: error: {error}", file=sys.stderr)
-        return 2
-    print(format_report(summary, findings, charts))
-    return 0
-
-
-def run():
-    sys.exit(main())
-
-
-if __name__ == "__main__":
-    run()

@@ -1,7 +1,7 @@
 """Sentence and sentence-pair classification (GLUE-style) as a task of the one Trainer.
 
 The single-replica view, like tasks.gpt: the examples (TSV with a header row or JSON lines, or
-a TFDS `glue/*` dataset prepared on disk: tfbig.glue), the model (BertClassifier: the backbone
+a TFDS `glue/*` dataset prepared on disk: tfbig.data.glue), the model (BertClassifier: the backbone
 of --init_checkpoint, a tfbig-convert BERT, and a new classifier on the pooled [CLS]), the
 loss (cross-entropy), and a validation step returning class logits with labels. The metric
 runs once over the gathered outputs: accuracy, F1 (of the second class for two classes, else
@@ -57,7 +57,7 @@ class ClassifyTask(FineTuningTask):
 
     def __init__(self, train, options):
         from tfbig.convert import run_dir
-        from tfbig.wordpiece import WordPieceTokenizer
+        from tfbig.data.wordpiece import WordPieceTokenizer
 
         self.train, self.options = train, options
         check_sources(options)
@@ -119,7 +119,7 @@ def read_data(options):
     """(train examples, {eval name: examples}, class names) of the files or of --tfds_name;
     the eval name is "" for --eval_file. File labels are the training file's, sorted."""
     if options.tfds_name:
-        from tfbig.glue import read_tfds
+        from tfbig.data.glue import read_tfds
 
         return read_tfds(options)
     train = read_examples(options.train_file, options)

@@ -46,7 +46,7 @@ class FineTuningTask:
 
     def layer_specs(self):
         """The layers the pipeline cuts the model by (the task's head on the last stage)."""
-        from tfbig.plan.models import fine_tune_specs
+        from tfbig.models.shapes import fine_tune_specs
 
         return fine_tune_specs(self.model_config, self.seq_length)
 

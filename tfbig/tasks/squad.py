@@ -1,12 +1,12 @@
 """SQuAD v1.1 / v2.0 extractive question answering as a task of the one Trainer.
 
 The single-replica view, like tasks.classify: the examples (SQuAD JSON -> windowed features:
-tfbig.squad.features), the model (ALBERT or BERT with a span head: the backbone of
---init_checkpoint, or random with --random_init; tfbig.squad.model), the loss (mean of the start
+tfbig.data.squad.features), the model (ALBERT or BERT with a span head: the backbone of
+--init_checkpoint, or random with --random_init; tfbig.tasks.squad_model), the loss (mean of the start
 and end cross-entropies over positions, BERT's), and a validation step returning start/end logits
 with each feature's index. The metric runs once over the gathered outputs: n-best spans, the v2.0
 null threshold (given, or tuned for F1 on the predict file) and the official EM/F1
-(tfbig.squad.postprocess, tfbig.squad.evaluate).
+(tfbig.data.squad.postprocess, tfbig.data.squad.evaluate).
 
 Splits: "train" (--train_file's features) and "validation" (--predict_file's, with each
 feature's index). The inputs, training order and steps around the loss are every fine-tuning
@@ -57,12 +57,12 @@ class SquadData:
 
 class SquadTask(FineTuningTask):
     """Span fine-tuning of ALBERT or BERT on SQuAD features. `config` and `tokenizer` are the
-    model's (tfbig.squad.model.pretrained_config, or a random ALBERT preset's)."""
+    model's (tfbig.tasks.squad_model.pretrained_config, or a random ALBERT preset's)."""
 
     format = "squad"
 
     def __init__(self, train, options, config, tokenizer):
-        from tfbig.squad.features import read_squad
+        from tfbig.data.squad.features import read_squad
 
         self.train, self.options, self._tokenizer = train, options, tokenizer
         self.set_model_config(config, options.max_seq_length)
@@ -82,7 +82,7 @@ class SquadTask(FineTuningTask):
         self.manifest = Examples(path, {k: len(v["input_ids"]) for k, v in self.arrays.items()})
 
     def _read(self, path, read_squad):
-        from tfbig.squad.features import convert_examples
+        from tfbig.data.squad.features import convert_examples
 
         o = self.options
         examples, found = read_squad(path)
@@ -96,7 +96,7 @@ class SquadTask(FineTuningTask):
     def build_model(self):
         """The QA model, built: its backbone from --init_checkpoint (unless --random_init), its
         span head fresh."""
-        from tfbig.squad.model import build_model
+        from tfbig.tasks.squad_model import build_model
 
         init = None if self.options.random_init else self.options.init_checkpoint or None
         return build_model(self.model_config, init, seed=self.train.seed)
@@ -118,7 +118,7 @@ class SquadTask(FineTuningTask):
         """{predictions, nbest, null_odds (v2.0), scores} of the gathered logits: the best
         spans, the null threshold applied (v2.0) and, if the file has answers, the official
         scores."""
-        from tfbig.squad import evaluate, postprocess
+        from tfbig.data.squad import evaluate, postprocess
 
         order = np.argsort(outputs["feature_index"], kind="stable")  # dataset order already
         o = self.options

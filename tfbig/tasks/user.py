@@ -223,7 +223,7 @@ def resolve_layers(model, paths, what="checkpoint_layers"):
 def fresh_layer_names():
     """Keras names layers "dense", "dense_1", ... by a process-wide counter; within this the
     counter starts afresh, so a model's layer names, and with them its checkpoint keys
-    (tfbig.checkpoint), are the same in every process and for every build (a resume, an
+    (tfbig.checkpoints.checkpoint), are the same in every process and for every build (a resume, an
     evaluate after a train in one notebook)."""
     from keras.src.backend.common import global_state
 
@@ -235,7 +235,7 @@ def fresh_layer_names():
         global_state.set_global_attribute("object_name_uids", previous)
 
 
-# kind -> the Keras layers it splits (tfbig.distribute.tensor_layout.split_declared_model)
+# kind -> the Keras layers it splits (tfbig.layouts.tensor_layout.split_declared_model)
 LAYOUT_KINDS = {"column": ("Dense",), "row": ("Dense",), "vocab": ("Embedding", "Dense"),
                 "heads": ("MultiHeadAttention",)}
 _WEIGHTS = {"Dense": "kernel", "Embedding": "embeddings"}  # a layer's own weight, by type

@@ -6,7 +6,7 @@ attribute paths of the layers whose sequential composition is its forward. `desc
 the model once (the random state of the run left as it was, so the real build draws the same
 initial weights), resolves the paths, checks them on the first training batch and returns
 
-    specs   a LayerSpec per layer (tfbig.plan.models: name, the paths of its weights,
+    specs   a LayerSpec per layer (tfbig.models.shapes: name, the paths of its weights,
             parameters counted on the built model, FLOPs per token as 6 x its weights outside
             embedding tables: 2 forward + 4 backward per weight per token, exact for Dense and
             attention projections; an embedding lookup and attention's scores are not counted)
@@ -29,7 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfbig.errors import UsageError
-from tfbig.plan.models import LayerSpec
+from tfbig.models.shapes import LayerSpec
 from tfbig.tasks import layer_paths
 
 SEED_STATE = "seed_generator"  # a dropout's seed state: carried by the pipeline's stages

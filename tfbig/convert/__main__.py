@@ -1,3 +1,0 @@
-from tfbig.convert import run
-
-run()

@@ -1,0 +1,183 @@
+"""`tfbig-train --init_checkpoint=DIR`: continue pretraining from another model's weights.
+
+DIR is a tfbig-convert output (a published GPT-2, BERT or ALBERT) or a tfbig-train run directory
+of the same family: its config.json and newest checkpoint. Only the weights are taken; the
+optimizer starts fresh and the step counts from 0 (the learning-rate warmup runs again).
+
+The architecture is DIR's config.json: --model must name its family; --num_layers,
+--hidden_size, --num_heads (ALBERT: --embedding_size, --num_groups) may be given only with DIR's
+values, --preset not at all; --dropout still applies. The data must use DIR's vocabulary
+(tfbig-prep --tokenizer=DIR) and sequences no longer than its position table.
+
+A resume wins: when --model_dir already holds a checkpoint of a run started from the same
+--init_checkpoint, the run resumes from it and DIR is not read (so the same command restarts a
+preempted run). A checkpoint there from another --init_checkpoint, or from none, is refused.
+
+Weights are assigned to the whole model before the backends' broadcast, so the layouts that hold
+whole weights take it (single, horovod with --zero_stage 0-2, multiworker, mirrored, and
+--strategy=pipeline, whose stages share one process: each weight is whole on its stage's
+device); the ones that split weights per rank (--strategy=horovod --pipeline_stages,
+--tensor_parallel, --zero_stage=3) are refused.
+
+Example:
+    tfbig-convert --source=gpt2/ --output_dir=runs/gpt2
+    tfbig-prep --input=my_text/ --tokenizer=runs/gpt2 --seq_length=512 --output_dir=data/mine
+    tfbig-train --init_checkpoint=runs/gpt2 --data_dir=data/mine --model_dir=runs/gpt2-mine
+"""
+import dataclasses
+import json
+import os
+
+from tfbig.errors import UsageError
+
+HEADS = ("mlm_head/", "nsp_head/", "sop_head/")  # a backbone-only source leaves them fresh
+
+
+def _split_layout(cfg):
+    """The flag that splits weights per rank, or None."""
+    from tfbig.config import pipeline_stages
+
+    t, p = cfg.train, cfg.parallel
+    if t.strategy == "horovod":
+        if pipeline_stages(cfg) > 1:
+            return f"--pipeline_stages={cfg.pipeline.pipeline_stages}"
+        if p.tensor_parallel > 1:
+            return f"--tensor_parallel={p.tensor_parallel}"
+        if p.zero_stage == 3:
+            return "--zero_stage=3"
+    return None
+
+
+def _check_flags(cfg, directory):
+    from tfbig.config import TrainConfig
+
+    split = _split_layout(cfg)
+    if split:
+        raise UsageError(f"--init_checkpoint with {split} is not supported: it assigns whole "
+                         "weights before training; start with --strategy=single, horovod "
+                         "(--zero_stage 0-2), multiworker, mirrored or pipeline, or convert "
+                         "the weights into such a run first")
+    if cfg.train.preset != TrainConfig.preset:
+        raise UsageError(f"--preset={cfg.train.preset} has no effect with --init_checkpoint="
+                         f"{directory}: the architecture is that directory's config.json; drop "
+                         "--preset")
+
+
+def _check_resume(cfg, directory):
+    """Refuse a --model_dir checkpoint that was not started from this --init_checkpoint."""
+    import tensorflow as tf
+
+    model_dir = cfg.train.model_dir
+    if not tf.train.latest_checkpoint(model_dir):
+        return
+    path = os.path.join(model_dir, "config.json")
+    saved = ""
+    if os.path.isfile(path):
+        with open(path) as file:
+            saved = json.load(file).get("train", {}).get("init_checkpoint", "")
+    if not saved or os.path.abspath(saved) != os.path.abspath(directory):
+        raise UsageError(
+            f"--model_dir={model_dir} holds a checkpoint of a run started from "
+            f"{'--init_checkpoint=' + saved if saved else 'scratch'} ({path}), not from "
+            f"--init_checkpoint={directory}; a resume continues its own run: drop "
+            "--init_checkpoint to resume it, or choose an empty --model_dir")
+
+
+def task_inputs(train, cfg):
+    """(TrainConfig, ExperimentConfig) to build the task with: unchanged without
+    --init_checkpoint; with it the size flags are cleared and the preset is the family's
+    smallest, since `apply` replaces the task's model config by the checkpoint's anyway (BERT
+    has no preset of tfbig-train's default name)."""
+    if not train.init_checkpoint:
+        return train, cfg
+    train = dataclasses.replace(train, preset="tiny", num_layers=0, hidden_size=0, num_heads=0)
+    albert = dataclasses.replace(cfg.albert, embedding_size=0, num_groups=0)
+    return train, dataclasses.replace(cfg, train=train, albert=albert)
+
+
+def apply(task, cfg):
+    """Give `task` the model config of --init_checkpoint, after checking that the flags and the
+    data agree with it; nothing without --init_checkpoint."""
+    from tfbig.convert import run_dir
+
+    directory = cfg.train.init_checkpoint
+    if not directory:
+        return
+    _check_flags(cfg, directory)
+    _check_resume(cfg, directory)
+    import tensorflow as tf
+
+    config, saved = run_dir.read_config(directory, families=("gpt", "albert", "bert"))
+    path = os.path.join(directory, "config.json")
+    if not tf.train.latest_checkpoint(directory):
+        raise UsageError(f"--init_checkpoint={directory}: no checkpoint in it (expected the "
+                         "output of tfbig-convert or a tfbig-train --model_dir)")
+    if saved["model_format"] != cfg.train.model:
+        raise UsageError(f"--init_checkpoint={directory} holds a {saved['model_format']} model "
+                         f"({path}: model_format) but --model={cfg.train.model}; give "
+                         f"--model={saved['model_format']}")
+    t = cfg.train
+    given = {"num_layers": t.num_layers, "hidden_size": t.hidden_size, "num_heads": t.num_heads}
+    if t.model == "albert":
+        given.update(embedding_size=cfg.albert.embedding_size, num_groups=cfg.albert.num_groups)
+    for flag, value in given.items():
+        if value and value != getattr(config, flag):
+            raise UsageError(f"--{flag}={value} disagrees with --init_checkpoint={directory}: "
+                             f"{path} has {flag}={getattr(config, flag)}; drop --{flag} (the "
+                             "architecture is the checkpoint's)")
+    if t.dropout >= 0:
+        config = dataclasses.replace(config, dropout=t.dropout)
+    # how attention is computed is this run's choice, not the checkpoint's
+    config = dataclasses.replace(config, attention=t.attention,
+                                 attention_block_size=t.attention_block_size)
+    try:
+        config.check_inputs(task.seq_length, task.manifest.vocab_size)
+    except ValueError as error:
+        raise UsageError(f"--data_dir={task.data_dir} does not fit --init_checkpoint="
+                         f"{directory}: {error}; prepare the data with its tokenizer (tfbig-prep "
+                         f"--tokenizer={directory}) and --seq_length at most {config.seq_length}"
+                         ) from error
+    task.model_config = config
+
+
+def load(model, directory):
+    """Assign the weights of run directory `directory` to the built `model`; returns the keys
+    left at their fresh initialisation (pretraining heads a backbone-only source lacks)."""
+    from tfbig.checkpoints.checkpoint import model_variables
+    from tfbig.convert import run_dir
+
+    weights = run_dir.read_weights(directory)
+    variables = model_variables(model)
+    unknown = sorted(set(weights) - set(variables))
+    missing = sorted(set(variables) - set(weights))
+    lacking = [key for key in missing if not key.startswith(HEADS)]
+    if unknown or lacking:
+        raise UsageError(
+            f"--init_checkpoint={directory}: its checkpoint does not match the {model.name} "
+            f"model of its config.json: {len(unknown)} weights the model lacks "
+            f"{unknown[:3]}, {len(lacking)} it has not {lacking[:3]} (a run saved in per-rank "
+            "pieces, --zero_stage=3/--tensor_parallel/pipeline, must be consolidated first)")
+    for key, value in weights.items():
+        variable = variables[key]
+        if tuple(variable.shape) != tuple(value.shape):
+            raise UsageError(f"--init_checkpoint={directory}: {key} has shape "
+                             f"{tuple(value.shape)}, the model's is {tuple(variable.shape)}")
+        variable.assign(value.astype(variable.dtype.name))
+    return missing
+
+
+def initialise(trainer):
+    """After the trainer's restore: a fresh run loads --init_checkpoint, a resumed one says that
+    it did not (before the backend's broadcast of the chief's weights)."""
+    t = trainer.cfg.train
+    if not t.init_checkpoint:
+        return
+    if trainer.restored_from:
+        trainer.logger.info(f"--init_checkpoint={t.init_checkpoint} not read: the run resumes "
+                            f"from {trainer.restored_from}")
+        return
+    if not trainer.strategy.restores_checkpoint:  # it receives the chief's weights
+        return
+    fresh = load(trainer.model, t.init_checkpoint)
+    trainer.logger.info(f"weights from --init_checkpoint={t.init_checkpoint} (optimizer fresh, "
+                        f"step 0)" + (f"; freshly initialised: {fresh}" if fresh else ""))

@@ -1,0 +1,442 @@
+"""Tensor-parallel layouts as data, without Horovod: which layers are split how, each rank's
+slice of a variable, and reading a tensor-parallel run on one process.
+
+A *plan* maps attribute paths below the model ("*" matches every element of a list) to a
+`Split`. `split_model` builds the single-device model (every rank starts from the single-device
+initialisation), an unbuilt twin whose planned layers are shrunk to 1/T, and copies rank t's
+slice into it; the Horovod backend (tfbig.distribute.tensor_parallel) also wraps the split
+layers' calls with the collectives. `assembled_weights` (tfbig-generate, tfbig-export) and
+`state_arrays` (tfbig.training.consolidate: a single-device checkpoint that resumes under any layout)
+read the pieces each rank saved.
+
+Below every backend (the layer map: tfbig/__init__.py): no Strategy, no Horovod, no trainer.
+"""
+import dataclasses
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfbig.checkpoints.checkpoint import read_layout as checkpoint_layout
+from tfbig.checkpoints.checkpoint import piece_checkpoints, reader_key, slot_owners
+
+LAYOUT_FILE = "tensor.json"
+
+
+# ---- the plan: which part of a model is split how (data) -------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """How one layer is split. kind: heads | width (an attention's heads / an MLP's
+    intermediate width shrink to 1/T), column (a Dense's output columns; `sections` equal
+    blocks such as q, k, v each split), row (a Dense's input rows), vocab (an Embedding's rows),
+    vocab_column (the untied output head's columns), vocab_input (the activation entering the
+    vocabulary projection: copied into the region after this layer), vocab_bias (a head's
+    per-token bias: its `vocab_size` entries split like the vocabulary), own_mask (a dropout
+    inside a split region: its seed-generator state is offset by the tensor rank). With
+    --sequence_parallel more act: positions (the position table's output: each rank keeps
+    the rows of its sequence chunk), segments (the segment table's (B, T, C) output: the same
+    along axis 1), sequence_mask (a dropout of the LayerNorm/dropout region: each rank holds
+    other positions, so it draws its own mask like own_mask; without sequence parallelism the
+    region is replicated and the mask shared), sequence_output (a backbone whose sequence
+    output leaves the split region: gathered whole, its gradient cut back to the chunk) and
+    sequence_first (a layer reading position 0 of the chunk, ALBERT's pooler: tensor rank 0's,
+    which holds the [CLS] token, goes to every rank). `sequence=False` marks a layer of the
+    replicated region after the backbone (ALBERT's heads read the [CLS] token and masked
+    positions anywhere in the sequence): it sees the whole sequence on every rank, so its
+    replicated weights' gradients are complete there, not summed over the group.
+    A user task's declared layout (split_declared_model) adds two: keras_heads (a Keras
+    MultiHeadAttention keeping 1/T of its heads: its input copied into the region, its output
+    projection's partial sums reduced before the bias) and vocab_logits (a column-split output
+    Dense whose logits are gathered whole for the task's own loss)."""
+
+    kind: str
+    sections: int = 1
+    sequence: bool = True  # in the region split along the sequence by --sequence_parallel
+
+
+# Attribute paths below the model ("*" matches every element of a list).
+GPT_PLAN = (
+    ("blocks.*.attn", Split("heads")),
+    ("blocks.*.attn.qkv", Split("column", sections=3)),
+    ("blocks.*.attn.proj", Split("row")),
+    ("blocks.*.attn.attn_dropout", Split("own_mask")),
+    ("blocks.*.mlp", Split("width")),
+    ("blocks.*.mlp.fc", Split("column")),
+    ("blocks.*.mlp.proj", Split("row")),
+    ("embedding.token", Split("vocab")),
+    ("head", Split("vocab_column")),
+    ("final_norm", Split("vocab_input")),
+    ("embedding.position", Split("positions")),
+    ("embedding.drop", Split("sequence_mask")),
+    ("blocks.*.attn.resid_dropout", Split("sequence_mask")),
+    ("blocks.*.mlp.drop", Split("sequence_mask")),
+)
+
+
+def masked_lm_plan(blocks, pair_head):
+    """ALBERT's and BERT's plan: transformer blocks at `backbone.<blocks>` (ALBERT's shared
+    groups, split once so every call of one uses the same slices; BERT's own layers), the
+    sentence-pair head `pair_head`. ALBERT's embedding projection E -> H stays replicated."""
+    blocks = f"backbone.{blocks}.*"
+    return (
+        (f"{blocks}.attn", Split("heads")),
+        (f"{blocks}.attn.qkv", Split("column", sections=3)),
+        (f"{blocks}.attn.proj", Split("row")),
+        (f"{blocks}.attn.attn_dropout", Split("own_mask")),
+        (f"{blocks}.ffn", Split("width")),
+        (f"{blocks}.ffn.fc", Split("column")),
+        (f"{blocks}.ffn.proj", Split("row")),
+        ("backbone.embedding.word", Split("vocab")),
+        ("mlm_head", Split("vocab_bias", sequence=False)),
+        ("mlm_head.norm", Split("vocab_input", sequence=False)),
+        ("backbone.embedding.position", Split("positions")),
+        ("backbone.embedding.segment", Split("segments")),
+        ("backbone.embedding.drop", Split("sequence_mask")),
+        (f"{blocks}.drop", Split("sequence_mask")),
+        ("backbone", Split("sequence_output")),
+        ("backbone.pooler", Split("sequence_first", sequence=False)),
+        ("mlm_head.dense", Split("whole_sequence", sequence=False)),
+        (pair_head, Split("whole_sequence", sequence=False)),
+    )
+
+
+def fine_tune_plan(blocks, head):
+    """A fine-tuning model's plan (tfbig.tasks.classify, tfbig.tasks.squad): the backbone's entries
+    of masked_lm_plan; the task `head` (classifier on the pooled [CLS], span head on every
+    position) is small and stays replicated, in the region after the backbone."""
+    backbone = tuple(entry for entry in masked_lm_plan(blocks, head)
+                     if entry[0].startswith("backbone"))
+    return backbone + ((head, Split("whole_sequence", sequence=False)),)
+
+
+ALBERT_PLAN = masked_lm_plan("groups", "sop_head")
+BERT_PLAN = masked_lm_plan("blocks", "nsp_head")
+PLANS = {"GPT": GPT_PLAN, "AlbertForPretraining": ALBERT_PLAN, "BertForPretraining": BERT_PLAN,
+         "AlbertForQuestionAnswering": fine_tune_plan("groups", "span_head"),
+         "BertForQuestionAnswering": fine_tune_plan("blocks", "span_head"),
+         "BertClassifier": fine_tune_plan("blocks", "classifier_head")}
+
+
+def whole_sequence_paths(model):
+    """Paths of the weights of layers outside the sequence-split region (`sequence=False`)."""
+    return {v.path for pattern, split in plan_for(model) if not split.sequence
+            for layer in _resolve(model, pattern) for v in layer.trainable_variables}
+
+
+def plan_for(model):
+    plan = PLANS.get(type(model).__name__)
+    if plan is None:
+        raise ValueError(f"--tensor_parallel: no tensor-parallel plan for "
+                         f"{type(model).__name__} yet (GPT, ALBERT and BERT pretraining, BERT "
+                         f"and ALBERT fine-tuning have one); run it with --tensor_parallel=1")
+    return plan
+
+
+def _resolve(model, pattern):
+    """The layers at attribute path `pattern` (None attributes are skipped)."""
+    found = [model]
+    for part in pattern.split("."):
+        nxt = []
+        for obj in found:
+            if part == "*":
+                nxt.extend(obj)
+            else:
+                value = getattr(obj, part, None)
+                if value is not None:
+                    nxt.append(value)
+        found = nxt
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorGroup:
+    """This rank's place in its tensor-parallel group."""
+
+    process_set: object
+    rank: int
+    size: int
+    sequence_parallel: bool = False  # LayerNorm/dropout regions split along the sequence
+
+
+def _divide(value, size, what):
+    if value % size:
+        raise ValueError(f"--tensor_parallel={size} does not divide {what}={value}; choose a "
+                         f"tensor-parallel degree among its divisors")
+    return value // size
+
+
+# ---- how each kind shrinks a layer, wraps its call, and slices its variables ----------------
+def _shrink(layer, split, size):
+    kind = split.kind
+    if kind == "heads":
+        layer.num_heads = _divide(layer.num_heads, size, "num_heads")
+        layer.hidden_size = layer.num_heads * layer.head_size  # this rank's attention width
+    elif kind == "width":
+        layer.intermediate_size = _divide(layer.intermediate_size, size, "intermediate_size")
+    elif kind in ("column", "vocab_column"):
+        what = "vocab_size" if kind == "vocab_column" else f"{layer.name} units"
+        _divide(layer.units // split.sections, size, what)
+        layer.units //= size
+    elif kind == "vocab_bias":
+        layer.vocab_size = _divide(layer.vocab_size, size, "vocab_size")
+    elif kind == "vocab":
+        layer.input_dim = _divide(layer.input_dim, size, "vocab_size (pad the vocabulary "
+                                  "with tfbig-prep --vocab_size)")
+
+
+def _variable_splits(layer, split):
+    """[(variable, (axis, sections))] of the variables a split layer holds in pieces."""
+    if split.kind in ("column", "vocab_column"):
+        pieces = [(layer.kernel, (-1, split.sections))]
+        if getattr(layer, "bias", None) is not None:
+            pieces.append((layer.bias, (-1, split.sections)))
+        return pieces
+    if split.kind == "row":
+        return [(layer.kernel, (0, 1))]  # the bias is replicated
+    if split.kind == "vocab":
+        return [(layer.embeddings, (0, 1))]
+    if split.kind == "vocab_bias":
+        return [(layer.bias, (0, 1))]
+    return []
+
+
+def take_slice(full, axis, sections, rank, size):
+    """Rank `rank`'s piece of the full array: along `axis`, each of `sections` equal blocks
+    cut into `size` parts, part `rank` of each."""
+    blocks = np.split(np.asarray(full), sections, axis=axis)
+    return np.concatenate([np.split(b, size, axis=axis)[rank] for b in blocks], axis=axis)
+
+
+def join_slices(pieces, axis, sections):
+    """The inverse of take_slice over all ranks' pieces (in rank order)."""
+    per_rank = [np.split(np.asarray(p), sections, axis=axis) for p in pieces]
+    return np.concatenate([np.concatenate([p[s] for p in per_rank], axis=axis)
+                           for s in range(sections)], axis=axis)
+
+
+def split_model(task, group, wrap=None):
+    """(local model, {variable path: (axis, sections)}) for rank `group.rank`: the
+    single-device model's initialisation and frozen layers, with every planned layer
+    holding its slice.
+    `wrap(layer, split, group)` inserts the collectives into each split layer's call."""
+    if getattr(task, "tensor_layout", None):  # a user task's declared layout
+        return split_declared_model(task, group, wrap)
+    full = task.build_model()
+    plan = plan_for(full)
+    local = type(full).from_config(full.get_config())
+    for source, twin in zip(full._flatten_layers(), local._flatten_layers(), strict=True):
+        twin.trainable = source.trainable  # frozen stays frozen (the span model's pooler)
+    layers = [(layer, split) for pattern, split in plan for layer in _resolve(local, pattern)]
+    for layer, split in layers:
+        _shrink(layer, split, group.size)
+    local.build((None, task.seq_length))
+    splits = {}
+    for layer, split in layers:
+        if wrap is not None:
+            wrap(layer, split, group)
+        splits.update({v.path: piece for v, piece in _variable_splits(layer, split)})
+    projects = any(split.kind == "vocab_input" for _, split in plan)  # not fine-tuning models
+    if projects and not any(split.kind == "vocab_input" for _, split in layers):
+        raise ValueError("--tensor_parallel: this model has no LayerNorm before its "
+                         "vocabulary projection (post-LN GPT); tensor parallelism needs the "
+                         "pre-LN layout (the default)")
+    if group.sequence_parallel:
+        _check_sequence_parallel(local, layers, task.seq_length, group.size)
+    own_masks = own_mask_states(local, group)
+    # Weights by path; dropout generator states by position (their names count generators
+    # created in the process, so the twin's differ from the full model's).
+    full_seeds = [v for v in full.variables if "seed_generator" in v.path]
+    local_seeds = [v for v in local.variables if "seed_generator" in v.path]
+    full_values = {v.path: v for v in full.variables if "seed_generator" not in v.path}
+    for v in local.variables:
+        if "seed_generator" in v.path or not _held(v):
+            continue
+        value = full_values[v.path].numpy()
+        if v.path in splits:
+            value = take_slice(value, *splits[v.path], group.rank, group.size)
+        v.assign(value)
+    for source, v in zip(full_seeds, local_seeds, strict=True):
+        if not _held(v):
+            continue
+        value = source.numpy()
+        if id(v) in own_masks:
+            value = value + np.asarray(group.rank, value.dtype)  # this rank's heads' masks
+        v.assign(value)
+    return local, splits
+
+
+def split_declared_model(task, group, wrap=None):
+    """split_model for a task that declares its layout as data (tfbig.tasks.user: Keras
+    layers by path and kind): its model is built at full size, then each declared layer's
+    variables are replaced, in place and under the same paths, by rank `group.rank`'s slices
+    (the twin of split_model would need the model's config). Kinds: "column" / "row" (a
+    Dense's units / input rows), "heads" (a MultiHeadAttention's heads: its query, key, value
+    and output projections sliced on the heads axis), "vocab" (an Embedding's rows, or the
+    output Dense's columns, its logits gathered whole for the task's loss)."""
+    if group.sequence_parallel:
+        raise ValueError("--sequence_parallel: a declared tensor_layout splits layers along "
+                         "their width, not the sequence; run it without --sequence_parallel")
+    model = task.build_model()
+    splits = {}
+    for layer, kind in task.declared_layout(model):
+        split, pieces = _shrink_declared(layer, kind, group)
+        for owner, variable, piece in pieces:
+            _replace_variable(owner, variable, take_slice(
+                variable.numpy(), *piece, group.rank, group.size))
+            splits[variable.path] = piece
+        if wrap is not None:
+            wrap(layer, split, group)
+    return model, splits
+
+
+def _shrink_declared(layer, kind, group):
+    """(Split, [(owning layer, variable, (axis, sections))]) of a declared layer, its sizes
+    shrunk to rank `group.rank`'s 1/T."""
+    size, path = group.size, layer.path
+    if kind == "heads":
+        return Split("keras_heads"), _shrink_attention(layer, group)
+    if kind == "vocab" and isinstance(layer, keras.layers.Embedding):
+        layer.input_dim = _divide(layer.input_dim, size, f"{path}'s vocabulary (input_dim)")
+        return Split("vocab"), [(layer, layer.embeddings, (0, 1))]
+    if kind == "row":
+        rows = _divide(layer.kernel.shape[0], size, f"{path}'s input width")
+        layer.input_spec = keras.InputSpec(min_ndim=2, axes={-1: rows})
+        return Split("row"), [(layer, layer.kernel, (0, 1))]  # the bias is replicated
+    split = Split("column" if kind == "column" else "vocab_logits")
+    what = f"{path}'s units" if kind == "column" else f"{path}'s vocabulary (units)"
+    layer.units = _divide(layer.units, size, what)
+    return split, [(layer, v, (-1, 1)) for v in (layer.kernel, layer.bias) if v is not None]
+
+
+def _shrink_attention(attention, group):
+    """A keras MultiHeadAttention reduced to heads rank*N/T .. (rank+1)*N/T - 1: the query,
+    key, value (and gate) projections' kernels (H, N, d) and biases (N, d) sliced on N, the
+    output projection's kernel (N, d, H) on N (its bias replicated: added once, after the
+    sum). Its attention dropout draws this rank's own mask (the state offset by the rank)."""
+    heads = _divide(attention.num_heads, group.size, f"{attention.path}'s num_heads")
+    attention._num_heads = heads  # read by get_config only; the shapes come from the kernels
+    projections = [attention.query_dense, attention.key_dense, attention.value_dense]
+    projections += [attention._gate_dense] if getattr(attention, "_use_gate", False) else []
+    pieces = []
+    for projection in projections:
+        projection.partial_output_shape = (*projection.partial_output_shape[:-2], heads,
+                                           projection.partial_output_shape[-1])
+        pieces += [(projection, v, (len(v.shape) - 2, 1))
+                   for v in (projection.kernel, projection.bias) if v is not None]
+    output = attention.output_dense
+    pieces.append((output, output.kernel, (0, 1)))
+    for state in _attention_mask_states(attention):
+        state.assign(state.numpy() + np.asarray(group.rank, state.dtype))
+    return pieces
+
+
+def _attention_mask_states(attention):
+    """The seed-generator states of a MultiHeadAttention's dropout of attention probabilities
+    (none when its dropout is 0)."""
+    return [v for v in attention._dropout_layer.non_trainable_variables
+            if "seed_generator" in v.path]
+
+
+def _replace_variable(layer, variable, value):
+    """Put a new variable holding `value` in `variable`'s place in `layer` (its attribute and
+    its position among the layer's weights, so optimizer slots keep their order), under the
+    same path."""
+    parent, name = variable.path.rsplit("/", 1)
+    scope, owner = parent.rsplit("/", 1) if "/" in parent else ("", parent)
+    with keras.name_scope(owner, override_parent=scope):
+        new = keras.Variable(value, dtype=variable.dtype, trainable=variable.trainable,
+                             name=name)
+    weights = layer._trainable_variables if variable.trainable else \
+        layer._non_trainable_variables
+    weights[[id(v) for v in weights].index(id(variable))] = new
+    attribute = next(k for k, v in vars(layer).items() if v is variable)
+    object.__setattr__(layer, attribute, new)  # past Keras' tracker: it would append it
+
+
+def _held(variable):
+    """False for a weight another pipeline stage holds (an empty placeholder on this rank:
+    tfbig.pipeline.stage_model.hold_only); True otherwise."""
+    return tuple(variable.value.shape) == tuple(variable.shape)
+
+
+def own_mask_states(model, group, task=None):
+    """ids of the dropout generator states of `model` (a rank's split model) that draw a mask
+    of their own on each tensor rank (their state is the single-device one + the rank): a
+    family's own_mask layers, a declared layout's split MultiHeadAttention layers (`task`)."""
+    if getattr(task, "tensor_layout", None):
+        return {id(v) for layer, kind in task.declared_layout(model) if kind == "heads"
+                for v in _attention_mask_states(layer)}
+    own = ("own_mask", "sequence_mask") if group.sequence_parallel else ("own_mask",)
+    return {id(v) for pattern, split in plan_for(model) if split.kind in own
+            for layer in _resolve(model, pattern)
+            for v in layer.non_trainable_variables if "seed_generator" in v.path}
+
+
+def _check_sequence_parallel(model, layers, seq_length, size):
+    if not any(split.kind == "positions" for _, split in layers):
+        raise ValueError(f"--sequence_parallel: no sequence-parallel plan for "
+                         f"{type(model).__name__}; GPT, ALBERT and BERT pretraining have one. "
+                         f"Run it without --sequence_parallel")
+    if seq_length % size:
+        raise ValueError(f"--sequence_parallel with --tensor_parallel={size}: the sequence "
+                         f"length {seq_length} must be a multiple of {size} (each rank holds "
+                         f"an equal chunk of positions)")
+
+
+# ---- reading a tensor-parallel run on one process ----------------------------------------
+def read_layout(model_dir):
+    """MODEL_DIR/tensor.json ({"tensor_parallel": T, "splits": {path: [axis, sections]}}) or
+    None when the run was not tensor-parallel."""
+    return _with_tuples(checkpoint_layout(model_dir, LAYOUT_FILE))
+
+
+def _with_tuples(layout):
+    if layout is not None:
+        layout["splits"] = {p: tuple(v) for p, v in layout["splits"].items()}
+    return layout
+
+
+def rank_checkpoints(model_dir, layout, warn=print):
+    """The newest intact checkpoint of tensor rank 0 and the same-numbered one of every other
+    rank (each rank saves its own; a missing or damaged piece is named)."""
+    return piece_checkpoints(model_dir, "tensor", layout["tensor_parallel"], warn)
+
+
+def assembled_weights(model_dir, model, warn=print):
+    """{variable path: full array} of `model`'s weights (built at single-device size) from a
+    tensor-parallel run's newest checkpoint, each split variable joined from the ranks."""
+    layout = read_layout(model_dir)
+    readers = [tf.train.load_checkpoint(p) for p in rank_checkpoints(model_dir, layout, warn)]
+    out = {}
+    for v in model.variables:
+        if "seed_generator" in v.path:
+            continue
+        key = reader_key(model, v)
+        piece = layout["splits"].get(v.path)
+        if piece is None:
+            out[v.path] = readers[0].get_tensor(key)
+        else:
+            out[v.path] = join_slices([r.get_tensor(key) for r in readers], *piece)
+    return out
+
+
+def state_variables(trainer):
+    """{name: variable} of everything a checkpoint holds, named the same in every layout:
+    model weights by path, optimizer variables by position, the counters by name."""
+    seeds = [v for v in trainer.model.variables if "seed_generator" in v.path]
+    named = {v.path: v for v in trainer.model.variables if "seed_generator" not in v.path}
+    named.update({f"rng/{i}": v for i, v in enumerate(seeds)})
+    named.update({f"optimizer/{i}": v for i, v in enumerate(trainer.optimizer.variables)})
+    named.update({"step": trainer.step, "batches_consumed": trainer.batches_consumed,
+                  "nonfinite_steps": trainer.nonfinite_steps})
+    return named
+
+
+def state_arrays(trainer, splits):
+    """{name: (value, split of the model variable it belongs to or None)} of one rank."""
+    owner = slot_owners(trainer.optimizer)  # optimizer slot -> the weight it belongs to
+    out = {}
+    for name, v in state_variables(trainer).items():
+        path = name if not name.startswith("optimizer/") else owner.get(id(v))
+        out[name] = (np.asarray(v.numpy()), splits.get(path) if path else None)
+    return out

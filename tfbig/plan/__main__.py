@@ -1,4 +1,0 @@
-"""`python -m tfbig.plan ...` is `tfbig-plan ...`."""
-from tfbig.plan.cli import run
-
-run()

@@ -1,0 +1,31 @@
+"""Checks a run makes before step 1, so nothing fails at its end that could fail at its start.
+
+    batches = validation_batches(task, micro_batch=8, num_replicas=2, eval_steps=50, say=print)
+    check_tokenizer(task)   # the file the end-of-run sample needs
+"""
+from tfbig.training import evaluation
+from tfbig.errors import UsageError
+
+
+def validation_batches(task, micro_batch, num_replicas, eval_steps, say):
+    """Global validation batches of micro_batch x num_replicas records (at most `eval_steps`;
+    0: the whole split, its last batch padded: tfbig.training.trainer evaluates every record once).
+
+    0 when the data has no validation split: the run trains without evaluating and `say`s so.
+    """
+    split = task.manifest.splits.get("validation")
+    records = split.records if split is not None else 0
+    if records == 0:
+        say(f"no validation split in {task.data_dir}: training without evaluation "
+            f"(prepare the data with tfbig-prep --validation_fraction > 0 to evaluate)")
+        return 0
+    return evaluation.num_batches(records, micro_batch * num_replicas, eval_steps)
+
+
+def check_tokenizer(task):
+    """Load the data's tokenizer once (a missing or corrupt file is a UsageError now)."""
+    try:
+        return task.tokenizer()
+    except (ValueError, OSError) as error:
+        raise UsageError(f"{error}; the end-of-run sample (--sample_tokens) needs it: "
+                         f"prepare the data again or pass --sample_tokens=0") from error

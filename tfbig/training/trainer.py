@@ -1,0 +1,443 @@
+"""The one training loop. Every backend plugs in through tfbig.distribute.base.Strategy.
+
+One optimizer step = `grad_accum_steps` micro-batches per data-parallel replica:
+    forward/backward (XLA-compiled, loss-scaled for fp16)  -> strategy.make_forward_backward
+    average gradients over replicas (once per step)        -> strategy.all_reduce_gradients
+    unscale, clip by global norm, apply (skip if not finite) -> optimizer.apply
+"""
+import contextlib
+import dataclasses
+import functools
+import json
+import math
+import os
+import shutil
+import time
+
+import keras
+import tensorflow as tf
+from tensorflow.python.framework import config as op_config
+
+from tfbig.training import budget as budget_lib
+from tfbig import config as config_lib
+from tfbig import data
+from tfbig.training import evaluation, preflight
+from tfbig.convert import init_checkpoint
+from tfbig.checkpoints import integrity
+from tfbig.checkpoints.checkpoint import rng_variables
+from tfbig.training.registry import get_strategy
+from tfbig.training.logs import RunLogger
+from tfbig.models.common import COMPUTE_FIELDS
+from tfbig.optim import learning_rate, loss_scale, set_total_steps
+from tfbig.profiling.profiler import RunProfiler
+from tfbig.tasks import get_task
+
+PRECISIONS = {"fp32": "float32", "mixed_float16": "mixed_float16",
+              "mixed_bfloat16": "mixed_bfloat16"}
+
+
+class NonFiniteLossError(RuntimeError):
+    """Training produced a NaN/inf loss where no loss scaling can explain it."""
+
+
+def set_precision(precision):
+    """Set Keras' global dtype policy for --precision (fp32 resets it)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"--precision={precision!r}: expected one of {sorted(PRECISIONS)}")
+    keras.mixed_precision.set_global_policy(PRECISIONS[precision])
+
+
+@contextlib.contextmanager
+def precision_policy(precision):
+    """set_precision(precision) within the context, the previous policy restored after it
+    (a command run in-process leaves later models in float32)."""
+    previous = keras.mixed_precision.global_policy()
+    set_precision(precision)
+    try:
+        yield
+    finally:
+        keras.mixed_precision.set_global_policy(previous)
+
+
+def micro_batch_size(batch_size, num_replicas, grad_accum_steps):
+    """Per-replica micro-batch size; the global batch must split evenly."""
+    parts = num_replicas * grad_accum_steps
+    if grad_accum_steps < 1 or batch_size % parts or batch_size < parts:
+        raise ValueError(f"--batch_size={batch_size} must be a positive multiple of "
+                         f"replicas ({num_replicas}) x --grad_accum_steps ({grad_accum_steps})")
+    return batch_size // parts
+
+
+class Trainer:
+    """Builds model, optimizer, data and checkpoint for an ExperimentConfig and trains it.
+
+    Example:
+        cfg = ExperimentConfig(); cfg.train.max_steps = 100
+        summary = Trainer(cfg).fit()   # {"step": 100, "loss": ..., "eval": {...}}
+    """
+
+    def __init__(self, cfg, strategy=None, task=None, logger=None, started=None):
+        self.cfg = cfg
+        t = cfg.train
+        # --max_steps=0: the time budget counts from `started` (time.monotonic(); the
+        # command's start) or from here; the step count is fixed early in fit (tfbig.training.budget).
+        self.started = time.monotonic() if started is None else started
+        config_lib.check_applicable(cfg)
+        budget_lib.check(cfg)
+        # A budgeted run that already fixed its step count continues that schedule.
+        self.budget = None if t.max_steps else budget_lib.saved(t.model_dir,
+                                                                t.time_budget_minutes)
+        if self.budget:
+            t.max_steps = self.budget.max_steps
+        set_precision(t.precision)
+        keras.utils.set_random_seed(t.seed)
+        # Process-wide: set it both ways so a deterministic run does not leak into the next.
+        if t.deterministic:
+            tf.config.experimental.enable_op_determinism()
+        else:
+            op_config.disable_op_determinism()  # TF exposes only the enabling half publicly
+        self.strategy = strategy or get_strategy(t.strategy, cfg)
+        if self.strategy.learning_rate_scale != 1.0:  # e.g. Horovod --scale_lr
+            t = dataclasses.replace(
+                t, learning_rate=t.learning_rate * self.strategy.learning_rate_scale)
+        # with the family's section (e.g. --num_groups); --init_checkpoint: sizes its own
+        self.task = task or get_task(*init_checkpoint.task_inputs(t, cfg))
+        init_checkpoint.apply(self.task, cfg)  # --init_checkpoint: its architecture, checked
+        self.micro_batch = micro_batch_size(t.batch_size, self.strategy.num_replicas,
+                                            t.grad_accum_steps)
+        self.logger = logger or RunLogger(t.model_dir, self.strategy.is_chief, t.max_steps)
+        self.profiler = RunProfiler(  # throughput, MFU, step-time breakdown, system monitor
+            cfg.profile, t.model_dir, enabled=self.strategy.is_chief,
+            tokens_per_step=t.batch_size * self.task.seq_length, sequences_per_step=t.batch_size,
+            flops_per_token=getattr(self.task, "flops_per_token", lambda: None)(),
+            precision=t.precision, num_devices=self.strategy.num_devices)
+        with self.strategy.scope():
+            self.model = self.strategy.build_model(self.task)
+            self.optimizer = self.strategy.build_optimizer(t, self.model.trainable_variables)
+            self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
+            # Global batches of --batch_size examples read: the input position, the same on
+            # any layout (tfbig.data.order), so a resume on another one continues exactly.
+            self.batches_consumed = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                                name="batches_consumed")
+            self.nonfinite_steps = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                               name="nonfinite_steps")
+        self._preflight()  # a user task's checks: nothing is written before they pass
+        self._check_run_dir()
+        self.checkpoint = tf.train.Checkpoint(
+            model=self.strategy.checkpoint_model(self.model), rng_state=rng_variables(self.model),
+            optimizer=self.optimizer, step=self.step, batches_consumed=self.batches_consumed,
+            nonfinite_steps=self.nonfinite_steps)
+        self._managers = {}
+        self.restored_from = self._restore()
+        init_checkpoint.initialise(self)  # a fresh run takes --init_checkpoint's weights
+        # Weights, optimizer slots, dropout RNG states and the step/input counters: a rank that
+        # found no checkpoint (local disks) continues where the chief's restore left off.
+        self.strategy.broadcast_variables(self.model.variables + self.optimizer.variables + [
+            self.step, self.batches_consumed, self.nonfinite_steps])
+        self.forward_backward = self.strategy.make_forward_backward(
+            self._loss_fn, self.model.trainable_variables, self._scale_loss, t.xla)
+        self.validation_step = self.strategy.make_validation_step(self.task, self.model, t.xla)
+        self.eval_batches = preflight.validation_batches(  # 0: no validation split
+            self.task, self.micro_batch, self.strategy.num_replicas, t.eval_steps,
+            self.logger.info)
+
+    # ---- single-replica pieces -------------------------------------------------------------
+    def _loss_fn(self, batch, training=False):
+        return self.task.loss(self.model, batch, training=training)
+
+    def _scale_loss(self, loss):
+        scale = getattr(self.optimizer, "scale_loss", None)
+        return scale(loss) if scale else loss
+
+    def _replica_step(self, batch):
+        _, grads, metrics = self.forward_backward(batch)
+        grads, communication_seconds = self.strategy.all_reduce_gradients_timed(grads)
+        metrics = self.strategy.all_reduce_mean(metrics)
+        scale = tf.cast(loss_scale(self.optimizer), tf.float32)  # read before apply changes it
+        grad_norm = self.strategy.global_norm(grads) / scale
+        self.strategy.apply_gradients(self.optimizer, grads, self.model.trainable_variables)
+        return {**metrics, "grad_norm": grad_norm, "loss_scale": scale,
+                "communication_seconds": communication_seconds}
+
+    @tf.function
+    def _train_step(self, batch):
+        out = self.strategy.local_result(self.strategy.run(self._replica_step, (batch,)))
+        finite = tf.math.is_finite(out["loss"]) & tf.math.is_finite(out["grad_norm"])
+        self.nonfinite_steps.assign_add(tf.cast(tf.logical_not(finite), tf.int64))
+        self.step.assign_add(1)
+        self.batches_consumed.assign_add(1)  # one global batch per optimizer step
+        return out
+
+    def _replica_validation(self, batch):
+        rows = {k: v for k, v in batch.items() if k != evaluation.VALID}
+        return self.strategy.all_gather({**self.validation_step(rows),
+                                         evaluation.VALID: batch[evaluation.VALID]})
+
+    @tf.function
+    def _eval_step(self, batch):
+        """This replica's validation outputs, gathered from every replica in dataset order."""
+        return self.strategy.local_result(self.strategy.run(self._replica_validation, (batch,)))
+
+    def _preflight(self):
+        """A task's own checks of its model, batches and loss (tfbig.tasks.user), if any."""
+        check = getattr(self.task, "preflight", None)
+        if check:
+            check(self.model, self.micro_batch, self.cfg.train.grad_accum_steps,
+                  self.strategy.input_context(), self.cfg.train.seed)
+
+    # ---- run directory, checkpoints ----------------------------------------------------------
+    def _check_run_dir(self):
+        """Refuse to resume a run directory whose model differs from the requested one."""
+        path = os.path.join(self.cfg.train.model_dir, "config.json")
+        model_config = dataclasses.asdict(self.task.model_config)
+        if os.path.exists(path):
+            with open(path) as f:
+                saved = json.load(f)
+            if "converted_from" in saved:  # its config.json and tokenizer would be overwritten
+                raise ValueError(
+                    f"--model_dir={self.cfg.train.model_dir} is a tfbig-convert run directory "
+                    f"({saved['converted_from']}); its config.json and tokenizer would be "
+                    "overwritten. Continue training it with --init_checkpoint="
+                    f"{self.cfg.train.model_dir} and another --model_dir.")
+            saved = saved.get("model_config", {})
+            diff = {k: (saved.get(k), v) for k, v in model_config.items()
+                    if saved.get(k) != v and k not in COMPUTE_FIELDS}
+            if diff and tf.train.latest_checkpoint(self.cfg.train.model_dir):
+                raise ValueError(
+                    f"--model_dir={self.cfg.train.model_dir} holds a checkpoint of a different "
+                    f"model; (saved, requested) per field: {diff}. Use another --model_dir.")
+        if self.strategy.is_chief:
+            self._save_config()
+            tokenizer_path = self.task.manifest.tokenizer_path  # "": a user task has none
+            files, _ = data.run_tokenizer_files(tokenizer_path) if tokenizer_path else ({}, None)
+            for name, source in files.items():  # tokenizer.model, or GPT-2's BPE files
+                target = os.path.join(self.cfg.train.model_dir, name)
+                if not os.path.exists(target) or not os.path.samefile(source, target):
+                    shutil.copyfile(source, target)  # (tfbig-squad predicts from its own)
+
+    def _save_config(self):
+        """MODEL_DIR/config.json: the flags, the model's config and what was resolved."""
+        extra = {"model_config": dataclasses.asdict(self.task.model_config),
+                 "resolved_data_dir": self.task.data_dir, "model_format": self.task.format}
+        if self.budget:
+            extra["budget"] = dataclasses.asdict(self.budget)
+        tokenizer_path = self.task.manifest.tokenizer_path
+        _, tokenizer = data.run_tokenizer_files(tokenizer_path) if tokenizer_path else ({}, None)
+        if tokenizer:  # {"kind": "byte_level_bpe", ...}: what tfbig-generate and exports read
+            extra["tokenizer"] = tokenizer
+        config_lib.save_json(self.cfg, os.path.join(self.cfg.train.model_dir, "config.json"),
+                             extra=extra)
+
+    def _restore(self):
+        """Restore the newest intact checkpoint (tfbig.checkpoints.integrity); damaged ones are named."""
+        if not self.strategy.restores_checkpoint:  # it follows the chief's broadcast
+            return None
+        latest, _ = integrity.newest_intact(self.strategy.restore_dir(self.cfg.train.model_dir),
+                                            self.logger.info,
+                                            keep_damaged=self.strategy.is_chief)
+        if latest:
+            self.strategy.restore(self, latest)
+            self.logger.info(f"resumed from {latest} at step {int(self.step.numpy())}")
+        return latest
+
+    def save(self):
+        """Save model, optimizer slots, step, loss scale and input position."""
+        directory = self.strategy.checkpoint_dir(self.cfg.train.model_dir)
+        if directory is None:
+            return None
+        if directory not in self._managers:
+            self._managers[directory] = tf.train.CheckpointManager(
+                self.checkpoint, directory, max_to_keep=self.cfg.train.keep_checkpoints)
+        path = self._managers[directory].save(checkpoint_number=self.step)
+        integrity.record_checkpoint(path)  # sizes and CRC-32s, checked before a restore
+        integrity.prune_sums(directory)
+        self.strategy.after_checkpoint(directory)
+        return path
+
+    # ---- data --------------------------------------------------------------------------------
+    def _train_iterator(self):
+        t = self.cfg.train
+        return self.strategy.train_batches(  # (accum, micro, ...) batches
+            self.task, self.micro_batch, t.grad_accum_steps, t.seed,
+            int(self.batches_consumed.numpy()) * t.batch_size)  # global examples consumed
+
+    def _validation_batches(self, split="validation", num_batches=None):
+        global_batch = self.micro_batch * self.strategy.num_replicas
+        records = lambda: self.task.dataset(  # noqa: E731 - every record once, in order
+            split, global_batch, None, shuffle=False, repeat=False, drop_remainder=False)
+        return iter(self.strategy.distribute_dataset(evaluation.padded_batches(
+            records, global_batch, num_batches or self.eval_batches)))
+
+    def predict(self, split="validation", num_batches=0):
+        """{name: numpy array} of the task's validation outputs on `split` (its first
+        `num_batches` global batches; 0: all): every replica computes its rows, all are
+        gathered in dataset order, the padding dropped. Every process calls it."""
+        num_batches = evaluation.num_batches(
+            self.task.manifest.splits[split].records,
+            self.micro_batch * self.strategy.num_replicas, num_batches)
+        batches = self._validation_batches(split, num_batches)
+        gathered = []
+        for _ in range(num_batches):
+            gathered.append({k: v.numpy() for k, v in self._eval_step(next(batches)).items()})
+        return evaluation.drop_padding(gathered)
+
+    def evaluate(self):
+        """The task's validation metrics over the split (or --eval_steps global batches):
+        every replica evaluates its share, the metric runs once over the gathered outputs
+        (kept in `self.predictions`)."""
+        if not self.eval_batches:
+            return {}
+        self.predictions = self.predict("validation", self.eval_batches)
+        return self.task.reduce_aggregated_logs(self.predictions)
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def _check_finite(self, step):
+        bad = int(self.nonfinite_steps.numpy())
+        if bad and self.cfg.train.precision != "mixed_float16":
+            raise NonFiniteLossError(
+                f"non-finite loss or gradient at or before step {step} ({bad} step(s)) with "
+                f"--precision={self.cfg.train.precision}; the last good checkpoint in "
+                f"{self.cfg.train.model_dir} is kept. Lower --learning_rate or check the data.")
+
+    def _log_train(self, step, out, perf):
+        values = {k: float(v) for k, v in out.items()}
+        values["learning_rate"] = float(learning_rate(self.optimizer, step - 1))
+        values.update(perf)  # tokens/s, MFU, step-time breakdown (tfbig.profiling)
+        values["skipped_steps"] = float(self.nonfinite_steps.numpy())
+        values.update(data.source_tokens(  # per-source tokens of a --data_dir mixture ({} otherwise)
+            getattr(self.task, "data_dir", ""), self.cfg.train.seed,
+            int(self.batches_consumed.numpy()) * self.cfg.train.batch_size))
+        if self.cfg.train.precision != "mixed_float16":
+            values.pop("loss_scale")
+        self.logger.progress(step, values)
+        self.logger.scalars("train", step, values)
+        return values
+
+    def fit(self, steps=None):
+        """Train to --max_steps, resuming where a checkpoint left off; returns a summary.
+
+        `steps` stops after that many steps instead (a checkpoint is saved), as an
+        interrupted run would, so the schedule still runs to --max_steps on the next call.
+        A SIGTERM (preemption) saves a checkpoint after the current step and returns with
+        summary["preempted"] True; the next start resumes there.
+        """
+        with self.strategy.watch_preemption(), self.profiler.session(int(self.step.numpy())):
+            return self.strategy.run_training(lambda: self._fit(steps))
+
+    def _fit(self, steps):
+        t = self.cfg.train
+        # The world may have changed since __init__ (elastic Horovod); the global batch did not.
+        self.micro_batch = micro_batch_size(t.batch_size, self.strategy.num_replicas,
+                                            t.grad_accum_steps)
+        iterator = self._train_iterator()
+        step = int(self.step.numpy())
+        limit = math.inf if steps is None else step + steps
+        timing = self._calibration(step)  # {step: clock} while the budget is measured
+        end = min(limit, t.max_steps or math.inf)
+        last = {}
+        while step < end:
+            with self.profiler.phase("input"):
+                batch = next(iterator)
+            step += 1
+            log = step % t.log_every == 0 or step == end
+            with self.profiler.phase("compute"):
+                out = self._train_step(batch)
+                if log or step in timing:  # wait for device work queued (GPUs run ahead)
+                    out = {k: v.numpy() for k, v in out.items()}
+            if step in timing:
+                timing[step] = time.monotonic()
+                if step == max(timing):
+                    self._fix_budget(step, timing)
+                    end = min(limit, t.max_steps)
+            self.profiler.step_done(step, out.pop("communication_seconds"))
+            if log:
+                self._check_finite(step)
+                last = self._log_train(step, out, self.profiler.interval())
+            if t.eval_every and step % t.eval_every == 0 and step < end:
+                self._report_eval(step)
+            if step % t.checkpoint_every == 0 and step < end:
+                self._check_finite(step)
+                with self.profiler.phase("checkpoint"):
+                    self.save()
+            self.strategy.after_step(step)
+            if self.strategy.should_stop():  # SIGTERM on any process: all save, then stop
+                return self._stop_preempted(step, last)
+        self._check_finite(step)
+        summary = {"step": step, "train": last, "checkpoint": self.save(),
+                   "eval": self._report_eval(step)}
+        self.logger.flush()
+        return summary
+
+    # ---- --max_steps=0: as many steps as fit in --time_budget_minutes (tfbig.training.budget) ----------
+    def _calibration(self, step):
+        """{step: None} of the steps whose end times fix the budget ({} with a step count)."""
+        t = self.cfg.train
+        if t.max_steps:
+            return {}
+        first, last = budget_lib.calibration_window(step, t.warmup_steps)
+        if last > t.warmup_steps:
+            raise ValueError(
+                f"--model_dir={t.model_dir} holds a checkpoint at step {step} but no step count "
+                f"for --time_budget_minutes={t.time_budget_minutes:g} (config.json); measuring "
+                f"it now would end after the learning-rate warmup ({t.warmup_steps} steps). "
+                f"Give --max_steps")
+        return dict.fromkeys(range(first, last + 1))
+
+    def _fix_budget(self, step, timing):
+        """Fix --max_steps from the timed steps (the slowest process's figures), set the
+        schedule's length and retrace the step with it; record it in config.json."""
+        t = self.cfg.train
+        first, last = min(timing), max(timing)
+        per_step = (timing[last] - timing[first]) / (last - first)
+        begin = time.monotonic()
+        self._check_finite(step)
+        self.save()  # the run's first checkpoint, timed: the saves to come take as long
+        save_seconds = time.monotonic() - begin
+        per_step, save_seconds, validation, elapsed = self.strategy.max_over_processes(
+            [per_step, save_seconds, self._time_validation(), time.monotonic() - self.started])
+        finish = budget_lib.finish_seconds(save_seconds, validation)
+        total = budget_lib.steps_within(
+            t.time_budget_minutes * 60, elapsed, per_step, finish, step,
+            pauses=[(save_seconds, t.checkpoint_every), (validation, t.eval_every)])
+        self.budget = budget_lib.Budget(t.time_budget_minutes, total, per_step, elapsed, finish,
+                                        save_seconds, validation)
+        t.max_steps = self.logger.max_steps = total
+        set_total_steps(self.optimizer, total)
+        # The traced step holds the schedule's old length: trace it again (the compiled
+        # forward/backward is reused).
+        self._train_step = tf.function(functools.partial(Trainer._train_step.python_function,
+                                                         self))
+        if self.strategy.is_chief:
+            self._save_config()
+        self.logger.info(self.budget.describe())
+
+    def _time_validation(self):
+        """Seconds of a whole validation pass: a first batch compiles the forward, a second
+        one is timed (0 without a validation split)."""
+        if not self.eval_batches:
+            return 0.0
+        iterator = self._validation_batches()
+        seconds = []
+        for _ in range(min(2, self.eval_batches)):
+            begin = time.monotonic()
+            tf.nest.map_structure(lambda v: v.numpy(), self._eval_step(next(iterator)))
+            seconds.append(time.monotonic() - begin)
+        return self.eval_batches * seconds[-1]
+
+    def _stop_preempted(self, step, last):
+        self._check_finite(step)
+        path = self.save()
+        self.logger.info(f"preempted (SIGTERM) after step {step}: saved {path}; "
+                         "start the same command again to resume")
+        self.logger.flush()
+        return {"step": step, "train": last, "checkpoint": path, "eval": {}, "preempted": True}
+
+    def _report_eval(self, step):
+        summary = self.evaluate()
+        if not summary:  # no validation split (said at start)
+            return summary
+        self.logger.scalars("validation", step, summary)
+        self.logger.info("eval @ step {}: ".format(step) + " | ".join(
+            f"{k} {v:.4f}" for k, v in summary.items() if isinstance(v, float)
+            and math.isfinite(v)))
+        return summary
