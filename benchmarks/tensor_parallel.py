@@ -46,13 +46,14 @@ def worker(config_path, out_path, warmup, steps, dry):
     import tensorflow as tf
 
     from tfbig import config as config_lib
-    from tfbig.distribute import tensor_parallel
+    from tfbig.distribute import tensor_collectives, tensor_parallel
     from _timing import time_steps
     from tfbig.training.trainer import Trainer
 
     if dry:  # the same compute without the tensor group's communication
-        tensor_parallel._all_reduce_sum = lambda x, process_set: tf.identity(x)
-        tensor_parallel.hvd = _NoCollectives(tensor_parallel.hvd)
+        tensor_collectives.all_reduce_sum = lambda x, process_set: tf.identity(x)
+        tensor_collectives.hvd = _NoCollectives(tensor_collectives.hvd)
+        tensor_parallel.hvd = tensor_collectives.hvd
     with open(config_path) as f:
         trainer = Trainer(config_lib.from_dict(json.load(f)))
     step_seconds = time_steps(trainer, warmup, steps)

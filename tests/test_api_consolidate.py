@@ -19,8 +19,9 @@ import own_model  # noqa: E402
 
 import tfbig  # noqa: E402
 from tfbig.training import consolidate  # noqa: E402
+from tfbig.commands import consolidate as consolidate_command  # noqa: E402
 from tfbig.checkpoints.checkpoint import reader_key  # noqa: E402
-from tfbig.tasks.user import fresh_layer_names  # noqa: E402
+from tfbig.tasks.user_layout import fresh_layer_names  # noqa: E402
 
 BLOCKS = ("transformer_blocks.*",)  # what ZeRO-3 gathers one at a time
 
@@ -49,7 +50,7 @@ def test_a_zero3_run_of_a_user_model_consolidates_to_the_weights_it_reports(tmp_
     run.close()
     assert (tmp_path / "run" / "zero.json").exists()
     # the command cannot build the user's model: it names the API, and writes nothing
-    assert consolidate.main([str(tmp_path / "run"), str(tmp_path / "cli")]) == 2
+    assert consolidate_command.main([str(tmp_path / "run"), str(tmp_path / "cli")]) == 2
     err = capsys.readouterr().err
     assert "is a run of your own model (task 'own_model', trained with tfbig.train)" in err
     assert "tfbig.consolidate_run(task_or_model_fn, MODEL_DIR, OUT_DIR)" in err

@@ -18,10 +18,12 @@ from test_calibration import write as write_calibration  # noqa: E402
 
 import tfbig  # noqa: E402
 from tfbig import api, optim  # noqa: E402
-from tfbig.layouts.tensor_layout import TensorGroup, split_declared_model  # noqa: E402
+from tfbig.layouts.tensor_plan import TensorGroup  # noqa: E402
+from tfbig.layouts.tensor_layout import split_declared_model
 from tfbig.errors import UsageError  # noqa: E402
 from tfbig.training.local_plan import training_plan  # noqa: E402
-from tfbig.tasks.user import FunctionTask, UserTask  # noqa: E402
+from tfbig.tasks.user import FunctionTask  # noqa: E402
+from tfbig.tasks.user_adapter import UserTask
 
 # tfbig's GPT declared as Megatron splits it: QKV and fc by columns, the projections by rows
 GPT_LAYOUT = {"blocks.*.attn.qkv": "column", "blocks.*.attn.proj": "row",

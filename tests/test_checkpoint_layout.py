@@ -6,6 +6,7 @@ import pytest
 from tfbig.checkpoints import checkpoint
 from tfbig import config as config_lib
 from tfbig.training import consolidate
+from tfbig.commands import consolidate as consolidate_command
 from tfbig.layouts import tensor_layout, zero_checkpoint
 from tfbig.layouts import stage_checkpoint
 
@@ -68,7 +69,7 @@ def test_a_fine_tuning_run_is_refused_by_name(tmp_path, capsys, model, command, 
     """A sharded tfbig-classify / tfbig-squad run: its task needs the command's flags and
     files, which config.json lacks; the command says so (exit 2) and names what to use."""
     run = a_run(tmp_path, filename, layout, model=model)
-    assert consolidate.main([str(run), str(tmp_path / "out")]) == 2
+    assert consolidate_command.main([str(run), str(tmp_path / "out")]) == 2
     error = capsys.readouterr().err
     assert f"is a {command} run" in error and "is not consolidated" in error
     assert f"predict from it with {command}" in error and not (tmp_path / "out").exists()

@@ -34,7 +34,7 @@ def fingerprint(row):
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "examples")
 ROWS_KEY = "input_ids"  # tfbig's own tasks' token ids
-USER_ROWS_KEY = "x000"  # a user task's flat batch: its inputs (tfbig.tasks.user.KEYS)
+USER_ROWS_KEY = "x000"  # a user task's flat batch: its inputs (tfbig.tasks.user_adapter.KEYS)
 
 
 def own_model_task(cfg):
@@ -44,7 +44,8 @@ def own_model_task(cfg):
     import own_model
 
     from tfbig.api import check_user_flags
-    from tfbig.tasks.user import FunctionTask, UserTask
+    from tfbig.tasks.user import FunctionTask
+    from tfbig.tasks.user_adapter import UserTask
 
     task = FunctionTask(own_model.model_fn, own_model.loss_fn, own_model.dataset_fn,
                         name="own_model", tokens_per_example=own_model.SIZE["maxlen"])

@@ -34,7 +34,9 @@ import own_model  # noqa: E402
 from tfbig.api import configure  # noqa: E402
 from tfbig.checkpoints.checkpoint import reader_key  # noqa: E402
 from tfbig.training.finetune import LossRecorder  # noqa: E402
-from tfbig.tasks.user import FunctionTask, UserTask, fresh_layer_names  # noqa: E402
+from tfbig.tasks.user import FunctionTask  # noqa: E402
+from tfbig.tasks.user_layout import fresh_layer_names
+from tfbig.tasks.user_adapter import UserTask
 from tfbig.training.trainer import Trainer, precision_policy  # noqa: E402
 
 WORKER = os.path.join(HERE, "api_worker.py")
@@ -120,7 +122,7 @@ def assert_equals_one_process(root, name, flags, replicas):
     np.testing.assert_allclose(ours, losses, rtol=1e-5, err_msg=name)
     weights = trained_weights(root / name)
     assert len(recorded.paths) == 36
-    # the names of a model built in another process: the same (tasks.user.fresh_layer_names)
+    # the names of a model built in another process: the same (tasks.user_layout.fresh_layer_names)
     assert sorted(weights) == sorted(recorded.paths)
     recorded.assert_equal({p: weights[p] for p in recorded.paths}, err_msg=name)
     return recorded

@@ -1,4 +1,4 @@
-"""A user task's declared tensor layout (tfbig.tasks.user.declared_layout,
+"""A user task's declared tensor layout (tfbig.tasks.user_layout.declared_layout,
 tfbig.layouts.tensor_layout.split_declared_model, the collectives of
 tfbig.distribute.tensor_parallel) in one process: the T ranks of a tensor group run as T
 threads whose all-reduces and all-gathers meet in memory (ThreadCollectives stands in for
@@ -23,10 +23,13 @@ from equality import GRADIENT_ATOL, GRADIENT_RTOL  # noqa: E402
 
 import own_model  # noqa: E402
 
-from tfbig.distribute import tensor_parallel  # noqa: E402
-from tfbig.layouts.tensor_layout import TensorGroup, join_slices, split_declared_model  # noqa: E402,E501
+from tfbig.distribute import tensor_collectives, tensor_layers, tensor_parallel  # noqa: E402
+from tfbig.layouts.tensor_plan import TensorGroup  # noqa: E402,E501
+from tfbig.layouts.tensor_layout import join_slices, split_declared_model
 from tfbig.errors import UsageError  # noqa: E402
-from tfbig.tasks.user import FunctionTask, UserTask, declared_layout, fresh_layer_names  # noqa: E402,E501
+from tfbig.tasks.user import FunctionTask  # noqa: E402,E501
+from tfbig.tasks.user_layout import declared_layout, fresh_layer_names
+from tfbig.tasks.user_adapter import UserTask
 
 
 class ThreadCollectives:
@@ -86,7 +89,7 @@ def in_threads(work, size):
             results[rank] = work(rank)
         except Exception as error:  # noqa: BLE001 - re-raised below, the others released
             errors.append(error)
-            tensor_parallel.hvd.barrier.abort()
+            tensor_collectives.hvd.barrier.abort()
 
     threads = [threading.Thread(target=one, args=(rank,)) for rank in range(size)]
     for thread in threads:
@@ -109,13 +112,13 @@ def test_my_model_with_heads_vocab_and_ffn_split_equals_the_unsplit_model(monkey
     models give the unsplit model's logits on every rank and
     its gradients: the split variables' joined from the ranks' slices, the replicated ones
     (LayerNorms, position table, the attention output and row biases) whole on every rank."""
-    monkeypatch.setattr(tensor_parallel, "hvd", ThreadCollectives(size))
+    monkeypatch.setattr(tensor_collectives, "hvd", ThreadCollectives(size))
     model_fn = lambda: own_model.model_fn(SIZES[size])  # noqa: E731
     task = UserTask(FunctionTask(model_fn, tensor_layout=own_model.LAYOUT))
     with fresh_layer_names():
         full = seeded(model_fn)
     ranks = [seeded(lambda: split_declared_model(
-        task, TensorGroup(Rank(rank), rank, size), wrap=tensor_parallel._wrap))
+        task, TensorGroup(Rank(rank), rank, size), wrap=tensor_layers.wrap))
         for rank in range(size)]
     splits = ranks[0][1]
     attention = "my_model/transformer_block/multi_head_attention"
@@ -224,13 +227,13 @@ def test_a_functional_model_splits_by_layer_path_and_its_attention_drops_its_own
     the split model gives the unsplit one's logits (inference, T = 2 threads); the dropout of
     a split attention's probabilities draws each rank's own mask (its seed state offset by
     the rank), the dropout of the replicated activations the same mask on every rank."""
-    monkeypatch.setattr(tensor_parallel, "hvd", ThreadCollectives(2))
+    monkeypatch.setattr(tensor_collectives, "hvd", ThreadCollectives(2))
     layout = {"embedding": "vocab", "multi_head_attention": "heads", "dense": "vocab"}
     task = UserTask(FunctionTask(functional_model, tensor_layout=layout))
     with fresh_layer_names():
         full = seeded(functional_model)
     ranks = [seeded(lambda: split_declared_model(
-        task, TensorGroup(Rank(rank), rank, 2), wrap=tensor_parallel._wrap))
+        task, TensorGroup(Rank(rank), rank, 2), wrap=tensor_layers.wrap))
         for rank in range(2)]
     assert len(ranks[0][1]) == 1 + 7 + 2
     states = [{v.path: v.numpy() for v in model.variables if "seed_generator" in v.path}

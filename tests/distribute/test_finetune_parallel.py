@@ -347,7 +347,8 @@ def test_a_split_span_model_keeps_its_pooler_frozen():
     """The span head reads tokens only, so tfbig.tasks.squad_model freezes the pooler; each tensor
     rank's model trains the same weights (a trained pooler had no gradient: the first TP
     step of tfbig-squad failed)."""
-    from tfbig.layouts.tensor_layout import TensorGroup, split_model
+    from tfbig.layouts.tensor_plan import TensorGroup
+    from tfbig.layouts.tensor_layout import split_model
 
     task = _squad_task()
     whole = {v.path for v in task.build_model().trainable_variables}
@@ -361,7 +362,7 @@ def test_cross_rank_stages_of_the_span_model_hold_only_their_layers():
     span head on the last stage), not pretraining's (whose heads read the word table and own
     no span head: every stage held the span head, the last a stray table copy)."""
     from tfbig.config import PipelineConfig
-    from tfbig.layouts.tensor_layout import TensorGroup
+    from tfbig.layouts.tensor_plan import TensorGroup
     from tfbig.pipeline.cross_rank import stage_plan
     from tfbig.pipeline.tensor_stage import build_tensor_stage
 
@@ -379,10 +380,11 @@ def test_cross_rank_stages_of_the_span_model_hold_only_their_layers():
                                           ("bert_squad", "span_head"),
                                           ("albert_squad", "span_head")])
 def test_fine_tuning_plans_split_the_backbone_and_keep_the_head_whole(family, head):
-    """tensor_layout.fine_tune_plan: the backbone split as in pretraining (q, k, v, MLP and the
+    """tensor_plan.fine_tune_plan: the backbone split as in pretraining (q, k, v, MLP and the
     word table halved), the task head replicated and outside the sequence-split region (its
     gradients are complete on every rank, never summed over the tensor group)."""
-    from tfbig.layouts.tensor_layout import TensorGroup, split_model, whole_sequence_paths
+    from tfbig.layouts.tensor_plan import TensorGroup, whole_sequence_paths
+    from tfbig.layouts.tensor_layout import split_model
     from tfbig.models.albert import AlbertConfig, AlbertForQuestionAnswering
     from tfbig.models.bert import BertClassifier, BertForQuestionAnswering
 

@@ -409,7 +409,8 @@ class _Task:
      "the sequence length 16 must be a multiple of 3"),
 ])
 def test_models_that_do_not_split_are_refused_with_the_reason(config, size, message):
-    from tfbig.layouts.tensor_layout import TensorGroup, split_model
+    from tfbig.layouts.tensor_plan import TensorGroup
+    from tfbig.layouts.tensor_layout import split_model
 
     sequence = config.pop("sequence", False)
     with pytest.raises(ValueError, match=message):
@@ -422,7 +423,8 @@ def test_masked_lm_sequence_parallel_plan_keeps_the_heads_whole(family):
     sequence: they run after the backbone's output is gathered, so their replicated weights'
     gradients are complete on every rank (not summed over the group); the rest is split like
     GPT's. BERT's blocks (one per layer) are each split as ALBERT's shared one."""
-    from tfbig.layouts.tensor_layout import TensorGroup, split_model, whole_sequence_paths
+    from tfbig.layouts.tensor_plan import TensorGroup, whole_sequence_paths
+    from tfbig.layouts.tensor_layout import split_model
     from tfbig.models.albert import AlbertConfig, AlbertForPretraining
     from tfbig.models.bert import BertConfig, BertForPretraining
 
@@ -458,7 +460,8 @@ def test_sequence_parallel_dropouts_draw_their_own_masks(sequence):
     """Without sequence parallelism only the attention-probability dropouts (split heads) are
     offset by the tensor rank; with it also those of the sequence-split region (embedding,
     residuals), whose ranks hold different positions."""
-    from tfbig.layouts.tensor_layout import TensorGroup, split_model
+    from tfbig.layouts.tensor_plan import TensorGroup
+    from tfbig.layouts.tensor_layout import split_model
 
     import keras
 
@@ -476,7 +479,8 @@ def test_sequence_parallel_dropouts_draw_their_own_masks(sequence):
 
 
 def test_a_split_rank_holds_its_slice_of_the_single_device_initialisation():
-    from tfbig.layouts.tensor_layout import TensorGroup, split_model
+    from tfbig.layouts.tensor_plan import TensorGroup
+    from tfbig.layouts.tensor_layout import split_model
 
     import keras
 
@@ -505,7 +509,8 @@ def test_tensor_zero1_ranks_hold_the_closed_form_of_slot_bytes(gpt_data, runs, t
     S_t = sum over t's variables of ceil(n / 2); its checkpoint piece is its own directory."""
     import math
 
-    from tfbig.layouts.tensor_layout import TensorGroup, split_model
+    from tfbig.layouts.tensor_plan import TensorGroup
+    from tfbig.layouts.tensor_layout import split_model
 
     root, out = runs
     cfg = tp_cfg(gpt_data, tmp_path, 2)

@@ -30,7 +30,8 @@ import own_model  # noqa: E402
 from tfbig.api import _trainer, check_user_flags, configure  # noqa: E402
 from tfbig.errors import UsageError  # noqa: E402
 from tfbig.training.finetune import LossRecorder  # noqa: E402
-from tfbig.tasks.user import FunctionTask, UserTask  # noqa: E402
+from tfbig.tasks.user import FunctionTask  # noqa: E402
+from tfbig.tasks.user_adapter import UserTask
 from tfbig.training.trainer import Trainer  # noqa: E402
 
 WORKER = os.path.join(HERE, "user_pipeline_worker.py")

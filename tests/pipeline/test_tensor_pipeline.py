@@ -36,9 +36,11 @@ from cross_rank_worker import PoisonedStageTask  # noqa: E402
 from horovod_worker import RecordingLogger  # noqa: E402
 
 from tfbig.training import consolidate  # noqa: E402
+from tfbig.commands import consolidate as consolidate_command  # noqa: E402
 from tfbig.checkpoints.checkpoint import slot_owners  # noqa: E402
 from tfbig.layouts import tensor_layout  # noqa: E402
-from tfbig.layouts.tensor_layout import TensorGroup, take_slice  # noqa: E402
+from tfbig.layouts.tensor_plan import TensorGroup  # noqa: E402
+from tfbig.layouts.tensor_layout import take_slice
 from tfbig.convert.run_dir import load_model  # noqa: E402
 from tfbig.optim import loss_scale  # noqa: E402
 from tfbig.layouts import stage_checkpoint  # noqa: E402
@@ -285,7 +287,7 @@ def test_tp_pp_pieces_consolidate_into_the_single_device_model(gpt_data, pp2_tp2
     model, _ = load_model(model_dir)  # tfbig-generate / tfbig-export
     assert_holds(model, ranks)
     # the command (which finds pipeline.json) and the pipeline consolidation write the same
-    assert consolidate.main([model_dir, str(tmp_path / "via_tensor")]) == 0
+    assert consolidate_command.main([model_dir, str(tmp_path / "via_tensor")]) == 0
     written = consolidate.consolidate_pipeline(model_dir, str(tmp_path / "single"))
     resumed = Trainer(make_cfg(gpt_data, tmp_path / "single", **TRAIN))
     assert resumed.restored_from == written and int(resumed.step.numpy()) == 3

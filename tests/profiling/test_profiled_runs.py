@@ -14,6 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 from test_trainer import make_cfg  # noqa: E402
 
+from tfbig.commands import profile  # noqa: E402
 from tfbig.profiling import report  # noqa: E402
 from tfbig.profiling.diagnose import diagnose, load_run, summarize  # noqa: E402
 from tfbig.tasks.gpt import GPTTask  # noqa: E402
@@ -73,7 +74,7 @@ def test_throttled_input_pipeline_is_diagnosed_input_bound(throttled_run, capsys
     findings = diagnose(load_run(model_dir))
     assert findings[0].kind == "input-bound"
     assert any("waiting for input" in e for e in findings[0].evidence)
-    assert report.main(["report", model_dir]) == 0
+    assert profile.main(["report", model_dir]) == 0
     printed = capsys.readouterr().out
     assert "DIAGNOSIS: input-bound" in printed and "advice:" in printed
 
@@ -171,7 +172,7 @@ def test_report_renders_charts_with_content(normal_run, tmp_path):
 
 
 def test_report_on_a_directory_without_profile_is_a_clear_error(tmp_path, capsys):
-    assert report.main(["report", str(tmp_path)]) == 2
+    assert profile.main(["report", str(tmp_path)]) == 2
     assert "not a run directory of tfbig-train" in capsys.readouterr().err
 
 

@@ -2,30 +2,7 @@
 read as the tensors a PyTorch `model.safetensors` would hold (PyTorch names and layouts), so the
 BERT, ALBERT and GPT-2 readers take any of them.
 
-The layout is the one transformers' `TFPreTrainedModel.save_pretrained` writes through Keras 2's
-HDF5 weight saver (`save_weights("tf_model.h5")`):
-
-    attribute  /layer_names             the model's top-level layers, e.g. [b"bert", b"mlm___cls",
-                                        b"nsp___cls"] (a long list is split over layer_names0,
-                                        layer_names1, ...: HDF5's 64 KiB attribute limit)
-    attribute  /<layer>/weight_names    full TF names of that layer's weights, e.g.
-               b"tf_bert_for_pre_training/bert/encoder/layer_._0/attention/self/query/kernel:0"
-    dataset    /<layer>/<weight name>   the value (the name's slashes are nested groups)
-
-`TFPreTrainedModel.save_pretrained(dir, safe_serialization=True)` writes `model.safetensors`
-instead: the same values under the same TF names less the model's own scope (transformers'
-`strip_model_name_and_prefix`), e.g. "bert/encoder/layer_._0/attention/self/query/kernel:0",
-with the file's metadata {"format": "tf"} (a PyTorch one says "pt").
-
-Names become PyTorch names as transformers' own TF -> PyTorch loader maps them: ":0" and the
-first scope (the model's name) go, a scope "x___y" becomes "y", "_._" separates an index, the
-last part kernel / embeddings / gamma becomes weight and beta becomes bias, "/" becomes ".".
-Dense kernels are stored (in, out) and are transposed to PyTorch's (out, in); GPT-2's Conv1D
-`weight` is (in, out) in both, and its bias, stored (1, out), is flattened.
-
-Example:
-    tensors = read("gpt2/tf_model.h5")   # {"transformer.h.0.attn.c_attn.weight": ..., ...}
-    tensors = read_safetensors("gpt2/model.safetensors")   # the same names, "pt" or "tf"
+Why it is built this way: docs/design/notes/convert.md (tfbig.convert.hf_h5).
 """
 import os
 import re

@@ -1,28 +1,6 @@
 """`tfbig-train --init_checkpoint=DIR`: continue pretraining from another model's weights.
 
-DIR is a tfbig-convert output (a published GPT-2, BERT or ALBERT) or a tfbig-train run directory
-of the same family: its config.json and newest checkpoint. Only the weights are taken; the
-optimizer starts fresh and the step counts from 0 (the learning-rate warmup runs again).
-
-The architecture is DIR's config.json: --model must name its family; --num_layers,
---hidden_size, --num_heads (ALBERT: --embedding_size, --num_groups) may be given only with DIR's
-values, --preset not at all; --dropout still applies. The data must use DIR's vocabulary
-(tfbig-prep --tokenizer=DIR) and sequences no longer than its position table.
-
-A resume wins: when --model_dir already holds a checkpoint of a run started from the same
---init_checkpoint, the run resumes from it and DIR is not read (so the same command restarts a
-preempted run). A checkpoint there from another --init_checkpoint, or from none, is refused.
-
-Weights are assigned to the whole model before the backends' broadcast, so the layouts that hold
-whole weights take it (single, horovod with --zero_stage 0-2, multiworker, mirrored, and
---strategy=pipeline, whose stages share one process: each weight is whole on its stage's
-device); the ones that split weights per rank (--strategy=horovod --pipeline_stages,
---tensor_parallel, --zero_stage=3) are refused.
-
-Example:
-    tfbig-convert --source=gpt2/ --output_dir=runs/gpt2
-    tfbig-prep --input=my_text/ --tokenizer=runs/gpt2 --seq_length=512 --output_dir=data/mine
-    tfbig-train --init_checkpoint=runs/gpt2 --data_dir=data/mine --model_dir=runs/gpt2-mine
+Why it is built this way: docs/design/notes/convert.md (tfbig.convert.init_checkpoint).
 """
 import dataclasses
 import json

@@ -1,23 +1,6 @@
 """Read a BERT or ALBERT published in someone else's on-disk format: config, weights, tokenizer.
 
-    huggingface  config.json (model_type "bert") + model.safetensors (or transformers' TF
-                 weights tf_model.h5, tfbig.convert.hf_h5) + vocab.txt
-                 (+ tokenizer_config.json for do_lower_case)
-    keras_hub    a keras-hub preset: config.json (keras_hub>BertBackbone) + model.weights.h5,
-                 tokenizer.json + assets/tokenizer/vocabulary.txt; read with keras-hub itself
-    google       the original TF1 release: bert_config.json + bert_model.ckpt.{index,data-*}
-                 + vocab.txt, read with TensorFlow's checkpoint reader
-    ALBERT       the same three: config.json (model_type "albert") + model.safetensors or
-                 tf_model.h5 +
-                 spiece.model; keras_hub>AlbertBackbone presets (vocabulary.spm); Google's
-                 albert_config.json + model.ckpt.* + 30k-clean.model (tfbig.convert.albert)
-    GPT-2        config.json (model_type "gpt2") + model.safetensors or tf_model.h5 + vocab.json
-                 + merges.txt;
-                 keras_hub>GPT2Backbone presets (tfbig.convert.gpt2, a PublishedGPT2)
-
-Each reader returns a `Published`: the BertConfig, the weights under the Google TF1 names (the
-pivot of tfbig.convert.bert_names), the vocabulary file and whether the tokenizer lowercases.
-Every refusal names the file and what would be valid.
+Why it is built this way: docs/design/notes/convert.md (tfbig.convert.sources).
 """
 import dataclasses
 import json

@@ -1,40 +1,6 @@
 """ALBERT pretraining examples: sentence-order pairs and masked-LM masking, in numpy.
 
-Format "albert" writes the standard BERT/ALBERT pretraining features, the same names and
-types as tf-models-official's `create_pretraining_data.py`, so shards from either tool train
-as they are (T = seq_length, P = max_predictions_per_seq):
-
-    feature               dtype    shape  meaning
-    input_ids             int64    [T]    [CLS] A [SEP] B [SEP], masked, 0-padded
-    input_mask            int64    [T]    1 on real tokens, 0 on padding
-    segment_ids           int64    [T]    0 for [CLS] A [SEP], 1 for B [SEP]
-    masked_lm_positions   int64    [P]    positions of the predicted tokens, 0-padded
-    masked_lm_ids         int64    [P]    their original ids, 0-padded
-    masked_lm_weights     float32  [P]    1.0 for a real prediction, 0.0 for padding
-    next_sentence_labels  int64    [1]    1 if A and B were swapped (sentence order)
-
-Recipe (Lan et al. 2019, following google-research/albert's create_pretraining_data.py):
-a document's lines are its segments; consecutive segments fill a chunk of about
-seq_length - 3 tokens (10% of documents use a random shorter target), the chunk is cut at a
-random segment boundary into A and B, and half the pairs are swapped (sentence-order
-prediction: both halves always come from the same document, in order or reversed).
-round(15%) of the tokens, at most `max_predictions_per_seq`, are predicted; spans of up to
-`max_ngram` tokens (or whole words with `whole_word_masking`) are picked with weights 1/n;
-each predicted token becomes [MASK] 80%, a random token 10%, itself 10% of the time.
-
-Copy pairs (`copy_prob`, tfbig-prep --copy_prob; not in ALBERT): that share of pairs becomes
-[CLS] line [SEP] text [SEP], the line a copy of one line of the text (copy_pair), sentence-order
-label 0. A masked token of either copy can be read off the other, so the masked LM is rewarded
-for finding where segment A's words occur in segment B: the match between a question's quote and
-its context that extractive QA needs and that plain MLM pretraining hardly rewards (not learnt
-within the embedded run's budget: docs/results.md, "ALBERT question answering").
-
-This module imports no TensorFlow (prep workers stay light).
-
-Example:
-    rng = np.random.default_rng(0)
-    vocab = MaskingVocab.from_tokenizer(tokenizer)
-    batches = albert_examples(documents, 128, tokenizer, seed=0)  # {feature: (N, width)}
+Why it is built this way: docs/design/notes/data.md (tfbig.data.albert).
 """
 import dataclasses
 import zlib

@@ -1,24 +1,6 @@
 """A released ALBERT SentencePiece model (`spiece.model`, `30k-clean.model`) as a prep tokenizer.
 
-Google's ALBERT models were pretrained on text tokenized by google-research/albert's
-create_pretraining_data.py: each line of a document is prepared by its `preprocess_text`
-(whitespace runs collapsed to one space, accents dropped: NFKD then no combining marks,
-lower-cased for an uncased model: the English releases all are) and cut into pieces by the
-SentencePiece model, then a piece "x9," (digits then a comma) is split into "x9" and ",".
-This class does the same, so `tfbig-prep --format=albert --tokenizer=DIR` gives a converted
-ALBERT the ids it was trained on. The casing is read off the vocabulary as for WordPiece: no
-upper-case letter in any piece means uncased.
-
-A released model has no newline piece and no end-of-document id (tfbig's own SentencePiece
-has both: tfbig.data.Tokenizer), so, as tfbig.data.WordPieceVocab does, `encode` ends each
-non-empty line with [SEP] (`line_end_id`): the ALBERT examples use it as the segment boundary
-and drop it (tfbig.data.albert). With `line_ends=False` (tfbig-squad) `encode` gives the ids of
-the whole text as one segment (newlines are whitespace), as ALBERT's SQuAD code tokenises a
-question or a context, and `char_spans` locates each id in the original text.
-
-Example:
-    sp = AlbertSentencePiece.load("albert-base-v2/spiece.model")
-    sp.encode("Hello World!\\nSecond line")   # [..., 3, ..., 3]  (3 = [SEP] after each line)
+Why it is built this way: docs/design/notes/data.md (tfbig.data.albert_spm).
 """
 import unicodedata
 from collections.abc import Iterable

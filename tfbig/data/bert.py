@@ -1,23 +1,6 @@
 """BERT pretraining examples: next-sentence pairs and whole-word masking, in numpy.
 
-Format "bert" writes the same seven standard features as format "albert" (tfbig.data.albert,
-the names and types of tf-models-official's create_pretraining_data.py) from WordPiece ids
-(tfbig.data.wordpiece_vocab); next_sentence_labels is 1 when B is a random segment.
-
-Recipe (Devlin et al. 2018, following google-research/bert's create_pretraining_data.py):
-a document's lines are its sentences (segments). Consecutive segments fill a chunk of about
-seq_length - 3 tokens (10% of documents use a random shorter target); A is the chunk's first
-k >= 1 segments. Half the time (always for a one-segment chunk) B is a run of segments from
-another document, drawn uniformly, starting at a random segment, as long as A leaves room
-for, and the chunk's unused segments go back to be read again; otherwise B is the rest of
-the chunk. The pair is truncated to seq_length - 3 tokens. Documents are read in windows
-of DOCUMENTS_PER_WINDOW (the random next document comes from the same window; a window of a
-single document gives only actual-next pairs). Masking is tfbig.data.albert's: round(15%),
-at most max_predictions_per_seq, 80/10/10; whole words (a word is a piece and its "##"
-continuations) with whole_word_masking, the default of --format=bert.
-
-Example:
-    batches = bert_examples(documents, 128, vocab, seed=0)  # {feature: (N, width)}
+Why it is built this way: docs/design/notes/data.md (tfbig.data.bert).
 """
 import zlib
 from collections.abc import Iterable, Iterator

@@ -1,26 +1,6 @@
 """Weighted mixtures of prepared directories: `--data_dir=pile_cc:0.6,/data/wiki:0.4`.
 
-A mixture is written as comma-separated `directory:weight` items, or as a mixture file (one
-`directory:weight` per line, `#` comments, relative directories resolved against the file's
-folder). `directory[group]:weight` is one group of a directory prepared with --shard_by_group
-(e.g. `/data/pile[Pile-CC]:0.6,/data/pile[Github]:0.1`): the Pile's components weighted as
-wished from one prep. Every source must be prepared with the same tokenizer, format and
-seq_length.
-
-Training examples are drawn source by source: example k of the stream comes from the source
-`choice(seed, k)`, a counter-based draw with probabilities weight / sum(weights) (numpy's
-generator seeded with (seed, k // CHOICE_BLOCK), so any stretch of the sequence is
-recomputed without the rest). Example k is then the next example of that source's own global
-order (`tfbig.data.order.MixtureOrder`), so a global position (examples consumed, as a checkpoint
-holds it) fixes the position of every source exactly, whatever the number of input pipelines:
-each reads its slice of the same global stream. `source_counts` recounts how many examples each
-source gave (what the trainer logs as `tokens/<source>`).
-
-The validation split of a mixture is every source's validation split, read one after another
-(unweighted), so its loss and bits per byte cover all of them.
-
-Example:
-    dataset = make_dataset("/data/pile_cc:0.6,/data/wiki:0.4", "train", batch_size=8, deterministic=True)
+Why it is built this way: docs/design/notes/data.md (tfbig.data.mixture).
 """
 
 import dataclasses

@@ -1,24 +1,6 @@
 """One global, seeded order of examples, read by position: the same data whatever the layout.
 
-Example p of a split (p = 0, 1, 2, ... over all epochs) is record `order(p)`:
-
-    epoch, k = divmod(p, N)                  N: records in the split
-    order(p) = permutation(seed, epoch)[k]   (k itself without shuffle)
-
-Global batch s of B examples is positions [s*B, (s+1)*B); data-parallel replica r of R reads its
-contiguous slice [s*B + r*B/R, s*B + (r+1)*B/R) (gradient accumulation slices that further). So
-what a step trains on does not depend on R, on tensor/pipeline degrees or on accumulation, and a
-checkpoint's position (global batches consumed) resumes exactly on any other layout — as
-Megatron's pretraining sampler and PyTorch's DistributedSampler do.
-
-A reader seeks: `ShardIndex` scans each shard once (TensorFlow's record reader, CRCs checked)
-for its records' byte offsets, then `RecordReader.read(positions)` preads just those records.
-A mixture (`MixtureOrder`) draws the source of position p with `mixture.block_choices` and
-takes that source's next position in its own order, so every source's position is exact too.
-
-Example:
-    reader = RecordReader.for_split(manifest, "train", seed=0, shuffle=True)
-    serialized = reader.read(np.arange(64, 72))  # global batch 8 of 8 examples
+Why it is built this way: docs/design/notes/data.md (tfbig.data.order).
 """
 
 import functools

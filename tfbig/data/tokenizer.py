@@ -1,25 +1,6 @@
 """SentencePiece tokenizer shared by data preparation, training and generation.
 
-Choice: SentencePiece **BPE with byte fallback**, trained without any normalization
-(`identity` rule, whitespace kept as is, no dummy prefix). So any UTF-8 text encodes
-and decodes back to exactly itself (characters outside the vocabulary become byte
-tokens), and each token maps to a fixed number of source bytes (`piece_byte_lengths`),
-which is what makes bits-per-byte exact.
-
-Fixed ids (the same for every tokenizer `Tokenizer.train` makes, GPT or ALBERT):
-
-    0 <pad>   padding (pad_id)          4 [SEP]   ALBERT separator (control)
-    1 <unk>   never produced (bytes)    5 [MASK]  ALBERT mask (control)
-    2 </s>    end of document (eos_id)  6 "\\n"    newline, always its own token
-    3 [CLS]   ALBERT classifier (control)
-    7..262    the 256 byte-fallback tokens <0x00>..<0xFF>; learned pieces follow.
-
-Control symbols are never produced by `encode` (the text "[MASK]" encodes as plain
-characters); code that needs them inserts the ids directly.
-
-Example:
-    tok = Tokenizer.train(["To be, or not to be"], vocab_size=300, model_prefix="/tmp/t")
-    tok.decode(tok.encode("to be\\n")) == "to be\\n"
+Why it is built this way: docs/design/notes/data.md (tfbig.data.tokenizer).
 """
 
 import hashlib

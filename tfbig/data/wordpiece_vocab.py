@@ -1,29 +1,6 @@
 """WordPiece vocabularies for BERT data: train one on a corpus, or load a `vocab.txt`.
 
-Training and encoding go through Hugging Face's `tokenizers` (its WordPiece trainer and model,
-Rust, no TensorFlow in prep workers; tensorflow-text's bert_vocab_from_dataset took 6 minutes
-for the 5 MB embedded corpus, `tokenizers` 2 s). Its trainer breaks ties between equally
-frequent merges in hash order, so two trainings on the same text may differ in a few rare
-pieces: prep keeps the trained vocab.txt (reused while its recipe holds) and the features
-are deterministic given the vocabulary, set up as BERT's own tokenizer: BERT normalisation
-(control characters dropped, CJK characters split, lowercasing with accent stripping for an
-uncased vocabulary), whitespace + punctuation pre-split, greedy longest-match pieces with "##"
-continuations, a word that cannot be spelled becomes [UNK]. tfbig.data.wordpiece (tensorflow-text,
-used by fine-tuning) gives the same ids; tests/bert checks it.
-
-The casing is read off the vocabulary: a vocabulary with upper-case letters outside its
-[BRACKETED] specials is cased (no lowercasing), otherwise uncased, as Google's releases are.
-
-A trained vocabulary is: [PAD] [UNK] [CLS] [SEP] [MASK] (ids 0-4), then the learned pieces,
-padded with [unused{i}] to exactly `vocab_size` (like Google's vocab.txt files).
-
-In prep a document's lines are its sentences: `encode` ends each non-empty line with [SEP]
-(never produced by the text itself: "[SEP]" in a text is spelled as "[", "sep", "]"), which
-the BERT examples use as segment boundaries (tfbig.data.bert).
-
-Example:
-    vocab = WordPieceVocab.train(texts, 2000, "/data/bert/vocab.txt")
-    vocab.encode("To be, or not\\nto be")   # [..., 3, ..., 3]  (3 = [SEP] ends each line)
+Why it is built this way: docs/design/notes/data.md (tfbig.data.wordpiece_vocab).
 """
 import os
 from collections.abc import Iterable

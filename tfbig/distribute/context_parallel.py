@@ -1,50 +1,6 @@
 """Context parallelism on Horovod (`--context_parallel=C`): every sequence split over C ranks.
 
-The model file knows nothing of it. A *plan* (CONTEXT_PLANS: attribute path -> what that part
-does) says where the sequence is cut and where it is joined; `apply_plan` wraps those layers'
-calls from outside, as tensor parallelism does. What runs on context rank i of C:
-
-    inputs      the sequence is cut into 2C chunks of T/2C; rank i holds chunks i and 2C-1-i
-                (causal load balance: chunk i sees few keys, chunk 2C-1-i many, so every rank
-                does the same work and none idles on the skipped upper triangle)
-    positions   the position table is read at those two chunks' positions, not 0..T/C-1
-    attention   keys and values of the layer are all-gathered over the context group and put
-                back in sequence order; each local chunk of queries attends to them with its
-                own offset (tfbig.models.attention's `query_offset`: causal blocks past the
-                diagonal skipped). The gathered whole is not kept: the backward gathers it
-                again, differentiates from the saved output and log-sum-exp, and
-                reduce-scatters the keys' and values' gradients back to their ranks
-    loss        GPT: each rank's loss is the mean over its own tokens (the labels cut as the
-                inputs); equal token counts make the mean of the C losses the whole
-                sequence's, and averaging the gradients over data x context gives one device's.
-                BERT/ALBERT: the backbone's sequence output is gathered whole (its gradient
-                cut back to the rank's chunks, times C) and the [CLS] row goes from rank 0 to
-                all, so the heads and the loss run on the whole sequence on every rank; the
-                factor C makes the same data x context average exact
-
-Why all-gather and not a ring. Megatron-LM's CP passes K/V blocks round a ring with P2P
-send/recv, overlapping each transfer with the previous block's attention; torchtitan offers the
-ring ("alltoall"/"allgather" rotate methods) and Llama 3 trained with all-gather CP, which it
-chose because it is simpler, handles any mask (padding, documents), and costs little with
-grouped-query K/V. Horovod has no point-to-point send/recv, only collectives (FACTS.md), and its
-collectives run between TensorFlow ops without overlapping the matmuls on this CPU, so a ring
-would be C-1 sequential collective rounds per layer where the all-gather is one, with no
-overlap to win back. The price of the gather: each rank holds the layer's whole K and V
-(2 x T x hidden per sequence, O(T), not O(T^2)) while the layer's attention runs, forward and
-again backward (not in between: one more all-gather per layer keeps the activations a rank
-holds at about 1/C of one device's); `benchmarks/long_context.py --context=2` measures it.
-
-Gradients: the context ranks hold the whole model, so their gradients are averaged over the
-context group, then handed to the data backend underneath (plain data parallelism, ZeRO-1,
-tensor parallelism, tensor parallelism with ZeRO-1): it composes as a mixin (`with_context`). Only context rank 0 of each
-replica writes checkpoints (the others hold the same state), and a run resumes under any C.
-Dropout: each context rank's generator states are offset by its rank after the broadcast, so
-the positions of different ranks draw different masks (the run is still not one device's
-draw). Horovod's collectives have no XLA kernels: the forward/backward runs as a TensorFlow
-graph (--xla is ignored, as with --tensor_parallel).
-
-Example:
-    horovodrun -np 2 -H localhost:2 --gloo tfbig-train --strategy=horovod --context_parallel=2
+Why it is built this way: docs/design/notes/distribute.md (tfbig.distribute.context_parallel).
 """
 import dataclasses
 
@@ -54,8 +10,8 @@ from tensorflow.python.eager import record  # stop_recording: no public equivale
 
 from tfbig.distribute import horovod_keras
 from tfbig.distribute.horovod_keras import hvd
-from tfbig.layouts.tensor_layout import _resolve
-from tfbig.distribute.tensor_parallel import _on_sequence_axis
+from tfbig.layouts.tensor_plan import resolve_plan_layers
+from tfbig.distribute.tensor_collectives import on_sequence_axis
 from tfbig.models.attention import blockwise_attention, blockwise_attention_backward
 
 
@@ -119,7 +75,7 @@ def local_rows(x, group, axis=1):
 
 def _all_gather_in_order(x, group):
     """(B, T/C, ...) of every rank -> (B, T, ...) in sequence order."""
-    y = _on_sequence_axis(lambda t: hvd.allgather(t, process_set=group.process_set), x)
+    y = on_sequence_axis(lambda t: hvd.allgather(t, process_set=group.process_set), x)
     y = tf.ensure_shape(y, [x.shape[0], group.seq_length] + list(x.shape[2:]))
     return tf.gather(y, np.argsort(group.gathered_positions()), axis=1)
 
@@ -128,7 +84,7 @@ def _reduce_scatter_in_order(dy, group):
     """(B, T, ...) gradient of a gathered whole on every rank -> the sum over the group of
     this rank's rows (B, T/C, ...), in the rank's own row order."""
     by_rank = tf.gather(dy, group.gathered_positions(), axis=1)
-    return _on_sequence_axis(lambda t: hvd.reducescatter(
+    return on_sequence_axis(lambda t: hvd.reducescatter(
         t, op=hvd.Sum, process_set=group.process_set), by_rank)
 
 
@@ -224,7 +180,7 @@ def attend_over_group(q, kv, group, seed=None, **options):
     return attend(q, kv)
 
 
-def _wrap(layer, kind, group):
+def wrap(layer, kind, group):
     call = layer.call
     if kind == "inputs":  # Embeddings(token_ids, segment_ids=None, ...): this rank's rows
         def inputs_call(token_ids, segment_ids=None, *args, **kwargs):
@@ -263,11 +219,11 @@ def plan_for(model):
 def apply_plan(model, task, group):
     """Wrap `model`'s layers (and, for GPT, the task's per-token loss) for context `group`."""
     for pattern, kind in plan_for(model):
-        layers = _resolve(model, pattern)
+        layers = resolve_plan_layers(model, pattern)
         if not layers:
             raise ValueError(f"--context_parallel: {type(model).__name__} has no {pattern}")
         for layer in layers:
-            _wrap(layer, kind, group)
+            wrap(layer, kind, group)
     if type(model).__name__ in LOCAL_LOSS:
         whole = task.vocab_cross_entropy
         task.vocab_cross_entropy = lambda labels, logits: whole(local_rows(labels, group),

@@ -1,27 +1,6 @@
 """Elastic Horovod (`--strategy=horovod --elastic`): ranks may die and join during a run.
 
-Launched with `horovodrun --gloo --min-np A --max-np B --host-discovery-script S` (the script
-prints the usable `host:slots` lines; see launch/horovod_elastic.sh). What happens:
-
-- State: the training loop's state (model and optimizer variables, dropout RNG states, step,
-  input position, skipped-step count) is committed to host memory every
-  `--elastic_commit_every` steps and before every checkpoint. Horovod's own state classes for
-  Keras call `.ref()` on Keras 3 variables, so `VariablesState` keeps copies of the underlying
-  `tf.Variable`s (as tfbig.distribute.horovod_keras does for broadcasts).
-- A rank dies: the others' next collective fails; they roll back to the last commit, Horovod
-  re-initialises with the smaller world, and training continues from that commit.
-- The discovery script reports new slots: at the next commit every rank stops, Horovod
-  re-initialises with the larger world, and the new ranks receive the state from rank 0.
-- The global batch stays `--batch_size`: the per-rank micro-batch is
-  batch_size / (world x grad_accum_steps), so every world size the run may have must divide
-  batch_size / grad_accum_steps (else the run stops with an error naming the sizes).
-- The input is the data layer's one global order (tfbig.data.order), the same for every world
-  size: each rank reads its contiguous slice of every global batch, and a changed world
-  resumes at the committed input position (global batches consumed), so no example is
-  repeated or skipped.
-- Plain data parallelism only: --zero_stage, --tensor_parallel, --sequence_parallel,
-  --shard_degree and --scale_lr are refused (a mesh or learning rate that changes with the
-  world would need re-partitioned state).
+Why it is built this way: docs/design/notes/distribute.md (tfbig.distribute.elastic).
 """
 import tensorflow as tf
 from horovod.common.elastic import State, run_fn

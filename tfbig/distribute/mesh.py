@@ -1,34 +1,7 @@
 """The rank grid: world = data x pipeline x context x tensor, with sharded-DP partition groups
 inside data.
 
-Built once from the flags, printed at start and passed explicitly to every backend; nothing
-else computes "who is in which group" from `rank % n`.
-
-Axes and what travels along them:
-    tensor    T ranks holding slices of the same layers (Megatron): activations all-reduced per
-              sub-layer. Normally the GPUs of one host (NVLink).
-    pipeline  K ranks holding consecutive stages: activations forward, gradients back.
-    context   C ranks holding 2 of the 2C chunks of every sequence (context parallelism,
-              tfbig.distribute.context_parallel): keys and values gathered in every attention
-              layer, gradients averaged together with the data axis'.
-    data      D ranks reading different batches: gradients averaged. With `shard_degree=N`
-              (ZeRO/MiCS) the data axis is split into D/N partition groups of N consecutive
-              data indices, each holding one sharded copy of the model state; the N ranks
-              at the same position in each group form a replica group (2-hop gradient sync:
-              reduce-scatter inside the partition group, all-reduce across the replica group).
-
-`order` lists the axes by letter (D, P, T), the last varying fastest between consecutive ranks:
-`DPT` ("cluster", the default) puts the tensor ranks of a layer on adjacent ranks (one host),
-then the pipeline stages, then the data replicas; `TPD` ("spread") does the reverse. The context
-axis, which communicates in every layer as tensor does, sits just outside tensor whatever the
-order ("C" before "T": DPT is in effect DPCT).
-
-Example (8 ranks, TP2 x PP2 x DP2):
-    mesh = Mesh.build(world_size=8, tensor=2, pipeline=2)
-    mesh.coords(5)              # {'data': 1, 'pipeline': 0, 'context': 0, 'tensor': 1}
-    mesh.group("tensor", 5)     # (4, 5)
-    mesh.group("data", 5)       # (1, 5)
-    print(mesh.describe())
+Why it is built this way: docs/design/notes/distribute.md (tfbig.distribute.mesh).
 """
 import dataclasses
 import os

@@ -1,28 +1,6 @@
 """Activation checkpointing (and offloading) per transformer block, applied from outside.
 
-`checkpoint_blocks(model)` replaces the `call` of each transformer block (GPT `model.blocks[i]`,
-ALBERT `model.backbone.groups[g]`, BERT `model.backbone.blocks[i]`: `BLOCKS`) with one whose
-forward keeps only the block's input; the backward runs the block again under a tape and
-differentiates that. Activations kept for the backward drop from all of a block's
-intermediates to its input (B x T x H per block call).
-ALBERT's shared blocks are wrapped once and every call of one is recomputed on its own.
-
-Dropout: a Keras dropout draws its mask from a seed-generator state that advances on each call.
-The wrapper reads those states before the forward and sets them back for the recompute (then
-restores the states the rest of the step left), so the recompute draws the forward's masks.
-
-`offload=True` (--offload_activations) copies each saved block input to host memory in the
-forward and back to the compute device for the recompute. On a CPU-only machine this is a
-placement only. With GPUs, XLA compiles the whole step for one device and would ignore the host
-placement, so offloading with GPUs is refused unless the step runs without XLA (--noxla).
-
-The wrapper is a function of a `call`: it composes with other per-block transforms installed the
-same way (e.g. a ZeRO-3 gather of the block's parameters inside `call`, which is then repeated
-for the recompute), whichever wraps last runs outermost.
-
-Example:
-    model = task.build_model()
-    checkpoint_blocks(model, offload=False)   # every block call now recomputes in backward
+Why it is built this way: docs/design/notes/distribute.md (tfbig.distribute.recompute).
 """
 import contextlib
 

@@ -1,32 +1,6 @@
 """Tensor parallelism with ZeRO stage 1: `--tensor_parallel=T --zero_stage=1 [--shard_degree=N]`.
 
-The rank grid (tfbig.distribute.mesh) is data D x tensor T. Each tensor rank holds its slices of
-the split layers (tfbig.distribute.tensor_parallel) and the replicated ones whole; ZeRO-1
-(tfbig.distribute.zero) then shards the optimizer state of *those* variables over the partition
-group of that tensor rank (the N data-parallel ranks with the same tensor index): rank (d, t)
-keeps a float32 master slice and the optimizer slots of slice d mod N of every variable tensor
-rank t holds. Per rank, with P_t the parameters tensor rank t holds (split ones at 1/T) and
-S_t = sum over its variables of ceil(n / N): 4 P_t (its parameters) + 4 S_t (master slices)
-+ 8 S_t (AdamW/LAMB m and v).
-
-One optimizer step: the tensor-parallel forward/backward (its collectives over the tensor
-group; --sequence_parallel sums the replicated weights' partial gradients over it), then ZeRO's
-reduce-scatter over the partition group and all-reduce over the replica group, the optimizer on
-the slices, and an all-gather over the partition group. Norms (clipping, the logged gradient
-norm, LAMB's trust ratio) sum the slices' squares over the partition group, and the split
-variables' also over the tensor group: replicated variables are counted once.
-
-Checkpoints: each rank of the first replica group writes its slices (tensor rank t, partition
-position j: MODEL_DIR[/tensor/rank-t][/zero/shard-j]); MODEL_DIR holds tensor.json and zero.json.
-A run resumes with the same --tensor_parallel, --zero_stage=1 and --shard_degree; other layouts
-are refused (no re-sharding across tensor ranks).
-
-Not built (refused by tfbig.distribute.horovod.build_mesh): --zero_stage=2 or 3 with
---tensor_parallel.
-
-Example:
-    horovodrun -np 4 -H localhost:4 --gloo tfbig-train --strategy=horovod \\
-        --tensor_parallel=2 --zero_stage=1
+Why it is built this way: docs/design/notes/distribute.md (tfbig.distribute.tensor_zero).
 """
 import tensorflow as tf
 

@@ -1,43 +1,6 @@
 """ZeRO stages 1-3 with MiCS partition groups on Horovod (`--zero_stage=1|2|3 --shard_degree=N`).
 
-Layout: every trainable variable is flattened, zero-padded to a multiple of N and cut into N
-equal slices; the rank at position j of its partition group (tfbig.distribute.mesh) owns slice j
-of every variable: a float32 master copy of it and its optimizer slots (AdamW/LAMB: m and v).
-Per-variable slices (rather than one flat buffer) keep weight-decay exclusions and LAMB's
-per-layer trust ratio attached to the variable they belong to. One optimizer step:
-
-    forward/backward                full-size local gradients  (stage 2: one micro-batch at a time;
-                                    stage 3: one layer at a time, see zero3.py)
-    reduce-scatter, partition group  this rank's slice, averaged over the N ranks of the group
-    all-reduce, replica group        ... and over the D/N groups (MiCS's 2-hop sync)
-    optimizer on the slices          clipping norm and LAMB norms summed over the N slices
-    all-gather, partition group      stages 1-2: the updated full parameters on every rank
-
-Per-rank model state, with P parameters and S = sum over variables of ceil(n / N) elements
-(S = P / N up to padding): stages 1-2: 4 P (full parameters, replicated) + 4 S (master slice)
-+ 8 S (m and v); stage 3: 4 S (the parameters are the slices) + 8 S, the model's own variables
-hold no value (zero3.build_unmaterialised). Gradients: stage 1 holds the full 4 P summed over
-the micro-batches by the XLA forward/backward until the reduce-scatter; stage 2 reduce-scatters
-each micro-batch's gradients as soon as they exist and accumulates only its 4 S slice (one
-collective per micro-batch instead of one per step: that is its price); stage 3 reduce-scatters
-each layer's gradient in the backward and accumulates 4 S, and holds at most two layers'
-full parameters and one layer's full gradient at a time (plus the per-step tables of
-zero3.PLANS). Stage 3 runs without XLA (every layer communicates; Horovod ops have no XLA
-kernels) and recomputes each layer in its backward. A non-finite value in any rank's gradients
-makes every rank's slice non-finite, so fp16 loss scaling skips the step everywhere and
-fp32/bf16 stop the run everywhere.
-
-Checkpoints: slice j's holder in the first replica group writes its own checkpoint in
-parallel (position 0 in --model_dir, the others in MODEL_DIR/zero/shard-j); MODEL_DIR/zero.json
-records the layout. Stages 1-2 files also hold the full parameters (tfbig-generate/-export
-read --model_dir as usual; with stage 3 they assemble the slices). Resuming with another stage
-(3 vs 1-2), shard degree or number of processes re-shards on load (zero_checkpoint.py: every
-piece is read, full values assembled, this rank's slices cut); a plain checkpoint loads too.
-`python -m tfbig.commands.consolidate MODEL_DIR OUT_DIR` writes a single-device checkpoint.
-
-Example:
-    horovodrun -np 8 -H localhost:8 --gloo tfbig-train --strategy=horovod --zero_stage=3 \
-        --shard_degree=4
+Why it is built this way: docs/design/notes/distribute.md (tfbig.distribute.zero).
 """
 import math
 

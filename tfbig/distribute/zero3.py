@@ -1,41 +1,6 @@
 """ZeRO stage 3: the parameters are sharded too and gathered per layer, from outside the model.
 
-The model is built with Keras' deferred initialisation (`build_unmaterialised`): its variables
-exist (paths, shapes, initialisers) but hold no values, and reading one outside a gather raises.
-Each rank keeps only the float32 slices of its partition position (tfbig.distribute.zero's
-layout: flattened, zero-padded to N equal slices), made one variable at a time from the
-variable's own initialiser (`initial_slice`), so they equal the single-device initialisation;
-a weight the task's build assigns (tfbig-classify's --init_checkpoint backbone) is sliced from
-that value instead.
-
-Which parameters are gathered when is data (`PLANS`, attribute paths below the model):
-    per call   each transformer block, and the embedding, final norm and head where only
-               their own layer reads them: `layer.call` is wrapped (`gather_per_call`). The
-               forward gathers the layer's parameters just before it runs (all-gather over
-               the partition group), runs it with them in a Keras StatelessScope and keeps
-               only its input; the backward gathers them again, recomputes the layer under a
-               tape (so stage 3 implies per-layer activation checkpointing: TF's gradient of
-               a layer needs the full parameters it ran with, and keeping those would undo the
-               sharding), and its parameter gradients are reduce-scattered right there, layer
-               by layer (the custom gradient of the gather). A layer called several times in
-               one step (ALBERT's shared group) is gathered once for the forward (the same
-               parameters, kept until its last call), again for each call's backward, and its
-               gradient, summed over the calls, is reduce-scattered once.
-    per step   tables read outside their own layer (GPT's tied token table in `logits`,
-               ALBERT's and BERT's word table in the MLM head) and the layers reading them:
-               gathered once when the model is called and kept until their gradient is
-               reduce-scattered at the end of the backward (as FSDP keeps its root module
-               unsharded).
-
-Prefetch: TF runs graph ops as soon as their inputs are ready, so a gather with no input from
-the previous layer would start at once and every layer's parameters would be full at the same
-time. Each gather is therefore made to wait for the *previous* layer's input (forward) or the
-later layer's output gradient (backward, where the recompute follows the gather): it overlaps
-that layer's compute, and at most two layers' parameters are full at any time (plus the
-per-step ones).
-
-Dropout: generator states are read before a layer's forward and given to its recompute (the
-same masks); their updates, caught by the StatelessScope, are written back after the forward.
+Why it is built this way: docs/design/notes/distribute.md (tfbig.distribute.zero3).
 """
 import dataclasses
 import math

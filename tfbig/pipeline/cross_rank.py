@@ -1,48 +1,6 @@
 """Pipeline stages on different Horovod ranks: `--strategy=horovod --pipeline_stages=K`.
 
-The rank grid (tfbig.distribute.mesh) is data D x pipeline K: `horovodrun -np K*D`. The rank at
-pipeline position k of data replica d holds stage k only (tfbig.pipeline.stage_model: the
-other stages' weights are empty placeholders), reads the batch of data index d (every rank of
-a replica reads the same one: the first stage takes its tokens, the last its labels), and runs
-its own column of the schedule's timeline (GPipe or 1F1B, tfbig.pipeline.schedules):
-
-    F(m)  receive stage k-1's activation of micro-batch m, forward, send the output to k+1
-    B(m)  receive d(loss)/d(output) from k+1, backward, send d(loss)/d(input) to k-1
-
-over the two-rank process set of each pair of adjacent stages (transport and its choice:
-tfbig.pipeline.transport). One optimizer step, per rank:
-
-    forward_backward      the schedule; the last stage's mean loss and metrics go to every
-                          stage (one all-reduce over the pipeline group, zeros elsewhere);
-                          weights used by several stages (tied/shared) get their gradient
-                          parts summed over the pipeline group
-    all_reduce_gradients  the stage's gradients averaged over its data group (the ranks holding
-                          the same stage), then one all-reduce of 3 scalars over the model
-                          group (pipeline x tensor): the squared gradient norm (each weight
-                          counted on its owner; a tensor-split one on every tensor rank, a
-                          replicated one on tensor rank 0),
-                          the count of non-finite entries and the SIGTERM flag. A non-finite
-                          gradient on any stage makes every stage's gradients non-finite, so
-                          with fp16 loss scaling every stage skips the step and lowers its scale
-    clipping              the optimizer's global norm sums the stages' squares (one scalar
-                          all-reduce), so clipping acts on the whole model's norm
-
-Checkpoints: each rank of data replica 0 writes its stage (stage 0 in --model_dir, stage k in
-MODEL_DIR/pipeline/stage-k) and the chief writes MODEL_DIR/pipeline.json (which stage owns
-which weight). Resuming needs the same --pipeline_stages; tfbig.layouts.stage_checkpoint
-assembles the single-device model (tfbig-generate/export read it), and
-python -m tfbig.commands.consolidate MODEL_DIR OUT_DIR writes a single-device checkpoint.
-
-With --tensor_parallel=T each stage is also split over T ranks (tfbig.pipeline.tensor_stage;
-GPT, ALBERT and BERT, with or without --sequence_parallel). Not built (refused before
-training): --zero_stage, --shard_degree, --elastic, --offload_activations with
---pipeline_stages > 1. GPT, ALBERT (its shared block and tied word table are weights used by
-several stages), BERT, and a user task that declares its `pipeline_layers`
-(tfbig.tasks.user_pipeline; not with --tensor_parallel).
-
-Example (2 stages x 2 data-parallel replicas):
-    horovodrun -np 4 -H localhost:4 --gloo tfbig-train --strategy=horovod --pipeline_stages=2 \\
-        --num_microbatches=4 --schedule=1f1b
+Why it is built this way: docs/design/notes/pipeline.md (tfbig.pipeline.cross_rank).
 """
 import math
 

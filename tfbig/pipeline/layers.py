@@ -1,28 +1,6 @@
 """Model families seen as a sequence of pipeline layers: the only model-specific pipeline code.
 
-The pipeline cuts a model into stages at layer boundaries, so it needs the model as a list of
-`PipeLayer`s: what each layer computes on the activation coming from the layer before, which
-Keras modules own its weights (to place them on the stage's device). What each layer costs (to
-balance the stages) is the planner's `LayerSpec` (tfbig.models.shapes.layer_specs, no Keras):
-tfbig-train and tfbig-plan cut a model by the same costs. The model itself stays unaware of
-all this.
-
-A user task declares its layers as data instead (`Task.pipeline_layers`, attribute paths of the
-layers whose composition is its forward; tfbig.tasks.user_pipeline checks them and counts their
-costs) and hands them over as `task.pipe_layers(model)`.
-
-GPT is `embedding, block_0 .. block_{L-1}, head` where `head` is the final LayerNorm and the
-vocabulary projection (`model.logits`); with tied embeddings the head also reads the token table
-that lives with the embedding on the first stage. ALBERT is `embedding, layer_0 .. layer_{L-1},
-heads`, its layers reusing num_groups shared blocks, possibly across stages. BERT is
-`embedding, block_0 .. block_{L-1}, heads`, ALBERT's heads on blocks of their own. `heads` is
-the model's: pretraining's (masked-LM + sentence pair), or a fine-tuning head (BERT's
-classifier on the pooled [CLS], BERT's and ALBERT's span head for SQuAD) whose loss the
-fine-tuning task computes (tfbig.tasks.classify, tfbig.tasks.squad).
-
-Example:
-    layers = layer_sequence(model)            # [PipeLayer("embedding"), PipeLayer("block_0"), ...]
-    specs = layer_specs(model_config, seq_length=128)
+Why it is built this way: docs/design/notes/pipeline.md (tfbig.pipeline.layers).
 """
 import dataclasses
 from typing import Callable

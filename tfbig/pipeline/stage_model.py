@@ -1,24 +1,7 @@
 """One pipeline stage of a model, held alone by one process: what a cross-rank pipeline rank
 builds, saves and updates.
 
-`build_stage_model` builds the task's model with every weight of the other stages left as an
-empty placeholder (0 bytes; its initializer never runs, so the weights this stage holds get
-the single-device initial values) and returns a `StageModel`: the variables this rank holds,
-under the model's name, which is all the trainer reads (optimizer, checkpoint, broadcast).
-
-A user task (`builds_whole_model`: its own build may run the model, which empty weights would
-not survive) builds every weight, and the stage holds, saves and updates only its own: the
-optimizer slots and gradients are the stage's, the other weights only take memory.
-
-A stage also holds a copy of every weight it reads but another stage owns (GPT's tied token
-table on the last stage, ALBERT's shared blocks and word table): the copies start equal, their
-gradients are summed over the stages using them, so they stay equal. Global norms count each
-weight once, on its owner.
-
-Example:
-    stage = build_stage_model(task, plan, specs, stage_index=1, device="/device:CPU:0")
-    stage.model.trainable_variables      # this stage's weights and its copies
-    stage.owned                          # ids of the weights it owns (counted in norms)
+Why it is built this way: docs/design/notes/pipeline.md (tfbig.pipeline.stage_model).
 """
 import collections
 import contextlib

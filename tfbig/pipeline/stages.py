@@ -1,41 +1,6 @@
 """A pipeline stage: a contiguous slice of the model's layers run on one device.
 
-A stage runs one micro-batch at a time, forward or backward, in the order its schedule gives. The
-forward keeps what the backward needs in a per-micro-batch stash: the gradient tape (all the
-layer activations) or, with activation checkpointing, only the stage input, the forward being
-recomputed in the backward. The backward takes the gradient of the stage output (`dy`, from the
-next stage), returns the gradient of the stage input for the stage before, and adds the weight
-gradients to the stage's running sums: one optimizer update per batch.
-
-State that lives off the stage's device — a weight shared with another stage (GPT's tied
-token table) and the dropout seed states — enters the stage computation as tensors through a
-`keras.StatelessScope` and new seed states come out of it. So an XLA-compiled stage touches
-only its own device's variables, and a recomputed forward replays exactly the dropout masks of
-the original one (it is given the same seed states).
-
-Each op of a stage waits for the stage's previous op: its inputs — the micro-batch included,
-and the backward's seed gradient — pass through identities under a control dependency on a scalar
-read from the previous op's outputs (a control dependency on those outputs themselves would wait,
-once the stage function is inlined, only for its stateful ops: GPipe's forwards, and 1F1B's
-forward after its first backward, ran ahead of the schedule). So inside one tf.function a stage
-runs exactly its schedule while different stages, on different devices, run concurrently; the
-number of stashed micro-batches is the number whose activations are alive (a test measures the
-bytes at the stage's peak: tests/plan/test_pipeline_memory.py), and `peak_live` records its
-maximum.
-
-The last stage runs its final layer (the model's head: the vocabulary projection) and the loss
-as a function of its own, and its backward differentiates that function first: the gradient
-entering the rest of the stage waits for the head's weight gradients (a data edge). Otherwise
-the output matrix's weight gradient, which reads the vocabulary-sized gradient of the logits,
-ran beside the last block's backward or not, as the executor's threads fell, and the logits'
-gradient was alive at the stage's peak in some steps only (1.0-1.23x the planned peak, traced).
-
-Example:
-    stage = Stage(0, layers[:3], "/device:CPU:0", task, is_first=True, is_last=False)
-    stage.begin_step(scale_loss, num_microbatches=4)
-    y = stage.forward(0, micro_batch, micro_batch)   # stage 0 reads the micro-batch itself
-    dx = stage.backward(0, dy)
-    stage.gradient_sums   # {id(variable): float32 sum over micro-batches}
+Why it is built this way: docs/design/notes/pipeline.md (tfbig.pipeline.stages).
 """
 import keras
 import tensorflow as tf

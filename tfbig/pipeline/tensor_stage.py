@@ -2,73 +2,17 @@
 --pipeline_stages=K --tensor_parallel=T` (GPT, ALBERT and BERT), the full data x pipeline x
 tensor grid.
 
-World = D x K x T ranks (tfbig.distribute.mesh; `--placement=cluster` keeps the T ranks of a
-stage adjacent, on one host). The rank at (data d, pipeline k, tensor t):
-
-    builds      stage k only (tfbig.pipeline.stage_model: other stages' weights are empty
-                placeholders), its layers tensor-split by the plan of tfbig.distribute
-                .tensor_layout (`split_model`, slice t): heads, MLP columns/rows and
-                vocabulary rows, with the conjugate collectives over the stage's tensor group
-                (tfbig.distribute.tensor_parallel)
-    exchanges   activations forward / gradients back with tensor rank t of stages k-1 and k+1
-                (its pipeline group). A stage boundary is a block output: after the
-                row-parallel all-reduce it is replicated over the tensor group, and so is its
-                gradient (the next stage's column-parallel entry all-reduces it backward), so
-                each tensor rank sends its own copy to its twin: T independent point-to-point
-                links, no extra collective, the same bytes per link as without tensor
-                parallelism
-    loss        on the last stage, the vocabulary-parallel cross-entropy (no rank forms full
-                (batch, seq, vocab) logits); GPT's tied token table is vocabulary-split on
-                stage 0 and its copy on the last stage is split the same way, so the copy's
-                gradient (summed over the pipeline group: same tensor rank, same slice) is
-                exactly slice t of the table's gradient. ALBERT alike: its word table
-                (tied to the MLM head) and the MLM bias vocabulary-split, the factorised
-                embedding projection replicated (its input, the embedding sum, is replicated
-                after the word table's all-reduce); a shared block run by layers on several
-                stages is held by each of them, split by the same plan, so tensor rank t of
-                every stage holds slice t and the gradient parts summed over the pipeline
-                group are slice t of the block's one gradient. BERT as ALBERT, a block of
-                its own per layer and no projection; the pooler and the NSP (SOP) head are
-                replicated on the last stage's tensor ranks, as the plan
-                (tfbig.layouts.tensor_layout.masked_lm_plan) has them
-    gradients   averaged over the data group (the D ranks holding the same slice of the same
-                stage); the global norm, non-finite count and stop flag go in one all-reduce
-                over the model group (pipeline x tensor): a split weight counted by every
-                tensor rank (its slice), a replicated one (LayerNorms, position table,
-                row-parallel biases) by tensor rank 0 only, a tied copy only on its owner;
-                LAMB's trust ratio of a split weight takes its norms summed over the tensor
-                group (the whole weight's)
-
-Checkpoints: each rank of data replica 0 writes what it holds, stage k tensor rank t in
-piece_dir(piece_dir(MODEL_DIR, "pipeline", k), "tensor", t) (MODEL_DIR for 0/0,
-MODEL_DIR/pipeline/stage-k/tensor/rank-t in general); MODEL_DIR/pipeline.json records the
-stages and the tensor splits. `python -m tfbig.commands.consolidate MODEL_DIR OUT_DIR` writes a
-single-device checkpoint; tfbig-generate/export read
-the pieces directly. Resuming needs the same --pipeline_stages and --tensor_parallel.
-
---sequence_parallel: inside each stage the LayerNorm/dropout regions are split along the
-sequence over the tensor group (reduce-scatter/all-gather instead of all-reduce, as with
---tensor_parallel alone), so a block output is this rank's chunk of the positions and tensor
-rank t sends chunk t to its twin (1/T of the bytes per link); the replicated weights'
-gradients (LayerNorms, position table, row-parallel biases: each rank saw its chunk) are
-summed over the tensor group before the data average. ALBERT's and BERT's heads read the
-[CLS] token and masked positions anywhere in the sequence (PipeLayer.whole_sequence): the last
-stage gathers its chunks whole before them (backward each rank keeps its chunk's rows, the
-heads' gradient being complete on every rank), so the heads' replicated weights (pooler,
-MLM transform, NSP/SOP head) see the whole sequence and are not summed over the group.
-
-Example (2 stages x 2 tensor ranks x 2 replicas):
-    horovodrun -np 8 -H localhost:8 --gloo tfbig-train --strategy=horovod \\
-        --pipeline_stages=2 --tensor_parallel=2 --num_microbatches=4 --schedule=1f1b
+Why it is built this way: docs/design/notes/pipeline.md (tfbig.pipeline.tensor_stage).
 """
 import tensorflow as tf
 
 from tfbig.checkpoints.checkpoint import piece_dir, write_layout
 from tfbig.distribute.horovod_keras import hvd
-from tfbig.layouts.tensor_layout import TensorGroup, split_model, whole_sequence_paths
-from tfbig.distribute.tensor_parallel import (_all_reduce_sum, _wrap, gather_whole_sequence,
-                                              vocab_parallel_argmax,
-                                              vocab_parallel_cross_entropy)
+from tfbig.layouts.tensor_plan import TensorGroup, whole_sequence_paths
+from tfbig.layouts.tensor_layout import split_model
+from tfbig.distribute.tensor_collectives import (all_reduce_sum, gather_whole_sequence,
+    vocab_parallel_argmax, vocab_parallel_cross_entropy)
+from tfbig.distribute.tensor_layers import wrap
 from tfbig.layouts import stage_checkpoint
 from tfbig.pipeline.cross_rank import CrossRankPipeline
 from tfbig.pipeline.stage_model import build_stage_model
@@ -119,7 +63,7 @@ class TensorPipeline(CrossRankPipeline):
 
     def build_stage(self, task):
         built, self.splits = build_tensor_stage(task, self.plan, self.specs, self.stage_index,
-                                                self.device, self.group, wrap=_wrap)
+                                                self.device, self.group, wrap=wrap)
         gather_before_whole_sequence(built.layers, self.group)
         task.vocab_cross_entropy = lambda labels, logits: vocab_parallel_cross_entropy(
             labels, logits, self.group)
@@ -185,7 +129,7 @@ class TensorPipeline(CrossRankPipeline):
     def norm_options(self, variables):
         """LAMB's per-variable weight and update norms: a split weight's squares summed over
         the tensor group (Horovod), a replicated one's as they are."""
-        return {"sum_over_shards": lambda x: _all_reduce_sum(x, self.group.process_set),
+        return {"sum_over_shards": lambda x: all_reduce_sum(x, self.group.process_set),
                 "replicated": [v.path not in self.splits for v in variables]}
 
     # ---- checkpoints: stage k, tensor rank t of data replica 0 writes its slices ------------

@@ -1,30 +1,6 @@
 """How pipeline stages on different Horovod ranks hand each other activations and gradients.
 
-Transport: `hvd.alltoall` on the two-rank process set of a pair of adjacent stages (declared at
-hvd.init by tfbig.distribute.mesh). Horovod has no send/receive; of the collectives verified on
-process sets inside tf.function (FACTS.md), an all-to-all with `splits` is the one whose
-semantics are a point-to-point transfer: the sender splits its tensor as [0 rows to itself,
-all rows to its peer], the receiver contributes an empty tensor, and each side gets exactly
-what it should: the receiver the sender's tensor, the sender an empty one. `hvd.allgather`
-would move the same bytes on two ranks but hand the sender a copy of its own tensor back and
-name a concatenation rather than a transfer. NCCL/Gloo P2P and TF's collective ops are not
-available next to Horovod's process sets here.
-
-Collectives are matched across ranks by name, so every exchange carries one built from what
-both ranks know (direction, stage boundary, micro-batch, leaf): each rank runs its own column of
-the schedule's timeline, and the sender's and receiver's ops meet by name whatever else is in
-flight. Horovod's ops are asynchronous kernels: a receive waiting for its sender blocks no
-thread, and the schedule's dependencies are acyclic, so the exchange cannot deadlock.
-
-The receiver must know the shape and dtype of what arrives. `boundary_specs` traces the whole
-single-device forward once (a graph that is never run: weights this rank does not hold enter
-as zeros of their shape through a keras.StatelessScope) and reads the nest of tensor specs at
-every stage boundary and of the last stage's metrics.
-
-Example:
-    link = StageLink(mesh, stage_index=1, num_stages=2, tag="train")
-    x = link.receive_forward(m, specs[0])     # stage 0's output for micro-batch m
-    link.send_backward(m, dx)                 # d(loss)/d(that output) back to stage 0
+Why it is built this way: docs/design/notes/pipeline.md (tfbig.pipeline.transport).
 """
 import keras
 import tensorflow as tf

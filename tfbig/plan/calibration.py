@@ -2,33 +2,7 @@
 `tfbig-plan --calibration=FILE` and `tfbig-train --plan_only --calibration=FILE` in place of the
 spec table.
 
-The file is JSON (schema "tfbig-calibration/1"):
-
-    {"schema": "tfbig-calibration/1", "measured_by": "tfbig-doctor", "date": "...",
-     "hosts": 1, "ranks": 2,
-     "device": {"kind": "cpu" | "gpu", "name": "...", "memory_bytes": per rank,
-                "threads": CPU threads per rank (0 on a GPU)},
-     "peak_flops": {"fp32": FLOP/s, "bf16": ..., "fp16": ...},      best matmul rate per rank
-     "matmul_efficiency": {"fp32": {"256": 0.41, "1024": 0.93, ...}, ...},
-                                                  achieved / peak by square matmul size
-     "memory_bandwidth": bytes/s an element-wise op streams (read + write),
-     "normalisation_bandwidth": bytes/s a row softmax streams (read + write; optional),
-     "update_seconds_per_variable": the optimizer step's time per small variable (optional),
-     "collectives": {"intra_host" | "inter_host":
-                     {"allreduce" | "allgather" | "reducescatter":
-                      {"ranks": group size, "bytes": [...], "seconds": [...]}}}}
-
-How the plan uses it: the peak of the run's precision; each matmul of a layer (the QKV, output,
-MLP, attention and logits products of a micro-batch) at the efficiency of its size (the cube
-root of m k n, interpolated in log-size between the measured sizes, held at the ends) plus its
-operands and result streamed at the measured bandwidth (the measured efficiencies have their
-square products' own traffic taken out: `compute_efficiency`);
-element-wise passes at the measured bandwidth (no further fraction: it is already achieved),
-the softmaxes' and LayerNorms' at the measured softmax bandwidth where the file has one; the
-optimizer step at its bytes streamed plus the measured time per variable (its ops' launches);
-a collective of S bytes over n ranks at the bus bandwidth measured for S (nccl-tests' busbw,
-which a ring keeps from one group size to another), never faster than the measured latency;
-a scope that was not measured (one host: no inter_host) keeps the spec link.
+Why it is built this way: docs/design/notes/plan.md (tfbig.plan.calibration).
 """
 import dataclasses
 import json

@@ -1,61 +1,6 @@
 """Memory per GPU and step time of one layout: closed forms, each term named.
 
-Memory (the busiest pipeline stage, first or last):
-    parameters, gradients   4 bytes each per weight held (tfbig keeps float32 variables under
-                            mixed precision too), divided by the ZeRO partition group from
-                            stage 3 (parameters) / stage 2 (gradients)
-    optimizer               Adam/LAMB's two float32 slots, 8 bytes per weight, sharded from stage 1
-    activations             per layer and token, Korthikanti et al. (2022) in 16 bits:
-                            (8 + 24/t) h + 2 a s / t without dropout, (10 + 24/t) h + 5 a s / t
-                            with its masks (--attention=blockwise: no a s term, 4 a / t bytes
-                            of float32 log-sum-exp instead), plus 4 h: keras' LayerNorm keeps its normalised
-                            output beside its input for the backward (2 bytes x h, twice a
-                            layer; tfbig's GELU keeps only its input, as a fused kernel does)
-                            (the 12-14 h kept around LayerNorms and dropout is split too under
-                            sequence parallelism), doubled in float32; x layers on the stage x
-                            micro-batches in flight (GPipe: all M; 1F1B: min(K, M) on the first
-                            stage). Checkpointing keeps each layer's input and one layer's full
-                            set while it is recomputed (a pipeline stage: its input per
-                            micro-batch in flight, and all its layers' sets for one). The
-                            backward of a layer peaks at its GELU: the gradient of its 4h/t
-                            output and up to three 4h/t float32 temporaries of the derivative
-                            (16 h / t float32 values per token of one micro-batch). The last
-                            stage keeps, per token and micro-batch until its backward, the
-                            softmax gradient TensorFlow's fused cross-entropy computes in the
-                            forward (one float32 vocabulary-sized tensor, written over the
-                            logits: 4 V / t bytes; + 2 V for the 16-bit matmul output under
-                            mixed precision). The head is differentiated before the layers, so
-                            one micro-batch's backward holds either that tensor and two float32
-                            copies of the head's weight gradient, or, that freed, the layers'
-                            working set. These are what TensorFlow's graph keeps; an
-                            XLA-compiled step assigns its own buffers
-                            (benchmarks/plan_accuracy.py reports both).
-    context parallelism     --context_parallel=C: each rank holds T/C tokens of every sequence
-                            (the terms above per local token), attention runs blockwise (no
-                            a s term), and each layer keeps the whole sequence's gathered K and
-                            V (2 h / t values per token of the whole sequence: 4 C h / t bytes
-                            per local token in 16 bits)
-    communication           Horovod's fusion buffer, pipeline send/receive of a micro-batch's
-                            boundary activation, ZeRO-3's gathered weights of two layers
-    reserve                 CUDA context, workspaces, fragmentation (hardware.GPU_RESERVE_BYTES)
-
-Step time (nothing assumed overlapped; tfbig runs collectives between XLA-compiled pieces):
-    per micro-batch and stage ("tick"): matmul FLOPs (x 4/3 with recomputation) at
-    `matmul_fraction` of peak (a spec-table GPU: each product's FLOPs at MATMUL_FRACTION plus
-    its operands streamed through memory, so its size sets its efficiency; a calibration: each
-    matmul at its size's measured efficiency) + memory-bound element-wise passes over the
-    activations at float32 width (4 passes, 5 with recomputation; the logits twice) at
-    BANDWIDTH_FRACTION of memory bandwidth (1 for a
-    measured one) + 4 tensor-parallel all-reduces per layer (6 with recomputation) + the
-    pipeline send/receive + with context parallelism, per layer the all-gather of K and V and
-    the reduce-scatter of their gradients (3 collectives with recomputation), under the part
-    "context";
-    pipeline: (M + K - 1) ticks (the bubble); then the data-parallel gradient sync of float32
-    gradients, hierarchical (`Cluster.collective_time`): one all-reduce (ZeRO 0) or the 2-hop sync
-    (reduce-scatter inside the partition group, all-reduce of the slice across the replica
-    group, all-gather of the updated weights), after an all-reduce over the context group;
-    ZeRO 2-3 reduce-scatter every micro-batch and ZeRO 3 gathers the weights before each forward, backward (and recompute); the optimizer
-    update streams the state once through memory.
+Why it is built this way: docs/design/notes/plan.md (tfbig.plan.estimate).
 """
 import dataclasses
 

@@ -1,23 +1,7 @@
 """`--plan_only` for a user task (tfbig.api): the plan of what is known of a model tfbig did
 not write.
 
-Always known: the built model's variables, counted (`count_variables`), so the weights,
-gradients and optimizer slots each rank holds under the run's data layout and ZeRO stage
-(`estimate.state_memory`, the closed forms tfbig-train's plan uses). Under --tensor_parallel=T
-(a task that declares its `tensor_layout`) they are counted on rank 0's model as
-tensor_layout.split_declared_model slices it (`count_split`): the declared layers' split
-weights 1/T (Dense columns or rows, attention heads, vocabularies), every other weight whole. Known only when the task declares its `transformer_shape`
-({hidden_size, num_layers, num_heads, seq_length, vocab_size[, intermediate_size]}): the
-activation memory and the step time, from the planner's closed forms for tfbig's GPT of that
-shape (`estimate`; its tensor and context axes for --tensor_parallel and --context_parallel),
-its parameter count replaced by the counted one; with --calibration, on the measured device
-beside the spec one, as tfbig-train --plan_only plans tfbig's own models. Without a shape the
-plan says which parts are unknown rather than guess them, and that a calibration changes none
-of what it gives.
-
-Example:
-    plan = user_plan("my_task", count_variables(model), None, cfg, device, world_size=2)
-    plan.memory["optimizer"], plan.unknown        # bytes per rank, ("activations", ...)
+Why it is built this way: docs/design/notes/plan.md (tfbig.plan.user).
 """
 import dataclasses
 

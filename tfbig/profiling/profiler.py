@@ -1,28 +1,6 @@
 """What a training run records about its own speed, in one object the trainer drives.
 
-Per logging interval: tokens/s, sequences/s, achieved TFLOP/s, MFU and the step-time breakdown
-(input wait, compute, gradient communication, checkpointing). Per run: a background system
-monitor and, for --profile_steps=N,M, a TensorFlow profiler trace. Files in MODEL_DIR:
-
-    profile/run.json       what the numbers are relative to (peak, FLOPs per token, batch)
-    profile/steps.jsonl    one record per step: phase seconds (the first step, which compiles,
-                           is marked "warmup" and left out of every figure; steps under a
-                           trace are marked "traced" and left out of the diagnosis)
-    profile/system.jsonl   system monitor samples (see monitor.py)
-    system/                the same samples as TensorBoard scalars
-    plugins/profile/       the profiler trace, for TensorBoard's Profile tab
-
-`tfbig-profile report MODEL_DIR` (report.py) turns these into charts and a diagnosis.
-
-Example:
-    profiler = RunProfiler(cfg.profile, model_dir, tokens_per_step=8192, sequences_per_step=32,
-                           flops_per_token=3.4e7, precision="fp32")
-    with profiler.session(step):
-        with profiler.phase("input"):
-            batch = next(iterator)
-        ...
-        profiler.step_done(step, communication=seconds_tensor)
-        values = profiler.interval()   # {"tokens_per_sec": ..., "mfu": ..., ...}
+Why it is built this way: docs/design/notes/profiling.md (tfbig.profiling.profiler).
 """
 import contextlib
 import functools

@@ -1,25 +1,6 @@
 """A user task's model as pipeline layers: what its `Task.pipeline_layers` declares, checked.
 
-The pipeline (tfbig.pipeline) cuts a model into stages at layer boundaries. tfbig's families
-describe their layers in tfbig/pipeline/layers.py; a user model describes them as data: the
-attribute paths of the layers whose sequential composition is its forward. `describe` builds
-the model once (the random state of the run left as it was, so the real build draws the same
-initial weights), resolves the paths, checks them on the first training batch and returns
-
-    specs   a LayerSpec per layer (tfbig.models.shapes: name, the paths of its weights,
-            parameters counted on the built model, FLOPs per token as 6 x its weights outside
-            embedding tables: 2 forward + 4 backward per weight per token, exact for Dense and
-            attention projections; an embedding lookup and attention's scores are not counted)
-    order   the paths of the model's variables in the order its build creates them, so a
-            backend can place each on its stage's device while the user's own code builds it
-
-Refused by name, before anything is written: a path naming no layer, layers whose composition
-does not give the model's outputs, a weight belonging to two layers or to none, a layer
-keeping non-trainable state other than dropout seeds (the stages would not update it).
-
-Example:
-    specs, order = describe(user_task)   # user_task: a tfbig.tasks.user.UserTask
-    [s.name for s in specs]              # ["embedding", "blocks.0", "blocks.1", "head"]
+Why it is built this way: docs/design/notes/tasks.md (tfbig.tasks.user_pipeline).
 """
 import contextlib
 import random

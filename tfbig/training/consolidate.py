@@ -22,7 +22,7 @@ import json
 import os
 
 from tfbig.checkpoints import integrity
-from tfbig.layouts import tensor_layout, zero_checkpoint
+from tfbig.layouts import tensor_layout, tensor_plan, zero_checkpoint
 from tfbig.distribute.base import Strategy
 from tfbig.layouts import stage_checkpoint
 from tfbig.training.trainer import Trainer
@@ -86,7 +86,7 @@ def _check_task(model_dir, saved, task):
 def consolidate(model_dir, out_dir, warn=print, task=None):
     """Write the newest checkpoint of sharded run `model_dir` as a single-device checkpoint in
     `out_dir`, whichever layout wrote it. Returns the checkpoint path written. `task`: for a
-    run of a user's own model, the tfbig.tasks.user.UserTask that builds it
+    run of a user's own model, the tfbig.tasks.user_adapter.UserTask that builds it
     (tfbig.consolidate_run)."""
     if tensor_layout.read_layout(model_dir) is not None:
         return consolidate_tensor(model_dir, out_dir, warn, task)
@@ -126,7 +126,7 @@ class OfflineSlice(Strategy):
 
     def __init__(self, cfg, rank, size, restore_path):
         super().__init__(cfg)
-        self.group = tensor_layout.TensorGroup(None, rank, size)
+        self.group = tensor_plan.TensorGroup(None, rank, size)
         self.restore_path = restore_path
         self.splits = {}
 
@@ -201,7 +201,7 @@ class OfflineStage(Strategy):
         self.pipeline = pipeline  # the run's PipelineConfig (its stage boundaries)
         self.stage_index, self.num_stages = stage_index, num_stages
         self.restore_path = restore_path
-        self.group = tensor_layout.TensorGroup(None, tensor_rank, tensor_parallel)
+        self.group = tensor_plan.TensorGroup(None, tensor_rank, tensor_parallel)
 
     @property
     def is_chief(self):

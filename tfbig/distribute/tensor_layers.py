@@ -1,0 +1,89 @@
+"""A split layer's `call` wrapped with the collectives (tfbig.distribute.tensor_collectives):
+column- and row-parallel Dense layers, attention heads, vocabulary embeddings and logits, and
+the sequence-parallel regions between them. The layer itself is unchanged Keras code.
+"""
+from keras import ops
+
+from tfbig.distribute.tensor_collectives import (copy_to_region, from_first_rank, gather_last_axis,
+                                                 gather_sequence, gather_whole_sequence,
+                                                 reduce_from_region, scatter_sequence,
+                                                 sequence_chunk)
+
+
+def _entering_attention(call, enter, process_set):
+    """A Keras MultiHeadAttention's call with its query, value and key entering the split
+    region once each (self-attention passes one tensor: one all-reduce backward), their Keras
+    masks kept."""
+    from keras.src import backend
+
+    def attention_call(query, value, key=None, *args, **kwargs):
+        entered = {}
+
+        def into(x):
+            if x is not None and id(x) not in entered:
+                entered[id(x)] = enter(x, process_set)
+                mask = backend.get_keras_mask(x)
+                if mask is not None:
+                    backend.set_keras_mask(entered[id(x)], mask)
+            return None if x is None else entered[id(x)]
+
+        return call(into(query), into(value), into(key), *args, **kwargs)
+
+    return attention_call
+
+
+def _reduced_projection(layer, leave, process_set):
+    """An EinsumDense's call (a MultiHeadAttention's output projection over this rank's heads)
+    with its partial sums reduced over the group before its bias is added, once."""
+    def projection_call(x, *args, **kwargs):
+        y = leave(ops.einsum(layer.equation, x, layer.kernel), process_set)
+        y = y if layer.bias is None else ops.add(y, layer.bias)
+        return y if layer.activation is None else layer.activation(y)
+
+    return projection_call
+
+
+def wrap(layer, split, group):
+    kind, ps = split.kind, group.process_set
+    call = layer.call
+    if group.sequence_parallel and split.sequence:
+        # into the split region: all-gather; out of it: reduce-scatter
+        enter, leave = gather_sequence, scatter_sequence
+    else:  # into it: identity (all-reduce backward); out of it: all-reduce
+        enter, leave = copy_to_region, reduce_from_region
+    if kind == "column":
+        layer.call = lambda x, *args, **kwargs: call(enter(x, ps), *args, **kwargs)
+    elif kind == "row":
+        def row_call(x, *args, **kwargs):
+            y = leave(ops.matmul(x, layer.kernel), ps)
+            return y + layer.bias if layer.use_bias else y
+
+        layer.call = row_call
+    elif kind == "vocab":
+        def vocab_call(ids, *args, **kwargs):
+            local = ops.cast(ids, "int32") - group.rank * layer.input_dim
+            inside = (local >= 0) & (local < layer.input_dim)
+            rows = call(ops.where(inside, local, 0), *args, **kwargs)
+            return leave(rows * ops.cast(inside[..., None], rows.dtype), ps)
+
+        layer.call = vocab_call
+    elif kind == "keras_heads":  # a declared Keras MultiHeadAttention
+        layer.call = _entering_attention(call, enter, ps)
+        layer.output_dense.call = _reduced_projection(layer.output_dense, leave, ps)
+    elif kind == "vocab_logits":  # a declared output Dense: the task's loss sees all logits
+        layer.call = lambda x, *args, **kwargs: gather_last_axis(
+            call(enter(x, ps), *args, **kwargs), group)
+    elif kind == "vocab_input":
+        layer.call = lambda *args, **kwargs: enter(call(*args, **kwargs), ps)
+    elif kind == "positions" and group.sequence_parallel:
+        layer.call = lambda *args, **kwargs: sequence_chunk(call(*args, **kwargs), group)
+    elif kind == "segments" and group.sequence_parallel:
+        layer.call = lambda *args, **kwargs: sequence_chunk(call(*args, **kwargs), group, 1)
+    elif kind == "sequence_output" and group.sequence_parallel:
+        def whole_call(*args, **kwargs):
+            sequence, *rest = call(*args, **kwargs)
+            return (gather_whole_sequence(sequence, group), *rest)
+
+        layer.call = whole_call
+    elif kind == "sequence_first" and group.sequence_parallel:
+        layer.call = lambda x, *args, **kwargs: call(from_first_rank(x, group), *args, **kwargs)
