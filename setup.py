@@ -28,7 +28,7 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "tfbig-prep=data_prep.prep:run",
+            "tfbig-prep=tfbig.commands.prep:run",
             "tfbig-train=tfbig.commands.train:run",
             "tfbig-generate=tfbig.commands.generate:run",
             "tfbig-squad=tfbig.commands.squad:run",

@@ -34,6 +34,7 @@ MOVED = {
     "tfbig.doctor.cli": "tfbig.commands.doctor",
     "tfbig.doctor.__main__": "tfbig.commands.doctor",
     "tfbig.convert.__main__": "tfbig.commands.convert",
+    "data_prep.prep": "tfbig.commands.prep",  # data_prep/__init__.py imports tfbig for this
     # the loop and what stands beside it
     "tfbig.trainer": "tfbig.training.trainer",
     "tfbig.budget": "tfbig.training.budget",

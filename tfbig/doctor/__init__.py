@@ -6,7 +6,8 @@
                     over the host, cross-host and MiCS partition groups (nccl-tests' algbw/busbw)
     findings.py     stragglers (a rank or host >= 20% below the median), missing builds,
                     the text report and the calibration file tfbig-plan reads
-    cli.py          the command: flags, the run under any launcher, the JSON report
+    checks.py       one rank's record, the collectives, the report (tfbig.commands.doctor is
+                    the command: flags, the JSON report)
 
 Launched alone or under horovodrun / mpirun / srun, as training is.
 """

@@ -4,5 +4,6 @@
     timing.py    StepTimer and in-graph timing of the gradient all-reduce
     monitor.py   SystemMonitor: CPU/memory/disk/GPU samples in a background thread
     diagnose.py  load a run's profile, find its bottleneck
-    report.py    `tfbig-profile report RUN_DIR`: PNG charts and the diagnosis
+    report.py    PNG charts and the diagnosis (the command: tfbig.commands.profile)
+    perf.py      peak FLOP/s of a device and MFU
 """
