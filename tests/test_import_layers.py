@@ -192,6 +192,45 @@ def test_the_package_keeps_few_top_level_modules_and_short_files():
     assert not long, f"library files over 400 lines: {long}"
 
 
+def _is_class_name(node):
+    """`type(x).__name__` or `x.__class__.__name__`."""
+    return isinstance(node, ast.Attribute) and node.attr == "__name__" and (
+        (isinstance(node.value, ast.Call) and getattr(node.value.func, "id", None) == "type")
+        or (isinstance(node.value, ast.Attribute) and node.value.attr == "__class__"))
+
+
+def class_name_lookups(path):
+    """[line] where `path` looks something up by a class's name: `table[type(m).__name__]`,
+    `table.get(type(m).__name__)`, `type(m).__name__ in table`."""
+    found = []
+    for node in ast.walk(_parse(path)):
+        if isinstance(node, ast.Subscript) and _is_class_name(node.slice):
+            found.append(node.lineno)
+        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "get"
+              and node.args and _is_class_name(node.args[0])):
+            found.append(node.lineno)
+        elif (isinstance(node, ast.Compare) and _is_class_name(node.left)
+              and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops)):
+            found.append(node.lineno)
+    return found
+
+
+def test_no_module_looks_a_layout_up_by_class_name():
+    """A model declares how it may be split next to itself (its `layout()`,
+    tfbig.models.layout); no backend keeps a table keyed by model class names."""
+    found = [f"{path.relative_to(ROOT)}:{line}" for path in package_modules(ROOT).values()
+             for line in class_name_lookups(path)]
+    assert not found, f"looked up by class name: {found}"
+
+
+def test_the_class_name_check_finds_each_form(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("def f(m):\n    a = PLANS[type(m).__name__]\n"
+                    "    b = PLANS.get(type(m).__name__)\n"
+                    "    return m.__class__.__name__ in LOCAL, a, b, type(m).__name__ == 'x'\n")
+    assert class_name_lookups(path) == [2, 3, 4]
+
+
 def test_no_import_circle_inside_tfbig():
     problems = circle_problems(ROOT)
     assert not problems, "\n".join(problems)

@@ -79,7 +79,7 @@ def test_albert_data_is_refused_for_bert(albert_data, tmp_path):
     ("parallel", "zero_stage", 3), ("pipeline", "pipeline_stages", 2),
     ("pipeline", "activation_checkpointing", True)])
 def test_every_layout_with_a_bert_plan_is_accepted(tmp_path, section, field, value):
-    """BERT's plans (tensor_plan.BERT_PLAN, zero3.PLANS, recompute.BLOCKS, pipeline/layers.py)
+    """BERT's plans (its layout(): tensor, gathers, blocks; pipeline/layers.py)
     exist; the runs are compared with one device in tests/distribute and tests/pipeline."""
     cfg = make_cfg("unused", tmp_path, strategy="horovod", model="bert")
     if field == "strategy":

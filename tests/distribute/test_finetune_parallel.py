@@ -53,7 +53,7 @@ FAST = {"peak_tflops": 1.0}  # MFU against a given peak: no CPU matmul probe per
 SCENARIOS = {  # name: (command, flags); all slow (the module's docstring says why)
     "classify_tp2_dp2": ("classify", {"tensor_parallel": 2}),
     "squad_zero2_mics": ("squad", {"zero_stage": 2, "shard_degree": 2}),
-    # parameters sharded too, gathered per layer (zero3.PLANS), over 2 partition groups of 2;
+    # parameters sharded too, gathered per layer (the model's layout().gather_per_call), over 2 partition groups of 2;
     # each rank slices the --init_checkpoint backbone its deferred build loaded
     "classify_zero3_mics": ("classify", {"zero_stage": 3, "shard_degree": 2}),
     "classify_zero1": ("classify", {"zero_stage": 1}),
@@ -380,7 +380,7 @@ def test_cross_rank_stages_of_the_span_model_hold_only_their_layers():
                                           ("bert_squad", "span_head"),
                                           ("albert_squad", "span_head")])
 def test_fine_tuning_plans_split_the_backbone_and_keep_the_head_whole(family, head):
-    """tensor_plan.fine_tune_plan: the backbone split as in pretraining (q, k, v, MLP and the
+    """tfbig.models.layout.fine_tune_layout: the backbone split as in pretraining (q, k, v, MLP and the
     word table halved), the task head replicated and outside the sequence-split region (its
     gradients are complete on every rank, never summed over the tensor group)."""
     from tfbig.layouts.tensor_plan import TensorGroup, whole_sequence_paths

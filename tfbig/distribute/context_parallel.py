@@ -10,26 +10,10 @@ from tensorflow.python.eager import record  # stop_recording: no public equivale
 
 from tfbig.distribute import horovod_keras
 from tfbig.distribute.horovod_keras import hvd
-from tfbig.layouts.tensor_plan import resolve_plan_layers
 from tfbig.distribute.tensor_collectives import on_sequence_axis
+from tfbig.layouts.tensor_plan import resolve_plan_layers
 from tfbig.models.attention import blockwise_attention, blockwise_attention_backward
-
-
-def _masked_lm_plan(blocks):
-    return (("backbone.embedding", "inputs"), ("backbone.embedding.position", "positions"),
-            (f"backbone.{blocks}.*.attn", "attention"), ("backbone", "whole_sequence"),
-            ("backbone.pooler", "first_row"))
-
-
-# Attribute paths below the model ("*": every element of a list) -> what the wrap does there.
-CONTEXT_PLANS = {
-    "GPT": (("embedding", "inputs"), ("embedding.position", "positions"),
-            ("blocks.*.attn", "attention")),
-    "BertForPretraining": _masked_lm_plan("blocks"),
-    "AlbertForPretraining": _masked_lm_plan("groups"),
-}
-# GPT's loss runs on each rank's own tokens: its labels are cut like its inputs.
-LOCAL_LOSS = ("GPT",)
+from tfbig.models.layout import layout_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,12 +191,14 @@ def wrap(layer, kind, group):
 
 
 def plan_for(model):
-    """The context plan of `model`'s class; refused by name where there is none."""
-    plan = CONTEXT_PLANS.get(type(model).__name__)
-    if plan is None:
+    """The context plan `model` declares (its `layout().context`: attribute path -> what the
+    wrap does there, tfbig.models.layout); refused by name where there is none."""
+    plan = layout_of(model).context
+    if not plan:
         raise ValueError(f"--context_parallel: no context-parallel plan for "
-                         f"{type(model).__name__} (GPT, BERT and ALBERT pretraining have one); "
-                         f"run it with --context_parallel=1")
+                         f"{type(model).__name__} (GPT, BERT and ALBERT pretraining declare one "
+                         f"in their layout(), tfbig.models.layout); run it with "
+                         f"--context_parallel=1")
     return plan
 
 
@@ -224,7 +210,7 @@ def apply_plan(model, task, group):
             raise ValueError(f"--context_parallel: {type(model).__name__} has no {pattern}")
         for layer in layers:
             wrap(layer, kind, group)
-    if type(model).__name__ in LOCAL_LOSS:
+    if layout_of(model).local_loss:  # a causal LM's labels are cut like its inputs
         whole = task.vocab_cross_entropy
         task.vocab_cross_entropy = lambda labels, logits: whole(local_rows(labels, group),
                                                                 logits)

@@ -7,27 +7,25 @@ import contextlib
 import tensorflow as tf
 from tensorflow.python.eager import record  # stop_recording: no public equivalent
 
+from tfbig.layouts.tensor_plan import resolve_plan_layers
+from tfbig.models.layout import layout_of
+
 HOST = "/device:CPU:0"
 OFFLOAD_NAME = "offloaded_block_input"
 
 
-# Where a model keeps its transformer blocks (attribute paths, the first one present wins).
-BLOCKS = ("blocks",  # GPT
-          "backbone.groups",  # ALBERT: its shared groups, each wrapped once
-          "backbone.blocks")  # BERT
-
-
 def transformer_blocks(model):
-    """The model's transformer blocks (`BLOCKS`: GPT, ALBERT's shared groups, BERT)."""
-    for path in BLOCKS:
-        found = model
-        for part in path.split("."):
-            found = getattr(found, part, None)
-        if found is not None:
-            return list(found)
-    raise ValueError(f"--activation_checkpointing: {type(model).__name__} has none of "
-                     f"{', '.join(BLOCKS)} (tfbig.distribute.recompute.BLOCKS); no transformer "
-                     f"blocks to wrap")
+    """The model's transformer blocks, at the path its layout declares (`layout().blocks`:
+    GPT's blocks, ALBERT's shared groups, each wrapped once, BERT's blocks)."""
+    path = layout_of(model).blocks
+    if not path:
+        raise ValueError(f"--activation_checkpointing: {type(model).__name__} declares no "
+                         f"transformer blocks (its layout().blocks, tfbig.models.layout)")
+    found = resolve_plan_layers(model, path)
+    if not found:
+        raise ValueError(f"--activation_checkpointing: {type(model).__name__} has no {path} "
+                         f"(its layout().blocks); no transformer blocks to wrap")
+    return list(found[0])
 
 
 def seed_states(layer):
@@ -107,7 +105,7 @@ def recompute(call, states, offload=False):
 
 def task_blocks(task, model):
     """The layers a task names for recomputation (a user task's `checkpoint_layers`), or None
-    for tfbig's own families (`BLOCKS`). None named is refused by name."""
+    for tfbig's own families (their `layout().blocks`). None named is refused by name."""
     if not hasattr(task, "blocks"):
         return None
     blocks = task.blocks(model)

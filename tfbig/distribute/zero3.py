@@ -2,7 +2,6 @@
 
 Why it is built this way: docs/design/notes/distribute.md (tfbig.distribute.zero3).
 """
-import dataclasses
 import math
 
 import keras
@@ -14,47 +13,8 @@ from tensorflow.python.eager import record  # stop_recording: no public equivale
 
 from tfbig.distribute import recompute
 from tfbig.distribute.horovod_keras import hvd
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """Attribute paths below the model ("*": every element of a list)."""
-
-    per_call: tuple  # layers whose parameters are gathered around each of their calls
-    per_step: tuple = ()  # layers whose parameters are gathered once per model call
-
-
-PLANS = {
-    "GPT": lambda model: Plan(
-        per_call=("blocks.*", "final_norm", "head") + (
-            () if model.config.tie_embeddings else ("embedding",)),
-        per_step=("embedding",) if model.config.tie_embeddings else ()),
-    "AlbertForPretraining": lambda model: Plan(
-        per_call=("backbone.projection", "backbone.groups.*", "backbone.pooler", "sop_head"),
-        per_step=("backbone.embedding", "mlm_head")),
-    "BertForPretraining": lambda model: Plan(  # ALBERT's, with a block per layer, no projection
-        per_call=("backbone.blocks.*", "backbone.pooler", "nsp_head"),
-        per_step=("backbone.embedding", "mlm_head")),
-    # Fine-tuning (tfbig-classify, tfbig-squad): no head reads the word table, so the
-    # embedding is gathered around its own call; the task head is one more gathered layer.
-    "BertClassifier": lambda model: Plan(
-        per_call=("backbone.embedding", "backbone.blocks.*", "backbone.pooler",
-                  "classifier_head")),
-    "BertForQuestionAnswering": lambda model: Plan(
-        per_call=("backbone.embedding", "backbone.blocks.*", "backbone.pooler", "span_head")),
-    "AlbertForQuestionAnswering": lambda model: Plan(
-        per_call=("backbone.embedding", "backbone.projection", "backbone.groups.*",
-                  "backbone.pooler", "span_head")),
-}
-
-
-def _resolve(model, pattern):
-    found = [model]
-    for part in pattern.split("."):
-        found = [x for obj in found
-                 for x in (list(obj) if part == "*" else [getattr(obj, part, None)])
-                 if x is not None]
-    return found
+from tfbig.layouts.tensor_plan import resolve_plan_layers
+from tfbig.models.layout import layout_of
 
 
 def user_plan(model, blocks):
@@ -72,17 +32,21 @@ def user_plan(model, blocks):
 
 def plan_layers(model, blocks=None):
     """(per-call layers, per-step layers) of `model`; every trainable variable in exactly one.
-    `blocks`: a user task's named layers (its model has no entry in PLANS)."""
+    `blocks`: a user task's named layers; else the model's declared layout (its `layout()`:
+    gather_per_call, gather_per_step, tfbig.models.layout)."""
+    declared = layout_of(model)
     if blocks is not None:
         per_call, per_step = user_plan(model, blocks)
-    elif type(model).__name__ not in PLANS:
+    elif not declared.gather_per_call:
         raise ValueError(f"--zero_stage=3: no gather plan for {type(model).__name__} (GPT, "
                          f"ALBERT and BERT pretraining, BERT classification and BERT/ALBERT "
-                         f"span fine-tuning have one); use --zero_stage=2")
+                         f"span fine-tuning declare one in their layout(), tfbig.models.layout); "
+                         f"use --zero_stage=2")
     else:
-        plan = PLANS[type(model).__name__](model)
-        per_call = [layer for p in plan.per_call for layer in _resolve(model, p)]
-        per_step = [layer for p in plan.per_step for layer in _resolve(model, p)]
+        per_call = [layer for p in declared.gather_per_call
+                    for layer in resolve_plan_layers(model, p)]
+        per_step = [layer for p in declared.gather_per_step
+                    for layer in resolve_plan_layers(model, p)]
     owners = {}
     for layer in per_call + per_step:
         for v in layer.trainable_variables:
@@ -170,7 +134,7 @@ def _loaded(value):
 def _not_gathered(path):
     def refuse(*args, **kwargs):
         raise ValueError(f"--zero_stage=3: {path} was read outside the layer that gathers it "
-                         f"(tfbig.distribute.zero3.PLANS lists which layer gathers what)")
+                         f"(the model's layout().gather_per_call and gather_per_step say which layer gathers what)")
     return refuse
 
 

@@ -18,7 +18,8 @@ import tensorflow as tf
 from tfbig.checkpoints.checkpoint import piece_checkpoints
 from tfbig.checkpoints.checkpoint import read_layout as checkpoint_layout
 from tfbig.checkpoints.checkpoint import reader_key, slot_owners
-from tfbig.layouts.tensor_plan import Split, plan_for, resolve_plan_layers
+from tfbig.layouts.tensor_plan import plan_for, resolve_plan_layers
+from tfbig.models.layout import Split
 
 LAYOUT_FILE = "tensor.json"
 

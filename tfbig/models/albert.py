@@ -25,6 +25,7 @@ from keras import ops
 
 from tfbig.models.configs import ALBERT_PRESETS, AlbertConfig  # noqa: F401 - re-exported
 from tfbig.models.layers import Embeddings, MaskedLMHead, TransformerBlock, make_initializer
+from tfbig.models.layout import fine_tune_layout, masked_lm_layout
 
 
 def _truncated_normal(stddev):
@@ -116,6 +117,10 @@ class AlbertForPretraining(keras.Model):
         self.sop_head.build((None, self.config.hidden_size))
         self.built = True
 
+    def layout(self):
+        """How this model may be split (data the backends read: tfbig.models.layout)."""
+        return masked_lm_layout("groups", "sop_head", projection=True)
+
     def call(self, inputs, training=False):
         sequence, pooled = self.backbone(*_inputs(inputs), training=training)
         positions = ops.cast(inputs["masked_lm_positions"], "int32")[:, :, None]  # (B, P, 1)
@@ -147,6 +152,10 @@ class AlbertForQuestionAnswering(keras.Model):
         self.backbone.build()
         self.span_head.build((None, None, self.config.hidden_size))
         self.built = True
+
+    def layout(self):
+        """How this model may be split (data the backends read: tfbig.models.layout)."""
+        return fine_tune_layout("groups", "span_head", projection=True)
 
     def call(self, inputs, training=False):
         sequence, _ = self.backbone(*_inputs(inputs), training=training)

@@ -26,6 +26,7 @@ from keras import ops
 
 from tfbig.models.configs import BERT_PRESETS, BertConfig  # noqa: F401 - re-exported
 from tfbig.models.layers import Embeddings, MaskedLMHead, TransformerBlock, make_initializer
+from tfbig.models.layout import fine_tune_layout, masked_lm_layout
 
 
 def _truncated_normal(stddev):
@@ -122,6 +123,10 @@ class BertForPretraining(_BertModel):
         self.mlm_head.build((None, None, hidden))
         self.nsp_head.build((None, hidden))
 
+    def layout(self):
+        """How this model may be split (data the backends read: tfbig.models.layout)."""
+        return masked_lm_layout("blocks", "nsp_head")
+
     def call(self, inputs, training=False):
         sequence, pooled = self.backbone(*_inputs(inputs), training=training)
         positions = ops.cast(inputs["masked_lm_positions"], "int32")[:, :, None]  # (B, P, 1)
@@ -147,6 +152,10 @@ class BertForQuestionAnswering(_BertModel):
     def _build_heads(self, hidden):
         self.span_head.build((None, None, hidden))
 
+    def layout(self):
+        """How this model may be split (data the backends read: tfbig.models.layout)."""
+        return fine_tune_layout("blocks", "span_head")
+
     def call(self, inputs, training=False):
         sequence, _ = self.backbone(*_inputs(inputs), training=training)
         logits = ops.cast(self.span_head(sequence), "float32")  # (B, T, 2)
@@ -168,6 +177,10 @@ class BertClassifier(_BertModel):
 
     def _build_heads(self, hidden):
         self.classifier_head.build((None, hidden))
+
+    def layout(self):
+        """How this model may be split (data the backends read: tfbig.models.layout)."""
+        return fine_tune_layout("blocks", "classifier_head")
 
     def call(self, inputs, training=False):
         _, pooled = self.backbone(*_inputs(inputs), training=training)

@@ -19,6 +19,25 @@ from keras import ops
 
 from tfbig.models.configs import GPT_PRESETS, GPTConfig  # noqa: F401 - re-exported
 from tfbig.models.layers import Embeddings, TransformerBlock, make_initializer
+from tfbig.models.layout import ModelLayout, Split
+
+# How GPT may be split over a tensor group (data; the layout language: tfbig.models.layout)
+TENSOR_LAYOUT = (
+    ("blocks.*.attn", Split("heads")),
+    ("blocks.*.attn.qkv", Split("column", sections=3)),
+    ("blocks.*.attn.proj", Split("row")),
+    ("blocks.*.attn.attn_dropout", Split("own_mask")),
+    ("blocks.*.mlp", Split("width")),
+    ("blocks.*.mlp.fc", Split("column")),
+    ("blocks.*.mlp.proj", Split("row")),
+    ("embedding.token", Split("vocab")),
+    ("head", Split("vocab_column")),
+    ("final_norm", Split("vocab_input")),
+    ("embedding.position", Split("positions")),
+    ("embedding.drop", Split("sequence_mask")),
+    ("blocks.*.attn.resid_dropout", Split("sequence_mask")),
+    ("blocks.*.mlp.drop", Split("sequence_mask")),
+)
 
 
 @keras.saving.register_keras_serializable(package="tfbig")
@@ -58,6 +77,19 @@ class GPT(keras.Model):
         if self.head is not None:
             self.head.build(hidden_shape)
         self.built = True
+
+    def layout(self):
+        """How this model may be split (data the backends read: tfbig.models.layout). A tied
+        word table is read twice a step (embedding and logits), so ZeRO-3 gathers it per step."""
+        tied = self.config.tie_embeddings
+        return ModelLayout(
+            tensor=TENSOR_LAYOUT,
+            gather_per_call=("blocks.*", "final_norm", "head") + (() if tied else ("embedding",)),
+            gather_per_step=("embedding",) if tied else (),
+            blocks="blocks",
+            context=(("embedding", "inputs"), ("embedding.position", "positions"),
+                     ("blocks.*.attn", "attention")),
+            local_loss=True)
 
     def logits(self, x):
         """Final norm and vocabulary projection of hidden states (B, T, C) -> (B, T, V) float32."""
