@@ -8,7 +8,8 @@ import pytest
 from tfbig.checkpoints.checkpoint import model_variables, rng_variables
 from tfbig.models.albert import AlbertConfig, AlbertForPretraining
 from tfbig.models.gpt import GPT, GPTConfig
-from tfbig.models.layers import Embeddings, MultiHeadAttention, TransformerBlock
+from tfbig.models.embeddings import Embeddings
+from tfbig.models.layers import MultiHeadAttention, TransformerBlock
 
 # The checkpoint keys of one block/group: the layout every earlier tfbig checkpoint was written
 # in (layers library or not), so old checkpoints keep restoring.
@@ -180,7 +181,7 @@ def test_gelu_equals_keras_and_its_backward_keeps_only_the_input(approximate):
     against 11-12 and 10)."""
     import tensorflow as tf
 
-    from tfbig.models.layers import gelu
+    from tfbig.models.activations import gelu
     from tfbig.training.measure import tensor_peak
 
     x = tf.constant(np.linspace(-3, 3, 1 << 20).reshape(256, 4096), tf.float32)

@@ -44,7 +44,7 @@ def stage_peaks(schedule, num_microbatches, checkpointing):
 # counted the input of the micro-batch being recomputed both as kept and as its first layer's);
 # with it counted once, 0.91-0.95 here (13.37-13.89 MB against 14.69).
 # What moved 1F1B's last stage by up to 1.3x, traced: the GELU derivative formed as soon as
-# its input existed (now it waits for the output's gradient: tfbig.models.layers.gelu), the
+# its input existed (now it waits for the output's gradient: tfbig.models.activations.gelu), the
 # output matrix's weight gradient running beside the last block's backward or not, keeping
 # the logits' gradient alive (now the stage's layers wait for its head:
 # tfbig.pipeline.stages), and the allocator counting the slack of its chunks (4.2-7.6 MB for

@@ -18,22 +18,22 @@ from tfbig.models.layout import layout_of
 
 
 def user_plan(model, blocks):
-    """A user model's plan: the layers its task names (`checkpoint_layers`) per call, every
-    other top-level layer holding trainable variables per step."""
+    """A user model's plan: the layers its task names (`checkpoint_layers`) per call; every
+    other trainable variable per step. A variable belongs to the named layer that holds it,
+    also when an enclosing layer tracks it too (a functional keras-hub backbone tracks its
+    transformer layers' variables): only what no named layer holds is gathered per step."""
     if not blocks:
         raise ValueError(f"--zero_stage=3: the task of {type(model).__name__} names no layers "
                          "to gather one at a time; set its checkpoint_layers (e.g. "
                          "(\"blocks.*\",)) or use --zero_stage=2")
-    named = {id(layer) for layer in blocks}
-    per_step = [layer for layer in model.layers
-                if id(layer) not in named and layer.trainable_variables]
-    return list(blocks), per_step
+    named = {id(v) for layer in blocks for v in layer.trainable_variables}
+    return list(blocks), [v for v in model.trainable_variables if id(v) not in named]
 
 
 def plan_layers(model, blocks=None):
-    """(per-call layers, per-step layers) of `model`; every trainable variable in exactly one.
-    `blocks`: a user task's named layers; else the model's declared layout (its `layout()`:
-    gather_per_call, gather_per_step, tfbig.models.layout)."""
+    """(per-call layers, per-step variables) of `model`; every trainable variable in exactly
+    one. `blocks`: a user task's named layers; else the model's declared layout (its
+    `layout()`: gather_per_call, gather_per_step, tfbig.models.layout)."""
     declared = layout_of(model)
     if blocks is not None:
         per_call, per_step = user_plan(model, blocks)
@@ -45,17 +45,22 @@ def plan_layers(model, blocks=None):
     else:
         per_call = [layer for p in declared.gather_per_call
                     for layer in resolve_plan_layers(model, p)]
-        per_step = [layer for p in declared.gather_per_step
-                    for layer in resolve_plan_layers(model, p)]
+        per_step = [v for p in declared.gather_per_step
+                    for layer in resolve_plan_layers(model, p) for v in layer.trainable_variables]
     owners = {}
-    for layer in per_call + per_step:
+    for layer in per_call:
         for v in layer.trainable_variables:
-            owners.setdefault(id(v), []).append(layer.name)
+            owners.setdefault(id(v), []).append(layer.path)
+    for v in per_step:
+        owners.setdefault(id(v), []).append("the step (gathered once per call of the model)")
     bad = [(v.path, owners.get(id(v))) for v in model.trainable_variables
            if len(owners.get(id(v), [])) != 1]
     if bad:
-        raise ValueError(f"--zero_stage=3: the gather plan of {type(model).__name__} must hold "
-                         f"every trainable variable exactly once; (variable, layers): {bad}")
+        shown = "; ".join(f"{path}: {', '.join(held) if held else 'none'}"
+                          for path, held in bad[:4]) + ("; ..." if len(bad) > 4 else "")
+        raise ValueError(f"--zero_stage=3: every trainable variable of {type(model).__name__} "
+                         f"must be gathered by exactly one layer; {len(bad)} are not (a named "
+                         f"layer inside another named one, or one no layer gathers): {shown}")
     return per_call, per_step
 
 
@@ -197,8 +202,7 @@ class Gatherer:
             if not getattr(layer, "_tfbig_gathered", False):
                 layer.call = self._per_call(layer, layer.call)
                 layer._tfbig_gathered = True
-        variables = [v for layer in per_step for v in layer.trainable_variables]
-        model.call = self._per_step(model, variables, model.call)
+        model.call = self._per_step(model, per_step, model.call)
         return per_call, per_step
 
     def _shards(self, variables):

@@ -24,7 +24,8 @@ import keras
 from keras import ops
 
 from tfbig.models.configs import ALBERT_PRESETS, AlbertConfig  # noqa: F401 - re-exported
-from tfbig.models.layers import Embeddings, MaskedLMHead, TransformerBlock, make_initializer
+from tfbig.models.embeddings import Embeddings, MaskedLMHead
+from tfbig.models.layers import TransformerBlock, make_initializer
 from tfbig.models.layout import fine_tune_layout, masked_lm_layout
 
 

@@ -18,7 +18,8 @@ import keras
 from keras import ops
 
 from tfbig.models.configs import GPT_PRESETS, GPTConfig  # noqa: F401 - re-exported
-from tfbig.models.layers import Embeddings, TransformerBlock, make_initializer
+from tfbig.models.embeddings import Embeddings
+from tfbig.models.layers import TransformerBlock, make_initializer
 from tfbig.models.layout import ModelLayout, Split
 
 # How GPT may be split over a tensor group (data; the layout language: tfbig.models.layout)

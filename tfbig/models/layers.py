@@ -1,6 +1,7 @@
 """The transformer layers GPT, ALBERT and BERT are built from, read top to bottom.
 
-initializers -> attention -> feed-forward -> block -> embeddings -> masked-LM head. One set of
+initializers -> attention -> feed-forward -> block (embeddings and the masked-LM head:
+tfbig.models.embeddings; GELU: tfbig.models.activations). One set of
 layers, so tensor parallelism, sharding and every later change is written once. A family chooses
 through arguments: causal or bidirectional attention (with a padding mask and, for generation,
 a key/value cache), pre- or post-LayerNorm blocks, and the block `style`, which fixes the names
@@ -30,6 +31,7 @@ import math
 import keras
 from keras import ops
 
+from tfbig.models.activations import gelu
 from tfbig.models.attention import blockwise_attention
 from tfbig.models.common import check_attention, uses_blockwise
 
@@ -43,50 +45,6 @@ def make_initializer(kind, stddev):
     if kind not in INITIALIZERS:
         raise ValueError(f"initializer={kind!r}: expected one of {sorted(INITIALIZERS)}")
     return INITIALIZERS[kind](stddev=stddev)
-
-
-def gelu(x, approximate=True):
-    """GELU (tanh form, or erf with approximate=False) whose backward keeps only its input.
-
-    The forward is keras' own (the same values); the gradient is the closed-form derivative,
-    evaluated from `x` in float32. Differentiating keras' composite instead keeps every
-    intermediate of the formula (x^3, the tanh argument, the tanh...): measured on this CPU,
-    about 11 of the 32 hidden-widths of activations a GPT block holds per token for its
-    backward, which this brings down to the one 4h input a fused GELU kernel keeps.
-
-    The derivative is evaluated only once the gradient of the output exists (its input waits
-    for a value read from it): needing only `x`, it would otherwise be ready as soon as the
-    forward made `x`, and TensorFlow's executor, which runs whatever is ready, evaluated it
-    then or later as its thread order fell, holding the result (and some of the formula's
-    4h-wide temporaries) beside the rest of the forward and backward."""
-    @ops.custom_gradient
-    def gelu_keeping_input(x):
-        def grad(*args, upstream=None):
-            upstream = args[0] if upstream is None else upstream
-            x_now = ops.cast(x, "float32") + _zero_from(upstream)  # x, once upstream exists
-            return ops.cast(ops.cast(upstream, "float32") * _gelu_derivative(x_now, approximate),
-                            upstream.dtype)
-        return ops.gelu(x, approximate=approximate), grad
-
-    return gelu_keeping_input(x)
-
-
-def _zero_from(tensor):
-    """A float32 0 computed from one element of `tensor` (0 whatever it holds, inf or nan):
-    adding it to a value makes that value wait for `tensor` without changing it."""
-    first = ops.reshape(tensor, (-1,))[0]
-    return ops.cast(ops.isnan(first), "float32") * 0.0
-
-
-def _gelu_derivative(x, approximate):
-    """d gelu(x) / dx of float32 `x`."""
-    if approximate:  # 0.5 x (1 + tanh(u)), u = c (x + 0.044715 x^3)
-        c = math.sqrt(2.0 / math.pi)
-        t = ops.tanh(c * (x + 0.044715 * x * x * x))
-        return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * c * (1.0 + 3 * 0.044715 * x * x)
-    # x Phi(x): Phi(x) + x phi(x)
-    return 0.5 * (1.0 + ops.erf(x / math.sqrt(2.0))) + x * ops.exp(-0.5 * x * x) / math.sqrt(
-        2.0 * math.pi)
 
 
 class MultiHeadAttention(keras.layers.Layer):
@@ -354,107 +312,4 @@ class TransformerBlock(keras.layers.Layer):
                 "approximate_gelu": self.approximate_gelu, "attention": self.attention,
                 "attention_block_size": self.attention_block_size}
 
-
-class Embeddings(keras.layers.Layer):
-    """Token + learned position (+ segment) embeddings of width `width` [-> LayerNorm] -> dropout.
-
-    (B, T) ids -> (B, T, width). GPT: token and position, no norm. BERT/ALBERT: word, position
-    and segment tables (`type_vocab_size`), then LayerNorm (`layer_norm_epsilon`). The token
-    table is the attribute `token_name` ("token" for GPT, "word" for BERT/ALBERT): its name is
-    part of the checkpoint keys, and the models tie their output projection to it.
-    """
-
-    def __init__(self, vocab_size, seq_length, width, type_vocab_size=0, dropout=0.0,
-                 layer_norm_epsilon=None, token_name="token", initializer="normal",
-                 initializer_range=0.02, **kwargs):
-        super().__init__(**kwargs)
-        self.vocab_size = vocab_size
-        self.seq_length = seq_length
-        self.width = width
-        self.type_vocab_size = type_vocab_size
-        self.dropout = dropout
-        self.layer_norm_epsilon = layer_norm_epsilon
-        self.token_name = token_name
-        self.initializer = initializer
-        self.initializer_range = initializer_range
-
-        def table(rows, name):
-            return keras.layers.Embedding(rows, width, name=name, embeddings_initializer=(
-                make_initializer(initializer, initializer_range)))
-
-        setattr(self, token_name, table(vocab_size, token_name))
-        self.position = table(seq_length, "position")
-        self.segment = table(type_vocab_size, "segment") if type_vocab_size else None
-        self.norm = (keras.layers.LayerNormalization(epsilon=layer_norm_epsilon, name="norm")
-                     if layer_norm_epsilon is not None else None)
-        self.drop = keras.layers.Dropout(dropout)
-
-    @property
-    def tokens(self):
-        """The token (word) embedding layer."""
-        return getattr(self, self.token_name)
-
-    def build(self, input_shape):
-        for table in (self.tokens, self.position, self.segment):
-            if table is not None:
-                table.build(input_shape)
-        if self.norm is not None:
-            self.norm.build(tuple(input_shape) + (self.width,))
-
-    def call(self, token_ids, segment_ids=None, training=False, start_index=0):
-        positions = start_index + ops.arange(ops.shape(token_ids)[1])  # (T,)
-        x = self.tokens(token_ids) + self.position(positions)[None]  # (B, T, width)
-        if self.segment is not None:
-            if segment_ids is None:
-                raise ValueError(f"{self.name}: this embedding has a segment table; pass "
-                                 f"segment_ids")
-            x = x + self.segment(segment_ids)
-        if self.norm is not None:
-            x = self.norm(x)
-        return self.drop(x, training=training)
-
-    def get_config(self):
-        return {**super().get_config(), "vocab_size": self.vocab_size,
-                "seq_length": self.seq_length, "width": self.width,
-                "type_vocab_size": self.type_vocab_size, "dropout": self.dropout,
-                "layer_norm_epsilon": self.layer_norm_epsilon, "token_name": self.token_name,
-                "initializer": self.initializer, "initializer_range": self.initializer_range}
-
-
-class MaskedLMHead(keras.layers.Layer):
-    """Dense(H -> E, GELU) -> LayerNorm -> logits against a tied (vocab, E) table + bias.
-
-    BERT has E = H; ALBERT's E is its factorised embedding size."""
-
-    def __init__(self, vocab_size, embedding_size, layer_norm_epsilon=1e-12,
-                 initializer="truncated_normal", initializer_range=0.02, approximate_gelu=True,
-                 **kwargs):
-        super().__init__(**kwargs)
-        self.approximate_gelu = approximate_gelu
-        self.vocab_size = vocab_size
-        self.embedding_size = embedding_size
-        self.layer_norm_epsilon = layer_norm_epsilon
-        self.initializer = initializer
-        self.initializer_range = initializer_range
-        self.dense = keras.layers.Dense(embedding_size, name="dense", kernel_initializer=(
-            make_initializer(initializer, initializer_range)))
-        self.norm = keras.layers.LayerNormalization(epsilon=layer_norm_epsilon, name="norm")
-
-    def build(self, input_shape):
-        self.dense.build(input_shape)
-        self.norm.build(tuple(input_shape[:-1]) + (self.embedding_size,))
-        self.bias = self.add_weight(shape=(self.vocab_size,), initializer="zeros", name="bias")
-
-    def call(self, x, word_table):
-        """x: (B, P, H) hidden states at the masked positions -> float32 logits (B, P, vocab)."""
-        h = self.norm(gelu(self.dense(x), approximate=self.approximate_gelu))  # (B, P, E)
-        logits = ops.einsum("bpe,ve->bpv", h, ops.cast(word_table, h.dtype))
-        return ops.cast(logits, "float32") + ops.cast(self.bias, "float32")
-
-    def get_config(self):
-        return {**super().get_config(), "vocab_size": self.vocab_size,
-                "embedding_size": self.embedding_size,
-                "layer_norm_epsilon": self.layer_norm_epsilon, "initializer": self.initializer,
-                "initializer_range": self.initializer_range,
-                "approximate_gelu": self.approximate_gelu}
 
