@@ -23,6 +23,7 @@ from tfbig import config as config_lib
 from tfbig import data, evaluation, init_checkpoint, integrity, preflight
 from tfbig.checkpoint import rng_variables
 from tfbig.distribute.registry import get_strategy
+from tfbig.errors import TrainingStoppedError
 from tfbig.logs import RunLogger
 from tfbig.models.common import COMPUTE_FIELDS
 from tfbig.optim import learning_rate, loss_scale, set_total_steps
@@ -33,7 +34,7 @@ PRECISIONS = {"fp32": "float32", "mixed_float16": "mixed_float16",
               "mixed_bfloat16": "mixed_bfloat16"}
 
 
-class NonFiniteLossError(RuntimeError):
+class NonFiniteLossError(TrainingStoppedError):
     """Training produced a NaN/inf loss where no loss scaling can explain it."""
 
 
