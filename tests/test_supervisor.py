@@ -235,3 +235,99 @@ def test_a_worker_killed_mid_training_is_restarted_and_ends_bit_identical(gpt_da
     assert len(ours) > 20 and ours.keys() == reference.keys()
     for key in reference:
         np.testing.assert_array_equal(ours[key], reference[key], err_msg=key)
+
+
+def horovod_job(data_dir, model_dir, *launch_flags):
+    """tfbig-launch LAUNCH_FLAGS -- horovodrun -np 2 ... python -m tfbig.train --strategy=horovod."""
+    train = [f if f != "--strategy=multiworker" else "--strategy=horovod" for f in TRAIN]
+    command = [sys.executable, "-m", "launch.local", *launch_flags, "--",
+               "horovodrun", "-np", "2", "-H", "localhost:2", "--gloo",
+               sys.executable, "-m", "tfbig.train", *train, f"--data_dir={data_dir}",
+               f"--model_dir={model_dir}"]
+    log = open(f"{model_dir}.log", "w")
+    return subprocess.Popen(command, cwd=ROOT, env={**env(), "TF_NUM_INTEROP_THREADS": "1",
+                                                    "TF_NUM_INTRAOP_THREADS": "1"},
+                            stdout=log, stderr=subprocess.STDOUT)
+
+
+def horovod_rank(launcher, rank):
+    for child in psutil.Process(launcher.pid).children(recursive=True):
+        try:
+            if child.environ().get("HOROVOD_RANK") == str(rank) and "tfbig.train" in child.cmdline():
+                return child
+        except psutil.NoSuchProcess:
+            continue
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_horovod_rank_killed_mid_training_is_restarted_and_ends_bit_identical(gpt_data, tmp_path):
+    straight = horovod_job(gpt_data, tmp_path / "straight")
+    killed = horovod_job(gpt_data, tmp_path / "killed", "--max_restarts=2", "--restart_backoff=0.5")
+    log = f"{tmp_path / 'killed'}.log"
+    try:
+        wait_for(log, "step 4/8", killed)
+        victim = horovod_rank(killed, 1)
+        victim.kill()
+        killed.wait(timeout=TIMEOUT)
+        straight.wait(timeout=TIMEOUT)
+    finally:
+        stop([killed, straight])
+    output = open(log).read()
+    assert killed.returncode == 0 and straight.returncode == 0, output[-5000:]
+    (line,) = restart_lines(output)
+    assert re.search(r"restart 1 of 2 in 0\.5 s: horovodrun \(pid \d+\) ended with exit code 1 "
+                     r"after its rank 1 ended: exit code 137, after its progress line of step \d+; "
+                     r"it resumes from the checkpoint of step \d+", line), line
+    ours, reference = model_tensors(tmp_path / "killed"), model_tensors(tmp_path / "straight")
+    assert len(ours) > 20 and ours.keys() == reference.keys()
+    for key in reference:
+        np.testing.assert_array_equal(ours[key], reference[key], err_msg=key)
+
+
+def kill_when(log, text, since, launcher, index):
+    """Once `text` is in the log after offset `since`, SIGKILL worker `index`; returns (whether
+    the kill landed on a live worker, the log offset then)."""
+    deadline = time.monotonic() + TIMEOUT
+    while text not in open(log).read()[since:]:
+        assert launcher.poll() is None and time.monotonic() < deadline, open(log).read()[-3000:]
+        time.sleep(0.05)
+    victim = worker(launcher, index)
+    while victim is None and launcher.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)  # after a restart line: the new workers start after the back-off
+        victim = worker(launcher, index)
+    try:
+        victim.kill()
+    except (AttributeError, psutil.NoSuchProcess):  # the job had just finished
+        return False, len(open(log).read())
+    return True, len(open(log).read())
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_chaos_kills_before_step_1_mid_run_and_at_the_final_save_end_bit_identical(gpt_data, tmp_path):
+    straight = training_job(gpt_data, tmp_path / "straight")
+    killed = training_job(gpt_data, tmp_path / "killed", "--max_restarts=5", "--restart_backoff=0.2")
+    log = f"{tmp_path / 'killed'}.log"
+    landed = []
+    try:
+        ok, offset = kill_when(log, "step 3/8", 0, killed, 1)  # mid-training
+        landed.append(ok)
+        # the restarted workers, still importing and building (no progress line yet)
+        ok, offset = kill_when(log, "[tfbig-launch] restart 1", offset, killed, 0)
+        landed.append(ok and "step " not in open(log).read()[offset:])
+        ok, offset = kill_when(log, "step 8/8", offset, killed, 1)  # the final save follows
+        landed.append(ok)
+        killed.wait(timeout=TIMEOUT)
+        straight.wait(timeout=TIMEOUT)
+    finally:
+        stop([killed, straight])
+    output = open(log).read()
+    assert killed.returncode == 0 and straight.returncode == 0, output[-5000:]
+    assert landed[0] and landed[1], output[-5000:]
+    assert len(restart_lines(output)) == sum(landed), output[-5000:]
+    assert "holds no checkpoint yet" not in output  # every restart resumed from a checkpoint
+    ours, reference = model_tensors(tmp_path / "killed"), model_tensors(tmp_path / "straight")
+    for key in reference:
+        np.testing.assert_array_equal(ours[key], reference[key], err_msg=key)
