@@ -94,6 +94,7 @@ class Workers:
         self.failure = None
         self.last_step = None
         self.rank_failure = None  # what a launcher said of its first failed rank
+        self._window = ""  # a launcher's last output, where that report is looked for
         addresses = [f"localhost:{port}" for port in free_ports(num_workers)]
         self.procs = []
         for index in range(num_workers):
@@ -127,7 +128,7 @@ class Workers:
         if step:
             self.last_step = int(step.group(1))
         if self.launcher:
-            self._window = (getattr(self, "_window", "") + text)[-400:]  # spans report lines
+            self._window = (self._window + text)[-400:]  # a report spans lines
             for pattern in _RANK_FAILED:
                 found = pattern.search(self._window)
                 if found and not self.rank_failure:
