@@ -6,7 +6,8 @@
   text and defaults (`--helpfull` stays absl's list of everything).
 - A user mistake ends the command with one line `tfbig-<name>: error: ...` and exit code 2, no
   traceback. Which exceptions are user mistakes (`user_message`):
-    * tfbig.errors.UsageError (and DamagedCheckpointError) anywhere;
+    * tfbig.errors.UsageError (and DamagedCheckpointError) anywhere, and
+      tfbig.errors.TrainingStoppedError (a non-finite loss: the last good checkpoint is kept);
     * ValueError and file errors (FileNotFoundError, FileExistsError, NotADirectoryError,
       IsADirectoryError, PermissionError) raised by tfbig's own code (the innermost frame of
       the traceback is a file of this package, data_prep or launch): tfbig's checks of flags,
@@ -25,7 +26,7 @@ import tempfile
 import textwrap
 import traceback
 
-from tfbig.errors import UsageError
+from tfbig.errors import TrainingStoppedError, UsageError
 
 USER_ERROR_EXIT_CODE = 2
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -74,7 +75,7 @@ def _corrupt_shard_report(error):
 
 def user_message(error):
     """The one-line message for a user mistake, or None when `error` is a bug (see above)."""
-    if isinstance(error, UsageError):
+    if isinstance(error, (UsageError, TrainingStoppedError)):
         return str(error)
     if isinstance(error, (ValueError,) + _FILE_ERRORS) and _raised_by_own_code(error):
         return str(error)

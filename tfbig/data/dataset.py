@@ -89,7 +89,9 @@ def make_dataset(data_dir: str, split: str, batch_size: int, *, format: str = "g
         order, total = MixtureOrder(readers, sources.probabilities, seed), None
     else:
         order = RecordReader.for_split(manifest, split, seed, shuffle, skip_corrupt)
-        total = None if repeat else order.num_records
+        readers, total = [order], None if repeat else order.num_records
+    for reader in readers:
+        check_record_lengths(manifest, reader, format)
     _check_not_empty(manifest, split, total, start, batch_size, num_pipelines, pipeline_id)
     records = _slices(order, total, start, batch_size, num_pipelines, pipeline_id, _tracer(trace, pipeline_id))
     return batched(records, manifest, format, batch_size, drop_remainder)
@@ -149,6 +151,30 @@ def batched(records: tf.data.Dataset, manifest, format: str, batch_size: int,
         records = records.map(lambda batch: tf.ensure_shape(batch, [batch_size]))
     batches = records.map(parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
     return batches.prefetch(tf.data.AUTOTUNE).with_options(_options())
+
+
+def check_record_lengths(manifest, reader: RecordReader, format: str) -> None:
+    """Refuse shards whose records are not as long as manifest.json's seq_length makes them (a
+    manifest copied or edited beside other shards), before any batch is read: TensorFlow's
+    ParseExample would fail mid-run instead. Reads the reader's first record; names both lengths."""
+    options = manifest.info.get("format_options", {})
+    expected = formats.get_format(format).features(manifest.seq_length, **options)
+    longer = formats.get_format(format).features(manifest.seq_length + 1, **options)
+    path = reader.paths[int(reader.shard[0])]
+    example = tf.train.Example.FromString(reader.read_records(np.array([0]))[0])
+    for name, (dtype, length) in expected.items():
+        if name not in example.features.feature:
+            raise ValueError(f"{path}: its records have no feature {name!r}, which {manifest.path} "
+                             f"(format {format!r}) says they hold; prepare the data again")
+        values = example.features.feature[name]
+        found = len(values.int64_list.value if dtype == "int64" else values.float_list.value)
+        if found == length:
+            continue
+        written = (f"; they were written with seq_length {manifest.seq_length + found - length}"
+                   if longer[name][1] == length + 1 else "")
+        raise ValueError(f"{path}: its records hold {found} {name} values, but {manifest.path} says "
+                         f"seq_length {manifest.seq_length} ({length} values){written}. Give the "
+                         "shards the manifest.json tfbig-prep wrote with them, or prepare the data again")
 
 
 def count_records(data_dir: str, split: str) -> int:

@@ -122,6 +122,18 @@ class Manifest:
                 raise ValueError(f"{self.path}: {field} is {found!r} but {expected!r} was expected; "
                                  f"prepare the data again with {field}={expected!r} or change the model config")
 
+    def check_tokenizer(self) -> None:
+        """Raise FileNotFoundError naming this manifest and the file if the tokenizer it names
+        (with merges.txt, for GPT-2's vocab.json) is not in the data directory."""
+        files = [self.tokenizer_path]
+        if self.tokenizer.endswith(".json"):  # GPT-2's byte-level BPE: merges.txt beside it
+            files.append(os.path.join(os.path.dirname(self.tokenizer_path), "merges.txt"))
+        for path in files:
+            if not os.path.isfile(path):
+                raise FileNotFoundError(
+                    f"{self.path} names the tokenizer {self.tokenizer!r}, but {path} is missing; "
+                    "copy it back beside the shards or prepare the data again (tfbig-prep)")
+
     def bits_per_byte(self, nats_per_token: float, split: str = "validation") -> float:
         """Convert a mean loss in nats per token into bits per source byte on `split`."""
         info = self.split(split)

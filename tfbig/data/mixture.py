@@ -162,5 +162,8 @@ def source_tokens(data_dir: str, seed: int, examples: int) -> dict[str, float]:
 
 
 def open_manifest(data_dir: str) -> Manifest:
-    """The manifest of one prepared directory, or of a mixture (`mixture_manifest`)."""
-    return mixture_manifest(data_dir) if is_mixture(data_dir) else load_manifest(data_dir)
+    """The manifest of one prepared directory, or of a mixture (`mixture_manifest`), for
+    training on it: the tokenizer it names must be there (a run copies it)."""
+    manifest = mixture_manifest(data_dir) if is_mixture(data_dir) else load_manifest(data_dir)
+    manifest.check_tokenizer()
+    return manifest

@@ -130,6 +130,7 @@ def prepare(inputs: list[str] | None = None, output_dir: str | None = None, seq_
 
         beam.runner_name(runner)  # an unknown runner is refused before any work
     train, validation = sources.plan_splits(spec, _piece_bytes(shard_size_mb), validation_fraction, validation_plays)
+    binary = _skipped_binary_files(spec)
     settings = {"format": format, "seq_length": seq_length, "vocab_size": vocab_size, "seed": seed,
                 "shard_size_mb": shard_size_mb, "spec": dataclasses.asdict(spec), "shard_by_group": shard_by_group}
     tokenizer = tokenizer_file(tokenizer) if tokenizer else None
@@ -151,6 +152,8 @@ def prepare(inputs: list[str] | None = None, output_dir: str | None = None, seq_
     jobs = _plan_jobs(output_dir, spec, settings, {"train": train, "validation": validation}, tokenizer_sha)
     results = _write(jobs, num_workers, runner, beam_options)
     manifest = _manifest(output_dir, settings, jobs, results, spec, key, record_format)
+    if binary:
+        manifest = dataclasses.replace(manifest, info={**manifest.info, "skipped_binary_files": binary})
     write_manifest(manifest)
     _remove_stale_files(output_dir, manifest)
     _log_summary(manifest)
@@ -163,6 +166,18 @@ def _write(jobs, num_workers: int, runner: str, beam_options: tuple[str, ...]) -
     from tfbig.data import beam  # optional extra
 
     return beam.write_shards(jobs, runner, num_workers, tuple(beam_options))
+
+
+def _skipped_binary_files(spec: sources.SourceSpec) -> list[str]:
+    """The input files skipped as binary (`sources.binary_files`), each named in a warning."""
+    binary = sources.binary_files(sources.resolve_files(spec.inputs)) if spec.inputs else []
+    for path in binary:
+        logging.warning("%s: binary content (NUL bytes, or more than %d%% undecodable as UTF-8): skipped",
+                        path, round(sources.BINARY_SHARE * 100))
+    if binary:
+        logging.warning("skipped %d binary file(s) among the inputs; listed in the manifest's "
+                        "info.skipped_binary_files", len(binary))
+    return binary
 
 
 def _in_embedded_cache(output_dir: str, spec: sources.SourceSpec) -> bool:

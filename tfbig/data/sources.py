@@ -40,6 +40,10 @@ JSONL_SUFFIXES = (".jsonl",)
 WIKI_SUFFIXES = (".xml",)  # MediaWiki XML dumps, e.g. enwiki-...-pages-articles.xml.bz2
 _SUFFIXES = TEXT_SUFFIXES + JSONL_SUFFIXES + WIKI_SUFFIXES
 _WIKI_PART = re.compile(r"\.xml-p\d+p\d+$")  # the parts of a split dump: ...-pages-articles1.xml-p1p41242.bz2
+# A MediaWiki XML export begins so, whatever its file is called (a renamed dump, a sample).
+_DUMP_START = re.compile(rb"^(\xef\xbb\xbf)?\s*(<\?xml[^>]*\?>\s*)?(<!--.*?-->\s*)*<mediawiki[\s>]", re.DOTALL)
+HEAD_BYTES = 8192  # what is read of each input file to tell a dump or a binary file by content
+BINARY_SHARE = 0.3  # a file whose head is more than this share undecodable or control characters is binary
 DEFAULT_VALIDATION_PLAYS = ("coriolanus", "henry-v", "twelfth-night")
 
 
@@ -133,7 +137,12 @@ def plan_pieces(spec: SourceSpec, piece_bytes: int) -> list[Piece]:
     if spec.tfds_name:
         pieces = _tfds_pieces(spec, piece_bytes, spec.tfds_split)
     elif spec.inputs:
-        pieces = [p for path in resolve_files(spec.inputs) for p in _file_pieces(path, spec, piece_bytes)]
+        files = resolve_files(spec.inputs)
+        binary = set(binary_files(files))
+        pieces = [p for path in files if path not in binary for p in _file_pieces(path, spec, piece_bytes)]
+        if binary and not pieces:
+            raise ValueError(f"input {spec.describe()} holds only binary files ({', '.join(sorted(binary))}); "
+                             "expected text, Markdown, JSONL or Wikipedia dumps")
     else:
         pieces = [_play_piece(path) for path in shakespeare_plays()]
     if not sum(piece.size for piece in pieces):
@@ -142,12 +151,14 @@ def plan_pieces(spec: SourceSpec, piece_bytes: int) -> list[Piece]:
 
 
 def resolve_files(inputs: tuple[str, ...]) -> list[str]:
-    """Expand each input (file, directory searched recursively, or glob) into files."""
+    """Expand each input (file, directory searched recursively, or glob) into files. A directory
+    gives its files of the known suffixes and any MediaWiki dump, whatever its name."""
     files = []
     for pattern in inputs:
         if os.path.isdir(pattern):
-            found = sorted(os.path.join(root, name) for root, _, names in os.walk(pattern) for name in names
-                           if _readable(name))
+            found = sorted(path for path in (os.path.join(root, name) for root, _, names in os.walk(pattern)
+                                             for name in names)
+                           if _readable(os.path.basename(path)) or _unnamed_dump(path))
         elif os.path.isfile(pattern):
             found = [pattern]
         else:
@@ -169,13 +180,67 @@ def _readable(name: str) -> bool:
     return inner.endswith(_SUFFIXES) or bool(_WIKI_PART.search(inner))
 
 
+def _unnamed_dump(path: str) -> bool:
+    """A MediaWiki dump under a name without a known suffix (not one of an unread compression)."""
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix in compression.UNSUPPORTED_SUFFIXES:
+        return False
+    try:
+        return is_mediawiki_dump(path)
+    except (OSError, ValueError):  # unreadable, or damaged compressed data: not an input asked for
+        return False
+
+
 def _kind(path: str, spec: SourceSpec) -> str:
     name = compression.inner_name(path)
     if name.endswith(JSONL_SUFFIXES):
         return "jsonl"
-    if name.endswith(WIKI_SUFFIXES) or _WIKI_PART.search(name):
+    if name.endswith(WIKI_SUFFIXES) or _WIKI_PART.search(name) or is_mediawiki_dump(path):
         return "wiki"
     return "lines" if spec.doc_per_line else "text"
+
+
+def file_head(path: str, size: int = HEAD_BYTES) -> bytes:
+    """The first `size` bytes of a file's content (decompressed, for a compressed file)."""
+    if not compression.compression_suffix(path):
+        with open(path, "rb") as file:
+            return file.read(size)
+    head = b""
+    blocks = compression.decompressed_blocks(path)
+    for block in blocks:
+        head += block
+        if len(head) >= size:
+            break
+    blocks.close()
+    return head[:size]
+
+
+@functools.lru_cache(maxsize=4096)
+def _head_of(path: str, stamp: str) -> bytes:
+    del stamp  # the cache key: a changed file is read again
+    return file_head(path)
+
+
+def is_mediawiki_dump(path: str) -> bool:
+    """Whether the (decompressed) content of `path` starts as a MediaWiki XML export does
+    (`<mediawiki`, after an XML declaration), whatever the file is called."""
+    return bool(_DUMP_START.match(_head_of(path, _stamp(path))))
+
+
+def looks_binary(head: bytes) -> bool:
+    """Whether bytes from the start of a file are binary rather than text: a NUL byte, or more
+    than BINARY_SHARE of its characters undecodable as UTF-8 or control characters."""
+    if b"\x00" in head:
+        return True
+    text = head.decode("utf-8", errors="replace")
+    bad = sum(1 for c in text if c == "\ufffd" or (ord(c) < 32 and c not in "\t\n\r\f\v\x1b"))
+    return bad > BINARY_SHARE * max(len(text), 1)
+
+
+def binary_files(files: list[str]) -> list[str]:
+    """The files among `files` that hold binary data (`looks_binary` of their head), which
+    tfbig-prep skips: decoded, their bytes would become thousands of rare characters."""
+    return [path for path in files if looks_binary(_head_of(path, _stamp(path)))]
 
 
 def _file_pieces(path: str, spec: SourceSpec, piece_bytes: int) -> list[Piece]:

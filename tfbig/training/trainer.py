@@ -25,6 +25,7 @@ from tfbig.training import evaluation, preflight
 from tfbig.convert import init_checkpoint
 from tfbig.checkpoints import integrity
 from tfbig.checkpoints.checkpoint import rng_variables
+from tfbig.errors import TrainingStoppedError
 from tfbig.training.registry import get_strategy
 from tfbig.training.logs import RunLogger
 from tfbig.models.common import COMPUTE_FIELDS
@@ -36,7 +37,7 @@ PRECISIONS = {"fp32": "float32", "mixed_float16": "mixed_float16",
               "mixed_bfloat16": "mixed_bfloat16"}
 
 
-class NonFiniteLossError(RuntimeError):
+class NonFiniteLossError(TrainingStoppedError):
     """Training produced a NaN/inf loss where no loss scaling can explain it."""
 
 
