@@ -28,7 +28,7 @@ from collections import Counter
 import zstandard
 from absl import app, flags
 
-from tfbig.data import Tokenizer, prepare, sources
+from tfbig.data import prepare, source_spec, sources, Tokenizer
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("copies", 4, "Times the ~5 MB corpus is repeated.")
@@ -42,7 +42,7 @@ flags.DEFINE_integer("files", 4, "Input files the text is spread over (a .zst fi
 
 def scenes() -> list[str]:
     """The embedded corpus's documents."""
-    spec = sources.SourceSpec()
+    spec = source_spec.SourceSpec()
     return [doc for piece in sources.plan_pieces(spec, 1 << 20) for doc in sources.read_documents(piece, spec, Counter())]
 
 

@@ -39,7 +39,7 @@ import re
 
 from absl import app, flags
 
-from tfbig.data import sources
+from tfbig.data import shakespeare, sources
 
 MIN_WORDS = 4  # a shorter quote ("Ay, my lord.") is rarely unique enough to ask about
 CONTINUATIONS = 0  # "how does the line go on" questions per context
@@ -248,12 +248,12 @@ def build(plays, version, seed=0, max_chars=300, questions_per_context=2,
     texts = {}
     for path in plays:
         with open(path, encoding="utf-8") as file:
-            texts[path] = sources.play_scenes(file.read())
+            texts[path] = shakespeare.play_scenes(file.read())
     names = sorted({speaker for scenes in texts.values() for scene in scenes
                     for speaker, _, _ in speeches(scene) if speaker}) if rename_speakers else []
     data = []
     for path in plays:
-        name, scenes = sources.play_name(path), texts[path]
+        name, scenes = shakespeare.play_name(path), texts[path]
         paragraphs = []
         for s, scene in enumerate(scenes):
             scene_lines = [line.strip() for speaker, lines, _ in speeches(scene) if speaker
@@ -274,8 +274,8 @@ def build(plays, version, seed=0, max_chars=300, questions_per_context=2,
 
 def split_plays(validation=sources.DEFAULT_VALIDATION_PLAYS):
     """(train play paths, dev play paths): dev = the plays tfbig-prep holds out."""
-    plays = sources.shakespeare_plays()
-    dev = [p for p in plays if sources.play_name(p) in validation]
+    plays = shakespeare.shakespeare_plays()
+    dev = [p for p in plays if shakespeare.play_name(p) in validation]
     return [p for p in plays if p not in dev], dev
 
 

@@ -69,13 +69,13 @@ PLAYS = ("hamlet", "macbeth", "othello", "twelfth-night")  # twelfth-night: a va
 @pytest.fixture(scope="session")
 def scenes():
     """Scenes of a few embedded plays, as tfbig-prep's documents."""
-    from tfbig.data import sources
+    from tfbig.data import shakespeare
 
     texts = []
-    for path in sources.shakespeare_plays():
-        if sources.play_name(path) in PLAYS:
+    for path in shakespeare.shakespeare_plays():
+        if shakespeare.play_name(path) in PLAYS:
             with open(path, encoding="utf-8") as file:
-                texts += sources.play_scenes(file.read())
+                texts += shakespeare.play_scenes(file.read())
     return texts
 
 

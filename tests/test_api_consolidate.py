@@ -18,7 +18,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 import own_model  # noqa: E402
 
 import tfbig  # noqa: E402
-from tfbig.training import consolidate  # noqa: E402
 from tfbig.commands import consolidate as consolidate_command  # noqa: E402
 from tfbig.checkpoints.checkpoint import reader_key  # noqa: E402
 from tfbig.tasks.user_layout import fresh_layer_names  # noqa: E402

@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from tfbig.data import prepare, sources
+from tfbig.data import file_kinds, prepare, source_spec, sources
 
 from test_wikipedia import ADA_TEXT, _dump
 
@@ -51,17 +51,17 @@ def test_a_binary_file_named_txt_and_one_without_nul_bytes_are_binary(tmp_path):
     (tmp_path / "c.txt").write_bytes(latin1)
     (tmp_path / "d.txt.gz").write_bytes(gzip.compress(random_bytes(5000)))
     files = sorted(str(p) for p in tmp_path.iterdir())
-    assert sources.binary_files(files) == [files[0], files[1], files[3]]
+    assert file_kinds.binary_files(files) == [files[0], files[1], files[3]]
 
 
 def test_only_binary_input_is_refused_naming_the_files(tmp_path):
     (tmp_path / "x.txt").write_bytes(random_bytes(5000))
     with pytest.raises(ValueError, match=r"holds only binary files \(.*x\.txt\)"):
-        sources.plan_pieces(sources.SourceSpec(inputs=(str(tmp_path / "x.txt"),)), 1 << 20)
+        sources.plan_pieces(source_spec.SourceSpec(inputs=(str(tmp_path / "x.txt"),)), 1 << 20)
 
 
 def documents(inputs):
-    spec = sources.SourceSpec(inputs=tuple(inputs))
+    spec = source_spec.SourceSpec(inputs=tuple(inputs))
     skipped = Counter()
     docs = [doc for piece in sources.plan_pieces(spec, 1 << 20)
             for doc in sources.read_documents(piece, spec, Counter(), skipped)]

@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 import zstandard
 
-from tfbig.data import load_manifest, prepare, sources
+from tfbig.data import load_manifest, prepare, source_spec, sources
 
 SEQ, VOCAB = 16, 400
 COMPRESS = {".gz": gzip.compress, ".bz2": bz2.compress, ".xz": lzma.compress,
@@ -92,7 +92,7 @@ def test_pile_components_filtered_grouped_and_counted(pile, tokenizer_file, tmp_
 
 
 def _read_all(path, **spec):
-    spec = sources.SourceSpec(inputs=(str(path),), **spec)
+    spec = source_spec.SourceSpec(inputs=(str(path),), **spec)
     pieces = sources.plan_pieces(spec, 1 << 20)
     return [doc for piece in pieces for doc in sources.read_documents(piece, spec, Counter())]
 

@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 import zstandard
 
-from tfbig.data import load_manifest, prepare, sources
+from tfbig.data import load_manifest, prepare, source_spec, sources
 
 SEQ, VOCAB = 16, 400
 
@@ -56,7 +56,7 @@ def test_one_piece_holds_out_documents_and_trains_with_validation(kind, tmp_path
     write, name, options = INPUTS[kind]
     documents = _documents(document_maker, 300)
     path = write(tmp_path / name, documents)
-    spec = sources.SourceSpec(inputs=(str(path),), **options)
+    spec = source_spec.SourceSpec(inputs=(str(path),), **options)
     assert len(sources.plan_pieces(spec, 1 << 20)) == 1  # one piece: no whole piece to hold out
     manifest = prepare([str(path)], str(tmp_path / "data"), SEQ, VOCAB, shard_size_mb=1, **options,
                        tokenizer=os.path.join(multi_shard_dir, "tokenizer.model"))  # the default fraction, 0.01

@@ -4,7 +4,7 @@ import os
 from collections import Counter
 from xml.sax.saxutils import escape
 
-from tfbig.data import prepare, sources
+from tfbig.data import prepare, source_spec, sources
 
 ADA = """{{Infobox person|name=Ada|birth_date={{birth date|1815|12|10}}}}
 '''Ada Lovelace''' was an [[England|English]] [[mathematician]].<ref>Smith, ''Lives'', p. 3.</ref> She wrote \
@@ -49,7 +49,7 @@ def _dump(path):
 
 def test_articles_are_the_prose_a_reader_sees_and_the_rest_is_counted(tmp_path):
     path = _dump(tmp_path / "enwiki-20240601-pages-articles1.xml.bz2")
-    spec = sources.SourceSpec(inputs=(str(tmp_path),))  # found by the directory search
+    spec = source_spec.SourceSpec(inputs=(str(tmp_path),))  # found by the directory search
     skipped = Counter()
     docs = [doc for piece in sources.plan_pieces(spec, 1 << 20)
             for doc in sources.read_documents(piece, spec, Counter(), skipped)]

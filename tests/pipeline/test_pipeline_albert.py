@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from equality import RecordedGradients  # noqa: E402
 from test_trainer import make_cfg, weights  # noqa: E402
 
-from tfbig.data import sources  # noqa: E402
+from tfbig.data import shakespeare# noqa: E402
 from tfbig.distribute.base import accumulate_gradients  # noqa: E402
 from tfbig.pipeline.strategy import PipelineStrategy  # noqa: E402
 from tfbig.tasks.albert import AlbertTask  # noqa: E402
@@ -30,9 +30,9 @@ def albert_data(tmp_path_factory):
     from tfbig.data import prepare
 
     root = tmp_path_factory.mktemp("albert_text")
-    play = next(p for p in sources.shakespeare_plays() if sources.play_name(p) == "macbeth")
+    play = next(p for p in shakespeare.shakespeare_plays() if shakespeare.play_name(p) == "macbeth")
     with open(play, encoding="utf-8") as file:
-        for index, scene in enumerate(sources.play_scenes(file.read())):
+        for index, scene in enumerate(shakespeare.play_scenes(file.read())):
             (root / f"scene{index:03d}.txt").write_text(scene, encoding="utf-8")
     out = str(tmp_path_factory.mktemp("albert_data"))
     prepare([str(root)], out, seq_length=32, vocab_size=400, shard_size_mb=0.5,

@@ -2,14 +2,14 @@
 import pytest
 
 from data_prep import shakespeare_qa
-from tfbig.data import sources
+from tfbig.data import shakespeare
 
 TRAIN_PLAYS = ("macbeth",)
 DEV_PLAYS = ("twelfth-night",)
 
 
 def plays(names):
-    return [p for p in sources.shakespeare_plays() if sources.play_name(p) in names]
+    return [p for p in shakespeare.shakespeare_plays() if shakespeare.play_name(p) in names]
 
 
 @pytest.fixture(scope="session")
@@ -34,5 +34,5 @@ def qa_tokenizer(tmp_path_factory):
     texts = []
     for path in plays(TRAIN_PLAYS + DEV_PLAYS):
         with open(path, encoding="utf-8") as file:
-            texts += sources.play_scenes(file.read())
+            texts += shakespeare.play_scenes(file.read())
     return Tokenizer.train(texts, 600, str(tmp_path_factory.mktemp("qa_tok") / "tokenizer"))

@@ -3,7 +3,7 @@ import json
 import re
 
 from data_prep import shakespeare_qa
-from tfbig.data import sources
+from tfbig.data import shakespeare, sources
 
 
 def questions(dataset):
@@ -83,7 +83,7 @@ def test_deterministic_and_dev_plays_held_out(qa_play_paths):
     assert first == shakespeare_qa.build(dev_play, "2.0", seed=3)
     assert first != shakespeare_qa.build(dev_play, "2.0", seed=4)
     train, dev = shakespeare_qa.split_plays()
-    assert {sources.play_name(p) for p in dev} == set(sources.DEFAULT_VALIDATION_PLAYS)
+    assert {shakespeare.play_name(p) for p in dev} == set(sources.DEFAULT_VALIDATION_PLAYS)
     assert not set(train) & set(dev) and len(train) + len(dev) == 38
 
 
@@ -173,7 +173,7 @@ def test_renamed_speakers_are_other_speakers_of_the_plays_the_same_within_a_cont
     plays = qa_play_paths[0] + qa_play_paths[1]
     plain = shakespeare_qa.build(plays, "2.0")
     renamed = shakespeare_qa.build(plays, "2.0", rename_speakers=True, finds_per_context=1)
-    names = {speaker for path in plays for scene in sources.play_scenes(open(path).read())
+    names = {speaker for path in plays for scene in shakespeare.play_scenes(open(path).read())
              for speaker, _, _ in shakespeare_qa.speeches(scene) if speaker}
     pairs = [(a, b) for x, y in zip(plain["data"], renamed["data"])
              for a, b in zip(x["paragraphs"], y["paragraphs"])]

@@ -15,7 +15,7 @@ from tfbig.commands.squad import SquadOptions, fine_tune
 @pytest.fixture(scope="module")
 def pretrained_run(tmp_path_factory, qa_tokenizer, qa_play_paths):
     """A tfbig-train --model=albert run directory (tiny model, a few steps, seq 64)."""
-    from tfbig.data import sources
+    from tfbig.data import shakespeare
     from tfbig.config import ExperimentConfig
     from tfbig.data import prepare
     from tfbig.tasks import get_task
@@ -23,7 +23,7 @@ def pretrained_run(tmp_path_factory, qa_tokenizer, qa_play_paths):
 
     text = tmp_path_factory.mktemp("pretrain_text")
     with open(qa_play_paths[0][0], encoding="utf-8") as file:
-        for index, scene in enumerate(sources.play_scenes(file.read())):
+        for index, scene in enumerate(shakespeare.play_scenes(file.read())):
             (text / f"scene{index:02d}.txt").write_text(scene, encoding="utf-8")
     data_dir = str(tmp_path_factory.mktemp("pretrain_data"))
     prepare([str(text)], data_dir, seq_length=64, vocab_size=600, shard_size_mb=1,

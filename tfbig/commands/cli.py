@@ -29,7 +29,7 @@ import traceback
 from tfbig.errors import TrainingStoppedError, UsageError
 
 USER_ERROR_EXIT_CODE = 2
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
 _OWN_CODE = tuple(os.path.join(_ROOT, d) + os.sep for d in ("tfbig", "data_prep", "launch"))
 _FILE_ERRORS = (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
                 PermissionError)

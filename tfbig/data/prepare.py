@@ -28,7 +28,7 @@ from collections import Counter
 import numpy as np
 from absl import logging
 
-from tfbig.data import formats, shards, sources, tfrecord
+from tfbig.data import file_kinds, formats, shards, source_spec, sources, tfrecord
 from tfbig.data.manifest import MANIFEST_NAME, Manifest, ShardInfo, SplitInfo, load_manifest, write_manifest
 from tfbig.data.tokenizer import (Tokenizer, is_byte_level_bpe, load_tokenizer, tokenizer_file,
                                   tokenizer_files, tokenizer_sha256)
@@ -114,7 +114,7 @@ def prepare(inputs: list[str] | None = None, output_dir: str | None = None, seq_
         "dataflow", "spark", "flink", "portable"; see `tfbig.data.beam`): the same shards and manifest.
       beam_options: extra Beam pipeline options (e.g. "--project=p", "--region=r") for a Beam runner.
     """
-    spec = sources.SourceSpec(tuple(inputs or ()), doc_per_line, jsonl_field, jsonl_group_field, tuple(jsonl_groups),
+    spec = source_spec.SourceSpec(tuple(inputs or ()), doc_per_line, jsonl_field, jsonl_group_field, tuple(jsonl_groups),
                               tfds_name, tfds_split, tfds_validation_split, tfds_text_key, tfds_data_dir)
     if shard_by_group and not jsonl_groups:
         raise ValueError("--shard_by_group needs --jsonl_groups: the groups to write shards of (e.g. "
@@ -168,19 +168,19 @@ def _write(jobs, num_workers: int, runner: str, beam_options: tuple[str, ...]) -
     return beam.write_shards(jobs, runner, num_workers, tuple(beam_options))
 
 
-def _skipped_binary_files(spec: sources.SourceSpec) -> list[str]:
-    """The input files skipped as binary (`sources.binary_files`), each named in a warning."""
-    binary = sources.binary_files(sources.resolve_files(spec.inputs)) if spec.inputs else []
+def _skipped_binary_files(spec: source_spec.SourceSpec) -> list[str]:
+    """The input files skipped as binary (`file_kinds.binary_files`), each named in a warning."""
+    binary = file_kinds.binary_files(sources.resolve_files(spec.inputs)) if spec.inputs else []
     for path in binary:
         logging.warning("%s: binary content (NUL bytes, or more than %d%% undecodable as UTF-8): skipped",
-                        path, round(sources.BINARY_SHARE * 100))
+                        path, round(file_kinds.BINARY_SHARE * 100))
     if binary:
         logging.warning("skipped %d binary file(s) among the inputs; listed in the manifest's "
                         "info.skipped_binary_files", len(binary))
     return binary
 
 
-def _in_embedded_cache(output_dir: str, spec: sources.SourceSpec) -> bool:
+def _in_embedded_cache(output_dir: str, spec: source_spec.SourceSpec) -> bool:
     """Whether output_dir is a directory of tfbig's embedded-corpus cache (default_data_dir)."""
     cache = os.path.dirname(default_data_dir(1, 1))
     return (not spec.inputs and not spec.tfds_name
@@ -188,7 +188,7 @@ def _in_embedded_cache(output_dir: str, spec: sources.SourceSpec) -> bool:
             and os.path.basename(output_dir.rstrip("/")).startswith("shakespeare-"))
 
 
-def _output_dir(output_dir: str | None, spec: sources.SourceSpec, seq_length: int, vocab_size: int) -> str:
+def _output_dir(output_dir: str | None, spec: source_spec.SourceSpec, seq_length: int, vocab_size: int) -> str:
     if output_dir:
         return output_dir
     if spec.inputs or spec.tfds_name:
@@ -340,7 +340,7 @@ def _train_tokenizer(target, recipe, train, spec, vocab_size, seed, sample_mb) -
     return sha
 
 
-def _sample(pieces: list[sources.Piece], budget: float) -> list[sources.Piece]:
+def _sample(pieces: list[source_spec.Piece], budget: float) -> list[source_spec.Piece]:
     """Every k-th piece, so the sample spans the whole input and stays under budget."""
     total = sum(piece.size for piece in pieces)
     return pieces[::max(1, math.ceil(total / budget))]
@@ -349,7 +349,7 @@ def _sample(pieces: list[sources.Piece], budget: float) -> list[sources.Piece]:
 # ---------------------------------------------------------------- plan and run
 
 
-def _pieces_key(pieces: list[sources.Piece]) -> str:
+def _pieces_key(pieces: list[source_spec.Piece]) -> str:
     return hashlib.sha256(json.dumps([p.key() for p in pieces]).encode()).hexdigest()
 
 
@@ -439,7 +439,7 @@ def _record_bytes_per_source_byte(pieces, spec, tokenizer_path: str, seq_length:
     return record / width * len(ids) / text_bytes
 
 
-def _balanced_groups(pieces: list[sources.Piece], target: float) -> list[list[sources.Piece]]:
+def _balanced_groups(pieces: list[source_spec.Piece], target: float) -> list[list[source_spec.Piece]]:
     """Cut the pieces into ceil(total / target) runs of about equal size."""
     if not pieces:
         return []
@@ -477,7 +477,7 @@ def _manifest(output_dir, settings, jobs, results, spec, key, record_format) -> 
 
 def _held_out_by(jobs) -> dict:
     """How the validation split was held out, for the manifest: whole pieces (files, line ranges,
-    plays) or, for an input of too few pieces, documents inside them (`sources.held_out_document`)."""
+    plays) or, for an input of too few pieces, documents inside them (`source_spec.held_out_document`)."""
     sides = [piece for job in jobs for piece in job.pieces if piece.side]
     if not sides:
         return {"by": "piece"}

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import numpy as np
 from absl import logging
 
-from tfbig.data import formats, sources, tfrecord
+from tfbig.data import formats, source_spec, sources, tfrecord
 from tfbig.data.tokenizer import Tokenizer, load_tokenizer
 
 
@@ -33,8 +33,8 @@ class ShardJob:
     split: str
     index: int
     num_shards: int
-    pieces: tuple[sources.Piece, ...]
-    spec: sources.SourceSpec
+    pieces: tuple[source_spec.Piece, ...]
+    spec: source_spec.SourceSpec
     output_dir: str
     format: str
     seq_length: int
