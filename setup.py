@@ -34,7 +34,7 @@ setup(
             "tfbig-squad=tfbig.commands.squad:run",
             "tfbig-export=tfbig.commands.export:run",
             "tfbig-profile=tfbig.commands.profile:run",
-            "tfbig-launch=launch.local:run",
+            "tfbig-launch=tfbig.commands.launch:run",
             "tfbig-plan=tfbig.commands.plan:run",
             "tfbig-convert=tfbig.commands.convert:run",
             "tfbig-classify=tfbig.commands.classify:run",

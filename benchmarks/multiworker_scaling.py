@@ -22,7 +22,7 @@ sys.path.insert(0, _scaling.ROOT)
 
 def measure(args, workers, run_dir):
     """The chief's last logged train values with `workers` processes."""
-    from launch.local import Workers
+    from tfbig.training.workers import Workers
 
     config_path = _scaling.write_experiment(args, "multiworker", workers, run_dir)
     out_path = os.path.join(run_dir, "train.json")

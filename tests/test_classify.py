@@ -114,7 +114,7 @@ def _launch(strategy, flags, out, root):
                f"--output_dir={out}", *flags]
     launcher = ([os.path.join(os.path.dirname(sys.executable), "horovodrun"), "-np", "2", "-H",
                  "localhost:2", "--gloo"] if strategy == "horovod" else
-                [sys.executable, "-m", "launch.local", "--workers=2", "--"])
+                [sys.executable, "-m", "tfbig.commands.launch", "--workers=2", "--"])
     return subprocess.run(launcher + program, cwd=root, capture_output=True, text=True,
                           timeout=600, env={**os.environ, "PYTHONPATH": root,
                                             "TF_CPP_MIN_LOG_LEVEL": "2"})
@@ -216,7 +216,7 @@ def _launch_worker(strategy, run, tmp_path):
     path.write_text(json.dumps(run))
     launcher = ([os.path.join(os.path.dirname(sys.executable), "horovodrun"), "-np", "2", "-H",
                  "localhost:2", "--gloo"] if strategy == "horovod" else
-                [sys.executable, "-m", "launch.local", "--workers=2", "--"])
+                [sys.executable, "-m", "tfbig.commands.launch", "--workers=2", "--"])
     worker = os.path.join(root, "tests", "classify_worker.py")
     return subprocess.run(launcher + [sys.executable, worker, str(path)], cwd=root,
                           capture_output=True, text=True, timeout=600,

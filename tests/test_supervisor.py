@@ -1,4 +1,4 @@
-"""tfbig-launch --max_restarts: the supervisor that restarts the whole job (launch/supervisor.py).
+"""tfbig-launch --max_restarts: the supervisor that restarts the whole job (tfbig/training/supervisor.py).
 
 The rules on small shell jobs (restart, budget, back-off, causes, what is not restarted, every
 process stopped), then real training: a worker of a 2-worker TF_CONFIG job killed with SIGKILL
@@ -18,7 +18,7 @@ import psutil
 import pytest
 import tensorflow as tf
 
-from launch import supervisor
+from tfbig.training import supervisor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 600
@@ -30,8 +30,8 @@ def env():
 
 
 def launch(*args, timeout=120):
-    """python -m launch.local ARGS -> (exit code, stdout + stderr)."""
-    done = subprocess.run([sys.executable, "-m", "launch.local", *args], cwd=ROOT, env=env(),
+    """python -m tfbig.commands.launch ARGS -> (exit code, stdout + stderr)."""
+    done = subprocess.run([sys.executable, "-m", "tfbig.commands.launch", *args], cwd=ROOT, env=env(),
                           capture_output=True, text=True, timeout=timeout)
     return done.returncode, done.stdout + done.stderr
 
@@ -171,7 +171,7 @@ TRAIN = ["--strategy=multiworker", "--preset=tiny", "--num_layers=2", "--hidden_
 
 def training_job(data_dir, model_dir, *launch_flags):
     """tfbig-launch --workers=2 LAUNCH_FLAGS -- python -m tfbig.train ... as a process."""
-    command = [sys.executable, "-m", "launch.local", "--workers=2", *launch_flags, "--",
+    command = [sys.executable, "-m", "tfbig.commands.launch", "--workers=2", *launch_flags, "--",
                sys.executable, "-m", "tfbig.train", *TRAIN, f"--data_dir={data_dir}",
                f"--model_dir={model_dir}"]
     log = open(f"{model_dir}.log", "w")
@@ -240,7 +240,7 @@ def test_a_worker_killed_mid_training_is_restarted_and_ends_bit_identical(gpt_da
 def horovod_job(data_dir, model_dir, *launch_flags):
     """tfbig-launch LAUNCH_FLAGS -- horovodrun -np 2 ... python -m tfbig.train --strategy=horovod."""
     train = [f if f != "--strategy=multiworker" else "--strategy=horovod" for f in TRAIN]
-    command = [sys.executable, "-m", "launch.local", *launch_flags, "--",
+    command = [sys.executable, "-m", "tfbig.commands.launch", *launch_flags, "--",
                "horovodrun", "-np", "2", "-H", "localhost:2", "--gloo",
                sys.executable, "-m", "tfbig.train", *train, f"--data_dir={data_dir}",
                f"--model_dir={model_dir}"]

@@ -35,6 +35,8 @@ MOVED = {
     "tfbig.doctor.__main__": "tfbig.commands.doctor",
     "tfbig.convert.__main__": "tfbig.commands.convert",
     "data_prep.prep": "tfbig.commands.prep",  # data_prep/__init__.py imports tfbig for this
+    "launch.local": "tfbig.commands.launch",  # so does launch/__init__.py
+    "launch.supervisor": "tfbig.training.supervisor",
     # the loop and what stands beside it
     "tfbig.trainer": "tfbig.training.trainer",
     "tfbig.budget": "tfbig.training.budget",

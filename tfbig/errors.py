@@ -6,6 +6,8 @@ Raise them (or a ValueError / FileNotFoundError from tfbig's own checks) with a 
 names the flag or file, the value seen and what would be valid.
 """
 
+USER_ERROR_EXIT_CODE = 2  # a console script's exit code for a user mistake (never restarted)
+
 
 class UsageError(ValueError):
     """A flag, file or combination the user chose that tfbig cannot run."""

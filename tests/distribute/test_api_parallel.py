@@ -149,7 +149,7 @@ def test_my_model_under_zero3_on_four_ranks_equals_one_process(tmp_path):
 @pytest.mark.slow
 def test_my_model_on_two_multiworker_workers_equals_one_process(tmp_path):
     plan = write_plan(tmp_path, MULTIWORKER)
-    done = subprocess.run([sys.executable, "-m", "launch.local", "--workers=2", "--",
+    done = subprocess.run([sys.executable, "-m", "tfbig.commands.launch", "--workers=2", "--",
                            sys.executable, WORKER, str(plan)], cwd=ROOT, text=True,
                           capture_output=True, timeout=1200,
                           env={**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"})

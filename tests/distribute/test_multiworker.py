@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from equality import RecordedGradients  # noqa: E402
 from test_trainer import ReplicasTask, assert_weights_close, make_cfg, weights  # noqa: E402
 
-from launch.local import free_ports, tf_config  # noqa: E402
+from tfbig.training.workers import free_ports, tf_config  # noqa: E402
 from tfbig import config as config_lib  # noqa: E402
 from tfbig.tasks import get_task  # noqa: E402
 from tfbig.training.trainer import Trainer  # noqa: E402
@@ -49,7 +49,7 @@ def worker_env():
 
 
 def launch_command(cfg, out, workers=2, extra=()):
-    return [sys.executable, "-m", "launch.local", f"--workers={workers}", "--",
+    return [sys.executable, "-m", "tfbig.commands.launch", f"--workers={workers}", "--",
             sys.executable, WORKER, write_config(cfg, out), str(out), *extra]
 
 

@@ -154,7 +154,7 @@ def launch(strategy, flags, out, root):
 
     launcher = ([os.path.join(os.path.dirname(sys.executable), "horovodrun"), "-np", "2", "-H",
                  "localhost:2", "--gloo"] if strategy == "horovod" else
-                [sys.executable, "-m", "launch.local", "--workers=2", "--"])
+                [sys.executable, "-m", "tfbig.commands.launch", "--workers=2", "--"])
     command = launcher + [sys.executable, "-m", "tfbig.commands.squad", f"--strategy={strategy}",
                           f"--output_dir={out}", *flags]
     return subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600,

@@ -26,9 +26,8 @@ import tempfile
 import textwrap
 import traceback
 
-from tfbig.errors import TrainingStoppedError, UsageError
+from tfbig.errors import USER_ERROR_EXIT_CODE, TrainingStoppedError, UsageError
 
-USER_ERROR_EXIT_CODE = 2
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
 _OWN_CODE = tuple(os.path.join(_ROOT, d) + os.sep for d in ("tfbig", "data_prep", "launch"))
 _FILE_ERRORS = (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,

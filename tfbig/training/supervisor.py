@@ -27,9 +27,8 @@ import signal
 import threading
 
 from tfbig.checkpoints import integrity
-from tfbig.commands.cli import USER_ERROR_EXIT_CODE
 from tfbig.config import TrainConfig
-from tfbig.errors import UsageError
+from tfbig.errors import USER_ERROR_EXIT_CODE, UsageError
 from tfbig.models.common import COMPUTE_FIELDS
 
 BACKOFF_CAP = 300.0  # seconds: the longest wait between restarts
