@@ -21,38 +21,21 @@ import hashlib
 import json
 import math
 import os
-import re
-import shutil
 from collections import Counter
 
 import numpy as np
 from absl import logging
 
 from tfbig.data import file_kinds, formats, shards, source_spec, sources, tfrecord
-from tfbig.data.manifest import MANIFEST_NAME, Manifest, ShardInfo, SplitInfo, load_manifest, write_manifest
-from tfbig.data.tokenizer import (Tokenizer, is_byte_level_bpe, load_tokenizer, tokenizer_file,
-                                  tokenizer_files, tokenizer_sha256)
-from tfbig.data.wordpiece_vocab import WordPieceVocab
-
-TOKENIZER_NAME = "tokenizer.model"
-WORDPIECE_NAME = "vocab.txt"  # --format=bert: a WordPiece vocabulary (tfbig.data.WordPieceVocab)
-BPE_NAME = "vocab.json"  # GPT-2's byte-level BPE (--tokenizer=a GPT-2 directory), merges.txt beside it
-
-
-def tokenizer_name(format: str, byte_level_bpe: bool = False) -> str:
-    """File name of the tokenizer next to the shards of `format`."""
-    if byte_level_bpe:
-        return BPE_NAME
-    return WORDPIECE_NAME if format == "bert" else TOKENIZER_NAME
-
-
-def _tokenizer_name(settings: dict) -> str:
-    return tokenizer_name(settings["format"], settings.get("tokenizer_kind") == "byte_level_bpe")
-
+from tfbig.data.manifest import Manifest, ShardInfo, SplitInfo, write_manifest
+from tfbig.data.prep_output import (existing_config, finished_preparation, pieces_key,
+                                    refuse_conflicts, remove_stale_files)
+from tfbig.data.prep_tokenizer import recorded_tokenizer_name, tokenizer_step
+from tfbig.data.tokenizer import (is_byte_level_bpe, load_tokenizer, tokenizer_file,
+                                  tokenizer_sha256)
 
 PIECE_BYTES = 1 << 20  # input granularity: shards are runs of pieces
 SAMPLE_BYTES = 256 << 10  # text tokenized up front to estimate shard sizes
-_SHARD_FILE = re.compile(r"^(train|validation)(-[\w-]+)?-\d{5}-of-\d{5}\.tfrecord(?P<suffix>\.done|\.tmp)?$")
 
 
 def default_data_dir(seq_length: int, vocab_size: int = 8000) -> str:
@@ -140,13 +123,13 @@ def prepare(inputs: list[str] | None = None, output_dir: str | None = None, seq_
         settings["format_options"] = {name: value for name, value in sorted(format_options.items())
                                       if name != "copy_prob" or value}
     os.makedirs(output_dir, exist_ok=True)
-    existing = _existing_config(output_dir)
-    _refuse_conflicts(output_dir, existing, {"format": format, "seq_length": seq_length}, overwrite)
-    tokenizer_sha = _tokenizer_step(output_dir, tokenizer, train, spec, vocab_size, seed,
+    existing = existing_config(output_dir)
+    refuse_conflicts(output_dir, existing, {"format": format, "seq_length": seq_length}, overwrite)
+    tokenizer_sha = tokenizer_step(output_dir, tokenizer, train, spec, vocab_size, seed,
                                     tokenizer_sample_mb, existing, overwrite, format,
-                                    _tokenizer_name(settings))
+                                    recorded_tokenizer_name(settings))
     key = _prep_key(settings, train, validation, tokenizer_sha)
-    manifest = _finished(output_dir, key, overwrite)
+    manifest = finished_preparation(output_dir, key, overwrite)
     if manifest is not None:
         return manifest
     jobs = _plan_jobs(output_dir, spec, settings, {"train": train, "validation": validation}, tokenizer_sha)
@@ -155,7 +138,7 @@ def prepare(inputs: list[str] | None = None, output_dir: str | None = None, seq_
     if binary:
         manifest = dataclasses.replace(manifest, info={**manifest.info, "skipped_binary_files": binary})
     write_manifest(manifest)
-    _remove_stale_files(output_dir, manifest)
+    remove_stale_files(output_dir, manifest)
     _log_summary(manifest)
     return manifest
 
@@ -210,188 +193,20 @@ def _piece_bytes(shard_size_mb: float) -> int:
 # ---------------------------------------------------------------- existing directory
 
 
-def _existing_config(output_dir: str) -> dict:
-    """Settings of shards already in output_dir: {field: (value, where found)}."""
-    found = {}
-    manifest_path = os.path.join(output_dir, MANIFEST_NAME)
-    if os.path.isfile(manifest_path):
-        manifest = load_manifest(output_dir)
-        for field in ("format", "seq_length", "vocab_size", "tokenizer_sha256"):
-            found[field] = (getattr(manifest, field), MANIFEST_NAME)
-        found["prep_key"] = (manifest.info.get("prep_key"), MANIFEST_NAME)
-    for name in sorted(os.listdir(output_dir)):
-        if name.endswith(".tfrecord.done") and _SHARD_FILE.match(name):
-            try:
-                with open(os.path.join(output_dir, name)) as file:
-                    config = json.load(file).get("config", {})
-            except (OSError, json.JSONDecodeError):
-                continue
-            for field, value in config.items():
-                found.setdefault(field, (value, name))
-    return found
-
-
-def _refuse_conflicts(output_dir: str, existing: dict, requested: dict, overwrite: bool) -> None:
-    """ValueError naming both values if output_dir holds shards made with other settings."""
-    if overwrite:
-        return
-    for field, value in requested.items():
-        if field in existing and existing[field][0] != value:
-            old, where = existing[field]
-            raise ValueError(f"{output_dir} holds shards made with {field}={old!r} (see {where}) but "
-                             f"{field}={value!r} was requested; choose another --output_dir or pass --overwrite")
-
-
 # ---------------------------------------------------------------- tokenizer
-
-
-def _tokenizer_step(output_dir, given, train, spec, vocab_size, seed, sample_mb, existing, overwrite,
-                    format="gpt", name=TOKENIZER_NAME) -> str:
-    """Put the tokenizer in output_dir as `name` (tokenizer.model; vocab.txt for bert; vocab.json +
-    merges.txt for a given byte-level BPE): copy, reuse or train; return its sha256."""
-    target = os.path.join(output_dir, name)
-    if given:
-        _check_tokenizer_kind(given, format)
-        sha = _checked_tokenizer_sha(given, vocab_size)
-        if not overwrite and existing.get("tokenizer_sha256", (sha,))[0] != sha:
-            raise ValueError(f"{output_dir} holds shards made with a tokenizer of sha256 "
-                             f"{existing['tokenizer_sha256'][0][:12]}... (see {existing['tokenizer_sha256'][1]}) "
-                             f"but --tokenizer={given} has sha256 {sha[:12]}...; "
-                             "choose another --output_dir or pass --overwrite")
-        if not _holds_tokenizer(target, sha):
-            for file_name, source in sorted(tokenizer_files(given).items(), key=lambda f: f[0] == name):
-                copy = os.path.join(output_dir, name if source == given else file_name)
-                shutil.copyfile(source, copy + ".tmp")  # the named file last: it marks the copy done
-                os.replace(copy + ".tmp", copy)
-        return sha
-    recipe = {"vocab_size": vocab_size, "seed": seed, "sample_mb": sample_mb,
-              "model_type": "wordpiece" if format == "bert" else "bpe",
-              "trained_on": _pieces_key(train), "spec": dataclasses.asdict(spec)}
-    reused = _reusable_tokenizer(target, recipe)
-    if reused:
-        return reused
-    if not overwrite and "tokenizer_sha256" in existing:
-        old = existing.get("vocab_size", ("?", ""))[0]
-        raise ValueError(f"{output_dir} holds shards whose tokenizer was trained on other input or settings "
-                         f"(vocab_size={old}, see {existing['tokenizer_sha256'][1]}); this run would train a new "
-                         f"one (vocab_size={vocab_size}) on {spec.describe()}; choose another --output_dir or "
-                         "pass --overwrite")
-    return _train_tokenizer(target, recipe, train, spec, vocab_size, seed, sample_mb)
-
-
-def _holds_tokenizer(target: str, sha: str) -> bool:
-    """Whether output_dir already holds the tokenizer of sha256 `sha` as `target` (and merges.txt)."""
-    try:
-        return tokenizer_sha256(target) == sha
-    except OSError:
-        return False
-
-
-def _check_tokenizer_kind(source: str, format: str) -> None:
-    if is_byte_level_bpe(source) and format != "gpt":
-        raise ValueError(f"--tokenizer={source} is GPT-2's byte-level BPE, which has no [CLS], [SEP] "
-                         f"or [MASK]; --format={format} needs its own tokenizer (BPE is for --format=gpt)")
-    if (format == "bert") != source.endswith(".txt"):
-        expected = "a WordPiece vocab.txt" if format == "bert" else "a SentencePiece .model file"
-        raise ValueError(f"--tokenizer={source}: --format={format} needs {expected}")
-    if format == "gpt" and hasattr(load_tokenizer(source), "line_end_id"):
-        raise ValueError(f"--tokenizer={source} is a released ALBERT SentencePiece model (no "
-                         "newline piece, no end-of-document id); it prepares --format=albert")
-
-
-def _checked_tokenizer_sha(source: str, vocab_size: int) -> str:
-    loaded = load_tokenizer(source)
-    if loaded.vocab_size != vocab_size:
-        raise ValueError(f"--tokenizer={source} has vocab_size={loaded.vocab_size} but --vocab_size={vocab_size}; "
-                         "make them agree")
-    try:
-        eos = loaded.eos_id
-    except ValueError:  # a BPE vocabulary without <|endoftext|>
-        eos = -1
-    if eos < 0:
-        raise ValueError(f"--tokenizer={source} has no end-of-document (eos) piece; train it with eos_id set")
-    return tokenizer_sha256(source)
-
-
-def _reusable_tokenizer(target: str, recipe: dict) -> str | None:
-    """sha256 of target if a sidecar says it was trained with exactly this recipe."""
-    try:
-        with open(target + ".json") as file:
-            record = json.load(file)
-    except (OSError, json.JSONDecodeError):
-        return None
-    if record.get("recipe") != json.loads(json.dumps(recipe)) or not os.path.isfile(target):
-        return None
-    sha = shards.file_sha256(target)
-    return sha if sha == record.get("sha256") else None
-
-
-def _train_tokenizer(target, recipe, train, spec, vocab_size, seed, sample_mb) -> str:
-    texts = (doc for piece in _sample(train, sample_mb * 2**20) for doc in sources.read_documents(piece, spec, Counter()))
-    kind = recipe["model_type"]
-    logging.info("training a %d-token %s tokenizer on up to %.0f MB of %s", vocab_size, kind, sample_mb, spec.describe())
-    if kind == "wordpiece":
-        WordPieceVocab.train(texts, vocab_size, target)
-    else:
-        Tokenizer.train(texts, vocab_size, target + ".training", seed=seed)
-        os.replace(target + ".training.model", target)
-    sha = shards.file_sha256(target)
-    shards._write_json(target + ".json", {"recipe": recipe, "sha256": sha})
-    return sha
-
-
-def _sample(pieces: list[source_spec.Piece], budget: float) -> list[source_spec.Piece]:
-    """Every k-th piece, so the sample spans the whole input and stays under budget."""
-    total = sum(piece.size for piece in pieces)
-    return pieces[::max(1, math.ceil(total / budget))]
 
 
 # ---------------------------------------------------------------- plan and run
 
 
-def _pieces_key(pieces: list[source_spec.Piece]) -> str:
-    return hashlib.sha256(json.dumps([p.key() for p in pieces]).encode()).hexdigest()
-
-
 def _prep_key(settings: dict, train, validation, tokenizer_sha: str) -> str:
-    content = {**settings, "train": _pieces_key(train), "validation": _pieces_key(validation),
+    content = {**settings, "train": pieces_key(train), "validation": pieces_key(validation),
                "tokenizer_sha256": tokenizer_sha}
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
 
 
-def _finished(output_dir: str, key: str, overwrite: bool) -> Manifest | None:
-    """The existing manifest if it was made by the same key and all shards check out.
-
-    A manifest made with a different key is refused (unless overwrite); an invalid or
-    stale one is removed so no reader trusts it while shards are rewritten.
-    """
-    path = os.path.join(output_dir, MANIFEST_NAME)
-    if not os.path.isfile(path):
-        return None
-    manifest = load_manifest(output_dir)
-    if manifest.info.get("prep_key") != key and not overwrite:
-        raise ValueError(f"{output_dir} already holds data prepared from other input or settings "
-                         f"(source {manifest.info.get('source')!r}, shard_size_mb "
-                         f"{manifest.info.get('shard_size_mb')}, ...); choose another --output_dir or pass --overwrite")
-    if manifest.info.get("prep_key") == key and _shards_intact(manifest):
-        logging.info("%s: already prepared and intact; nothing to do", output_dir)
-        return manifest
-    os.remove(path)
-    return None
-
-
-def _shards_intact(manifest: Manifest) -> bool:
-    for split in manifest.splits.values():
-        for shard in split.shards:
-            path = os.path.join(manifest.data_dir, shard.file)
-            if not os.path.isfile(path) or shards.file_sha256(path) != shard.sha256:
-                logging.warning("%s is missing or damaged; writing it again", path)
-                return False
-    return True
-
-
 def _plan_jobs(output_dir, spec, settings, splits: dict, tokenizer_sha: str) -> list[shards.ShardJob]:
-    tokenizer_path = os.path.join(output_dir, _tokenizer_name(settings))
+    tokenizer_path = os.path.join(output_dir, recorded_tokenizer_name(settings))
     ratio = _record_bytes_per_source_byte(splits["train"], spec, tokenizer_path, settings["seq_length"])
     target = settings["shard_size_mb"] * 2**20 / ratio  # source bytes per shard
     # Per-group shards: every group's shards read the same runs of pieces and keep their own
@@ -453,7 +268,7 @@ def _balanced_groups(pieces: list[source_spec.Piece], target: float) -> list[lis
 
 
 def _manifest(output_dir, settings, jobs, results, spec, key, record_format) -> Manifest:
-    name = _tokenizer_name(settings)
+    name = recorded_tokenizer_name(settings)
     tokenizer = load_tokenizer(os.path.join(output_dir, name))
     splits = {}
     for split in ("train", "validation"):
@@ -501,17 +316,6 @@ def _group_counts(jobs, results) -> dict:
     if any(group for split_groups in groups.values() for group in split_groups):
         counts["groups"] = {split: dict(sorted(g.items())) for split, g in groups.items()}
     return counts
-
-
-def _remove_stale_files(output_dir: str, manifest: Manifest) -> None:
-    """Delete shard files (and sidecars, temps) of older runs that the new manifest does not list."""
-    keep = {shard.file for split in manifest.splits.values() for shard in split.shards}
-    for name in os.listdir(output_dir):
-        match = _SHARD_FILE.match(name)
-        if not match:
-            continue
-        if match["suffix"] == ".tmp" or name.removesuffix(match["suffix"] or "") not in keep:
-            os.remove(os.path.join(output_dir, name))
 
 
 def _log_summary(manifest: Manifest) -> None:
