@@ -21,6 +21,7 @@ from tfbig.checkpoint import model_variables  # noqa: E402
 from tfbig.distribute import tensor_layout, zero_checkpoint  # noqa: E402
 from tfbig.errors import UsageError  # noqa: E402
 from tfbig.models.gpt import GPT, GPTConfig  # noqa: E402
+from tfbig.models.llama import Llama, LlamaConfig  # noqa: E402
 from tfbig.pipeline import stage_checkpoint  # noqa: E402
 
 
@@ -91,22 +92,27 @@ class Generator:
         return ids
 
 
+DECODERS = {"gpt": (GPT, GPTConfig), "llama": (Llama, LlamaConfig)}  # model_format -> classes
+
+
 def load_model(model_dir):
-    """The GPT in `model_dir` (config.json + latest checkpoint) and its tokenizer path."""
+    """The GPT or Llama in `model_dir` (config.json + latest checkpoint) and its tokenizer path."""
     path = os.path.join(model_dir, "config.json")
     if not os.path.exists(path):
         raise FileNotFoundError(f"--model_dir={model_dir} has no config.json; train a model "
                                 f"there with tfbig-train first")
     with open(path) as f:
         saved = json.load(f)
-    if saved.get("model_format", "gpt") != "gpt":
-        raise ValueError(f"--model_dir={model_dir} holds a {saved['model_format']} model; "
-                         f"tfbig-generate needs a GPT")
+    family = saved.get("model_format", "gpt")
+    if family not in DECODERS:
+        raise ValueError(f"--model_dir={model_dir} holds a {family} model; "
+                         f"tfbig-generate needs a GPT or a Llama")
     warn = lambda m: print(m, file=sys.stderr)  # noqa: E731
     latest, _ = integrity.newest_intact(model_dir, warn=warn)
     if latest is None:
         raise FileNotFoundError(f"--model_dir={model_dir} has no checkpoint")
-    model = GPT(GPTConfig(**saved["model_config"]), name="gpt")
+    model_class, config_class = DECODERS[family]
+    model = model_class(config_class(**saved["model_config"]), name=family)
     model.build((None, None))
     pieces = next((m for m in (tensor_layout, stage_checkpoint, zero_checkpoint)  # per-rank pieces
                    if m.read_layout(model_dir) is not None), None)

@@ -54,12 +54,16 @@ def convert(options):
         if options.format != "auto" or lowercase is not None:
             raise UsageError("--format and --lowercase describe an import (--to=tfbig); the "
                              "export reads them from the run's config.json")
-        from tfbig.convert import export_hf
+        from tfbig.convert import export_hf, llama
+        if llama.is_run(options.source):  # Llama family: tfbig.convert.llama
+            return llama.export_command(options.source, options.output_dir)
         return export_hf.export(options.source, options.output_dir)
     if options.to != "tfbig":
         raise UsageError(f"--to={options.to!r}: expected tfbig or huggingface")
-    from tfbig.convert import bert_names, run_dir, sources
+    from tfbig.convert import bert_names, llama, run_dir, sources
 
+    if llama.is_source(options.source, options.format, lowercase):  # Llama, Mistral, Qwen
+        return llama.convert_command(options.source, options.output_dir)
     published = sources.read(options.source, options.format, lowercase)
     if published.family == "gpt":
         if lowercase is not None:
