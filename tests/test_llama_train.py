@@ -50,3 +50,32 @@ def test_llama_trains_generates_and_exports(gpt_data, tmp_path):
     hidden = backbone({"token_ids": tokens, "padding_mask": np.ones_like(tokens)})
     theirs = np.asarray(backbone.token_embedding(hidden, reverse=True))
     np.testing.assert_allclose(theirs, model(tokens).numpy(), atol=1e-5, rtol=0)
+
+
+def test_training_starts_from_a_converted_keras_hub_llama(gpt_data, tmp_path):
+    """tfbig-convert of a keras-hub preset, then --init_checkpoint: the trainer's model starts
+    with keras-hub's logits (its vocabulary is the data's, 320); the test above trains."""
+    keras_hub = pytest.importorskip("keras_hub")
+    import keras
+
+    from tfbig.convert import ConvertOptions, convert
+
+    keras.utils.set_random_seed(3)
+    backbone = keras_hub.models.LlamaBackbone(
+        vocabulary_size=320, num_layers=2, num_query_heads=4, num_key_value_heads=1,
+        hidden_dim=32, intermediate_dim=72, dtype="float32")
+    rng = np.random.default_rng(0)
+    for w in backbone.weights:
+        if w.path.endswith("scale"):
+            w.assign(1 + 0.3 * rng.standard_normal(w.shape).astype("float32"))
+    backbone.save_to_preset(str(tmp_path / "preset"))
+    convert(ConvertOptions(source=str(tmp_path / "preset"), output_dir=str(tmp_path / "run")))
+
+    cfg = llama_cfg(gpt_data, tmp_path / "train", init_checkpoint=str(tmp_path / "run"),
+                    preset="small", num_layers=0, hidden_size=0, num_heads=0, max_steps=2)
+    trainer = Trainer(cfg)
+    assert trainer.model.config.num_kv_heads == 1  # the checkpoint's architecture (MQA)
+    tokens = np.array([[5, 9, 2, 7, 11, 300]], np.int32)
+    hidden = backbone({"token_ids": tokens, "padding_mask": np.ones_like(tokens)})
+    theirs = np.asarray(backbone.token_embedding(hidden, reverse=True))
+    np.testing.assert_allclose(trainer.model(tokens).numpy(), theirs, atol=1e-5, rtol=0)

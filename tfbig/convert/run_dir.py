@@ -22,6 +22,7 @@ import tensorflow as tf
 from tfbig.checkpoint import model_key, model_variables
 from tfbig.errors import UsageError
 from tfbig.models.configs import AlbertConfig, BertConfig, GPTConfig
+from tfbig.models.llama_config import LlamaConfig
 
 
 def write(output_dir, config, weights, vocab_file, lowercase, source, family="bert"):
@@ -64,7 +65,7 @@ def read_config(run_dir, families=("bert",)):
         raise UsageError(f"{path}: model_format={saved.get('model_format')!r}; expected one of "
                          f"{list(families)}")
     config_class = {"bert": BertConfig, "albert": AlbertConfig,
-                    "gpt": GPTConfig}[saved["model_format"]]
+                    "gpt": GPTConfig, "llama": LlamaConfig}[saved["model_format"]]
     return config_class(**saved["model_config"]), saved
 
 
