@@ -47,7 +47,7 @@ TOP = [
     ("final_norm/scale", "model.norm.weight", "sequence_output_layernorm/scale", None),
     ("head/kernel", "lm_head.weight", "token_embedding/reverse_embeddings", "untied"),
 ]
-# Hugging Face model_type -> (architecture, what the family computes that Llama's config does not say)
+# Hugging Face model_type -> (architecture, the LlamaConfig fields the family implies)
 FAMILIES = {"llama": ("LlamaForCausalLM", {}),
             "mistral": ("MistralForCausalLM", {}),
             "qwen2": ("Qwen2ForCausalLM", {"attention_bias": True}),

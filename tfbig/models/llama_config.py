@@ -83,6 +83,13 @@ class LlamaConfig(ArchitectureConfig):
         attention = c * q + 2 * c * kv + q * c + ((q + 2 * kv) if self.attention_bias else 0)
         return 2 * c + attention + (2 * hs if self.qk_norm else 0) + 3 * c * i
 
+    def block_matmul_params(self):
+        """Weights of one block's matrices (q, k, v, proj; gate, up, down): what a token
+        multiplies by, without the norm scales and biases."""
+        c, hs = self.hidden_size, self.head_size
+        q, kv = self.num_heads * hs, self.num_kv_heads * hs
+        return 2 * c * q + 2 * c * kv + 3 * c * self.intermediate_size
+
     def num_params(self):
         """Closed-form parameter count (matches the built model exactly)."""
         c, v = self.hidden_size, self.vocab_size
@@ -93,16 +100,19 @@ class LlamaConfig(ArchitectureConfig):
         """Training FLOPs per token: 6 x matmul params applied per token (the head included,
         the token lookup not) + attention scores and weighted sums (PaLM appendix B)."""
         t = seq_length or self.seq_length
-        matmul_params = self.num_layers * self.block_params() + self.hidden_size * self.vocab_size
+        matmul_params = self.num_layers * self.block_matmul_params() + \
+            self.hidden_size * self.vocab_size
         return 6 * matmul_params + 12 * self.num_layers * self.num_heads * self.head_size * t
 
 
 # Presets are plain data. tiny/small are CPU-sized (small: the main job's GPT `small` widths,
 # tied like SmolLM); the rest are the published Llama 3.x shapes (config.json of
-# meta-llama/Llama-3.2-1B, Llama-3.1-8B, -70B, -405B), for the planner and conversion.
+# meta-llama/Llama-3.2-1B, Llama-3.1-8B, -70B, -405B), for the planner and conversion. Their
+# seq_length is the 8192-token pretraining context (what tfbig-plan plans at); RoPE scaling
+# reads up to 131072 (--seq_length raises it: RoPE has no table to grow).
 _LLAMA3_ROPE = dict(rope_theta=500000.0, rope_scaling="llama3", rope_factor=8.0,
                     rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
-                    rope_original_seq_length=8192, vocab_size=128256, seq_length=131072,
+                    rope_original_seq_length=8192, vocab_size=128256, seq_length=8192,
                     num_kv_heads=8)
 LLAMA_PRESETS = {
     "tiny": dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
