@@ -83,7 +83,8 @@ def test_keras_hub_backbone_logits_equal_tfbig(backbones, family):
 
 @pytest.mark.parametrize("family,reader", [("llama", "LlamaBackbone"),
                                            ("mistral", "LlamaBackbone"),
-                                           ("qwen", "QwenBackbone")])
+                                           ("qwen", "QwenBackbone"),
+                                           ("qwen3", "Qwen3Backbone")])
 def test_preset_to_run_to_huggingface_read_by_keras_hub(backbones, family, reader, tmp_path):
     preset, run, hf = tmp_path / "preset", tmp_path / "run", tmp_path / "hf"
     backbones[family].save_to_preset(str(preset))
@@ -94,7 +95,7 @@ def test_preset_to_run_to_huggingface_read_by_keras_hub(backbones, family, reade
 
     convert(ConvertOptions(source=str(run), output_dir=str(hf), to="huggingface"))
     raw = json.loads((hf / "config.json").read_text())
-    assert raw["model_type"] == ("qwen2" if family == "qwen" else "llama")
+    assert raw["model_type"] == {"qwen": "qwen2", "qwen3": "qwen3"}.get(family, "llama")
     loaded = getattr(keras_hub.models, reader).from_preset(str(hf), dtype="float32")
     np.testing.assert_allclose(keras_hub_logits(loaded), model(TOKENS).numpy(), atol=1e-5,
                                rtol=0)
@@ -257,3 +258,11 @@ def test_export_refuses_a_non_empty_output_and_writes_nothing_more(backbones, tm
     with pytest.raises(UsageError, match="already holds a config.json"):
         llama.write_huggingface(str(tmp_path / "hf"), config, weights, max_shard_bytes=1000)
     assert sorted(os.listdir(tmp_path / "hf")) == before
+
+
+def test_a_backbone_of_another_family_is_refused_by_its_registered_name():
+    other = keras_hub.models.GPT2Backbone(vocabulary_size=11, num_layers=1, num_heads=2,
+                                          hidden_dim=8, intermediate_dim=16,
+                                          max_sequence_length=8)
+    with pytest.raises(UsageError, match="a keras_hub>GPT2Backbone; the Llama family reads"):
+        llama.from_keras_hub(other)

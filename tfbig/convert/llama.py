@@ -88,11 +88,11 @@ def read_keras_hub(directory, raw=None):
     import keras_hub
 
     raw = _json(os.path.join(directory, "config.json")) if raw is None else raw
-    name = raw.get("registered_name", "").split(">")[-1]
+    name = raw.get("registered_name", "")
     if name not in llama_names.KERAS_HUB:
-        raise UsageError(f"{directory}/config.json: a {raw.get('registered_name')!r} preset; "
-                         f"the Llama family reads {sorted(llama_names.KERAS_HUB)}")
-    backbone = getattr(keras_hub.models, name).from_preset(directory)
+        raise UsageError(f"{directory}/config.json: a {name!r} preset; the Llama family reads "
+                         f"{sorted(llama_names.KERAS_HUB)}")
+    backbone = getattr(keras_hub.models, name.split(">")[-1]).from_preset(directory)
     config, weights = from_keras_hub(backbone, os.path.join(directory, "model.weights.h5"))
     assets = os.path.join(directory, "assets", "tokenizer")
     files = {f: os.path.join(assets, f) for f in sorted(os.listdir(assets))} \
@@ -203,7 +203,7 @@ def _source_kind(directory):
         return None
     if raw.get("model_type") in llama_names.FAMILIES:
         return "huggingface"
-    if str(raw.get("registered_name", "")).split(">")[-1] in llama_names.KERAS_HUB:
+    if raw.get("registered_name") in llama_names.KERAS_HUB:
         return "keras_hub"
     return None
 

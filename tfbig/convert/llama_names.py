@@ -52,9 +52,11 @@ FAMILIES = {"llama": ("LlamaForCausalLM", {}),
             "mistral": ("MistralForCausalLM", {}),
             "qwen2": ("Qwen2ForCausalLM", {"attention_bias": True}),
             "qwen3": ("Qwen3ForCausalLM", {"qk_norm": True})}
-# keras-hub backbone class -> Hugging Face model_type of the same architecture
-KERAS_HUB = {"LlamaBackbone": "llama", "Llama3Backbone": "llama", "MistralBackbone": "mistral",
-             "QwenBackbone": "qwen2", "Qwen3Backbone": "qwen3"}
+# keras-hub backbone (its registered name, as a preset's config.json says) -> Hugging Face
+# model_type of the same architecture
+KERAS_HUB = {"keras_hub>LlamaBackbone": "llama", "keras_hub>Llama3Backbone": "llama",
+             "keras_hub>MistralBackbone": "mistral", "keras_hub>QwenBackbone": "qwen2",
+             "keras_hub>Qwen3Backbone": "qwen3"}
 KERAS_HUB_SEQ_LENGTH = 2048  # a keras-hub backbone has no position limit; the converted run's
 
 
@@ -259,10 +261,11 @@ def hf_config(config, bos_id=None, eos_id=None):
 
 def config_from_keras_hub(backbone, where):
     """LlamaConfig of a keras-hub Llama/Llama3/Mistral/Qwen/Qwen3 backbone object."""
-    name = type(backbone).__name__
+    import keras
+
+    name = keras.saving.get_registered_name(backbone.__class__)
     if name not in KERAS_HUB:
-        raise UsageError(f"{where}: a keras-hub {name}; the Llama family reads "
-                         f"{sorted(KERAS_HUB)}")
+        raise UsageError(f"{where}: a {name}; the Llama family reads {sorted(KERAS_HUB)}")
     c = backbone.get_config()
     for key in ("rope_position_scaling_factor", "rope_scaling_factor"):
         if c.get(key, 1.0) != 1.0:
@@ -270,7 +273,7 @@ def config_from_keras_hub(backbone, where):
                              "Llama 3 way (rope_frequency_adjustment_factor, ...)")
     seq_length = KERAS_HUB_SEQ_LENGTH
     window = c.get("sliding_window", c.get("sliding_window_size"))
-    active = c.get("use_sliding_window_attention", name != "QwenBackbone")
+    active = c.get("use_sliding_window_attention", name != "keras_hub>QwenBackbone")
     if active and window and window < seq_length:
         raise UsageError(f"{where}: sliding_window={window}, below the converted model's "
                          f"seq_length={seq_length}; tfbig's Llama attends over the whole "
