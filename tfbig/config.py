@@ -23,8 +23,9 @@ def field(default, help):  # noqa: A002 - mirrors absl's argument name
 class TrainConfig:
     """What to train, on what data, for how long, and how."""
 
-    model: str = field("gpt", "Model family to train: gpt | albert | bert.")
-    preset: str = field("small", "Model size preset (see tfbig.models.gpt.GPT_PRESETS).")
+    model: str = field("gpt", "Model family to train: gpt | albert | bert | llama.")
+    preset: str = field("small", "Model size preset (see tfbig.models.gpt.GPT_PRESETS; "
+                                 "--model=llama: tfbig.models.llama_config.LLAMA_PRESETS).")
     num_layers: int = field(0, "Override the preset's number of layers (0 keeps the preset).")
     hidden_size: int = field(0, "Override the preset's hidden size (0 keeps the preset).")
     num_heads: int = field(0, "Override the preset's number of attention heads (0 keeps it).")

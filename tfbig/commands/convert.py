@@ -7,6 +7,8 @@ and tfbig BERT/ALBERT/GPT runs back out to Hugging Face directories.
     tfbig-convert --source=albert_base/ --output_dir=runs/albert-base  # model.ckpt, HF, keras-hub
     tfbig-convert --source=gpt2/ --output_dir=runs/gpt2     # HF GPT-2 or a keras-hub preset
     tfbig-convert --source=runs/bert-base --to=huggingface --output_dir=hf/      # export
+    tfbig-convert --source=Llama-3.2-1B/ --output_dir=runs/llama  # Llama, Mistral, Qwen 2/3:
+                         # HF safetensors or a keras-hub preset, and back (tfbig.convert.llama)
 
 The source format and family are detected from its files (--format to force a format). The run
 directory holds config.json (model_format "bert", "albert" or "gpt"), the tokenizer (vocab.txt,
@@ -30,8 +32,9 @@ from tfbig.errors import UsageError  # noqa: E402
 class ConvertOptions:
     """What to convert, from which format, to where."""
 
-    source: str = field("", "Directory to read: a published BERT, ALBERT or GPT-2 (--to=tfbig) "
-                            "or a tfbig BERT/ALBERT/GPT run directory (--to=huggingface).")
+    source: str = field("", "Directory to read: a published BERT, ALBERT, GPT-2, Llama, Mistral "
+                            "or Qwen (--to=tfbig) or a tfbig BERT/ALBERT/GPT/Llama run "
+                            "directory (--to=huggingface).")
     output_dir: str = field("", "Directory to write (must not hold a checkpoint yet).")
     to: str = field("tfbig", "tfbig: import --source into a tfbig run directory; huggingface: "
                              "export a tfbig BERT/ALBERT/GPT run as config.json + "
@@ -54,12 +57,16 @@ def convert(options):
         if options.format != "auto" or lowercase is not None:
             raise UsageError("--format and --lowercase describe an import (--to=tfbig); the "
                              "export reads them from the run's config.json")
-        from tfbig.convert import export_hf
+        from tfbig.convert import export_hf, llama
+        if llama.is_run(options.source):  # Llama family: tfbig.convert.llama
+            return llama.export_command(options.source, options.output_dir)
         return export_hf.export(options.source, options.output_dir)
     if options.to != "tfbig":
         raise UsageError(f"--to={options.to!r}: expected tfbig or huggingface")
-    from tfbig.convert import bert_names, run_dir, sources
+    from tfbig.convert import bert_names, llama, run_dir, sources
 
+    if llama.is_source(options.source, options.format, lowercase):  # Llama, Mistral, Qwen
+        return llama.convert_command(options.source, options.output_dir)
     published = sources.read(options.source, options.format, lowercase)
     if published.family == "gpt":
         if lowercase is not None:

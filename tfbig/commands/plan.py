@@ -19,9 +19,9 @@ from tfbig.models import shapes as models
 
 # flag -> (definer name, default, help); layout flags are searched unless given.
 FLAGS_SPEC = {
-    "model": ("string", "gpt", "Model family: gpt | albert."),
+    "model": ("string", "gpt", "Model family: gpt | albert | llama."),
     "preset": ("string", "small", "Model size preset (tfbig.models.gpt.GPT_PRESETS / "
-                                  "albert.ALBERT_PRESETS)."),
+                                  "albert.ALBERT_PRESETS / llama_config.LLAMA_PRESETS)."),
     "num_layers": ("integer", 0, "Override the preset's layers (0 keeps it)."),
     "hidden_size": ("integer", 0, "Override the preset's hidden size (0 keeps it)."),
     "num_heads": ("integer", 0, "Override the preset's attention heads (0 keeps it)."),

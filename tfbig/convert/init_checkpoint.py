@@ -85,7 +85,8 @@ def apply(task, cfg):
     _check_resume(cfg, directory)
     import tensorflow as tf
 
-    config, saved = run_dir.read_config(directory, families=("gpt", "albert", "bert"))
+    config, saved = run_dir.read_config(directory,
+                                         families=("gpt", "albert", "bert", "llama"))
     path = os.path.join(directory, "config.json")
     if not tf.train.latest_checkpoint(directory):
         raise UsageError(f"--init_checkpoint={directory}: no checkpoint in it (expected the "

@@ -26,6 +26,8 @@ from tfbig.errors import UsageError
 from tfbig.layouts import stage_checkpoint, tensor_layout, zero_checkpoint
 from tfbig.models.configs import AlbertConfig, BertConfig, GPTConfig
 from tfbig.models.gpt import GPT
+from tfbig.models.llama import Llama
+from tfbig.models.llama_config import LlamaConfig
 
 
 def write(output_dir, config, weights, vocab_file, lowercase, source, family="bert"):
@@ -68,7 +70,7 @@ def read_config(run_dir, families=("bert",)):
         raise UsageError(f"{path}: model_format={saved.get('model_format')!r}; expected one of "
                          f"{list(families)}")
     config_class = {"bert": BertConfig, "albert": AlbertConfig,
-                    "gpt": GPTConfig}[saved["model_format"]]
+                    "gpt": GPTConfig, "llama": LlamaConfig}[saved["model_format"]]
     return config_class(**saved["model_config"]), saved
 
 
@@ -127,22 +129,27 @@ def assign(model, weights):
         variables[key].assign(np.asarray(value, variables[key].dtype.name))
 
 
+DECODERS = {"gpt": (GPT, GPTConfig), "llama": (Llama, LlamaConfig)}  # model_format -> classes
+
+
 def load_model(model_dir):
-    """The GPT in `model_dir` (config.json + latest checkpoint) and its tokenizer path."""
+    """The GPT or Llama in `model_dir` (config.json + latest checkpoint) and its tokenizer path."""
     path = os.path.join(model_dir, "config.json")
     if not os.path.exists(path):
         raise FileNotFoundError(f"--model_dir={model_dir} has no config.json; train a model "
                                 f"there with tfbig-train first")
     with open(path) as f:
         saved = json.load(f)
-    if saved.get("model_format", "gpt") != "gpt":
-        raise ValueError(f"--model_dir={model_dir} holds a {saved['model_format']} model; "
-                         f"tfbig-generate needs a GPT")
+    family = saved.get("model_format", "gpt")
+    if family not in DECODERS:
+        raise ValueError(f"--model_dir={model_dir} holds a {family} model; "
+                         f"tfbig-generate needs a GPT or a Llama")
     warn = lambda m: print(m, file=sys.stderr)  # noqa: E731
     latest, _ = integrity.newest_intact(model_dir, warn=warn)
     if latest is None:
         raise FileNotFoundError(f"--model_dir={model_dir} has no checkpoint")
-    model = GPT(GPTConfig(**saved["model_config"]), name="gpt")
+    model_class, config_class = DECODERS[family]
+    model = model_class(config_class(**saved["model_config"]), name=family)
     model.build((None, None))
     pieces = next((m for m in (tensor_layout, stage_checkpoint, zero_checkpoint)  # per-rank pieces
                    if m.read_layout(model_dir) is not None), None)

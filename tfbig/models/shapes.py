@@ -18,12 +18,14 @@ import dataclasses
 from tfbig.models.common import uses_blockwise
 from tfbig.models.configs import (ALBERT_PRESETS, GPT_PRESETS, AlbertConfig, BertConfig,
                                   GPTConfig)
+from tfbig.models.llama_config import LLAMA_PRESETS, LlamaConfig
 
-FAMILIES = {"gpt": (GPTConfig, GPT_PRESETS), "albert": (AlbertConfig, ALBERT_PRESETS)}
+FAMILIES = {"gpt": (GPTConfig, GPT_PRESETS), "albert": (AlbertConfig, ALBERT_PRESETS),
+            "llama": (LlamaConfig, LLAMA_PRESETS)}
 
 
 def load_configs(family):
-    """(config class, preset table) of `family` (gpt | albert)."""
+    """(config class, preset table) of `family` (gpt | albert | llama)."""
     if family not in FAMILIES:
         raise ValueError(f"--model={family!r}: expected one of {sorted(FAMILIES)}")
     return FAMILIES[family]
@@ -66,6 +68,10 @@ class Shape:
     # trainable variables as tfbig's models create them (the optimizer updates each with its
     # own ops; a calibration times that per variable)
     num_variables: int = 0
+    # key/value heads per query head (grouped-query attention: Llama's num_kv_heads / num_heads)
+    kv_fraction: float = 1.0
+    # a gated MLP (Llama's SwiGLU: gate, up and down matrices) instead of one up, one down
+    gated_mlp: bool = False
 
     @property
     def shared_layers(self):
@@ -78,18 +84,22 @@ def shape_of(cfg, family, seq_length, masked_per_seq=None):
     (`masked_per_seq`: ALBERT/BERT's masked-LM positions per sequence, for the head's cost)."""
     c, f = cfg.hidden_size, cfg.intermediate_size
     layer = (3 * c * c + 3 * c) + (c * c + c) + (c * f + f) + (f * c + c) + 4 * c
+    llama = isinstance(cfg, LlamaConfig)
+    layer = cfg.block_params() if llama else layer
     distinct = getattr(cfg, "num_groups", cfg.num_layers)
     specs = SPECS[family_of(cfg)](cfg, seq_length, masked_per_seq)
     return Shape(family, cfg.num_layers, c, cfg.num_heads, f, cfg.vocab_size, seq_length,
                  cfg.dropout > 0, cfg.num_params(), layer, distinct * layer,
                  cfg.flops_per_token(seq_length), *_end_params(cfg, family), tuple(specs),
                  uses_blockwise(cfg.attention, seq_length),
-                 LAYER_VARIABLES * distinct + _end_variables(cfg, family))
+                 _layer_variables(cfg) * distinct + _end_variables(cfg, family),
+                 cfg.num_kv_heads / cfg.num_heads if llama else 1.0, llama)
 
 
 def family_of(cfg):
-    """gpt | albert | bert: the family of an architecture config."""
-    for cls, name in ((GPTConfig, "gpt"), (AlbertConfig, "albert"), (BertConfig, "bert")):
+    """gpt | albert | bert | llama: the family of an architecture config."""
+    for cls, name in ((GPTConfig, "gpt"), (AlbertConfig, "albert"), (BertConfig, "bert"),
+                      (LlamaConfig, "llama")):
         if isinstance(cfg, cls):
             return name
     raise ValueError(f"no cost model for {type(cfg).__name__}; it knows GPTConfig, "
@@ -114,6 +124,14 @@ def fine_tune_specs(cfg, seq_length):
 LAYER_VARIABLES = 12  # 2 LayerNorms' scale and offset; QKV, output, MLP in and out: kernel, bias
 
 
+def _layer_variables(cfg):
+    """Trainable variables of one transformer layer (Llama: 2 RMSNorm scales, q, k, v, proj,
+    gate, up and down kernels, Qwen 2's 3 biases, Qwen 3's 2 QK-norm scales)."""
+    if not isinstance(cfg, LlamaConfig):
+        return LAYER_VARIABLES
+    return 9 + (3 if cfg.attention_bias else 0) + (2 if cfg.qk_norm else 0)
+
+
 def _end_variables(cfg, family):
     """Trainable variables besides the transformer layers: GPT's token and position tables,
     final LayerNorm (pre-LN) and untied head; ALBERT's and BERT's three tables, embedding
@@ -121,6 +139,8 @@ def _end_variables(cfg, family):
     bias, and the sentence-pair head."""
     if family == "gpt":
         return 2 + (2 if cfg.pre_layer_norm else 0) + (0 if cfg.tie_embeddings else 1)
+    if family == "llama":  # token table, final RMSNorm, untied head
+        return 2 + (0 if cfg.tie_embeddings else 1)
     return 3 + 2 + (2 if family == "albert" else 0) + 2 + 2 + 2 + 1 + 2
 
 
@@ -129,6 +149,8 @@ def _end_params(cfg, family):
     v, c = cfg.vocab_size, cfg.hidden_size
     if family == "gpt":
         return (v + cfg.seq_length) * c, (2 * c if cfg.pre_layer_norm else 0) + v * c
+    if family == "llama":  # the token table; the final RMSNorm and the output matrix
+        return v * c, c + v * c
     # ALBERT: embedding and its projection; pooler, MLM and SOP heads. BERT: tables at H, no
     # projection; pooler, MLM and NSP heads.
     e = getattr(cfg, "embedding_size", c)
@@ -160,6 +182,19 @@ def _gpt_specs(cfg, seq_length, masked_per_seq=None):
             + [LayerSpec(n, (n,), block_params, block_flops) for n in names[1:-1]]
             + [LayerSpec("head", ("final_norm", "head"), head_params, 6 * c * v,
                          ("embedding/token",) if cfg.tie_embeddings else ())])
+
+
+def _llama_specs(cfg, seq_length, masked_per_seq=None):
+    """Llama: the token table (a lookup: no matmul FLOPs), the blocks (q, k, v, proj and
+    SwiGLU's three matrices; attention over the query heads), the final RMSNorm and head."""
+    c, v, t = cfg.hidden_size, cfg.vocab_size, seq_length
+    block = cfg.block_params()
+    block_flops = 6 * cfg.block_matmul_params() + 12 * cfg.num_heads * cfg.head_size * t
+    names = [f"block_{i}" for i in range(cfg.num_layers)]
+    return ([LayerSpec("embedding", ("embedding",), v * c, 0)]
+            + [LayerSpec(n, (n,), block, block_flops) for n in names]
+            + [LayerSpec("head", ("final_norm", "head"), c + (0 if cfg.tie_embeddings else c * v),
+                         6 * c * v, ("embedding",) if cfg.tie_embeddings else ())])
 
 
 def _albert_specs(cfg, seq_length, masked_per_seq=None):
@@ -200,4 +235,5 @@ def _bert_specs(cfg, seq_length, masked_per_seq=None):
 
 # LayerSpecs (embedding, transformer layers, head) of each family, from (config, seq_length,
 # masked positions per sequence)
-SPECS = {"gpt": _gpt_specs, "albert": _albert_specs, "bert": _bert_specs}
+SPECS = {"gpt": _gpt_specs, "albert": _albert_specs, "bert": _bert_specs,
+         "llama": _llama_specs}

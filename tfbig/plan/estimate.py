@@ -116,10 +116,21 @@ def layer_activation_bytes(shape, layout, precision):
     replicated = ((10 if shape.dropout else 8) + LAYERNORM_OUTPUTS) * h / (
         t if layout.sequence_parallel else 1)
     scores = 0 if blockwise else (5 if shape.dropout else 2) * a * s
-    gathered = 4 * c * h if c > 1 else 0  # the whole sequence's K and V, per local token
-    split = (24 * h + scores + gathered) / t
+    gathered = 4 * c * h * shape.kv_fraction if c > 1 else 0  # the whole sequence's K and V
+    split = (split_layer_bytes(shape) + scores + gathered) / t
     statistics = LSE_BYTES * a / t if blockwise else 0
     return (replicated + split) * _act_bytes(precision) / 2 + statistics
+
+
+def split_layer_bytes(shape):
+    """16-bit bytes per token a layer keeps of what tensor parallelism splits. GPT: Q, K, V
+    and the attention output (8h), the MLP's 4h-wide input and GELU output (16h). Llama: Q and
+    the attention output (4h), K and V at the key/value heads' width (4h x kv_fraction), and
+    SwiGLU's gate, its SiLU, up and their product (8f)."""
+    h = shape.hidden_size
+    if not shape.gated_mlp:
+        return 24 * h
+    return (4 + 4 * shape.kv_fraction) * h + 8 * shape.intermediate_size
 
 
 def normalisation_bytes(shape, layout, precision):
@@ -152,7 +163,7 @@ def backward_working_bytes(shape, layout, precision):
     of its derivative and of their product with that gradient, up to three 4h/t-wide alive
     together (allocation traces on this machine: benchmarks/pipeline_memory_trace.py; the
     last becomes the gradient of the GELU's input), + the float32 copy of a 16-bit input."""
-    wide = 4 * shape.hidden_size / layout.tensor
+    wide = (shape.intermediate_size if shape.gated_mlp else 4 * shape.hidden_size) / layout.tensor
     return wide * _act_bytes(precision) + 3 * wide * 4 + (0 if precision == "fp32" else wide * 4)
 
 
@@ -295,8 +306,10 @@ def matmul_products(shape, layout, micro_batch):
     h, f, a = shape.hidden_size, shape.intermediate_size, shape.num_heads
     d = h // a
     layers, heads = shape.num_layers, shape.num_layers * micro_batch * a / t
-    return [((tokens, h, 3 * h / t), layers), ((tokens, h / t, h), layers),
-            ((tokens, h, f / t), layers), ((tokens, f / t, h), layers),
+    qkv = (1 + 2 * shape.kv_fraction) * h  # grouped-query attention: narrower K and V
+    up = 2 if shape.gated_mlp else 1  # SwiGLU's gate and up
+    return [((tokens, h, qkv / t), layers), ((tokens, h / t, h), layers),
+            ((tokens, h, f / t), up * layers), ((tokens, f / t, h), layers),
             ((s, d, s), heads), ((s, s, d), heads),  # per sequence and head
             ((tokens, h, shape.vocab_size / t), 1)]
 
@@ -349,7 +362,8 @@ def tick_time(shape, layout, micro_batch, precision, cluster, stage):
     # blockwise attention's tiles are written and read as dense attention's scores are (Keras
     # ops, no fused kernel keeps them on chip) and recomputed in the backward: dense's traffic
     dense = dataclasses.replace(shape, blockwise=False)
-    whole_kv = 2 * micro_batch * shape.seq_length * shape.hidden_size / t * _act_bytes(precision)
+    whole_kv = (2 * micro_batch * shape.seq_length * shape.hidden_size * shape.kv_fraction / t
+                * _act_bytes(precision))
     context = (layers * (3 if recompute else 2) * cluster.collective_time(
         whole_kv, layout.context, t, 1) if layout.context > 1 else 0.0)
     # counted at float32 width in every precision: tfbig's softmax and LayerNorms run in

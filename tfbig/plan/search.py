@@ -81,12 +81,23 @@ def evaluate(shape, layout, batch_size, precision, cluster, token_budget):
                     days * 24 * layout.gpus, stage)
 
 
+# What tfbig-train runs per family where that is less than every layout: {flag: largest value}.
+# The Llama family trains under data parallelism, ZeRO 1-2 and activation checkpointing; its
+# tensor, pipeline, context-parallel and ZeRO-3 plans do not exist yet (tfbig-train refuses).
+FAMILY_LIMITS = {"llama": {"tensor_parallel": 1, "pipeline_stages": 1, "context_parallel": 1,
+                           "zero_stage": 2}}
+
+
 def _divisors(n):
     return [i for i in range(1, n + 1) if n % i == 0]
 
 
 def check_layout(shape, fixed, cluster, batch_size):
     """Named errors for fixed flags that cannot divide the model, the cluster or the batch."""
+    for flag, most in FAMILY_LIMITS.get(shape.family, {}).items():
+        if fixed.get(flag, 0) > most:
+            raise ValueError(f"--{flag}={fixed[flag]}: tfbig-train runs the {shape.family} "
+                             f"family with --{flag} at most {most}")
     t, k = fixed.get("tensor_parallel"), fixed.get("pipeline_stages")
     if t is not None and (t < 1 or shape.num_heads % t):
         raise ValueError(f"--tensor_parallel={t} does not divide the model's "
@@ -132,6 +143,8 @@ def _options(fixed, name, searched):
 def candidates(shape, cluster, fixed, batch_size):
     """(Layout, global batch) pairs allowed by the fixed flags."""
     node = cluster.gpus_per_node  # a tensor group is never split between nodes
+    limits = FAMILY_LIMITS.get(shape.family, {})
+    fixed = {**{f: 1 for f, most in limits.items() if most == 1}, **fixed}
     cuts = {}  # pipeline stages -> transformer layers per stage
     for t in _options(fixed, "tensor_parallel", [t for t in _divisors(shape.num_heads)
                                                  if node % t == 0]):
@@ -146,6 +159,8 @@ def candidates(shape, cluster, fixed, batch_size):
                 if k not in cuts:  # tfbig-train's FLOPs-balanced partition of the layers
                     cuts[k] = estimate.partition_layers(shape, k) if k > 1 else ()
                 for layout, batch in _data_layouts(fixed, t, k, d, batch, cuts[k]):
+                    if layout.zero_stage > limits.get("zero_stage", 3):
+                        continue
                     if c == 1 or layout.zero_stage < 2:  # tfbig-train: CP with ZeRO 0-1
                         yield dataclasses.replace(layout, context=c), batch
 

@@ -6,6 +6,7 @@ TASKS = {
     "gpt": "tfbig.tasks.gpt:GPTTask",
     "albert": "tfbig.tasks.albert:AlbertTask",
     "bert": "tfbig.tasks.bert:BertTask",
+    "llama": "tfbig.tasks.llama:LlamaTask",
 }
 
 

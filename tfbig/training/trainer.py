@@ -219,7 +219,8 @@ class Trainer:
     def _save_config(self):
         """MODEL_DIR/config.json: the flags, the model's config and what was resolved."""
         extra = {"model_config": dataclasses.asdict(self.task.model_config),
-                 "resolved_data_dir": self.task.data_dir, "model_format": self.task.format}
+                 "resolved_data_dir": self.task.data_dir,
+                 "model_format": getattr(self.task, "model_format", self.task.format)}
         if self.budget:
             extra["budget"] = dataclasses.asdict(self.budget)
         tokenizer_path = self.task.manifest.tokenizer_path

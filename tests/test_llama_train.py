@@ -1,0 +1,82 @@
+"""--model=llama through the trainer on one process: the loss falls on the tiny corpus, the run
+directory says model_format "llama", tfbig-generate loads it, and its Hugging Face export is read
+by keras-hub with the trained model's logits. (Two Horovod ranks against one process:
+tests/distribute/test_horovod_llama.py.)"""
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_trainer import make_cfg  # noqa: E402
+
+from tfbig.models.generation import Generator  # noqa: E402
+from tfbig.convert.run_dir import load_model
+from tfbig.models.llama import Llama  # noqa: E402
+from tfbig.training.trainer import Trainer  # noqa: E402
+
+
+def llama_cfg(data, model_dir, **train):
+    return make_cfg(data, model_dir, model="llama", **train)
+
+
+def test_llama_trains_generates_and_exports(gpt_data, tmp_path):
+    trainer = Trainer(llama_cfg(gpt_data, tmp_path / "run", max_steps=15, log_every=15,
+                                learning_rate=1e-2))
+    assert isinstance(trainer.model, Llama)
+    assert trainer.model.config.num_kv_heads == 2 and trainer.model.config.num_heads == 4
+    first = trainer.evaluate()["loss"]
+    summary = trainer.fit()
+    assert summary["eval"]["loss"] < first - 0.5, (first, summary["eval"])
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert saved["model_format"] == "llama" and saved["model_config"]["num_kv_heads"] == 2
+
+    model, _ = load_model(str(tmp_path / "run"))
+    tokens = np.array([[5, 9, 2, 7, 11, 3]], np.int32)
+    np.testing.assert_allclose(model(tokens).numpy(), trainer.model(tokens).numpy(), atol=1e-6)
+    out = Generator(model)(tokens[:, :3], 4, temperature=0.0)
+    assert out.shape == (1, 7)
+
+    keras_hub = pytest.importorskip("keras_hub")
+    from tfbig.commands.convert import ConvertOptions, convert
+
+    convert(ConvertOptions(source=str(tmp_path / "run"), output_dir=str(tmp_path / "hf"),
+                           to="huggingface"))
+    assert os.path.isfile(tmp_path / "hf" / "tokenizer.model")  # tfbig's SentencePiece model
+    # keras-hub's Llama reader takes no rms_norm_eps (it builds 1e-6); tfbig's default is 1e-5
+    backbone = keras_hub.models.LlamaBackbone.from_preset(str(tmp_path / "hf"), dtype="float32",
+                                                          layer_norm_epsilon=1e-5)
+    hidden = backbone({"token_ids": tokens, "padding_mask": np.ones_like(tokens)})
+    theirs = np.asarray(backbone.token_embedding(hidden, reverse=True))
+    np.testing.assert_allclose(theirs, model(tokens).numpy(), atol=1e-5, rtol=0)
+
+
+def test_training_starts_from_a_converted_keras_hub_llama(gpt_data, tmp_path):
+    """tfbig-convert of a keras-hub preset, then --init_checkpoint: the trainer's model starts
+    with keras-hub's logits (its vocabulary is the data's, 320); the test above trains."""
+    keras_hub = pytest.importorskip("keras_hub")
+    import keras
+
+    from tfbig.commands.convert import ConvertOptions, convert
+
+    keras.utils.set_random_seed(3)
+    backbone = keras_hub.models.LlamaBackbone(
+        vocabulary_size=320, num_layers=2, num_query_heads=4, num_key_value_heads=1,
+        hidden_dim=32, intermediate_dim=72, dtype="float32")
+    rng = np.random.default_rng(0)
+    for w in backbone.weights:
+        if w.path.endswith("scale"):
+            w.assign(1 + 0.3 * rng.standard_normal(w.shape).astype("float32"))
+    backbone.save_to_preset(str(tmp_path / "preset"))
+    convert(ConvertOptions(source=str(tmp_path / "preset"), output_dir=str(tmp_path / "run")))
+
+    cfg = llama_cfg(gpt_data, tmp_path / "train", init_checkpoint=str(tmp_path / "run"),
+                    preset="small", num_layers=0, hidden_size=0, num_heads=0, max_steps=2)
+    trainer = Trainer(cfg)
+    assert trainer.model.config.num_kv_heads == 1  # the checkpoint's architecture (MQA)
+    tokens = np.array([[5, 9, 2, 7, 11, 300]], np.int32)
+    hidden = backbone({"token_ids": tokens, "padding_mask": np.ones_like(tokens)})
+    theirs = np.asarray(backbone.token_embedding(hidden, reverse=True))
+    np.testing.assert_allclose(trainer.model(tokens).numpy(), theirs, atol=1e-5, rtol=0)
