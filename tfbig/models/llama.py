@@ -23,6 +23,7 @@ from keras import ops
 from tfbig.models.attention import blockwise_attention
 from tfbig.models.common import uses_blockwise
 from tfbig.models.layers import make_initializer
+from tfbig.models.layout import ModelLayout
 from tfbig.models.llama_config import LLAMA_PRESETS, LlamaConfig  # noqa: F401 - re-exported
 
 ROPE_FIELDS = ("rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor",
@@ -301,6 +302,15 @@ class Llama(keras.Model):
         if self.head is not None:
             self.head.build(hidden_shape)
         self.built = True
+
+    def layout(self):
+        """How this model may be split (data the backends read: tfbig.models.layout): its blocks
+        recomputed and gathered one at a time; a tied word table, read twice a step, gathered per
+        step. No tensor or context plan yet (refused by name)."""
+        tied = self.config.tie_embeddings
+        return ModelLayout(
+            gather_per_call=("blocks.*", "final_norm", "head") + (() if tied else ("embedding",)),
+            gather_per_step=("embedding",) if tied else (), blocks="blocks")
 
     def logits(self, x):
         """Final norm and vocabulary projection of hidden states (B, T, C) -> (B, T, V) float32."""
