@@ -5,7 +5,7 @@ import json
 import pytest
 
 from tfbig.config import ExperimentConfig, check_applicable
-from tfbig.plan import calibration, estimate, hardware
+from tfbig.plan import calibration, estimate, hardware, speed
 from tfbig.commands import plan as cli
 from tfbig.models import shapes as models
 from tfbig.training.local_plan import training_plan
@@ -63,15 +63,15 @@ def test_small_matmuls_run_at_their_measured_efficiency(tmp_path):
     shape = models.shape_of(cfg, "gpt", cfg.seq_length)
     loaded = calibration.load(write(tmp_path, efficiency={"64": 0.25, "4096": 1.0}))
     device = calibration.device(loaded, "fp32")
-    fraction = estimate.matmul_fraction(shape, estimate.Layout(), 8, device)
+    fraction = speed.matmul_fraction(shape, estimate.Layout(), 8, device)
     assert 0.25 < fraction < 1.0
     # more tokens per matmul: larger products, nearer the large-size efficiency
-    assert estimate.matmul_fraction(shape, estimate.Layout(), 64, device) > fraction
+    assert speed.matmul_fraction(shape, estimate.Layout(), 64, device) > fraction
     # without a calibration: a spec-table GPU's products below the big-GEMM fraction by their
     # memory traffic (tests/plan/test_published.py), a device without the table's at its own
     spec = hardware.gpu("A100-40GB")
-    assert estimate.matmul_fraction(shape, estimate.Layout(), 8, spec) < hardware.MATMUL_FRACTION
-    assert estimate.matmul_fraction(shape, estimate.Layout(), 8, hardware.custom_device(
+    assert speed.matmul_fraction(shape, estimate.Layout(), 8, spec) < hardware.MATMUL_FRACTION
+    assert speed.matmul_fraction(shape, estimate.Layout(), 8, hardware.custom_device(
         100, 40)) == hardware.MATMUL_FRACTION
 
 
@@ -127,12 +127,12 @@ def test_a_narrow_models_logits_pay_their_traffic_and_square_products_their_meas
         assert seconds == pytest.approx(2 * size ** 3 / (1.4e11 * fraction))
     narrow = models.shape_of(models.model_config("gpt", "tiny", hidden_size=64, vocab_size=8000),
                              "gpt", 128)
-    streamed = estimate.matmul_fraction(narrow, estimate.Layout(), 16, device)
+    streamed = speed.matmul_fraction(narrow, estimate.Layout(), 16, device)
     # the same measured efficiencies on a memory 1000 times faster: the traffic is nothing
     instant = calibration.device(calibration.load(write(
         tmp_path, "instant.json", peak=1.4e11, memory_bandwidth=1e13,
         efficiency={"64": 0.4, "256": 0.8, "1024": 0.9})), "fp32")
-    assert streamed < 0.8 * estimate.matmul_fraction(narrow, estimate.Layout(), 16, instant)
+    assert streamed < 0.8 * speed.matmul_fraction(narrow, estimate.Layout(), 16, instant)
 
 
 def test_softmax_and_layernorm_passes_take_the_measured_softmax_rate(tmp_path):
@@ -146,7 +146,7 @@ def test_softmax_and_layernorm_passes_take_the_measured_softmax_rate(tmp_path):
         cluster = calibration.cluster(calibration.load(write(
             tmp_path, f"{len(fields)}{sorted(fields.values())}.json", **fields)), "fp32", 1, 1,
             0.0)
-        return estimate.step_time(shape, estimate.Layout(), 8, "fp32", cluster)["elementwise"]
+        return speed.step_time(shape, estimate.Layout(), 8, "fp32", cluster)["elementwise"]
 
     unmeasured = elementwise()
     assert elementwise(normalisation_bandwidth=1e10) == pytest.approx(unmeasured)

@@ -10,7 +10,7 @@ import pytest
 
 from tfbig.config import ExperimentConfig
 from tfbig.commands import plan as cli
-from tfbig.plan import estimate, hardware, search
+from tfbig.plan import estimate, hardware, search, speed
 from tfbig.models import shapes as models
 from tfbig.training.local_plan import training_plan
 
@@ -303,9 +303,9 @@ def test_search_cuts_stages_as_tfbig_train_does():
     assert best.layout.stage_layers == (6, 6, 7, 5)
     # an even split would put 6 blocks and the output matrix on the last stage: slower
     even = dataclasses.replace(best.layout, stage_layers=(6, 6, 6, 6))
-    balanced = estimate.step_time(shape, best.layout, best.micro_batch, "mixed_bfloat16",
+    balanced = speed.step_time(shape, best.layout, best.micro_batch, "mixed_bfloat16",
                                   cluster)
-    uneven = estimate.step_time(shape, even, best.micro_batch, "mixed_bfloat16", cluster)
+    uneven = speed.step_time(shape, even, best.micro_batch, "mixed_bfloat16", cluster)
     assert balanced["compute"] / uneven["compute"] == pytest.approx(7 / (6 + 618 / 352), 0.01)
 
 
@@ -342,7 +342,7 @@ def test_the_context_axis_divides_the_tokens_a_rank_holds():
                  for c in (1, 2)]
     assert per_token[1] - per_token[0] == 2 * 2 * 2 * shape.hidden_size  # 16-bit K, V of 2
     assert 0.5 * one < two < 0.6 * one
-    timed = estimate.step_time(shape, estimate.Layout(context=2), 1, "bf16",
+    timed = speed.step_time(shape, estimate.Layout(context=2), 1, "bf16",
                                cli.cluster_from_flags(plan(["--gpus_per_node=2"])[0]))
     assert timed["context"] > 0 and timed["data"] > 0  # K/V exchanges; gradients over context
     _, _, free = plan(["--preset=small", "--seq_length=8192", "--gpus_per_node=2",

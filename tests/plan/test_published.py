@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 
 from tfbig.models.configs import BertConfig
-from tfbig.plan import estimate, hardware, search
+from tfbig.plan import estimate, hardware, search, speed
 from tfbig.models import shapes as models
 
 BERT_TF2 = ("https://github.com/NVIDIA/DeepLearningExamples/blob/master/TensorFlow2/"
@@ -147,11 +147,11 @@ def test_matmul_efficiency_rises_with_width_on_v100():
     layout = estimate.Layout()
     small, large = (models.shape_of(models.model_config("gpt", p, seq_length=2048), "gpt", 2048)
                     for p in ("125m", "175b"))
-    small_fraction = estimate.matmul_fraction(small, layout, 8, device, "mixed_float16")
-    large_fraction = estimate.matmul_fraction(large, layout, 8, device, "mixed_float16")
+    small_fraction = speed.matmul_fraction(small, layout, 8, device, "mixed_float16")
+    large_fraction = speed.matmul_fraction(large, layout, 8, device, "mixed_float16")
     assert small_fraction < 0.9 * large_fraction
     assert large_fraction <= hardware.MATMUL_FRACTION
     assert large_fraction > 0.95 * hardware.MATMUL_FRACTION  # big GEMMs: compute-bound
     # fp32's ridge point is 8x lower: the same small products run near the big-GEMM fraction
     fp32 = hardware.gpu("V100-32GB", "fp32")
-    assert estimate.matmul_fraction(small, layout, 8, fp32, "fp32") > small_fraction
+    assert speed.matmul_fraction(small, layout, 8, fp32, "fp32") > small_fraction

@@ -15,7 +15,7 @@ import dataclasses
 import math
 
 from tfbig.config import pipeline_stages
-from tfbig.plan import estimate
+from tfbig.plan import estimate, speed
 
 DEFAULT_BATCH_TOKENS = 2 ** 20  # --batch_size=0: about a million tokens per step (GPT-3's 0.5-3.2M)
 LAYOUT_FLAGS = ("tensor_parallel", "pipeline_stages", "num_microbatches", "zero_stage",
@@ -70,7 +70,7 @@ def evaluate(shape, layout, batch_size, precision, cluster, token_budget):
     stage, worst = estimate.peak_stage_memory(shape, layout, micro_batch, precision,
                                               cluster.device)
     total = sum(worst.values())
-    time = estimate.step_time(shape, layout, micro_batch, precision, cluster)
+    time = speed.step_time(shape, layout, micro_batch, precision, cluster)
     step = sum(time.values())
     tokens = batch_size * shape.seq_length / step
     tflops = shape.flops_per_token * tokens / layout.gpus / 1e12
