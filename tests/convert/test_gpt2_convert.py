@@ -372,8 +372,11 @@ def test_bad_inputs_name_the_file(reference, tmp_path):
             _edit_json(tmp_path / name / "config.json", **config)
         return tmp_path / name
 
+    fails(copy("gemma", model_type="gemma"),
+          r"gemma/config\.json: model_type='gemma'; tfbig-convert reads BERT, ALBERT and GPT-2")
+    # a GPT-2 config called a Llama goes to the Llama reader, which names what it lacks
     fails(copy("llama", model_type="llama"),
-          r"llama/config\.json: model_type='llama'; tfbig-convert reads BERT, ALBERT and GPT-2")
+          r"llama/config\.json: missing \['hidden_size', .*expected a LlamaForCausalLM config")
     fails(copy("bert", model_type="bert"), r"bert/config\.json: missing \['hidden_size', ")
     no_merges = copy("no_merges")
     os.remove(no_merges / "merges.txt")
