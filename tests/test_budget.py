@@ -1,6 +1,5 @@
-"""--max_steps=0: as many steps as fit in --time_budget_minutes (tfbig.budget)."""
+"""--max_steps=0: a warmup-stable-decay schedule in --time_budget_minutes (tfbig.budget)."""
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -12,10 +11,9 @@ import tensorflow as tf
 
 from tfbig import budget
 from tfbig.config import ExperimentConfig, check_applicable
-from tfbig.optim import WarmupDecay, WarmupStableDecay, learning_rate
-from tfbig.trainer import Trainer
-
 from tfbig.logs import RunLogger
+from tfbig.optim import WarmupDecay, WarmupStableDecay
+from tfbig.trainer import Trainer
 
 from test_trainer import make_cfg, weights
 
