@@ -76,13 +76,15 @@ def test_the_decay_starts_when_the_steps_left_are_its_share_of_the_total():
     assert (late.decay_start, late.max_steps) == (1200, 1201)
 
 
-def test_the_first_estimate_refuses_a_budget_too_short_for_the_run():
+def test_a_budget_too_short_for_the_run_is_refused_naming_the_flags():
     train = ExperimentConfig().train
     train.time_budget_minutes, train.warmup_steps = 1.0, 60
-    # 60 - 20 - 10 (the finish) = 30 s: 59 steps of 0.505 s after the 10 done; 80% of 69 < 60
-    with pytest.raises(ValueError, match=r"--time_budget_minutes=1 fits about 69 steps at "
+    # 60 - 30 - 10 (the finish) = 20 s: 39 steps of 0.505 s after the 20 done; 80% of 59 < 60
+    with pytest.raises(ValueError, match=r"--time_budget_minutes=1 fits about 59 steps at "
                                          r"0.500 s/step, too few for --warmup_steps=60"):
-        budget.estimate(train, 10, 0.5, (2, 10), 20.0, 1.0, 4.0, first=True)
+        budget.estimate(train, 20, 0.5, (10, 20), 30.0, 1.0, 4.0)
+    # ... but not from a process's first estimate, timed over the slow steps after compiling
+    assert budget.estimate(train, 10, 0.5, (2, 10), 20.0, 1.0, 4.0, first=True).max_steps == 69
     with pytest.raises(ValueError, match=r"--time_budget_minutes=1 is used up"):
         budget.estimate(train, 10, 0.5, (2, 10), 55.0, 1.0, 4.0, first=True)
 

@@ -143,7 +143,7 @@ def decay_due(done, total, warmup_steps):
 
 
 def check_warmup_fits(total, warmup_steps, budget_minutes, seconds_per_step):
-    """Refuse, at the first estimate, a budget too short for the warmup and a decay after it."""
+    """Refuse a budget too short for the warmup and a decay after it."""
     if total * (1 - DECAY_FRACTION) < warmup_steps:
         raise ValueError(
             f"--time_budget_minutes={budget_minutes:g} fits about {total} steps at "
@@ -156,7 +156,9 @@ def estimate(train, step, seconds_per_step, timed_steps, elapsed_seconds, checkp
              validation_seconds, first=False):
     """The Budget after step `step` of TrainConfig `train`, from the figures measured: its
     total, and the decay's start once it is due (decay_start None before). `first`: the
-    run's first estimate, which refuses a budget already used up or too short for the warmup.
+    process's first estimate, which refuses a budget already used up; the later ones, inside
+    the warmup, refuse one too short for it (the first, timed over the steps just after
+    compiling, can be much slower than the rest).
 
     Example: estimate(train, 900, 0.49, (870, 900), 430.0, 1.0, 6.0) with a 9-minute budget
     and the main job's flags: 98 s left after the finish's 12 fit 197 more steps of 0.495 s
@@ -169,11 +171,12 @@ def estimate(train, step, seconds_per_step, timed_steps, elapsed_seconds, checkp
     if first:
         total = steps_within(budget_seconds, elapsed_seconds, seconds_per_step, finish, step,
                              pauses)
-        check_warmup_fits(total, train.warmup_steps, train.time_budget_minutes,
-                          seconds_per_step)
     else:
         total = step + steps_fitting(budget_seconds, elapsed_seconds, seconds_per_step, finish,
                                      pauses)
+        if step < train.warmup_steps:
+            check_warmup_fits(total, train.warmup_steps, train.time_budget_minutes,
+                              seconds_per_step)
     decided = decay_due(step, total, train.warmup_steps)
     if decided:
         total = max(total, step + 1)  # a decay of one step at least
