@@ -44,9 +44,12 @@ class TrainConfig:
     time_budget_minutes: float = field(9.0, "With --max_steps=0: wall minutes for the whole "
                                             "command, from its start to its last line "
                                             "(preparation, compilation, the final evaluation "
-                                            "and sample included). The step count is fixed "
-                                            "once, from the speed of the first steps, and kept "
-                                            "in MODEL_DIR/config.json for a resume.")
+                                            "and sample included). The learning rate warms "
+                                            "up, holds at its peak, and decays over the last "
+                                            "fifth of the steps; when the decay starts is "
+                                            "decided from the time left, estimated every 10 "
+                                            "steps from the recent step times, and kept in "
+                                            "MODEL_DIR/config.json for a resume.")
     batch_size: int = field(32, "Global batch size in sequences per optimizer step, over all "
                                 "data-parallel replicas and accumulation steps.")
     seq_length: int = field(0, "Tokens per training sequence (0: the data's seq_length).")

@@ -2,6 +2,7 @@
 import math
 
 import keras
+import tensorflow as tf
 from keras import ops
 
 SCHEDULES = ("linear", "cosine", "polynomial")
@@ -28,19 +29,64 @@ class WarmupDecay(keras.optimizers.schedules.LearningRateSchedule):
         warm = self.peak * (step + 1.0) / max(1, self.warmup_steps)
         span = max(1, self.total_steps - self.warmup_steps)
         progress = ops.clip((step - self.warmup_steps) / span, 0.0, 1.0)
+        return ops.where(step < self.warmup_steps, warm, self._decayed(progress))
+
+    def _decayed(self, progress):
+        """The rate at `progress` (0 to 1) through the decay."""
         if self.kind == "linear":
             shape = 1.0 - progress
         elif self.kind == "cosine":
             shape = 0.5 * (1.0 + ops.cos(math.pi * progress))
         else:
             shape = (1.0 - progress) ** self.power
-        decayed = self.peak * (self.min_ratio + (1.0 - self.min_ratio) * shape)
-        return ops.where(step < self.warmup_steps, warm, decayed)
+        return self.peak * (self.min_ratio + (1.0 - self.min_ratio) * shape)
 
     def get_config(self):
         return {"peak": self.peak, "warmup_steps": self.warmup_steps,
                 "total_steps": self.total_steps, "kind": self.kind,
                 "min_ratio": self.min_ratio, "power": self.power}
+
+
+@keras.saving.register_keras_serializable(package="tfbig")
+class WarmupStableDecay(WarmupDecay):
+    """Linear warmup to `peak` over `warmup_steps`, `peak` until update `decay_start`, then
+    WarmupDecay's decay to `total_steps`: the schedule of a time-budgeted run (tfbig.training.budget),
+    which decides `decay_start` and `total_steps` while the rate is constant (`total_steps`
+    0: not decided, `peak` after the warmup).
+
+    Both live in a variable the traced training step reads, so deciding them retraces
+    nothing (a retrace took seconds of the budget's last steps that no estimate had counted).
+    The variable is not in checkpoints: MODEL_DIR/config.json records the decision.
+
+    Example:
+        schedule = WarmupStableDecay(3e-3, 60)   # warmup, then 3e-3 ...
+        schedule.decide(800, 1000)               # ... until update 800, decaying to 1000
+    """
+
+    def __init__(self, peak, warmup_steps, kind="cosine", min_ratio=0.1, power=2.0,
+                 decay_start=0, total_steps=0):
+        super().__init__(peak, warmup_steps, total_steps, kind, min_ratio, power)
+        self.decay_start = decay_start
+        self.ends = tf.Variable([decay_start, total_steps], dtype=tf.int64, trainable=False,
+                                name="schedule_ends")
+
+    def decide(self, decay_start, total_steps):
+        """Decay after update `decay_start` (0 or inside the warmup: from its end) to
+        `total_steps`."""
+        self.decay_start, self.total_steps = decay_start, total_steps
+        self.ends.assign([decay_start, total_steps])
+
+    def __call__(self, step):
+        step = ops.cast(step, "float32")
+        warm = self.peak * (step + 1.0) / max(1, self.warmup_steps)
+        start = ops.cast(ops.maximum(self.ends[0], self.warmup_steps), "float32")
+        total = ops.cast(self.ends[1], "float32")
+        progress = ops.clip((step - start) / ops.maximum(1.0, total - start), 0.0, 1.0)
+        rate = ops.where(total > 0, self._decayed(progress), self.peak)
+        return ops.where(step < self.warmup_steps, warm, rate)
+
+    def get_config(self):
+        return {**super().get_config(), "decay_start": self.decay_start}
 
 
 def no_decay_variables(variables):
@@ -64,8 +110,12 @@ def build_optimizer(train, variables, no_decay=None, sum_over_shards=None, repli
     """
     if train.optimizer not in OPTIMIZERS:
         raise ValueError(f"--optimizer={train.optimizer!r}: expected one of {OPTIMIZERS}")
-    schedule = WarmupDecay(train.learning_rate, train.warmup_steps, train.max_steps,
-                           train.lr_schedule, train.min_lr_ratio)
+    if train.max_steps:
+        schedule = WarmupDecay(train.learning_rate, train.warmup_steps, train.max_steps,
+                               train.lr_schedule, train.min_lr_ratio)
+    else:  # --max_steps=0: a time budget decides the decay (tfbig.training.budget)
+        schedule = WarmupStableDecay(train.learning_rate, train.warmup_steps,
+                                     train.lr_schedule, train.min_lr_ratio)
     cls = keras.optimizers.AdamW if train.optimizer == "adamw" else keras.optimizers.Lamb
     if sum_over_shards is not None:
         cls = sharded_class(cls, sum_over_shards, replicated, sum_replicated)
@@ -143,11 +193,10 @@ def loss_scale(optimizer):
     return ops.convert_to_tensor(1.0)
 
 
-def set_total_steps(optimizer, total_steps):
-    """Give the optimizer's schedule its length (a time-budgeted run fixes it after a few
-    steps of warmup, whose rates do not depend on it); steps traced before keep the old one."""
+def decide_schedule(optimizer, decay_start, total_steps):
+    """Give a time-budgeted run's WarmupStableDecay its decay start and its end."""
     inner = getattr(optimizer, "inner_optimizer", optimizer)
-    inner._learning_rate.total_steps = total_steps
+    inner._learning_rate.decide(decay_start, total_steps)
 
 
 def learning_rate(optimizer, step):

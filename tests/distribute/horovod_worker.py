@@ -267,7 +267,8 @@ def save(run, rank, trainer, logger, summary, extra):
     arrays["learning_rates"] = np.array([float(learning_rate(trainer.optimizer, s))
                                          for s in range(4)])
     arrays["step"] = int(trainer.step.numpy())
-    arrays["max_steps"] = trainer.cfg.train.max_steps  # fixed by a time budget, or given
+    arrays["max_steps"] = (trainer.budget.max_steps if trainer.budget  # a time budget's estimate
+                           else trainer.cfg.train.max_steps)  # or decided total, or given
     arrays["nonfinite_steps"] = int(trainer.nonfinite_steps.numpy())
     arrays["loss_scale"] = float(loss_scale(trainer.optimizer))
     arrays["num_replicas"] = trainer.strategy.num_replicas

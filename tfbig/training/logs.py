@@ -20,6 +20,7 @@ class RunLogger:
     def __init__(self, model_dir, enabled, max_steps, stream=None):
         self.enabled = enabled
         self.max_steps = max_steps
+        self.estimated = False  # max_steps is a time budget's estimate (tfbig.training.budget)
         self.stream = stream or sys.stdout
         self.interactive = self.stream.isatty()
         self.writers = {}
@@ -48,8 +49,9 @@ class RunLogger:
         if not self.enabled:
             return
         if self.max_steps:
-            parts = [f"{_bar(step / self.max_steps)} step {step}/{self.max_steps}"]
-        else:  # a time-budgeted run before its step count is fixed
+            about = "~" if self.estimated else ""  # a time budget's estimate, not fixed yet
+            parts = [f"{_bar(step / self.max_steps)} step {step}/{about}{self.max_steps}"]
+        else:  # a time-budgeted run before its first estimate
             parts = [f"{_bar(0)} step {step}/?"]
         for key, fmt in (("loss", "loss {:.4f}"), ("learning_rate", "lr {:.2e}"),
                          ("grad_norm", "gnorm {:.3f}"), ("tokens_per_sec", "{:,.0f} tok/s"),
@@ -61,7 +63,8 @@ class RunLogger:
                 parts.append(fmt.format(values[key]))
         line = " | ".join(parts)
         if self.interactive:
-            self.stream.write("\r" + line + ("\n" if self.max_steps and step >= self.max_steps else ""))
+            ended = self.max_steps and not self.estimated and step >= self.max_steps
+            self.stream.write("\r" + line + ("\n" if ended else ""))
         else:
             self.stream.write(line + "\n")
         self.stream.flush()

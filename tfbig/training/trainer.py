@@ -7,7 +7,6 @@ One optimizer step = `grad_accum_steps` micro-batches per data-parallel replica:
 """
 import contextlib
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -29,7 +28,7 @@ from tfbig.errors import TrainingStoppedError
 from tfbig.training.registry import get_strategy
 from tfbig.training.logs import RunLogger
 from tfbig.models.common import COMPUTE_FIELDS
-from tfbig.optim import learning_rate, loss_scale, set_total_steps
+from tfbig.optim import decide_schedule, learning_rate, loss_scale
 from tfbig.profiling.profiler import RunProfiler
 from tfbig.tasks import get_task
 
@@ -81,15 +80,16 @@ class Trainer:
         self.cfg = cfg
         t = cfg.train
         # --max_steps=0: the time budget counts from `started` (time.monotonic(); the
-        # command's start) or from here; the step count is fixed early in fit (tfbig.training.budget).
+        # command's start) or from here; fit decides when the decay starts (tfbig.training.budget).
         self.started = time.monotonic() if started is None else started
         config_lib.check_applicable(cfg)
         budget_lib.check(cfg)
-        # A budgeted run that already fixed its step count continues that schedule.
-        self.budget = None if t.max_steps else budget_lib.saved(t.model_dir,
-                                                                t.time_budget_minutes)
+        # A budgeted run whose decay was decided continues that schedule.
+        budgeted = not t.max_steps
+        self.budget = budget_lib.saved(t.model_dir, t.time_budget_minutes) if budgeted else None
         if self.budget:
             t.max_steps = self.budget.max_steps
+        self.timer = None if t.max_steps else budget_lib.StepTimer()  # until the decay
         set_precision(t.precision)
         keras.utils.set_random_seed(t.seed)
         # Process-wide: set it both ways so a deterministic run does not leak into the next.
@@ -114,7 +114,12 @@ class Trainer:
             precision=t.precision, num_devices=self.strategy.num_devices)
         with self.strategy.scope():
             self.model = self.strategy.build_model(self.task)
-            self.optimizer = self.strategy.build_optimizer(t, self.model.trainable_variables)
+            # a time budget's schedule is warmup-stable-decay, its decay decided in fit
+            self.optimizer = self.strategy.build_optimizer(
+                dataclasses.replace(t, max_steps=0) if budgeted else t,
+                self.model.trainable_variables)
+            if self.budget:
+                decide_schedule(self.optimizer, self.budget.decay_start, self.budget.max_steps)
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
             # Global batches of --batch_size examples read: the input position, the same on
             # any layout (tfbig.data.order), so a resume on another one continues exactly.
@@ -334,7 +339,9 @@ class Trainer:
         iterator = self._train_iterator()
         step = int(self.step.numpy())
         limit = math.inf if steps is None else step + steps
-        timing = self._calibration(step)  # {step: clock} while the budget is measured
+        timer = None if t.max_steps else self.timer  # a budget before its decay is decided
+        if timer:
+            timer.start(step)
         end = min(limit, t.max_steps or math.inf)
         last = {}
         while step < end:
@@ -342,24 +349,25 @@ class Trainer:
                 batch = next(iterator)
             step += 1
             log = step % t.log_every == 0 or step == end
+            mark = timer is not None and timer.due(step)
             with self.profiler.phase("compute"):
                 out = self._train_step(batch)
-                if log or step in timing:  # wait for device work queued (GPUs run ahead)
+                if log or mark:  # wait for device work queued (GPUs run ahead)
                     out = {k: v.numpy() for k, v in out.items()}
-            if step in timing:
-                timing[step] = time.monotonic()
-                if step == max(timing):
-                    self._fix_budget(step, timing)
-                    end = min(limit, t.max_steps)
+            if mark:
+                timer.mark(step)
+                if self._estimate_budget(step):  # the decay starts: the count is fixed
+                    timer, end = None, min(limit, t.max_steps)
             self.profiler.step_done(step, out.pop("communication_seconds"))
             if log:
                 self._check_finite(step)
                 last = self._log_train(step, out, self.profiler.interval())
             if t.eval_every and step % t.eval_every == 0 and step < end:
-                self._report_eval(step)
+                with self._pause("validation"):
+                    self._report_eval(step)
             if step % t.checkpoint_every == 0 and step < end:
                 self._check_finite(step)
-                with self.profiler.phase("checkpoint"):
+                with self.profiler.phase("checkpoint"), self._pause("checkpoint"):
                     self.save()
             self.strategy.after_step(step)
             if self.strategy.should_stop():  # SIGTERM on any process: all save, then stop
@@ -367,51 +375,58 @@ class Trainer:
         self._check_finite(step)
         summary = {"step": step, "train": last, "checkpoint": self.save(),
                    "eval": self._report_eval(step)}
+        if self.budget and step == t.max_steps:  # the budgeted run's end, in its accounting
+            self.budget.ended_seconds = time.monotonic() - self.started
+            if self.strategy.is_chief:
+                self._save_config()
         self.logger.flush()
         return summary
 
-    # ---- --max_steps=0: as many steps as fit in --time_budget_minutes (tfbig.training.budget) ----------
-    def _calibration(self, step):
-        """{step: None} of the steps whose end times fix the budget ({} with a step count)."""
-        t = self.cfg.train
-        if t.max_steps:
-            return {}
-        first, last = budget_lib.calibration_window(step, t.warmup_steps)
-        if last > t.warmup_steps:
-            raise ValueError(
-                f"--model_dir={t.model_dir} holds a checkpoint at step {step} but no step count "
-                f"for --time_budget_minutes={t.time_budget_minutes:g} (config.json); measuring "
-                f"it now would end after the learning-rate warmup ({t.warmup_steps} steps). "
-                f"Give --max_steps")
-        return dict.fromkeys(range(first, last + 1))
+    # ---- --max_steps=0: a warmup-stable-decay schedule in --time_budget_minutes (tfbig.training.budget)
+    def _pause(self, kind):
+        """Time a checkpoint save or validation pass out of the budget's step time."""
+        return self.timer.pause(kind) if self.timer else contextlib.nullcontext()
 
-    def _fix_budget(self, step, timing):
-        """Fix --max_steps from the timed steps (the slowest process's figures), set the
-        schedule's length and retrace the step with it; record it in config.json."""
-        t = self.cfg.train
-        first, last = min(timing), max(timing)
-        per_step = (timing[last] - timing[first]) / (last - first)
-        begin = time.monotonic()
-        self._check_finite(step)
-        self.save()  # the run's first checkpoint, timed: the saves to come take as long
-        save_seconds = time.monotonic() - begin
+    def _estimate_budget(self, step):
+        """At a mark of a budgeted run: estimate the total from the time left (the slowest
+        process's figures); once the decay is due, fix it and the decay's start. Records the
+        first estimate and the decision in config.json; True once decided."""
+        timed = self.timer.seconds_per_step()
+        if timed is None or step % budget_lib.ESTIMATE_EVERY:
+            return False
+        first = self.budget is None  # this process's first estimate
+        if first:
+            self._measure_pauses(step)
         per_step, save_seconds, validation, elapsed = self.strategy.max_over_processes(
-            [per_step, save_seconds, self._time_validation(), time.monotonic() - self.started])
-        finish = budget_lib.finish_seconds(save_seconds, validation)
-        total = budget_lib.steps_within(
-            t.time_budget_minutes * 60, elapsed, per_step, finish, step,
-            pauses=[(save_seconds, t.checkpoint_every), (validation, t.eval_every)])
-        self.budget = budget_lib.Budget(t.time_budget_minutes, total, per_step, elapsed, finish,
-                                        save_seconds, validation)
-        t.max_steps = self.logger.max_steps = total
-        set_total_steps(self.optimizer, total)
-        # The traced step holds the schedule's old length: trace it again (the compiled
-        # forward/backward is reused).
-        self._train_step = tf.function(functools.partial(Trainer._train_step.python_function,
-                                                         self))
-        if self.strategy.is_chief:
-            self._save_config()
-        self.logger.info(self.budget.describe())
+            [timed[0], self.timer.seconds["checkpoint"], self.timer.seconds["validation"],
+             time.monotonic() - self.started])
+        self.budget = budget_lib.estimate(self.cfg.train, step, per_step, timed[1], elapsed,
+                                          save_seconds, validation, first)
+        self.logger.max_steps, self.logger.estimated = self.budget.max_steps, True
+        if self.budget.decided:
+            self._fix_schedule()
+        if first or self.budget.decided:
+            if self.strategy.is_chief:
+                self._save_config()
+            self.logger.info(self.budget.describe())
+        return self.budget.decided
+
+    def _measure_pauses(self, step):
+        """The run's first checkpoint, timed (the saves to come take as long), and a whole
+        validation pass's time from a timed batch."""
+        self._check_finite(step)
+        with self._pause("checkpoint"):
+            self.save()
+        with self._pause("validation"):
+            whole_pass = self._time_validation()
+        self.timer.seconds["validation"] = whole_pass  # not the two batches' time
+
+    def _fix_schedule(self):
+        """The decided decay: the step count, and the schedule's start and end of the decay
+        (a variable the traced step reads: nothing is traced again)."""
+        total = self.cfg.train.max_steps = self.logger.max_steps = self.budget.max_steps
+        self.logger.estimated = False
+        decide_schedule(self.optimizer, self.budget.decay_start, total)
 
     def _time_validation(self):
         """Seconds of a whole validation pass: a first batch compiles the forward, a second
