@@ -74,7 +74,7 @@ def run_keras_hub(model_dir):
     from tfbig import data
     from tfbig.optim import build_optimizer
     from tfbig.tasks.gpt import GPTTask
-    from tfbig.training.trainer import set_precision
+    from tfbig.training.precision import set_precision
 
     cfg = train_config(model_dir)
     set_precision(cfg.train.precision)

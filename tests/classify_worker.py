@@ -28,7 +28,8 @@ def poisoned_run(options, poison_step, poisoned):
     from tfbig.training import finetune
     from tfbig.optim import loss_scale
     from tfbig.tasks.classify import ClassifyTask
-    from tfbig.training.trainer import Trainer, precision_policy
+    from tfbig.training.trainer import Trainer
+    from tfbig.training.precision import precision_policy
 
     cfg = finetune.experiment(options, "classify")
     with precision_policy(options.precision):

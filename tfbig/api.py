@@ -44,7 +44,8 @@ from tfbig.errors import UsageError
 from tfbig.training.finetune import LossRecorder
 from tfbig.tasks.user import DataShard, FunctionTask, Task
 from tfbig.tasks.user_adapter import UserTask
-from tfbig.training.trainer import Trainer, precision_policy
+from tfbig.training.trainer import Trainer
+from tfbig.training.precision import precision_policy
 
 __all__ = ["DataShard", "Run", "Task", "config_from_flags", "configure", "consolidate_run",
            "define_flags", "evaluate", "predict", "train"]

@@ -37,7 +37,8 @@ from tfbig.training.finetune import LossRecorder  # noqa: E402
 from tfbig.tasks.user import FunctionTask  # noqa: E402
 from tfbig.tasks.user_layout import fresh_layer_names
 from tfbig.tasks.user_adapter import UserTask
-from tfbig.training.trainer import Trainer, precision_policy  # noqa: E402
+from tfbig.training.trainer import Trainer  # noqa: E402
+from tfbig.training.precision import precision_policy
 
 WORKER = os.path.join(HERE, "api_worker.py")
 # Clipping at 0.5 is active, so averaging twice or clipping before averaging would show.

@@ -52,7 +52,8 @@ def fine_tune(options, before_fit=None, **overrides):
     (on the chief; {} elsewhere). `overrides`: other Trainer flags by name; `before_fit(trainer)`
     runs before training (tests record the reference's gradients)."""
     from tfbig.tasks.classify import ClassifyTask
-    from tfbig.training.trainer import Trainer, precision_policy
+    from tfbig.training.trainer import Trainer
+    from tfbig.training.precision import precision_policy
 
     cfg = finetune.experiment(options, "classify", **overrides)
     with precision_policy(options.precision):  # the model computes in float16 / bfloat16

@@ -80,7 +80,8 @@ def fine_tune(options, before_fit=None, **overrides):
     returns the scores (on the chief; {} elsewhere). `overrides`: other Trainer flags;
     `before_fit(trainer)` runs before training (tests record the reference's gradients)."""
     from tfbig.tasks.squad import SquadTask
-    from tfbig.training.trainer import Trainer, precision_policy
+    from tfbig.training.trainer import Trainer
+    from tfbig.training.precision import precision_policy
 
     if not options.train_file:  # the fine-tuned weights come from --output_dir's checkpoint
         options = dataclasses.replace(options, init_checkpoint="", max_steps=_saved_steps(

@@ -7,10 +7,7 @@ One optimizer step = `grad_accum_steps` micro-batches per data-parallel replica:
 """
 import contextlib
 import dataclasses
-import json
 import math
-import os
-import shutil
 import time
 
 import keras
@@ -26,37 +23,16 @@ from tfbig.checkpoints import integrity
 from tfbig.checkpoints.checkpoint import rng_variables
 from tfbig.errors import TrainingStoppedError
 from tfbig.training.registry import get_strategy
+from tfbig.training import run_directory
 from tfbig.training.logs import RunLogger
-from tfbig.models.common import COMPUTE_FIELDS
+from tfbig.training.precision import set_precision
 from tfbig.optim import decide_schedule, learning_rate, loss_scale
 from tfbig.profiling.profiler import RunProfiler
 from tfbig.tasks import get_task
 
-PRECISIONS = {"fp32": "float32", "mixed_float16": "mixed_float16",
-              "mixed_bfloat16": "mixed_bfloat16"}
-
 
 class NonFiniteLossError(TrainingStoppedError):
     """Training produced a NaN/inf loss where no loss scaling can explain it."""
-
-
-def set_precision(precision):
-    """Set Keras' global dtype policy for --precision (fp32 resets it)."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"--precision={precision!r}: expected one of {sorted(PRECISIONS)}")
-    keras.mixed_precision.set_global_policy(PRECISIONS[precision])
-
-
-@contextlib.contextmanager
-def precision_policy(precision):
-    """set_precision(precision) within the context, the previous policy restored after it
-    (a command run in-process leaves later models in float32)."""
-    previous = keras.mixed_precision.global_policy()
-    set_precision(precision)
-    try:
-        yield
-    finally:
-        keras.mixed_precision.set_global_policy(previous)
 
 
 def micro_batch_size(batch_size, num_replicas, grad_accum_steps):
@@ -128,7 +104,7 @@ class Trainer:
             self.nonfinite_steps = tf.Variable(0, dtype=tf.int64, trainable=False,
                                                name="nonfinite_steps")
         self._preflight()  # a user task's checks: nothing is written before they pass
-        self._check_run_dir()
+        run_directory.check(self)
         self.checkpoint = tf.train.Checkpoint(
             model=self.strategy.checkpoint_model(self.model), rng_state=rng_variables(self.model),
             optimizer=self.optimizer, step=self.step, batches_consumed=self.batches_consumed,
@@ -191,50 +167,7 @@ class Trainer:
             check(self.model, self.micro_batch, self.cfg.train.grad_accum_steps,
                   self.strategy.input_context(), self.cfg.train.seed)
 
-    # ---- run directory, checkpoints ----------------------------------------------------------
-    def _check_run_dir(self):
-        """Refuse to resume a run directory whose model differs from the requested one."""
-        path = os.path.join(self.cfg.train.model_dir, "config.json")
-        model_config = dataclasses.asdict(self.task.model_config)
-        if os.path.exists(path):
-            with open(path) as f:
-                saved = json.load(f)
-            if "converted_from" in saved:  # its config.json and tokenizer would be overwritten
-                raise ValueError(
-                    f"--model_dir={self.cfg.train.model_dir} is a tfbig-convert run directory "
-                    f"({saved['converted_from']}); its config.json and tokenizer would be "
-                    "overwritten. Continue training it with --init_checkpoint="
-                    f"{self.cfg.train.model_dir} and another --model_dir.")
-            saved = saved.get("model_config", {})
-            diff = {k: (saved.get(k), v) for k, v in model_config.items()
-                    if saved.get(k) != v and k not in COMPUTE_FIELDS}
-            if diff and tf.train.latest_checkpoint(self.cfg.train.model_dir):
-                raise ValueError(
-                    f"--model_dir={self.cfg.train.model_dir} holds a checkpoint of a different "
-                    f"model; (saved, requested) per field: {diff}. Use another --model_dir.")
-        if self.strategy.is_chief:
-            self._save_config()
-            tokenizer_path = self.task.manifest.tokenizer_path  # "": a user task has none
-            files, _ = data.run_tokenizer_files(tokenizer_path) if tokenizer_path else ({}, None)
-            for name, source in files.items():  # tokenizer.model, or GPT-2's BPE files
-                target = os.path.join(self.cfg.train.model_dir, name)
-                if not os.path.exists(target) or not os.path.samefile(source, target):
-                    shutil.copyfile(source, target)  # (tfbig-squad predicts from its own)
-
-    def _save_config(self):
-        """MODEL_DIR/config.json: the flags, the model's config and what was resolved."""
-        extra = {"model_config": dataclasses.asdict(self.task.model_config),
-                 "resolved_data_dir": self.task.data_dir,
-                 "model_format": getattr(self.task, "model_format", self.task.format)}
-        if self.budget:
-            extra["budget"] = dataclasses.asdict(self.budget)
-        tokenizer_path = self.task.manifest.tokenizer_path
-        _, tokenizer = data.run_tokenizer_files(tokenizer_path) if tokenizer_path else ({}, None)
-        if tokenizer:  # {"kind": "byte_level_bpe", ...}: what tfbig-generate and exports read
-            extra["tokenizer"] = tokenizer
-        config_lib.save_json(self.cfg, os.path.join(self.cfg.train.model_dir, "config.json"),
-                             extra=extra)
-
+    # ---- checkpoints -------------------------------------------------------------------------
     def _restore(self):
         """Restore the newest intact checkpoint (tfbig.checkpoints.integrity); damaged ones are named."""
         if not self.strategy.restores_checkpoint:  # it follows the chief's broadcast
@@ -378,7 +311,7 @@ class Trainer:
         if self.budget and step == t.max_steps:  # the budgeted run's end, in its accounting
             self.budget.ended_seconds = time.monotonic() - self.started
             if self.strategy.is_chief:
-                self._save_config()
+                run_directory.save_config(self)
         self.logger.flush()
         return summary
 
@@ -407,7 +340,7 @@ class Trainer:
             self._fix_schedule()
         if first or self.budget.decided:
             if self.strategy.is_chief:
-                self._save_config()
+                run_directory.save_config(self)
             self.logger.info(self.budget.describe())
         return self.budget.decided
 
