@@ -41,11 +41,11 @@ import dataclasses
 
 from tfbig.config import ExperimentConfig
 from tfbig.errors import UsageError
-from tfbig.training.finetune import LossRecorder
 from tfbig.tasks.user import DataShard, FunctionTask, Task
 from tfbig.tasks.user_adapter import UserTask
-from tfbig.training.trainer import Trainer
+from tfbig.training.finetune import LossRecorder
 from tfbig.training.precision import precision_policy
+from tfbig.training.trainer import Trainer
 
 __all__ = ["DataShard", "Run", "Task", "config_from_flags", "configure", "consolidate_run",
            "define_flags", "evaluate", "predict", "train"]
@@ -287,8 +287,8 @@ def plan(task, config, device=None, world_size=None):
 def _counted(task, tensor):
     """((trainable, other) values of the task's model, trainable values one rank holds):
     under --tensor_parallel counted on tensor rank 0's model, split as training splits it."""
-    from tfbig.layouts.tensor_plan import TensorGroup
     from tfbig.layouts.tensor_layout import split_declared_model
+    from tfbig.layouts.tensor_plan import TensorGroup
     from tfbig.plan import user
 
     if tensor == 1:

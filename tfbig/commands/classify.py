@@ -34,9 +34,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import flags  # noqa: E402
 
-from tfbig.training import finetune  # noqa: E402
 from tfbig.errors import UsageError  # noqa: E402
 from tfbig.tasks.classify import ClassifyData  # noqa: E402
+from tfbig.training import finetune  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -52,8 +52,8 @@ def fine_tune(options, before_fit=None, **overrides):
     (on the chief; {} elsewhere). `overrides`: other Trainer flags by name; `before_fit(trainer)`
     runs before training (tests record the reference's gradients)."""
     from tfbig.tasks.classify import ClassifyTask
-    from tfbig.training.trainer import Trainer
     from tfbig.training.precision import precision_policy
+    from tfbig.training.trainer import Trainer
 
     cfg = finetune.experiment(options, "classify", **overrides)
     with precision_policy(options.precision):  # the model computes in float16 / bfloat16

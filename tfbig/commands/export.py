@@ -20,8 +20,8 @@ import tensorflow as tf  # noqa: E402
 from absl import flags  # noqa: E402
 
 from tfbig.commands import cli  # noqa: E402
-from tfbig.errors import UsageError  # noqa: E402
 from tfbig.convert.run_dir import load_model  # noqa: E402
+from tfbig.errors import UsageError  # noqa: E402
 
 
 class _Exported(tf.Module):

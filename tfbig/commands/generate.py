@@ -14,7 +14,6 @@ from tfbig.convert.run_dir import load_model  # noqa: E402
 from tfbig.errors import UsageError  # noqa: E402
 from tfbig.models.generation import sample_text  # noqa: E402
 
-
 FLAGS = flags.FLAGS
 
 

@@ -13,9 +13,9 @@ import sys
 from absl import flags
 
 from tfbig.commands import cli
+from tfbig.models import shapes as models
 from tfbig.plan import calibration as calibration_lib
 from tfbig.plan import hardware, report, search
-from tfbig.models import shapes as models
 
 # flag -> (definer name, default, help); layout flags are searched unless given.
 FLAGS_SPEC = {

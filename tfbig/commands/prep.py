@@ -26,8 +26,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # console script: no C++ INF
 from absl import flags, logging  # noqa: E402
 
 from tfbig.commands import cli  # noqa: E402
+from tfbig.data import (DEFAULT_VALIDATION_PLAYS, FORMATS, index_shards,  # noqa: E402
+                        load_tokenizer, prepare)
 from tfbig.data.bert import BERT_MASKING  # noqa: E402
-from tfbig.data import DEFAULT_VALIDATION_PLAYS, FORMATS, index_shards, load_tokenizer, prepare  # noqa: E402
 from tfbig.data.tokenizer import tokenizer_file  # noqa: E402
 from tfbig.errors import UsageError  # noqa: E402
 

@@ -33,9 +33,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import flags  # noqa: E402
 
-from tfbig.training import finetune  # noqa: E402
 from tfbig.errors import UsageError  # noqa: E402
 from tfbig.tasks.squad import SquadData  # noqa: E402
+from tfbig.training import finetune  # noqa: E402
 
 OUTPUTS = {"predictions": "predictions.json", "nbest": "nbest_predictions.json",
            "null_odds": "null_odds.json", "scores": "eval_results.json"}
@@ -80,8 +80,8 @@ def fine_tune(options, before_fit=None, **overrides):
     returns the scores (on the chief; {} elsewhere). `overrides`: other Trainer flags;
     `before_fit(trainer)` runs before training (tests record the reference's gradients)."""
     from tfbig.tasks.squad import SquadTask
-    from tfbig.training.trainer import Trainer
     from tfbig.training.precision import precision_policy
+    from tfbig.training.trainer import Trainer
 
     if not options.train_file:  # the fine-tuned weights come from --output_dir's checkpoint
         options = dataclasses.replace(options, init_checkpoint="", max_steps=_saved_steps(

@@ -15,10 +15,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import flags  # noqa: E402
 
-from tfbig.training import budget  # noqa: E402
 from tfbig import config as config_lib  # noqa: E402
 from tfbig.commands import recipes  # noqa: E402
 from tfbig.errors import UsageError  # noqa: E402
+from tfbig.training import budget  # noqa: E402
 
 config_lib.define_flags()
 

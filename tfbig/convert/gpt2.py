@@ -244,9 +244,9 @@ def export(source_dir, output_dir):
     from safetensors.numpy import save_file
 
     from tfbig.checkpoints.checkpoint import model_variables
+    from tfbig.convert.run_dir import load_model
     from tfbig.data.bpe import ByteLevelBPE
     from tfbig.data.tokenizer import for_run
-    from tfbig.convert.run_dir import load_model
 
     model, _ = load_model(source_dir)  # any layout tfbig-train writes (ZeRO, tensor, pipeline)
     config = model.config

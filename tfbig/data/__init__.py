@@ -31,10 +31,11 @@ from tfbig.data.formats import FORMATS, Format, get_format
 from tfbig.data.index import index_shards
 from tfbig.data.manifest import (MANIFEST_NAME, Manifest, ShardInfo, SplitInfo, load_manifest,
                                  write_manifest)
-from tfbig.data.mixture import Mixture, is_mixture, open_manifest, parse_mixture, source_counts, source_tokens
+from tfbig.data.mixture import (Mixture, is_mixture, open_manifest, parse_mixture, source_counts,
+                                source_tokens)
 from tfbig.data.prepare import default_data_dir, prepare, prepare_locked
-from tfbig.data.sources import DEFAULT_VALIDATION_PLAYS
 from tfbig.data.source_spec import Piece, SourceSpec
+from tfbig.data.sources import DEFAULT_VALIDATION_PLAYS
 from tfbig.data.tokenizer import Tokenizer, load_tokenizer, run_tokenizer_files
 from tfbig.data.wordpiece_vocab import WordPieceVocab
 

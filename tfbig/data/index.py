@@ -10,7 +10,8 @@ import shutil
 
 import numpy as np
 
-from tfbig.data import manifest as manifest_lib, shards
+from tfbig.data import manifest as manifest_lib
+from tfbig.data import shards
 from tfbig.data.albert import FEATURES, albert_features
 from tfbig.data.tokenizer import Tokenizer
 

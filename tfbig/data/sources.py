@@ -34,9 +34,9 @@ from collections.abc import Iterator
 
 from tfbig.data import compression, wikipedia
 from tfbig.data.file_kinds import binary_files, is_mediawiki_dump, readable_input, unnamed_dump
-from tfbig.data.source_spec import (INPUT_SUFFIXES, JSONL_SUFFIXES, WIKI_PART, WIKI_SUFFIXES, Piece,
-                               SourceSpec, decode_text, file_stamp, held_out_document)
 from tfbig.data.shakespeare import play_name, play_scenes, plays_root, shakespeare_plays
+from tfbig.data.source_spec import (INPUT_SUFFIXES, JSONL_SUFFIXES, WIKI_PART, WIKI_SUFFIXES,
+                                    Piece, SourceSpec, decode_text, file_stamp, held_out_document)
 from tfbig.data.tfds_source import tfds_documents, tfds_pieces
 
 DEFAULT_VALIDATION_PLAYS = ("coriolanus", "henry-v", "twelfth-night")

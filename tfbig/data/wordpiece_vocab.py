@@ -30,7 +30,8 @@ class WordPieceVocab:
             raise ValueError(f"{path}: no {missing} in the vocabulary; a BERT vocab.txt has "
                              f"{list(SPECIALS)}")
         self.lowercase = not any(c.isupper() for p in pieces if not is_special(p) for c in p)
-        from tokenizers import Tokenizer as _Rust, models, pre_tokenizers
+        from tokenizers import Tokenizer as _Rust
+        from tokenizers import models, pre_tokenizers
 
         self._rust = _Rust(models.WordPiece(self._ids, unk_token="[UNK]",
                                             max_input_chars_per_word=100))
@@ -51,7 +52,8 @@ class WordPieceVocab:
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int, path: str) -> "WordPieceVocab":
         """Train an uncased vocabulary of exactly `vocab_size` pieces on `texts`, write `path`."""
-        from tokenizers import Tokenizer as _Rust, models, pre_tokenizers, trainers
+        from tokenizers import Tokenizer as _Rust
+        from tokenizers import models, pre_tokenizers, trainers
 
         rust = _Rust(models.WordPiece(unk_token="[UNK]"))
         rust.normalizer = _normalizer(lowercase=True)

@@ -24,8 +24,8 @@ import tensorflow as tf
 
 from tfbig.config import HorovodConfig, ParallelConfig
 from tfbig.distribute import horovod_keras  # first: a clear error if Horovod is missing
-from tfbig.distribute.horovod_keras import hvd
 from tfbig.distribute.base import Strategy
+from tfbig.distribute.horovod_keras import hvd
 from tfbig.distribute.mesh import HorovodMesh, Mesh, launcher_world_size
 
 ZERO_STAGES = (0, 1, 2, 3)

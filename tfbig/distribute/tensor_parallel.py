@@ -15,10 +15,10 @@ from tfbig.distribute.base import Strategy
 from tfbig.distribute.horovod import HorovodStrategy
 from tfbig.distribute.horovod_keras import hvd
 from tfbig.distribute.tensor_collectives import (all_reduce_sum, vocab_parallel_argmax,
-    vocab_parallel_cross_entropy)
+                                                 vocab_parallel_cross_entropy)
 from tfbig.distribute.tensor_layers import wrap
 from tfbig.layouts.tensor_layout import (LAYOUT_FILE, join_slices, own_mask_states, split_model,
-    state_arrays, state_variables, take_slice)
+                                         state_arrays, state_variables, take_slice)
 from tfbig.layouts.tensor_plan import TensorGroup, whole_sequence_paths
 
 

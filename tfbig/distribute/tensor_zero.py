@@ -5,11 +5,11 @@ Why it is built this way: docs/design/notes/distribute.md (tfbig.distribute.tens
 import tensorflow as tf
 
 from tfbig.checkpoints.checkpoint import piece_dir, write_layout
+from tfbig.distribute.tensor_parallel import TensorParallelStrategy
+from tfbig.distribute.zero import ZeroStrategy
 from tfbig.layouts import zero_checkpoint
 from tfbig.layouts.tensor_layout import LAYOUT_FILE as TENSOR_LAYOUT
 from tfbig.layouts.tensor_layout import read_layout as read_tensor_layout
-from tfbig.distribute.tensor_parallel import TensorParallelStrategy
-from tfbig.distribute.zero import ZeroStrategy
 
 
 class TensorZeroStrategy(ZeroStrategy, TensorParallelStrategy):

@@ -10,11 +10,11 @@ import tensorflow as tf
 
 from tfbig.checkpoints.checkpoint import model_key, piece_dir, write_layout
 from tfbig.distribute import recompute, zero3
-from tfbig.layouts import zero_checkpoint
 from tfbig.distribute.base import accumulate_gradients
 from tfbig.distribute.horovod import HorovodStrategy
 from tfbig.distribute.horovod_keras import average_gradients, hvd
 from tfbig.distribute.zero3 import Partition
+from tfbig.layouts import zero_checkpoint
 from tfbig.optim import build_optimizer, no_decay_variables
 
 LAYOUT_FILE = zero_checkpoint.LAYOUT_FILE

@@ -22,8 +22,9 @@ import re
 import numpy as np
 import tensorflow as tf
 
-from tfbig.checkpoints.checkpoint import piece_checkpoints, piece_dir, reader_key
+from tfbig.checkpoints.checkpoint import piece_checkpoints, piece_dir
 from tfbig.checkpoints.checkpoint import read_layout as checkpoint_layout
+from tfbig.checkpoints.checkpoint import reader_key
 from tfbig.layouts.tensor_layout import join_slices
 
 LAYOUT_FILE = "pipeline.json"

@@ -16,8 +16,7 @@ Example:
 import dataclasses
 
 from tfbig.models.common import uses_blockwise
-from tfbig.models.configs import (ALBERT_PRESETS, GPT_PRESETS, AlbertConfig, BertConfig,
-                                  GPTConfig)
+from tfbig.models.configs import ALBERT_PRESETS, GPT_PRESETS, AlbertConfig, BertConfig, GPTConfig
 from tfbig.models.llama_config import LLAMA_PRESETS, LlamaConfig
 
 FAMILIES = {"gpt": (GPTConfig, GPT_PRESETS), "albert": (AlbertConfig, ALBERT_PRESETS),

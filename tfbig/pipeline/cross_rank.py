@@ -12,8 +12,8 @@ from tfbig.distribute.horovod import HorovodStrategy
 from tfbig.distribute.horovod_keras import hvd
 from tfbig.distribute.mesh import HorovodMesh, Mesh, launcher_world_size
 from tfbig.layouts import partition as partition_lib
-from tfbig.pipeline import schedules
 from tfbig.layouts import stage_checkpoint
+from tfbig.pipeline import schedules
 from tfbig.pipeline.stage_model import build_stage_model
 from tfbig.pipeline.stages import Stage
 from tfbig.pipeline.strategy import (microbatch_size, split_microbatches, stage_memory,

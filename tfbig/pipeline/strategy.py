@@ -19,14 +19,14 @@ import tensorflow as tf
 from tfbig.config import HorovodConfig, PipelineConfig
 from tfbig.distribute.base import Strategy
 from tfbig.layouts import partition as partition_lib
+from tfbig.models import shapes as plan_models
+from tfbig.models.shapes import layer_specs
 from tfbig.pipeline import schedules
 from tfbig.pipeline.data_parallel import HorovodGrid, launched_by_horovod
 from tfbig.pipeline.devices import same_device, stage_devices
 from tfbig.pipeline.layers import layer_sequence
-from tfbig.models.shapes import layer_specs
 from tfbig.pipeline.stages import Stage
 from tfbig.plan import estimate
-from tfbig.models import shapes as plan_models
 
 
 def microbatch_size(total, num_microbatches):

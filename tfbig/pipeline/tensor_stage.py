@@ -8,12 +8,13 @@ import tensorflow as tf
 
 from tfbig.checkpoints.checkpoint import piece_dir, write_layout
 from tfbig.distribute.horovod_keras import hvd
-from tfbig.layouts.tensor_plan import TensorGroup, whole_sequence_paths
-from tfbig.layouts.tensor_layout import split_model
 from tfbig.distribute.tensor_collectives import (all_reduce_sum, gather_whole_sequence,
-    vocab_parallel_argmax, vocab_parallel_cross_entropy)
+                                                 vocab_parallel_argmax,
+                                                 vocab_parallel_cross_entropy)
 from tfbig.distribute.tensor_layers import wrap
 from tfbig.layouts import stage_checkpoint
+from tfbig.layouts.tensor_layout import split_model
+from tfbig.layouts.tensor_plan import TensorGroup, whole_sequence_paths
 from tfbig.pipeline.cross_rank import CrossRankPipeline
 from tfbig.pipeline.stage_model import build_stage_model
 

@@ -5,9 +5,9 @@ Why it is built this way: docs/design/notes/plan.md (tfbig.plan.user).
 """
 import dataclasses
 
+from tfbig.models import shapes as models
 from tfbig.plan import calibration as calibration_lib
 from tfbig.plan import estimate, report, search
-from tfbig.models import shapes as models
 from tfbig.plan.hardware import Cluster
 
 SHAPE_FIELDS = ("hidden_size", "num_layers", "num_heads", "seq_length", "vocab_size")

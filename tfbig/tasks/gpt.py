@@ -10,7 +10,6 @@ import tensorflow as tf
 from tfbig import data
 from tfbig.models.gpt import GPT, GPTConfig
 
-
 DEFAULT_VOCAB_SIZE = 8000  # tokenizer trained on the embedded corpus when no --data_dir is given
 
 

@@ -22,9 +22,8 @@ import json
 import os
 
 from tfbig.checkpoints import integrity
-from tfbig.layouts import tensor_layout, tensor_plan, zero_checkpoint
 from tfbig.distribute.base import Strategy
-from tfbig.layouts import stage_checkpoint
+from tfbig.layouts import stage_checkpoint, tensor_layout, tensor_plan, zero_checkpoint
 from tfbig.training.trainer import Trainer
 
 COMMAND = "python -m tfbig.commands.consolidate MODEL_DIR OUT_DIR"

@@ -10,9 +10,9 @@ Example:
 """
 import time
 
+from tfbig.models import shapes as models
 from tfbig.plan import calibration as calibration_lib
 from tfbig.plan import hardware, report, search
-from tfbig.models import shapes as models
 
 BANDWIDTH_PROBE_BYTES = 256 * 2 ** 20
 

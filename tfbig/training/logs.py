@@ -4,7 +4,6 @@ import sys
 
 import tensorflow as tf
 
-
 # Step-time shares that are usually zero (one device, no checkpoint in the interval).
 _SHOWN_IF_NONZERO = ("time_fraction/communication", "time_fraction/checkpoint")
 

@@ -250,8 +250,8 @@ def planned_stage_peak(model, micro_batch, layout, stage=0):
     """The plan's bytes a forward/backward step allocates above the model state on pipeline
     stage `stage` of a tiny-preset GPT with the `model` fields overridden (fp32): the stage's
     gradients, activations and pipeline send/receive buffers."""
-    from tfbig.plan import estimate, hardware
     from tfbig.models import shapes as models
+    from tfbig.plan import estimate, hardware
 
     cfg = models.model_config("gpt", "tiny", **model)
     shape = models.shape_of(cfg, "gpt", cfg.seq_length)

@@ -1,8 +1,8 @@
 """--precision as Keras' global dtype policy: fp32, mixed_float16 (with loss scaling in the
 loop), mixed_bfloat16; and a context that restores the previous policy."""
 import contextlib
-import keras
 
+import keras
 
 PRECISIONS = {"fp32": "float32", "mixed_float16": "mixed_float16",
               "mixed_bfloat16": "mixed_bfloat16"}

@@ -3,8 +3,8 @@
     batches = validation_batches(task, micro_batch=8, num_replicas=2, eval_steps=50, say=print)
     check_tokenizer(task)   # the file the end-of-run sample needs
 """
-from tfbig.training import evaluation
 from tfbig.errors import UsageError
+from tfbig.training import evaluation
 
 
 def validation_batches(task, micro_batch, num_replicas, eval_steps, say):

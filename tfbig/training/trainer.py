@@ -14,21 +14,20 @@ import keras
 import tensorflow as tf
 from tensorflow.python.framework import config as op_config
 
-from tfbig.training import budget as budget_lib
 from tfbig import config as config_lib
 from tfbig import data
-from tfbig.training import evaluation, preflight
-from tfbig.convert import init_checkpoint
 from tfbig.checkpoints import integrity
 from tfbig.checkpoints.checkpoint import rng_variables
+from tfbig.convert import init_checkpoint
 from tfbig.errors import TrainingStoppedError
-from tfbig.training.registry import get_strategy
-from tfbig.training import run_directory
-from tfbig.training.logs import RunLogger
-from tfbig.training.precision import set_precision
 from tfbig.optim import decide_schedule, learning_rate, loss_scale
 from tfbig.profiling.profiler import RunProfiler
 from tfbig.tasks import get_task
+from tfbig.training import budget as budget_lib
+from tfbig.training import evaluation, preflight, run_directory
+from tfbig.training.logs import RunLogger
+from tfbig.training.precision import set_precision
+from tfbig.training.registry import get_strategy
 
 
 class NonFiniteLossError(TrainingStoppedError):
