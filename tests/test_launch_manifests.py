@@ -24,7 +24,7 @@ CLEAN_POD_POLICIES = {"None", "Running", "All"}
 
 def preempted_exit_code():
     """tfbig.commands.train.PREEMPTED_EXIT_CODE, read without importing TensorFlow."""
-    tree = ast.parse(open(os.path.join(ROOT, "tfbig", "train_command.py")).read())
+    tree = ast.parse(open(os.path.join(ROOT, "tfbig", "commands", "train.py")).read())
     for node in tree.body:
         if isinstance(node, ast.Assign) and node.targets[0].id == "PREEMPTED_EXIT_CODE":
             return node.value.value

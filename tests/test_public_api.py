@@ -47,8 +47,11 @@ def test_the_python_api_page_documents_the_public_api():
     assert set(api.__all__) - {"Task", "DataShard"} <= documented, documented
 
 
+# tfbig-prep defines its absl flags at import, as other tools in this process do: its old name
+# is run as a command below instead
 @pytest.mark.parametrize("old, new", sorted((old, new) for old, new in MOVED.items()
-                                            if not old.endswith(".__main__")))
+                                            if not old.endswith(".__main__")
+                                            and old != "data_prep.prep"))
 def test_a_moved_module_keeps_its_old_name_with_a_warning(old, new):
     sys.modules.pop(old, None)
     parent, _, child = old.rpartition(".")
@@ -65,7 +68,8 @@ def test_a_moved_module_keeps_its_old_name_with_a_warning(old, new):
 @pytest.mark.parametrize("old, expected", [
     ("tfbig.plan", "tfbig-plan"),  # a package's __main__, now tfbig.commands.plan
     ("tfbig.consolidate", "usage: python -m tfbig.commands.consolidate"),
-    ("tfbig.squad.cli", "tfbig-squad")])
+    ("tfbig.squad.cli", "tfbig-squad"), ("data_prep.prep", "tfbig-prep"),
+    ("launch.local", "tfbig-launch")])
 def test_python_dash_m_of_an_old_name_runs_its_command(old, expected):
     done = subprocess.run([sys.executable, "-m", old, "--help"], capture_output=True, text=True,
                           timeout=300, cwd=ROOT)
