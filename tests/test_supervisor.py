@@ -208,6 +208,9 @@ def stop(procs):
             proc.wait()
 
 
+# 54-79 s (six TensorFlow starts): slow, to keep the default run's time; the default run keeps
+# the supervisor's restart causes, back-off, budget and process stopping on real processes
+@pytest.mark.slow
 @pytest.mark.multiproc
 def test_a_worker_killed_mid_training_is_restarted_and_ends_bit_identical(gpt_data, tmp_path):
     straight = training_job(gpt_data, tmp_path / "straight")  # beside it: the reference
