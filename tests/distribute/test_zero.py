@@ -73,9 +73,6 @@ SLOW_SCENARIOS = {"z3_d2": (3, 2, "gpt_data", {}, {"first_gradients": True}),
                   # BERT: a gather per block (one per layer), its word table per step (tied
                   # to the MLM head)
                   "z3_d2_bert": (3, 2, "bert_data", BERT, {"first_gradients": True}),
-                  # Llama: its blocks, final norm and untied head gathered per call, its token
-                  # table per call too (the layout it declares: tfbig.models.llama)
-                  "z3_d2_llama": (3, 2, "gpt_data", {"model": "llama"}, {"first_gradients": True}),
 }
 OWN_TESTS = ("z3_d2_fp16_skip",)  # trained as the single-device mixed run: tests of its own
 SLOW = [pytest.param(name, marks=pytest.mark.slow) for name in SLOW_SCENARIOS

@@ -304,13 +304,10 @@ class Llama(keras.Model):
         self.built = True
 
     def layout(self):
-        """How this model may be split (data the backends read: tfbig.models.layout): its blocks
-        recomputed and gathered one at a time; a tied word table, read twice a step, gathered per
-        step. No tensor or context plan yet (refused by name)."""
-        tied = self.config.tie_embeddings
-        return ModelLayout(
-            gather_per_call=("blocks.*", "final_norm", "head") + (() if tied else ("embedding",)),
-            gather_per_step=("embedding",) if tied else (), blocks="blocks")
+        """How this model may be split (data the backends read: tfbig.models.layout): its blocks,
+        recomputed one at a time. No ZeRO-3 gathers, tensor or context plan yet: those are
+        refused by name until each is proven equal to one process."""
+        return ModelLayout(blocks="blocks")
 
     def logits(self, x):
         """Final norm and vocabulary projection of hidden states (B, T, C) -> (B, T, V) float32."""
