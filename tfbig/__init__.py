@@ -2,7 +2,8 @@
 
 The public surface (`__all__`): `tfbig.train`, `tfbig.evaluate`, `tfbig.predict`, `tfbig.Task`,
 `tfbig.DataShard`, `tfbig.Run`, `tfbig.configure`, `tfbig.define_flags`,
-`tfbig.config_from_flags`, `tfbig.consolidate_run` (tfbig.api), `tfbig.ExperimentConfig`.
+`tfbig.config_from_flags`, `tfbig.consolidate_run`, `tfbig.device_mesh` (tfbig.api),
+`tfbig.ExperimentConfig`.
 `import tfbig` imports no TensorFlow: each name is loaded from tfbig.api when first used.
 
 Layers. Imports inside tfbig/ point down the list below, never up, and never in a circle; an
@@ -39,7 +40,7 @@ from tfbig import compat
 compat.install()
 
 __all__ = ["DataShard", "ExperimentConfig", "Run", "Task", "config_from_flags", "configure",
-           "consolidate_run", "define_flags", "evaluate", "predict", "train"]
+           "consolidate_run", "define_flags", "device_mesh", "evaluate", "predict", "train"]
 
 
 def __getattr__(name):

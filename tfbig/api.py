@@ -42,13 +42,14 @@ import dataclasses
 from tfbig.config import ExperimentConfig
 from tfbig.errors import UsageError
 from tfbig.tasks.user import DataShard, FunctionTask, Task
+from tfbig.tasks.layout_map import device_mesh
 from tfbig.tasks.user_adapter import UserTask
 from tfbig.training.finetune import LossRecorder
 from tfbig.training.precision import precision_policy
 from tfbig.training.trainer import Trainer
 
 __all__ = ["DataShard", "Run", "Task", "config_from_flags", "configure", "consolidate_run",
-           "define_flags", "evaluate", "predict", "train"]
+           "define_flags", "device_mesh", "evaluate", "predict", "train"]
 
 # flag -> (its value when unused, why a user task refuses it)
 USER_TASK_REFUSED = {

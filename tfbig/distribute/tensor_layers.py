@@ -4,6 +4,7 @@ the sequence-parallel regions between them. The layer itself is unchanged Keras 
 """
 from keras import ops
 
+from tfbig.layouts.tensor_layout import einsum_specs
 from tfbig.distribute.tensor_collectives import (copy_to_region, from_first_rank, gather_last_axis,
                                                  gather_sequence, gather_whole_sequence,
                                                  reduce_from_region, scatter_sequence,
@@ -43,6 +44,59 @@ def _reduced_projection(layer, leave, process_set):
     return projection_call
 
 
+def _own_rows(x, axis, local, group):
+    """`x` as a row-split layer with `local` rows per rank takes it: already this rank's
+    slice (after a column-split layer) as is; whole (replicated) -> entering the region
+    (its gradient summed over the group), then this rank's `local` entries along `axis`."""
+    width = x.shape[axis]
+    if width == local:
+        return x
+    if width != local * group.size:
+        raise ValueError(f"a row-split layer with {local} rows per tensor rank got an input "
+                         f"of width {width} on axis {axis}: neither its slice nor the whole "
+                         f"({local * group.size})")
+    x = copy_to_region(x, group.process_set)
+    index = [slice(None)] * len(x.shape)
+    index[axis] = slice(group.rank * local, (group.rank + 1) * local)
+    return x[tuple(index)]
+
+
+def _einsum_row(layer, axis, leave, group):
+    """An EinsumDense's call with its kernel split on a contracted axis (`axis`): its input
+    taken on the matching axis (_own_rows), the partial products summed over the group, the
+    bias added once."""
+    inputs, kernel, _ = einsum_specs(layer.equation)
+    letter = kernel[axis]
+    index = inputs.index(letter)  # after an ellipsis: counted from the end
+    position = index - len(inputs) if "..." in inputs[:index] else index
+
+    def einsum_row_call(x, *args, **kwargs):
+        x = _own_rows(x, position, layer.kernel.shape[axis], group)
+        y = leave(ops.einsum(layer.equation, x, layer.kernel), group.process_set)
+        y = y if layer.bias is None else ops.add(y, layer.bias)
+        return y if layer.activation is None else layer.activation(y)
+
+    return einsum_row_call
+
+
+def _reversible_vocab(layer, call, enter, leave, group):
+    """A vocabulary-split ReversibleEmbedding (keras-hub's token embedding): the lookup as
+    the "vocab" kind; the reverse projection over a tied table gives this rank's slice of the
+    logits, gathered whole; over an untied (replicated) table, unchanged."""
+    def reversible_call(inputs, reverse=False):
+        if reverse:
+            if not layer.tie_weights:
+                return call(inputs, reverse=True)
+            return gather_last_axis(call(enter(inputs, group.process_set), reverse=True),
+                                    group)
+        local = ops.cast(inputs, "int32") - group.rank * layer.input_dim
+        inside = (local >= 0) & (local < layer.input_dim)
+        rows = call(ops.where(inside, local, 0))
+        return leave(rows * ops.cast(inside[..., None], rows.dtype), group.process_set)
+
+    return reversible_call
+
+
 def wrap(layer, split, group):
     kind, ps = split.kind, group.process_set
     call = layer.call
@@ -51,14 +105,19 @@ def wrap(layer, split, group):
         enter, leave = gather_sequence, scatter_sequence
     else:  # into it: identity (all-reduce backward); out of it: all-reduce
         enter, leave = copy_to_region, reduce_from_region
-    if kind == "column":
+    if kind in ("column", "einsum_column"):
         layer.call = lambda x, *args, **kwargs: call(enter(x, ps), *args, **kwargs)
     elif kind == "row":
         def row_call(x, *args, **kwargs):
+            x = _own_rows(x, -1, layer.kernel.shape[0], group)
             y = leave(ops.matmul(x, layer.kernel), ps)
             return y + layer.bias if layer.use_bias else y
 
         layer.call = row_call
+    elif kind == "einsum_row":
+        layer.call = _einsum_row(layer, split.axis, leave, group)
+    elif kind == "vocab" and getattr(layer, "tie_weights", None) is not None:
+        layer.call = _reversible_vocab(layer, call, enter, leave, group)
     elif kind == "vocab":
         def vocab_call(ids, *args, **kwargs):
             local = ops.cast(ids, "int32") - group.rank * layer.input_dim

@@ -144,8 +144,8 @@ def split_declared_model(task, group, wrap=None):
                          "their width, not the sequence; run it without --sequence_parallel")
     model = task.build_model()
     splits = {}
-    for layer, kind in task.declared_layout(model):
-        split, pieces = _shrink_declared(layer, kind, group)
+    for layer, kind, axis in task.declared_layout(model, group.size):
+        split, pieces = _shrink_declared(layer, kind, axis, group)
         for owner, variable, piece in pieces:
             _replace_variable(owner, variable, take_slice(
                 variable.numpy(), *piece, group.rank, group.size))
@@ -155,10 +155,12 @@ def split_declared_model(task, group, wrap=None):
     return model, splits
 
 
-def _shrink_declared(layer, kind, group):
+def _shrink_declared(layer, kind, axis, group):
     """(Split, [(owning layer, variable, (axis, sections))]) of a declared layer, its sizes
-    shrunk to rank `group.rank`'s 1/T."""
+    shrunk to rank `group.rank`'s 1/T (`axis`: the kernel axis a LayoutMap splits)."""
     size, path = group.size, layer.path
+    if isinstance(layer, keras.layers.EinsumDense):
+        return _shrink_einsum(layer, kind, axis, size)
     if kind == "heads":
         return Split("keras_heads"), _shrink_attention(layer, group)
     if kind == "vocab" and isinstance(layer, keras.layers.Embedding):
@@ -172,6 +174,30 @@ def _shrink_declared(layer, kind, group):
     what = f"{path}'s units" if kind == "column" else f"{path}'s vocabulary (units)"
     layer.units = _divide(layer.units, size, what)
     return split, [(layer, v, (-1, 1)) for v in (layer.kernel, layer.bias) if v is not None]
+
+
+def _shrink_einsum(layer, kind, axis, size):
+    """An EinsumDense's kernel split on `axis` (a LayoutMap's): an output axis ("column",
+    its bias sliced with it when the bias spans it) or a contracted one ("row", the bias
+    added once after the sum)."""
+    _divide(layer.kernel.shape[axis], size, f"{layer.path}'s kernel axis {axis} "
+            f"(shape {tuple(layer.kernel.shape)})")
+    pieces = [(layer, layer.kernel, (axis, 1))]
+    if kind == "column" and layer.bias is not None:
+        _, kernel, output = einsum_specs(layer.equation)
+        spanned = [c for c in output if c in (layer.bias_axes or "")]
+        letter = kernel[axis]
+        if letter in spanned:
+            first = min(output.index(c) for c in spanned)
+            pieces.append((layer, layer.bias, (output.index(letter) - first, 1)))
+    return Split("einsum_" + kind, axis=axis), pieces
+
+
+def einsum_specs(equation):
+    """(input letters, kernel letters, output letters) of an EinsumDense equation."""
+    operands, output = equation.split("->")
+    inputs, kernel = operands.split(",")
+    return inputs, kernel, output
 
 
 def _shrink_attention(attention, group):
@@ -230,7 +256,7 @@ def own_mask_states(model, group, task=None):
     of their own on each tensor rank (their state is the single-device one + the rank): a
     family's own_mask layers, a declared layout's split MultiHeadAttention layers (`task`)."""
     if getattr(task, "tensor_layout", None):
-        return {id(v) for layer, kind in task.declared_layout(model) if kind == "heads"
+        return {id(v) for layer, kind, _ in task.declared_layout(model) if kind == "heads"
                 for v in _attention_mask_states(layer)}
     own = ("own_mask", "sequence_mask") if group.sequence_parallel else ("own_mask",)
     return {id(v) for pattern, split in plan_for(model) if split.kind in own

@@ -20,13 +20,14 @@ class Split:
     (a dropout of the sequence-split region), sequence_output (a backbone output gathered
     whole), sequence_first (position 0 of the chunk, from tensor rank 0), whole_sequence (a
     layer after the backbone that sees the whole sequence). `sequence=False` marks a layer of
-    the replicated region after the backbone. A user task's declared layout adds keras_heads
-    and vocab_logits (tfbig.layouts.tensor_layout.split_declared_model). Each kind's meaning
+    the replicated region after the backbone. A user task's declared layout adds keras_heads,
+    vocab_logits, and einsum_column / einsum_row (an EinsumDense's kernel split on `axis`) (tfbig.layouts.tensor_layout.split_declared_model). Each kind's meaning
     at length: docs/design/notes/layouts.md."""
 
     kind: str
     sections: int = 1
     sequence: bool = True  # in the region split along the sequence by --sequence_parallel
+    axis: int = None  # einsum_column / einsum_row (a LayoutMap's split): the kernel axis
 
 
 @dataclasses.dataclass(frozen=True)

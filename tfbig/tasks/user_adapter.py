@@ -12,6 +12,7 @@ import tensorflow as tf
 
 from tfbig.errors import UsageError
 from tfbig.tasks.user import DataShard, Task
+from tfbig.tasks.layout_map import is_layout_entry, mesh_degree
 from tfbig.tasks.user_layout import declared_layout, fresh_layer_names, resolve_layers
 
 
@@ -115,12 +116,22 @@ class UserTask:
 
     @property
     def tensor_layout(self):
-        """The task's declared {layer path pattern: kind} ({}: none; kinds: LAYOUT_KINDS)."""
+        """The task's declared {layer path pattern: kind} ({}: none; kinds: LAYOUT_KINDS),
+        or the entries of a keras.distribution.LayoutMap ({regex: TensorLayout})."""
         return dict(self.user.tensor_layout or {})
 
-    def declared_layout(self, model):
-        """[(layer, kind)] the task's tensor_layout names in `model` (declared_layout)."""
-        return declared_layout(model, self.tensor_layout, self.user_name)
+    def declared_layout(self, model, degree=None):
+        """[(layer, kind, kernel axis)] the task's tensor_layout names in `model`
+        (declared_layout); with `degree` (--tensor_parallel), a LayoutMap's mesh must have a
+        tensor axis of that size."""
+        layout = self.tensor_layout
+        if degree is not None and layout and all(map(is_layout_entry, layout.values())):
+            if mesh_degree(layout) != degree:
+                raise UsageError(f"{self.user_name}.tensor_layout: the LayoutMap's mesh has a "
+                                 f"tensor axis of {mesh_degree(layout)} and "
+                                 f"--tensor_parallel={degree}; build the map on "
+                                 f"tfbig.device_mesh(tensor_parallel={degree})")
+        return declared_layout(model, layout, self.user_name)
 
     # ---- the pipeline: the layers the task declares (tfbig.tasks.user_pipeline) -----------------
     # A stage rank builds the whole model, then holds its stage's weights (no placeholders:

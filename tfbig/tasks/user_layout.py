@@ -6,7 +6,7 @@ import collections
 import contextlib
 
 from tfbig.errors import UsageError
-from tfbig.tasks import layer_paths
+from tfbig.tasks import layer_paths, layout_map
 
 
 def resolve_layers(model, paths, what="checkpoint_layers"):
@@ -51,14 +51,23 @@ def _splittable(model):
 
 
 def declared_layout(model, layout, owner):
-    """[(layer, kind)] of a task's `tensor_layout` ({layer path pattern: kind}) on its built
-    `model`: "column" / "row" for a keras.layers.Dense, "heads" for a
-    keras.layers.MultiHeadAttention, "vocab" for a keras.layers.Embedding (its rows) or the
-    output Dense (its columns, the logits gathered). Refused, naming the entry, when a kind is
-    unknown or does not fit the layer it names, a pattern names no such layer, a layer is
-    named twice, or a row or vocab Dense has an activation."""
+    """[(layer, kind, kernel axis)] of a task's `tensor_layout` on its built `model`.
+
+    `layout` is {layer path pattern: kind}: "column" / "row" for a keras.layers.Dense,
+    "heads" for a keras.layers.MultiHeadAttention, "vocab" for a keras.layers.Embedding (its
+    rows) or the output Dense (its columns, the logits gathered); or a
+    keras.distribution.LayoutMap (tfbig.tasks.layout_map: Dense and EinsumDense kernels
+    split on an axis, Embedding tables on their vocabulary). Refused, naming the entry, when a
+    kind is unknown or does not fit the layer it names, a pattern names no such layer, a layer
+    is named twice, or a row or vocab Dense has an activation."""
     import fnmatch
 
+    if layout and all(layout_map.is_layout_entry(v) for v in layout.values()):
+        chosen = layout_map.translate(model, layout, owner)
+        for layer, kind, _ in chosen:
+            if kind == "row":
+                _check_activation(f"{owner}.tensor_layout", layer.path, kind, layer)
+        return chosen
     layers = _splittable(model)
     chosen = {}
     for pattern, kind in layout.items():
@@ -90,7 +99,7 @@ def declared_layout(model, layout, owner):
                                  f"{kind!r}")
             _check_kind(where, path, kind, *layers[path])
             chosen[path] = kind
-    return [(layers[path][1], kind) for path, kind in chosen.items()]
+    return [(layers[path][1], kind, None) for path, kind in chosen.items()]
 
 
 def _check_kind(where, path, kind, type_name, layer):
@@ -100,11 +109,18 @@ def _check_kind(where, path, kind, type_name, layer):
         raise UsageError(f"{where} = {kind!r}: {path!r} ({type_name}) is split by "
                          f"{_either([repr(k) for k in fits])}; {kind!r} splits "
                          f"{_either(LAYOUT_KINDS[kind])} layers")
+    if type_name == "Dense" and kind in ("row", "vocab"):
+        _check_activation(where, path, kind, layer)
+
+
+def _check_activation(where, path, kind, layer):
+    """Refuse a row or vocab split of a layer with an activation (it would act on partial
+    sums or on a slice of the logits)."""
     activation = getattr(getattr(layer, "activation", None), "__name__", "")
-    if type_name == "Dense" and kind in ("row", "vocab") and activation not in ("linear", ""):
+    if activation not in ("linear", ""):
         what = "each rank's partial sum" if kind == "row" else "each rank's slice of the logits"
-        raise UsageError(f"{where}: the {kind}-split Dense {path!r} has activation "
-                         f"{activation!r}, which would act on {what}; give it none and apply "
+        raise UsageError(f"{where}: the {kind}-split {type(layer).__name__} {path!r} has "
+                         f"activation {activation!r}, which would act on {what}; give it none and apply "
                          "it after the layer")
 
 
