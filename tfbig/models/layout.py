@@ -21,8 +21,9 @@ class Split:
     whole), sequence_first (position 0 of the chunk, from tensor rank 0), whole_sequence (a
     layer after the backbone that sees the whole sequence). `sequence=False` marks a layer of
     the replicated region after the backbone. A user task's declared layout adds keras_heads,
-    vocab_logits, and einsum_column / einsum_row (an EinsumDense's kernel split on `axis`) (tfbig.layouts.tensor_layout.split_declared_model). Each kind's meaning
-    at length: docs/design/notes/layouts.md."""
+    vocab_logits, and einsum_column / einsum_row (an EinsumDense's kernel split on `axis`)
+    (tfbig.layouts.tensor_layout.split_declared_model). Each kind's meaning at length:
+    docs/design/notes/layouts.md."""
 
     kind: str
     sections: int = 1
