@@ -108,13 +108,12 @@ def config_from_flags(flag_values=None):
     return configure(config.from_flags(flag_values))
 
 
-# flag -> (its value when unused, why --tensor_parallel with a declared layout refuses it)
+# flag -> (the values it may take, why --tensor_parallel with a declared layout refuses others)
 TENSOR_LAYOUT_REFUSED = {
-    "sequence_parallel": (False, "a declared tensor_layout splits layers along their width, "
-                                 "not the sequence"),
-    "zero_stage": (0, "ZeRO over a declared tensor layout is untested"),
-    "activation_checkpointing": (False, "recomputing a user task's layers under tensor "
-                                        "parallelism is untested"),
+    "sequence_parallel": ((False,), "a declared tensor_layout splits layers along their width, "
+                                    "not the sequence"),
+    "zero_stage": ((0, 1), "ZeRO stages 2 and 3 are not built over tensor-parallel slices; "
+                           "--zero_stage=1 shards the optimizer slots"),
 }
 
 
@@ -153,8 +152,8 @@ def check_user_flags(config, task=None):
                                  f"a user task: {why}")
     if values["tensor_parallel"] == 1:
         return
-    for flag, (unused, why) in TENSOR_LAYOUT_REFUSED.items():
-        if values[flag] != unused:
+    for flag, (allowed, why) in TENSOR_LAYOUT_REFUSED.items():
+        if values[flag] not in allowed:
             raise UsageError(f"--{flag}={values[flag]!r} with --tensor_parallel="
                              f"{values['tensor_parallel']} is refused for a user task: {why}")
 

@@ -20,6 +20,7 @@ import tensorflow as tf  # noqa: E402
 import tfbig  # noqa: E402
 
 VOCAB, SEQ = 64, 8
+BLOCKS = ("backbone.transformer_layers.*",)  # the backbone's own attribute path
 # The odd sizes: 6 query heads, 3 KV heads, hidden 48, 3 layers.
 SHAPE = dict(vocabulary_size=VOCAB, num_layers=3, num_query_heads=6, num_key_value_heads=3,
              hidden_dim=48, intermediate_dim=64, dtype="float32")
@@ -84,7 +85,8 @@ def dataset_fn(shard):
 def train(family, model_dir, flags):
     layout = layout_map(family, flags["tensor_parallel"])
     run = tfbig.train(model_fn(family), loss_fn, dataset_fn, model_dir=model_dir,
-                      name=f"{family}_lm", tensor_layout=layout, **flags)
+                      name=f"{family}_lm", tensor_layout=layout, checkpoint_layers=BLOCKS,
+                      **flags)
     trainer = run.trainer
     variables = trainer.model.trainable_variables
     values = trainer.strategy.gather_full(variables)

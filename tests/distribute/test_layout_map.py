@@ -185,7 +185,12 @@ def one_process(family, model_dir):
 
 TRAINED = {"llama_tp2": ("llama", 2, {"tensor_parallel": 2}),
            "llama_tp2_dp2": ("llama", 4, {"tensor_parallel": 2}),
-           "qwen_tp2": ("qwen", 2, {"tensor_parallel": 2})}
+           "qwen_tp2": ("qwen", 2, {"tensor_parallel": 2}),
+           # composed: the blocks recomputed (their collectives run again in the backward),
+           # the optimizer slots sharded over the 2 data-parallel replicas
+           "llama_tp2_recompute": ("llama", 2, {"tensor_parallel": 2,
+                                                "activation_checkpointing": True}),
+           "llama_tp2_dp2_zero1": ("llama", 4, {"tensor_parallel": 2, "zero_stage": 1})}
 
 
 @pytest.mark.multiproc
@@ -194,8 +199,9 @@ TRAINED = {"llama_tp2": ("llama", 2, {"tensor_parallel": 2}),
 def test_tfbig_train_of_a_keras_hub_backbone_with_its_layout_map_equals_one_process(
         tmp_path, name):
     """`tfbig.train(..., tensor_layout=LlamaBackbone.get_layout_map(tfbig.device_mesh(...)))`
-    on Horovod ranks (TP2; TP2 x DP2 on 4): each step's loss (rtol 1e-5) and every trained
-    weight, gathered whole, equal one process's (tests/equality.py's rule)."""
+    on Horovod ranks (TP2; TP2 x DP2 on 4; with the blocks recomputed; with ZeRO-1): each
+    step's loss (rtol 1e-5) and every trained weight, gathered whole, equal one process's
+    (tests/equality.py's rule)."""
     family, ranks, flags = TRAINED[name]
     flags = {**FLAGS, "strategy": "horovod", **flags}
     code = horovodrun([WORKER, family, str(tmp_path / name), json.dumps(flags)],

@@ -89,7 +89,8 @@ class TensorParallelStrategy(HorovodStrategy):
             # The recompute runs the block's collectives again in the backward, on every rank
             # of the group alike (Horovod matches collectives by name, not by order).
             recompute.check_offload(memory.offload_activations, False)
-            recompute.checkpoint_blocks(model, offload=memory.offload_activations)
+            recompute.checkpoint_blocks(model, offload=memory.offload_activations,
+                                        blocks=recompute.task_blocks(task, model))
         self._model = model
         if self.is_chief:
             print(self.describe(task.model_config), flush=True)
