@@ -274,6 +274,7 @@ def test_copy_prob_is_checked(albert_tokenizer, scenes):
                                      copy_prob=0.5))
 
 
+@pytest.mark.slow  # a whole tfbig-prep run; copy pairs themselves: test_copy_pairs_put_a_line_of_b_in_a (default)
 def test_prep_copy_prob_flag_writes_copy_pairs(albert_tokenizer, scene_files, tmp_path):
     """tfbig-prep --copy_prob: recorded in the manifest, copy pairs in the shards; refused for
     --format=bert; without it the manifest is as before (no copy_prob key)."""

@@ -56,6 +56,7 @@ def test_trainer_from_the_config_alone_takes_the_albert_section(albert_data_dir,
     assert len(trainer.model.backbone.groups) == 2
 
 
+@pytest.mark.slow  # three ALBERT trainings; the masking's statistics and determinism: test_albert_data (default)
 def test_dynamic_masking_trains_and_resumes_exactly(albert_data_dir, tmp_path):
     cfg = make_cfg(albert_data_dir, tmp_path / "whole", max_steps=6)
     cfg.albert.dynamic_masking = True
@@ -73,6 +74,7 @@ def test_dynamic_masking_trains_and_resumes_exactly(albert_data_dir, tmp_path):
     assert (first[0]["masked_lm_positions"].numpy() != first[1]["masked_lm_positions"].numpy()).any()
 
 
+@pytest.mark.slow  # bf16 steps are checked on GPT in the default run
 def test_mixed_precision_step_stays_finite(albert_data_dir, tmp_path):
     trainer = trainer_for(make_cfg(albert_data_dir, tmp_path, precision="mixed_bfloat16",
                                    max_steps=2))

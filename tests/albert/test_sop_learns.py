@@ -11,6 +11,7 @@ import random
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from tfbig.data import prepare
@@ -22,6 +23,7 @@ FIRST = "love night light sweet fair heaven star moon gentle".split()
 SECOND = "sword blood death house honour name rose noble speak".split()
 
 
+@pytest.mark.slow  # a learning run; ALBERT's losses fall in test_loss_falls_and_metrics_are_reported (default)
 def test_sop_labels_follow_the_swap_and_are_learnable(tmp_path, albert_tokenizer):
     rng = random.Random(0)
     text = tmp_path / "text"

@@ -34,6 +34,7 @@ def test_mlm_and_nsp_losses_fall(bert_data_dir, tmp_path):
     assert final["nsp_loss"] < first["nsp_loss"]
 
 
+@pytest.mark.slow  # three BERT trainings; exact resume is checked on GPT in the default run, BERT trains there under PP x TP
 def test_resume_is_exact(bert_data_dir, tmp_path):
     whole = Trainer(make_cfg(bert_data_dir, tmp_path / "whole", max_steps=6))
     whole.fit()

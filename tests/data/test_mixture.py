@@ -88,6 +88,7 @@ def test_bad_mixtures_are_refused_with_the_item(sources, tmp_path, corpus_writer
         open_manifest(f"{sources[0]}:1,{other}:1")
 
 
+@pytest.mark.slow  # three trainings; the mixture's resumed order: test_resumed_mixture_continues_every_source_exactly (default)
 def test_training_on_a_mixture_resumes_exactly_and_logs_tokens_per_source(gpt_data, corpus_writer, tmp_path):
     from tfbig.config import ExperimentConfig
     from tfbig.training.trainer import Trainer
