@@ -121,8 +121,9 @@ def _launch(strategy, flags, out, root):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("strategy", [
-    "multiworker",  # two TF_CONFIG workers (tfbig-launch): ~15 s idle
+@pytest.mark.parametrize("strategy", [  # the default run: fp16 on Horovod ranks (below) and
+    # SQuAD on TF_CONFIG workers (tests/squad/test_bert_squad.py)
+    pytest.param("multiworker", marks=pytest.mark.slow),  # two TF_CONFIG workers: ~15 s idle
     pytest.param("horovod", marks=pytest.mark.slow)])  # one horovodrun launch: ~25 s idle
 def test_two_processes_equal_one_on_the_same_global_batches(strategy, bert_run, tmp_path):
     """Training: losses and every weight of the final checkpoint; prediction on both

@@ -151,8 +151,7 @@ def runs(gpt_data, tmp_path_factory):
 
 # A launch of their own (slow). Horovod averages whatever gradients the task and model give,
 # so the default run keeps ALBERT on Horovod ranks under ZeRO (test_zero's
-# z3_d2_albert_lamb), BERT under pipeline stages on ranks
-# (test_tensor_pipeline's bert_pp2_tp2),
+# z3_d2_albert_lamb), BERT fine-tuning on 2 ranks (test_classify, test_bert_squad),
 # and recompute's checkpointed blocks (base Strategy.build_model, as on one device:
 # test_recompute's GPT cases) feed the allreduce "accum" checks.
 SLOW = ["init", "albert", "bert", "recompute"]

@@ -61,8 +61,8 @@ SCENARIOS = {  # name: (tensor_parallel, train options, worker options)
 # difference in a near-zero gradient into a step of up to the learning rate (BERT had entries
 # 1.5e-6 and 2.1e-6 apart): tests/equality.py bounds each entry through the gradients.
 # The slow launch: ALBERT, BERT's plan (ALBERT's over a block per layer) and fp16 training; the
-# default run keeps TP on GPT, BERT's split layers through test_tensor_pipeline's
-# bert_pp2_tp2, and fp16 TP through tp2_dp2_fp16_skip. Also slow: sequence parallelism (the
+# default run keeps TP on GPT (BERT's and ALBERT's split layers under TP x PP are slow too:
+# test_tensor_pipeline's pp2_tp2_masked_lm), and fp16 TP through tp2_dp2_fp16_skip. Also slow: sequence parallelism (the
 # default run has it under TP x PP, test_tensor_pipeline's pp2_tp2_sequence), the start from a
 # single-device checkpoint (test_a_single_device_checkpoint_restores_into_each_ranks_slices
 # checks the slicing in-process) and the dropout masks of tensor peers.

@@ -39,13 +39,15 @@ TRAIN = dict(max_steps=3, batch_size=8, grad_clip_norm=0.5, dropout=0.0, grad_ac
 SCENARIOS = {  # name: (stages, pipeline options, train options, worker options)
     "pp2_dp2_1f1b": (2, dict(schedule="1f1b", num_microbatches=2), {},
                      {"first_gradients": True, "interrupt_at": 1}),
+}
+# A launch of its own (slow): the default run has GPT's stages across ranks (here and under
+# TP x PP) and BERT's recomputed 1F1B stages in one process (test_pipeline_bert); BERT's and
+# ALBERT's under TP x PP are slow too (test_tensor_pipeline's pp2_tp2_masked_lm launch).
+SLOW_SCENARIOS = {
+    # four stages, GPipe, each stage's blocks recomputed (GPipe's schedule in the default run:
+    # tests/pipeline/test_pipeline_equivalence.py, one process)
     "pp4_gpipe": (4, dict(schedule="gpipe", num_microbatches=4, activation_checkpointing=True),
                   {}, {"first_gradients": True}),
-}
-# A launch of its own (slow): the default run has BERT's and ALBERT's stages across ranks under
-# TP x PP (test_tensor_pipeline's bert_pp2_tp2 and albert_pp2_tp2_sequence) and BERT's
-# recomputed 1F1B stages in one process (test_pipeline_bert).
-SLOW_SCENARIOS = {
     # ALBERT: every sequence has 2 masked tokens, so per-micro-batch MLM means average to the
     # global batch's; LAMB, its recipe's optimizer.
     "albert_pp2_dp2_gpipe": (2, dict(schedule="gpipe", num_microbatches=2),

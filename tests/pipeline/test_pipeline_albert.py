@@ -80,8 +80,8 @@ def test_gradients_equal_single_device_accumulation(albert_data, tmp_path, num_s
                                    err_msg=v.path)
 
 
-@pytest.mark.slow  # 12 s: ALBERT's stages train like one device across ranks in the default
-# run (test_tensor_pipeline's albert_pp2_tp2_sequence)
+@pytest.mark.slow  # 12 s: the default run has GPT's stages; ALBERT's across ranks are slow too
+# (test_tensor_pipeline's albert_pp2_tp2_sequence)
 def test_albert_training_equals_single_device_accumulation(albert_data, tmp_path):
     """M micro-batches through 2 stages = the single-device trainer accumulating M steps."""
     pipeline = albert_cfg(albert_data, tmp_path / "pipe", pipeline_stages=2,

@@ -12,8 +12,8 @@ block per layer, its word table tied to the MLM head) the same way; --sequence_p
 same way. fp16 dynamic loss scaling: one rank's first step made non-finite, every rank skips
 it and halves its scale, then follows the single-device mixed run poisoned alike.
 
-    PP2 x TP2          4 processes, 1F1B: GPT --sequence_parallel (with a resume), ALBERT
-                       --sequence_parallel, BERT (AdamW) (default run, one launch)
+    PP2 x TP2          4 processes, 1F1B: GPT --sequence_parallel (with a resume) (default
+                       run); ALBERT --sequence_parallel, BERT (AdamW) (slow, one launch)
     TP2 x PP2 x DP2    8 processes, GPipe with activation checkpointing, 3 blocks: GPT,
                        ALBERT, GPT --sequence_parallel, BERT --sequence_parallel with LAMB;
                        1F1B: GPT fp16 (slow, one launch)
@@ -85,7 +85,8 @@ SCENARIOS = {  # name: (processes, stages, tensor, pipeline options, train optio
 # The default run's launch: one fast case of each layout (GPT and ALBERT with sequence
 # parallelism, BERT without); GPT and ALBERT without it, BERT with it and fp16 in the slow
 # launch (each scenario costs seconds).
-LAUNCHES = {"pp2_tp2": ("pp2_tp2_sequence", "albert_pp2_tp2_sequence", "bert_pp2_tp2"),
+LAUNCHES = {"pp2_tp2": ("pp2_tp2_sequence",),
+            "pp2_tp2_masked_lm": ("albert_pp2_tp2_sequence", "bert_pp2_tp2"),  # slow
             "tp2_pp2_dp2": ("tp2_pp2_dp2", "albert_tp2_pp2_dp2", "tp2_pp2_dp2_fp16",  # slow
                             "tp2_pp2_dp2_sequence", "bert_tp2_pp2_dp2_sequence")}
 
@@ -128,6 +129,12 @@ def launch(names, gpt_data, albert_data, bert_data, root):
 def pp2_tp2(gpt_data, albert_data, bert_data, tmp_path_factory):
     return launch(LAUNCHES["pp2_tp2"], gpt_data, albert_data, bert_data,
                   tmp_path_factory.mktemp("pp2_tp2"))
+
+
+@pytest.fixture(scope="module")
+def pp2_tp2_masked_lm(gpt_data, albert_data, bert_data, tmp_path_factory):
+    return launch(LAUNCHES["pp2_tp2_masked_lm"], gpt_data, albert_data, bert_data,
+                  tmp_path_factory.mktemp("pp2_tp2_masked_lm"))
 
 
 @pytest.fixture(scope="module")
@@ -195,11 +202,13 @@ def check_scenario(data_dir, out, tmp_path, name):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name", LAUNCHES["pp2_tp2"])
+@pytest.mark.parametrize("name", LAUNCHES["pp2_tp2"] + tuple(
+    pytest.param(name, marks=pytest.mark.slow) for name in LAUNCHES["pp2_tp2_masked_lm"]))
 def test_pp2_tp2_equals_one_device_on_the_same_global_batch(gpt_data, albert_data, bert_data,
-                                                            pp2_tp2, tmp_path, name):
-    check_scenario(data_of(SCENARIOS[name][4], gpt_data, albert_data, bert_data), pp2_tp2[1],
-                   tmp_path, name)
+                                                            request, tmp_path, name):
+    launched = "pp2_tp2" if name in LAUNCHES["pp2_tp2"] else "pp2_tp2_masked_lm"
+    check_scenario(data_of(SCENARIOS[name][4], gpt_data, albert_data, bert_data),
+                   request.getfixturevalue(launched)[1], tmp_path, name)
 
 
 @pytest.mark.multiproc
