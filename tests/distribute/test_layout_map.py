@@ -172,6 +172,26 @@ def test_tfbig_device_mesh_is_what_keras_hub_builds_its_map_on():
     assert layout["token_embedding/embeddings"].axes == ("tensor", "data")
 
 
+def test_the_plan_counts_what_each_rank_of_a_layout_map_holds(tmp_path):
+    """tfbig's plan of a user task split by keras-hub's map: each tensor rank holds every
+    weight the map leaves whole and 1/T of each it splits, counted on the built model."""
+    from tfbig.api import plan
+
+    task = FunctionTask(worker.model_fn("llama"), worker.loss_fn, worker.dataset_fn,
+                        name="llama_lm", tensor_layout=worker.layout_map("llama", 2))
+    found = plan(task, configure(model_dir=str(tmp_path), strategy="horovod", tensor_parallel=2,
+                                 batch_size=8), world_size=2)
+    with fresh_layer_names():
+        model = worker.model_fn("llama")()
+    layout = worker.layout_map("llama", 2)
+    split = sum(v.numpy().size for v in model.trainable_variables
+                if layout[v.path] is not None)  # (LayoutMap.__getitem__: the regex match)
+    whole = sum(v.numpy().size for v in model.trainable_variables) - split
+    assert whole == 64 * 48 + 7 * 48  # the untied reverse table, 7 RMSNorm scales
+    assert f"each of 2 ranks holds {whole + split // 2:,} of them" in found.text
+    assert found.memory["parameters"] == 4 * (whole + split // 2)
+
+
 def one_process(family, model_dir):
     """The same task and flags in this process, unsplit: (losses, RecordedGradients)."""
     task = UserTask(FunctionTask(worker.model_fn(family), worker.loss_fn, worker.dataset_fn,

@@ -105,8 +105,8 @@ def user_plan(name, counts, transformer_shape, cfg, device, world_size, held=Non
              + (f", {other:,} other values (not sharded)" if other else "")]
     if layout.tensor > 1:
         lines.append(f"tensor parallel: each of {layout.tensor} ranks holds {held:,} of them "
-                     f"(the tensor_layout's Dense layers 1/{layout.tensor} each, every other "
-                     f"weight whole)")
+                     f"(the weights the tensor_layout splits 1/{layout.tensor} each, every "
+                     f"other weight whole)")
     if transformer_shape is None:
         return _state_plan(lines, (params, held, other), layout, device, cfg.train.calibration)
     shape, gpt_params = declared_shape(name, transformer_shape, params)
