@@ -23,8 +23,30 @@ from keras import ops
 from tfbig.models.attention import blockwise_attention
 from tfbig.models.common import uses_blockwise
 from tfbig.models.layers import make_initializer
-from tfbig.models.layout import ModelLayout
+from tfbig.models.layout import ModelLayout, Split
 from tfbig.models.llama_config import LLAMA_PRESETS, LlamaConfig  # noqa: F401 - re-exported
+
+# How Llama may be split over a tensor group (data; the layout language: tfbig.models.layout).
+# Megatron's attention and MLP pairs: q, k, v, gate and up column-parallel, proj and down
+# row-parallel, query heads and key/value heads both split (whole groups per rank); each RMSNorm's
+# output enters the split region once for the column layers that read it.
+TENSOR_LAYOUT = (
+    ("blocks.*.attn_norm", Split("region_input")),
+    ("blocks.*.attn", Split("grouped_heads")),
+    ("blocks.*.attn.query", Split("shared_column")),
+    ("blocks.*.attn.key", Split("shared_column")),
+    ("blocks.*.attn.value", Split("shared_column")),
+    ("blocks.*.attn.proj", Split("row")),
+    ("blocks.*.attn.attn_dropout", Split("own_mask")),
+    ("blocks.*.mlp_norm", Split("region_input")),
+    ("blocks.*.mlp", Split("width")),
+    ("blocks.*.mlp.gate", Split("shared_column")),
+    ("blocks.*.mlp.up", Split("shared_column")),
+    ("blocks.*.mlp.down", Split("row")),
+    ("embedding", Split("vocab")),
+    ("head", Split("vocab_column")),
+    ("final_norm", Split("vocab_input")),
+)
 
 ROPE_FIELDS = ("rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor",
                "rope_high_freq_factor", "rope_original_seq_length")
@@ -304,10 +326,10 @@ class Llama(keras.Model):
         self.built = True
 
     def layout(self):
-        """How this model may be split (data the backends read: tfbig.models.layout): its blocks,
-        recomputed one at a time. No ZeRO-3 gathers, tensor or context plan yet: those are
-        refused by name until each is proven equal to one process."""
-        return ModelLayout(blocks="blocks")
+        """How this model may be split (data the backends read: tfbig.models.layout): its
+        tensor plan and its blocks, recomputed one at a time. No ZeRO-3 gathers or context
+        plan yet: those are refused by name until each is proven equal to one process."""
+        return ModelLayout(tensor=TENSOR_LAYOUT, blocks="blocks")
 
     def logits(self, x):
         """Final norm and vocabulary projection of hidden states (B, T, C) -> (B, T, V) float32."""
