@@ -44,8 +44,9 @@ flags.DEFINE_integer("vocab_size", 8000, "Vocabulary size of the tokenizer to tr
                      "defaults to that tokenizer's size (and must match it if given).")
 flags.DEFINE_string("tokenizer", None, "Existing SentencePiece .model file (with --format=bert: a WordPiece "
                     "vocab.txt, cased if it has upper-case pieces; with --format=gpt also GPT-2's byte-level "
-                    "BPE vocab.json with merges.txt beside it) to use instead of training one, or a directory "
-                    "holding one (a Hugging Face GPT-2, a tfbig-convert output or tfbig-train run: the "
+                    "BPE vocab.json with merges.txt beside it, or a Hugging Face tokenizer.json: Llama 3, "
+                    "Qwen, Mistral...) to use instead of training one, or a directory holding one (a "
+                    "Hugging Face GPT-2 or Llama, a tfbig-convert output or tfbig-train run: the "
                     "tokenizer its config.json names); it is copied next to the shards.")
 flags.DEFINE_float("shard_size_mb", 1024, "Target size of one shard file in MiB.")
 flags.DEFINE_integer("num_workers", 1, "Processes that tokenize and write shards in parallel (with "

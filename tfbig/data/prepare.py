@@ -33,6 +33,7 @@ from tfbig.data.prep_output import (existing_config, finished_preparation, piece
 from tfbig.data.prep_tokenizer import recorded_tokenizer_name, tokenizer_step
 from tfbig.data.tokenizer import (is_byte_level_bpe, load_tokenizer, tokenizer_file,
                                   tokenizer_sha256)
+from tfbig.data.tokenizer_json import is_tokenizer_json
 
 PIECE_BYTES = 1 << 20  # input granularity: shards are runs of pieces
 SAMPLE_BYTES = 256 << 10  # text tokenized up front to estimate shard sizes
@@ -119,6 +120,8 @@ def prepare(inputs: list[str] | None = None, output_dir: str | None = None, seq_
     tokenizer = tokenizer_file(tokenizer) if tokenizer else None
     if tokenizer and is_byte_level_bpe(tokenizer):
         settings["tokenizer_kind"] = "byte_level_bpe"  # only then: other prep keys stay as they were
+    elif tokenizer and is_tokenizer_json(tokenizer):
+        settings["tokenizer_kind"] = "tokenizer_json"
     if format_options:  # copy_prob=0 (no copy pairs) is left out: earlier directories still match
         settings["format_options"] = {name: value for name, value in sorted(format_options.items())
                                       if name != "copy_prob" or value}
