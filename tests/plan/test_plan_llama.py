@@ -83,10 +83,11 @@ def test_llama_8b_plan_counts_gqa_and_plans_what_tfbig_train_runs():
     shape = cli.shape_from_flags(values)
     assert shape.params == 8_030_261_248 and shape.seq_length == 8192
     assert shape.kv_fraction == 8 / 32
-    assert {(e.layout.pipeline, e.layout.context) for e in estimates} == {(1, 1)}
+    assert {e.layout.pipeline for e in estimates} == {1}
     assert {e.layout.tensor for e in estimates} == {1, 2, 4, 8}  # dividing the 8 KV heads
-    assert not any(e.layout.sequence_parallel for e in estimates)  # RoPE: whole sequences
-    assert max(e.layout.zero_stage for e in estimates) == 2
+    assert not any(e.layout.sequence_parallel for e in estimates)
+    assert {e.layout.context for e in estimates} > {1}
+    assert max(e.layout.zero_stage for e in estimates) == 3
     assert estimates[0].fits
     # GQA: K and V at a quarter of the query width, in the activations the plan keeps
     mha = models.Shape(**{**shape.__dict__, "kv_fraction": 1.0})
@@ -105,5 +106,3 @@ def test_layouts_tfbig_train_cannot_run_for_llama_are_refused_by_name():
                                          "llama family"):
         plan(["--model=llama", "--preset=llama-8b", "--tensor_parallel=2",
               "--sequence_parallel"])
-    with pytest.raises(ValueError, match="--zero_stage=3"):
-        plan(["--model=llama", "--preset=llama-8b", "--zero_stage=3"])

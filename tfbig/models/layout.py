@@ -41,8 +41,8 @@ class ModelLayout:
     gather_per_call: tuple = ()  # paths gathered around each call: --zero_stage=3
     gather_per_step: tuple = ()  # paths gathered once per step (a tied table read twice)
     blocks: str = ""  # path of the list of transformer blocks: --activation_checkpointing
-    context: tuple = ()  # ((path, what), ...): --context_parallel (inputs, positions,
-    #                      attention, whole_sequence, first_row)
+    context: tuple = ()  # ((path, what), ...): --context_parallel (inputs, tokens, positions,
+    #                      rope_positions, attention, whole_sequence, first_row)
     local_loss: bool = False  # the loss runs on each context rank's own tokens (a causal LM)
 
 

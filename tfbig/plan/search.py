@@ -82,11 +82,10 @@ def evaluate(shape, layout, batch_size, precision, cluster, token_budget):
 
 
 # What tfbig-train runs per family where that is less than every layout: {flag: largest value}.
-# The Llama family trains under data parallelism, ZeRO 1-2, activation checkpointing and
-# tensor parallelism without sequence parallelism (RoPE reads whole sequences); its pipeline,
-# context-parallel and ZeRO-3 plans do not exist yet (tfbig-train refuses).
-FAMILY_LIMITS = {"llama": {"sequence_parallel": False, "pipeline_stages": 1,
-                           "context_parallel": 1, "zero_stage": 2}}
+# The Llama family trains under data parallelism, ZeRO 1-3, activation checkpointing, context
+# parallelism and tensor parallelism without sequence parallelism (its plan splits no
+# sequence); its pipeline plan does not exist yet (tfbig-train refuses).
+FAMILY_LIMITS = {"llama": {"sequence_parallel": False, "pipeline_stages": 1}}
 
 
 def _divisors(n):
