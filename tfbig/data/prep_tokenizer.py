@@ -82,18 +82,21 @@ def _holds_tokenizer(target: str, sha: str) -> bool:
         return False
 
 
+DECODER_FORMATS = ("gpt", "completion")  # a decoder's data: no [CLS], [SEP] or [MASK] needed
+
+
 def _check_tokenizer_kind(source: str, format: str) -> None:
-    if is_tokenizer_json(source) and format != "gpt":
+    if is_tokenizer_json(source) and format not in DECODER_FORMATS:
         raise ValueError(f"--tokenizer={source} is a Hugging Face tokenizer.json (a decoder's: no "
                          f"[CLS], [SEP] or [MASK]); --format={format} needs its own tokenizer "
                          f"(tokenizer.json is for --format=gpt)")
-    if is_byte_level_bpe(source) and format != "gpt":
+    if is_byte_level_bpe(source) and format not in DECODER_FORMATS:
         raise ValueError(f"--tokenizer={source} is GPT-2's byte-level BPE, which has no [CLS], [SEP] "
                          f"or [MASK]; --format={format} needs its own tokenizer (BPE is for --format=gpt)")
     if (format == "bert") != source.endswith(".txt"):
         expected = "a WordPiece vocab.txt" if format == "bert" else "a SentencePiece .model file"
         raise ValueError(f"--tokenizer={source}: --format={format} needs {expected}")
-    if format == "gpt" and hasattr(load_tokenizer(source), "line_end_id"):
+    if format in DECODER_FORMATS and hasattr(load_tokenizer(source), "line_end_id"):
         raise ValueError(f"--tokenizer={source} is a released ALBERT SentencePiece model (no "
                          "newline piece, no end-of-document id); it prepares --format=albert")
 

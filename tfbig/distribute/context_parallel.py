@@ -235,6 +235,10 @@ def apply_plan(model, task, group):
         for layer in layers:
             wrap(layer, kind, group)
     if layout_of(model).local_loss:  # a causal LM's labels are cut like its inputs
+        if getattr(task, "format", "") == "completion":
+            raise ValueError("--context_parallel: completion data (tfbig-prep "
+                             "--format=completion) carries a loss mask per token, which is not "
+                             "cut over the context ranks; fine-tune with --context_parallel=1")
         whole = task.vocab_cross_entropy
         task.vocab_cross_entropy = lambda labels, logits: whole(local_rows(labels, group),
                                                                 logits)
