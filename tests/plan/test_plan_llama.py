@@ -83,7 +83,7 @@ def test_llama_8b_plan_counts_gqa_and_plans_what_tfbig_train_runs():
     shape = cli.shape_from_flags(values)
     assert shape.params == 8_030_261_248 and shape.seq_length == 8192
     assert shape.kv_fraction == 8 / 32
-    assert {e.layout.pipeline for e in estimates} == {1}
+    assert {e.layout.pipeline for e in estimates} > {1}
     assert {e.layout.tensor for e in estimates} == {1, 2, 4, 8}  # dividing the 8 KV heads
     assert not any(e.layout.sequence_parallel for e in estimates)
     assert {e.layout.context for e in estimates} > {1}
@@ -95,14 +95,11 @@ def test_llama_8b_plan_counts_gqa_and_plans_what_tfbig_train_runs():
 
 
 def test_layouts_tfbig_train_cannot_run_for_llama_are_refused_by_name():
-    with pytest.raises(ValueError, match="--pipeline_stages=2: tfbig-train runs the llama "
-                                         "family with --pipeline_stages at most 1"):
-        plan(["--model=llama", "--preset=llama-8b", "--pipeline_stages=2"])
     with pytest.raises(ValueError, match="--tensor_parallel=16 does not divide the model's "
                                          "num_heads=32, num_kv_heads=8; choose one of"):
         plan(["--model=llama", "--preset=llama-8b", "--tensor_parallel=16",
               "--gpus_per_node=16"])
-    with pytest.raises(ValueError, match="--sequence_parallel=True: tfbig-train runs the "
-                                         "llama family"):
+    with pytest.raises(ValueError, match="--sequence_parallel: tfbig-train runs the llama "
+                                         "family without --sequence_parallel"):
         plan(["--model=llama", "--preset=llama-8b", "--tensor_parallel=2",
               "--sequence_parallel"])

@@ -82,10 +82,9 @@ def evaluate(shape, layout, batch_size, precision, cluster, token_budget):
 
 
 # What tfbig-train runs per family where that is less than every layout: {flag: largest value}.
-# The Llama family trains under data parallelism, ZeRO 1-3, activation checkpointing, context
-# parallelism and tensor parallelism without sequence parallelism (its plan splits no
-# sequence); its pipeline plan does not exist yet (tfbig-train refuses).
-FAMILY_LIMITS = {"llama": {"sequence_parallel": False, "pipeline_stages": 1}}
+# The Llama family trains under every layout but sequence parallelism (its tensor plan splits
+# no sequence: tfbig-train refuses it).
+FAMILY_LIMITS = {"llama": {"sequence_parallel": False}}
 
 
 def _divisors(n):
@@ -95,6 +94,9 @@ def _divisors(n):
 def check_layout(shape, fixed, cluster, batch_size):
     """Named errors for fixed flags that cannot divide the model, the cluster or the batch."""
     for flag, most in FAMILY_LIMITS.get(shape.family, {}).items():
+        if fixed.get(flag, 0) > most and most is False:
+            raise ValueError(f"--{flag}: tfbig-train runs the {shape.family} family without "
+                             f"--{flag}")
         if fixed.get(flag, 0) > most:
             raise ValueError(f"--{flag}={fixed[flag]}: tfbig-train runs the {shape.family} "
                              f"family with --{flag} at most {most}")
