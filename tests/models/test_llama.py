@@ -71,8 +71,9 @@ def test_rope_scores_depend_only_on_relative_position():
     q = rng.standard_normal((1, 1, 1, 16)).astype("float32")
     k = rng.standard_normal((1, 1, 1, 16)).astype("float32")
     inverse = rope_frequencies(16, dict(rope_theta=10000.0, rope_scaling="none"))
-    scores = [float(np.sum(apply_rope(q, inverse, i + s).numpy() * apply_rope(k, inverse, s)
-                           .numpy())) for s in (0, 5, 17) for i in (3,)]
+    at = lambda p: np.array([p], np.float32)  # noqa: E731 - one row at position p
+    scores = [float(np.sum(apply_rope(q, inverse, at(i + s)).numpy() *
+                           apply_rope(k, inverse, at(s)).numpy())) for s in (0, 5, 17) for i in (3,)]
     np.testing.assert_allclose(scores, scores[0], rtol=1e-5)
     unrotated = float(np.sum(q * k))
     assert abs(scores[0] - unrotated) > 1e-3  # the rotation does something at distance 3
@@ -187,15 +188,20 @@ def test_config_fields_each_have_a_one_line_doc():
         assert "#" in line, f.name
 
 
-def test_the_declared_layout_names_the_blocks_and_refuses_what_it_does_not_declare():
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_declared_layout_names_layers_the_model_has(tied):
     """Llama.layout() (tfbig.models.layout): activation checkpointing finds the blocks; ZeRO-3
-    and tensor parallelism, declared for no Llama yet, are refused by name."""
+    gathers every weight in exactly one place (a tied table per step); every tensor and context
+    entry names layers this model has (head: only an untied one)."""
     from tfbig.distribute import recompute, zero3
-    from tfbig.layouts import tensor_plan
+    from tfbig.layouts.tensor_plan import resolve_plan_layers
 
-    model = build(tiny_config())
+    model = build(tiny_config(tie_embeddings=tied))
+    layout = model.layout()
     assert recompute.transformer_blocks(model) == model.blocks
-    with pytest.raises(ValueError, match="--zero_stage=3: no gather plan for Llama"):
-        zero3.plan_layers(model)
-    with pytest.raises(ValueError, match="--tensor_parallel: no tensor-parallel plan for Llama"):
-        tensor_plan.plan_for(model)
+    per_call, per_step = zero3.plan_layers(model)
+    assert len(per_call) == len(model.blocks) + (1 if tied else 3)  # final_norm [head, table]
+    assert [v.path for v in per_step] == ([model.embedding.embeddings.path] if tied else [])
+    for path, _ in layout.tensor + layout.context:
+        assert resolve_plan_layers(model, path) or (path == "head" and tied), path
+    assert layout.local_loss

@@ -5,7 +5,7 @@ gradient accumulation and active clipping; GPipe and 1F1B; the checkpoint each s
 writes assembled into the single-device model; bad layouts refused without a launch. GPT by
 default; ALBERT (its shared block used by both stages, its word table tied to the MLM head, the
 model inputs riding with the activation to the last stage) and BERT (1F1B with recompute) in
-the slow launch.
+the slow launch; Llama (untied 1F1B, tied GPipe) in a slow launch of its own.
 """
 import json
 import os
@@ -62,6 +62,15 @@ SLOW_SCENARIOS = {
                                          epsilon=1e-6),
                                     {"first_gradients": True}),
 }
+# A launch of its own (slow): Llama (RMSNorm, RoPE, SwiGLU, 4 query / 2 key-value heads), its
+# untied head on the last stage, 1F1B; and its tied word table read by both stages, GPipe.
+LLAMA_SCENARIOS = {
+    "llama_pp2_dp2_1f1b": (2, dict(schedule="1f1b", num_microbatches=2),
+                           dict(model="llama", num_heads=4), {"first_gradients": True}),
+    "llama_tied_pp2_dp2_gpipe": (2, dict(schedule="gpipe", num_microbatches=2),
+                                 dict(model="llama", num_heads=4, preset="small"),
+                                 {"first_gradients": True}),
+}
 
 
 def data_of(train, gpt_data, albert_data, bert_data=None):
@@ -105,6 +114,12 @@ def slow_runs(gpt_data, albert_data, bert_data, tmp_path_factory):
                   tmp_path_factory.mktemp("cross_rank_slow"))
 
 
+@pytest.fixture(scope="module")
+def llama_runs(gpt_data, albert_data, bert_data, tmp_path_factory):
+    return launch(LLAMA_SCENARIOS, gpt_data, albert_data, bert_data,
+                  tmp_path_factory.mktemp("cross_rank_llama"))
+
+
 def reference(data_dir, model_dir, replicas, **train):
     """The single-device run on what the data-parallel replicas read together: its trainer
     (fitted; `recorded`: its gradients, tests/equality.py), per-step losses and
@@ -126,13 +141,15 @@ def held(result, prefix):
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", list(SCENARIOS) + [
-    pytest.param(name, marks=pytest.mark.slow) for name in SLOW_SCENARIOS])
+    pytest.param(name, marks=pytest.mark.slow) for name in [*SLOW_SCENARIOS, *LLAMA_SCENARIOS]])
 def test_stage_ranks_equal_one_device_on_the_same_global_batch(gpt_data, albert_data,
                                                                bert_data, request, tmp_path,
                                                                name):
-    slow = name in SLOW_SCENARIOS
-    _, out = request.getfixturevalue("slow_runs" if slow else "runs")
-    scenario = (SLOW_SCENARIOS if slow else SCENARIOS)[name]
+    fixture, scenarios = next((f, s) for f, s in (
+        ("runs", SCENARIOS), ("slow_runs", SLOW_SCENARIOS), ("llama_runs", LLAMA_SCENARIOS))
+        if name in s)
+    _, out = request.getfixturevalue(fixture)
+    scenario = scenarios[name]
     check_scenario(data_of(scenario[2], gpt_data, albert_data, bert_data), out, tmp_path, name,
                    scenario)
 

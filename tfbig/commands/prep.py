@@ -7,6 +7,8 @@
     tfbig-prep --format=bert --seq_length=128 --vocab_size=30522 --output_dir=/data/bert  # BERT: NSP + WWM
     tfbig-prep --format=bert --tokenizer=uncased_L-12_H-768_A-12/vocab.txt --output_dir=/data/bert
     tfbig-prep --input=my_text/ --tokenizer=runs/gpt2 --seq_length=512 --output_dir=/data/mine  # GPT-2's BPE
+    tfbig-prep --format=completion --input=pairs.jsonl --tokenizer=Llama-3.2-1B/ --seq_length=512 \
+        --output_dir=/data/pairs   # {"prompt": ..., "completion": ...} lines: fine-tuning data
     tfbig-prep --format=albert --index_shards='bert/*.tfrecord' --index_validation_shards=dev.tfrecord \
         --tokenizer=sp.model --output_dir=/data/bert   # shards of create_pretraining_data.py, as they are
     tfbig-prep --input='pile/train/*.jsonl.zst' --jsonl_group_field=meta.pile_set_name \
@@ -38,14 +40,17 @@ flags.DEFINE_multi_string("input", None, "Input files, directories (searched rec
                           "flag for several. Empty (and no --tfds_name): the embedded Shakespeare plays.")
 flags.DEFINE_string("output_dir", None, "Directory for shards, tokenizer.model and manifest.json. Default for "
                     "the embedded corpus: $TFBIG_CACHE or ~/.cache/tfbig/shakespeare-T{seq_length}-V{vocab_size}.")
-flags.DEFINE_enum("format", "gpt", sorted(FORMATS), "Record format of the shards.")
+flags.DEFINE_enum("format", "gpt", sorted(FORMATS), "Record format of the shards (completion: "
+                  ".jsonl prompt-completion pairs for causal-LM fine-tuning, the loss on the "
+                  "completion; needs --tokenizer).")
 flags.DEFINE_integer("seq_length", 1024, "Tokens per training example; each record holds seq_length + 1.")
 flags.DEFINE_integer("vocab_size", 8000, "Vocabulary size of the tokenizer to train; with --tokenizer it "
                      "defaults to that tokenizer's size (and must match it if given).")
 flags.DEFINE_string("tokenizer", None, "Existing SentencePiece .model file (with --format=bert: a WordPiece "
                     "vocab.txt, cased if it has upper-case pieces; with --format=gpt also GPT-2's byte-level "
-                    "BPE vocab.json with merges.txt beside it) to use instead of training one, or a directory "
-                    "holding one (a Hugging Face GPT-2, a tfbig-convert output or tfbig-train run: the "
+                    "BPE vocab.json with merges.txt beside it, or a Hugging Face tokenizer.json: Llama 3, "
+                    "Qwen, Mistral...) to use instead of training one, or a directory holding one (a "
+                    "Hugging Face GPT-2 or Llama, a tfbig-convert output or tfbig-train run: the "
                     "tokenizer its config.json names); it is copied next to the shards.")
 flags.DEFINE_float("shard_size_mb", 1024, "Target size of one shard file in MiB.")
 flags.DEFINE_integer("num_workers", 1, "Processes that tokenize and write shards in parallel (with "
@@ -57,7 +62,10 @@ flags.DEFINE_list("beam_options", None, "Extra Apache Beam pipeline options for 
                   "e.g. --beam_options=--project=p,--region=europe-west4,--temp_location=gs://b/tmp.")
 flags.DEFINE_bool("doc_per_line", False, "In .txt/.md inputs, each non-empty line is a document "
                   "(default: each file is one document).")
-flags.DEFINE_string("jsonl_field", "text", "Field of each .jsonl line that holds the document text.")
+flags.DEFINE_string("jsonl_field", "text", "Field of each .jsonl line that holds the document text "
+                    "(--format=completion: the completion; default there 'completion').")
+flags.DEFINE_string("prompt_field", "prompt", "--format=completion: field of each .jsonl line that "
+                    "holds the prompt.")
 flags.DEFINE_string("jsonl_group_field", None, "Dotted path of each .jsonl record's group, e.g. "
                     "'meta.pile_set_name' (the Pile's component); documents are counted per group in the manifest.")
 flags.DEFINE_list("jsonl_groups", None, "Keep only these groups (e.g. 'Pile-CC,Github'); the documents of "
@@ -140,7 +148,9 @@ def _prepare_from_flags():
     return prepare(
         FLAGS.input, FLAGS.output_dir, FLAGS.seq_length, _vocab_size(), FLAGS.shard_size_mb,
         FLAGS.num_workers, FLAGS.format, tokenizer=FLAGS.tokenizer, doc_per_line=FLAGS.doc_per_line,
-        jsonl_field=FLAGS.jsonl_field, jsonl_group_field=FLAGS.jsonl_group_field or "",
+        jsonl_field=(FLAGS.jsonl_field if FLAGS["jsonl_field"].present or FLAGS.format != "completion"
+                     else "completion"), prompt_field=FLAGS.prompt_field,
+        jsonl_group_field=FLAGS.jsonl_group_field or "",
         jsonl_groups=tuple(FLAGS.jsonl_groups or ()), shard_by_group=FLAGS.shard_by_group,
         tfds_name=FLAGS.tfds_name or "", tfds_split=FLAGS.tfds_split,
         tfds_validation_split=FLAGS.tfds_validation_split or "", tfds_text_key=FLAGS.tfds_text_key,

@@ -180,6 +180,9 @@ def export(source_dir, output_dir, max_shard_bytes=0):
     if tokenizer.get("kind") == "huggingface_files":
         files = {f: os.path.join(source_dir, f) for f in tokenizer["files"]}
         note = f"tokenizer: the source's files, copied ({', '.join(tokenizer['files'])})"
+    elif tokenizer.get("kind") == "tokenizer_json":  # a run on data prepared with one
+        files = {"tokenizer.json": os.path.join(source_dir, "tokenizer.json")}
+        note = "tokenizer: the run's tokenizer.json, copied"
     else:  # a tfbig-train run: its SentencePiece model, which LlamaTokenizer reads
         files = {"tokenizer.model": os.path.join(source_dir, "tokenizer.model")}
         note = "tokenizer: tfbig's SentencePiece model as tokenizer.model"

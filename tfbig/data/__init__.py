@@ -19,7 +19,8 @@ Reading (imports TensorFlow on first use):
     open_manifest, Mixture, parse_mixture, is_mixture, source_counts, source_tokens   mixtures (numpy only)
 
 Modules, one job each: sources (pieces and documents), compression (streamed .gz/.bz2/.xz/.zst),
-wikipedia (dump XML -> articles), tokenizer, tfrecord (writer without TF), formats + albert
+wikipedia (dump XML -> articles), tokenizer (+ bpe: GPT-2's vocab.json, tokenizer_json: a Hugging
+Face tokenizer.json, albert_spm, wordpiece_vocab), tfrecord (writer without TF), formats + albert
 (records), shards (parallel, resumable shard writing), manifest, prepare, index (foreign shards),
 dataset (tf.data reader), mixture (weighted mixtures), beam (shard jobs on Apache Beam: tfbig-prep
 --runner, optional extra).

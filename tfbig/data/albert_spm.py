@@ -14,8 +14,12 @@ UNDERLINE = "\u2581"
 
 def is_released_albert(processor: spm.SentencePieceProcessor) -> bool:
     """Whether a loaded SentencePiece model is a released ALBERT one rather than tfbig's own
-    (which keeps the newline as a piece of its own)."""
-    return processor.IdToPiece(processor.PieceToId("\n")) != "\n"
+    (which keeps the newline as a piece of its own) or a released decoder's (Llama 2, Mistral:
+    no [CLS])."""
+    def holds(piece):
+        return processor.IdToPiece(processor.PieceToId(piece)) == piece
+
+    return not holds("\n") and holds("[CLS]")
 
 
 def preprocess_text(text: str, lowercase: bool) -> str:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
-from tfbig.data import albert, bert
+from tfbig.data import albert, bert, completion
 
 ROWS_PER_BATCH = 512  # examples built, serialized and written together
 
@@ -76,6 +76,9 @@ FORMATS = {
                      token_feature="input_ids"),
     # The same features from WordPiece ids, next-sentence pairs: tfbig.data.bert.
     "bert": Format(bert.bert_features, bert.bert_examples, token_feature="input_ids"),
+    # Prompt-completion pairs, one per row, the loss on the completion: tfbig.data.completion.
+    "completion": Format(completion.completion_features, completion.completion_examples,
+                         token_feature="input_ids"),
 }
 
 

@@ -126,7 +126,7 @@ class Manifest:
         """Raise FileNotFoundError naming this manifest and the file if the tokenizer it names
         (with merges.txt, for GPT-2's vocab.json) is not in the data directory."""
         files = [self.tokenizer_path]
-        if self.tokenizer.endswith(".json"):  # GPT-2's byte-level BPE: merges.txt beside it
+        if self.tokenizer == "vocab.json":  # GPT-2's byte-level BPE: merges.txt beside it
             files.append(os.path.join(os.path.dirname(self.tokenizer_path), "merges.txt"))
         for path in files:
             if not os.path.isfile(path):

@@ -14,6 +14,7 @@ from tfbig.data import shards, source_spec, sources
 from tfbig.data.prep_output import pieces_key
 from tfbig.data.tokenizer import (Tokenizer, is_byte_level_bpe, load_tokenizer, tokenizer_files,
                                   tokenizer_sha256)
+from tfbig.data.tokenizer_json import TOKENIZER_JSON, is_tokenizer_json
 from tfbig.data.wordpiece_vocab import WordPieceVocab
 
 TOKENIZER_NAME = "tokenizer.model"
@@ -25,15 +26,18 @@ WORDPIECE_NAME = "vocab.txt"  # --format=bert: a WordPiece vocabulary (tfbig.dat
 BPE_NAME = "vocab.json"  # GPT-2's byte-level BPE (--tokenizer=a GPT-2 directory), merges.txt beside it
 
 
-def tokenizer_name(format: str, byte_level_bpe: bool = False) -> str:
-    """File name of the tokenizer next to the shards of `format`."""
-    if byte_level_bpe:
+def tokenizer_name(format: str, kind: str = "") -> str:
+    """File name of the tokenizer next to the shards of `format` (kind: "byte_level_bpe" for
+    GPT-2's vocab.json, "tokenizer_json" for a Hugging Face tokenizer.json, "" otherwise)."""
+    if kind == "byte_level_bpe":
         return BPE_NAME
+    if kind == "tokenizer_json":
+        return TOKENIZER_JSON
     return WORDPIECE_NAME if format == "bert" else TOKENIZER_NAME
 
 
 def recorded_tokenizer_name(settings: dict) -> str:
-    return tokenizer_name(settings["format"], settings.get("tokenizer_kind") == "byte_level_bpe")
+    return tokenizer_name(settings["format"], settings.get("tokenizer_kind", ""))
 
 
 def tokenizer_step(output_dir, given, train, spec, vocab_size, seed, sample_mb, existing, overwrite,
@@ -78,14 +82,21 @@ def _holds_tokenizer(target: str, sha: str) -> bool:
         return False
 
 
+DECODER_FORMATS = ("gpt", "completion")  # a decoder's data: no [CLS], [SEP] or [MASK] needed
+
+
 def _check_tokenizer_kind(source: str, format: str) -> None:
-    if is_byte_level_bpe(source) and format != "gpt":
+    if is_tokenizer_json(source) and format not in DECODER_FORMATS:
+        raise ValueError(f"--tokenizer={source} is a Hugging Face tokenizer.json (a decoder's: no "
+                         f"[CLS], [SEP] or [MASK]); --format={format} needs its own tokenizer "
+                         f"(tokenizer.json is for --format=gpt)")
+    if is_byte_level_bpe(source) and format not in DECODER_FORMATS:
         raise ValueError(f"--tokenizer={source} is GPT-2's byte-level BPE, which has no [CLS], [SEP] "
                          f"or [MASK]; --format={format} needs its own tokenizer (BPE is for --format=gpt)")
     if (format == "bert") != source.endswith(".txt"):
         expected = "a WordPiece vocab.txt" if format == "bert" else "a SentencePiece .model file"
         raise ValueError(f"--tokenizer={source}: --format={format} needs {expected}")
-    if format == "gpt" and hasattr(load_tokenizer(source), "line_end_id"):
+    if format in DECODER_FORMATS and hasattr(load_tokenizer(source), "line_end_id"):
         raise ValueError(f"--tokenizer={source} is a released ALBERT SentencePiece model (no "
                          "newline piece, no end-of-document id); it prepares --format=albert")
 

@@ -33,6 +33,7 @@ from tfbig.data.prep_output import (existing_config, finished_preparation, piece
 from tfbig.data.prep_tokenizer import recorded_tokenizer_name, tokenizer_step
 from tfbig.data.tokenizer import (is_byte_level_bpe, load_tokenizer, tokenizer_file,
                                   tokenizer_sha256)
+from tfbig.data.tokenizer_json import is_tokenizer_json
 
 PIECE_BYTES = 1 << 20  # input granularity: shards are runs of pieces
 SAMPLE_BYTES = 256 << 10  # text tokenized up front to estimate shard sizes
@@ -65,7 +66,8 @@ def prepare(inputs: list[str] | None = None, output_dir: str | None = None, seq_
             tfds_data_dir: str | None = None, tfds_validation_split: str = "", validation_fraction: float = 0.01,
             validation_plays: tuple[str, ...] = sources.DEFAULT_VALIDATION_PLAYS,
             tokenizer_sample_mb: float = 512, overwrite: bool = False, seed: int = 0,
-            format_options: dict | None = None, runner: str = "local", beam_options: tuple[str, ...] = ()) -> Manifest:
+            format_options: dict | None = None, runner: str = "local", beam_options: tuple[str, ...] = (),
+            prompt_field: str = "prompt") -> Manifest:
     """Prepare a data directory and return its manifest.
 
     Args:
@@ -96,9 +98,15 @@ def prepare(inputs: list[str] | None = None, output_dir: str | None = None, seq_
       runner: "local" (num_workers processes on this host) or an Apache Beam runner ("direct",
         "dataflow", "spark", "flink", "portable"; see `tfbig.data.beam`): the same shards and manifest.
       beam_options: extra Beam pipeline options (e.g. "--project=p", "--region=r") for a Beam runner.
+      prompt_field: format "completion": the .jsonl field of each record's prompt (jsonl_field
+        holds its completion; tfbig.data.completion).
     """
     spec = source_spec.SourceSpec(tuple(inputs or ()), doc_per_line, jsonl_field, jsonl_group_field, tuple(jsonl_groups),
-                              tfds_name, tfds_split, tfds_validation_split, tfds_text_key, tfds_data_dir)
+                              tfds_name, tfds_split, tfds_validation_split, tfds_text_key, tfds_data_dir,
+                              prompt_field if format == "completion" else "")
+    if format == "completion" and not tokenizer:
+        raise ValueError("--format=completion: pass --tokenizer (the tokenizer of the checkpoint "
+                         "to fine-tune, or its directory); it is not trained on the pairs")
     if shard_by_group and not jsonl_groups:
         raise ValueError("--shard_by_group needs --jsonl_groups: the groups to write shards of (e.g. "
                          "--jsonl_group_field=meta.pile_set_name --jsonl_groups=Pile-CC,Github)")
@@ -113,12 +121,18 @@ def prepare(inputs: list[str] | None = None, output_dir: str | None = None, seq_
 
         beam.runner_name(runner)  # an unknown runner is refused before any work
     train, validation = sources.plan_splits(spec, _piece_bytes(shard_size_mb), validation_fraction, validation_plays)
+    plain = sorted({p.path for p in train + validation if p.kind != "jsonl"})
+    if format == "completion" and plain:
+        raise ValueError(f"--format=completion reads .jsonl records with a prompt and a completion "
+                         f"field; {', '.join(plain[:3])} is not a .jsonl file")
     binary = _skipped_binary_files(spec)
     settings = {"format": format, "seq_length": seq_length, "vocab_size": vocab_size, "seed": seed,
                 "shard_size_mb": shard_size_mb, "spec": dataclasses.asdict(spec), "shard_by_group": shard_by_group}
     tokenizer = tokenizer_file(tokenizer) if tokenizer else None
     if tokenizer and is_byte_level_bpe(tokenizer):
         settings["tokenizer_kind"] = "byte_level_bpe"  # only then: other prep keys stay as they were
+    elif tokenizer and is_tokenizer_json(tokenizer):
+        settings["tokenizer_kind"] = "tokenizer_json"
     if format_options:  # copy_prob=0 (no copy pairs) is left out: earlier directories still match
         settings["format_options"] = {name: value for name, value in sorted(format_options.items())
                                       if name != "copy_prob" or value}
@@ -241,6 +255,7 @@ def _record_bytes_per_source_byte(pieces, spec, tokenizer_path: str, seq_length:
     tokenizer, text_bytes, ids = load_tokenizer(tokenizer_path), 0, []
     for piece in pieces:
         for document in sources.read_documents(piece, spec, Counter()):
+            document = "".join(document) if isinstance(document, tuple) else document  # a pair
             ids += tokenizer.encode(document)
             text_bytes += len(document.encode())
             if text_bytes >= SAMPLE_BYTES:

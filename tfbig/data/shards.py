@@ -156,9 +156,14 @@ def _tokenized(job: ShardJob, tokenizer: Tokenizer, replaced: Counter, skipped: 
         for group, document in sources.read_records(piece, job.spec, replaced, skipped):
             if job.group and group != job.group:
                 continue  # another group's shard holds it
-            ids = tokenizer.encode(document)
+            if isinstance(document, tuple):  # (prompt, completion): tfbig.data.completion
+                ids = tuple(tokenizer.encode(part) for part in document)
+                count = sum(len(part) for part in ids)
+            else:
+                ids = tokenizer.encode(document)
+                count = len(ids)
             counts = groups.setdefault(group, {"documents": 0, "tokens": 0})
-            counts["documents"], counts["tokens"] = counts["documents"] + 1, counts["tokens"] + len(ids)
+            counts["documents"], counts["tokens"] = counts["documents"] + 1, counts["tokens"] + count
             yield ids
 
 

@@ -40,6 +40,9 @@ class SourceSpec:
     tfds_validation_split: str = ""  # a TFDS split to validate on (else validation_fraction)
     tfds_text_key: str = "text"  # the TFDS feature that holds the text
     tfds_data_dir: str | None = None  # TFDS data_dir (default: TFDS's own)
+    # .jsonl: a prompt field too; each record is then a (prompt, jsonl_field) pair
+    # (--format=completion)
+    jsonl_prompt_field: str = ""
 
     def __post_init__(self):
         if self.jsonl_groups and not self.jsonl_group_field:

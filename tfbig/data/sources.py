@@ -228,7 +228,7 @@ def _line_records(piece: Piece, spec: SourceSpec, replaced: Counter, skipped: Co
             if wanted and group not in wanted:
                 skipped[f"group:{group}"] += 1
                 continue
-        if text.strip():
+        if (text[1] if isinstance(text, tuple) else text).strip():
             yield group, text
 
 
@@ -258,7 +258,8 @@ def _lines_in_range(path: str, start: int, stop: int) -> Iterator[tuple[int, byt
 
 
 def _jsonl_record(line: str, piece: Piece, offset: int, spec: SourceSpec) -> tuple[str, str]:
-    """(group, text) of one JSONL line; errors name the file, the line number and its byte offset."""
+    """(group, text) of one JSONL line, text a (prompt, completion) pair when
+    spec.jsonl_prompt_field is set; errors name the file, the line number and its byte offset."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as error:
@@ -268,15 +269,22 @@ def _jsonl_record(line: str, piece: Piece, offset: int, spec: SourceSpec) -> tup
     if not isinstance(record, dict) or not isinstance(record.get(field), str):
         keys = sorted(record) if isinstance(record, dict) else type(record).__name__
         raise ValueError(f"{_where(piece, offset)}: no string field {field!r} (found {keys}); set --jsonl_field")
+    text = record[field]
+    if spec.jsonl_prompt_field:
+        prompt = record.get(spec.jsonl_prompt_field)
+        if not isinstance(prompt, str):
+            raise ValueError(f"{_where(piece, offset)}: no string field {spec.jsonl_prompt_field!r} "
+                             f"(found {sorted(record)}); set --prompt_field")
+        text = (prompt, text)
     if not spec.jsonl_group_field:
-        return "", record[field]
+        return "", text
     group = record
     for key in spec.jsonl_group_field.split("."):
         group = group.get(key) if isinstance(group, dict) else None
     if not isinstance(group, str):
         raise ValueError(f"{_where(piece, offset)}: no string at --jsonl_group_field={spec.jsonl_group_field!r} "
                          f"(top-level fields {sorted(record)})")
-    return group, record[field]
+    return group, text
 
 
 def _where(piece: Piece, offset: int) -> str:

@@ -12,6 +12,9 @@ from collections.abc import Iterable
 import numpy as np
 import sentencepiece as spm
 
+from tfbig.data.tokenizer_json import RUN_ENTRY as JSON_RUN_ENTRY
+from tfbig.data.tokenizer_json import TOKENIZER_JSON, TokenizerJson, is_tokenizer_json
+
 CONTROL_SYMBOLS = ("[CLS]", "[SEP]", "[MASK]")
 USER_DEFINED_SYMBOLS = ("\n",)
 MAX_SENTENCE_BYTES = 4192  # SentencePiece skips longer training sentences
@@ -125,13 +128,16 @@ class Tokenizer:
 def load_tokenizer(path: str):
     """A prep tokenizer from its file: a WordPiece vocab.txt (tfbig.data.WordPieceVocab, for
     --format=bert), GPT-2's byte-level BPE vocab.json with merges.txt beside it
-    (tfbig.data.bpe.ByteLevelBPE), a released ALBERT SentencePiece model (no newline piece:
-    tfbig.data.albert_spm.AlbertSentencePiece, for --format=albert) or tfbig's own
-    SentencePiece .model (Tokenizer)."""
+    (tfbig.data.bpe.ByteLevelBPE), a Hugging Face tokenizer.json (Llama 3, Qwen, Mistral...:
+    tfbig.data.tokenizer_json.TokenizerJson), a released ALBERT SentencePiece model (no newline
+    piece: tfbig.data.albert_spm.AlbertSentencePiece, for --format=albert), or another
+    SentencePiece .model (Tokenizer: tfbig's own, or a released Llama 2 / Mistral one)."""
     if path.endswith(".txt"):
         from tfbig.data.wordpiece_vocab import WordPieceVocab
 
         return WordPieceVocab.load(path)
+    if is_tokenizer_json(path):
+        return TokenizerJson.load(path)
     if is_byte_level_bpe(path):
         from tfbig.data.bpe import ByteLevelBPE
 
@@ -146,7 +152,7 @@ def load_tokenizer(path: str):
 
 def is_byte_level_bpe(path: str) -> bool:
     """Whether a tokenizer file is GPT-2's vocab.json (its merges.txt beside it)."""
-    return path.endswith(".json")
+    return path.endswith(".json") and not is_tokenizer_json(path)
 
 
 def merges_file(vocab_file: str) -> str:
@@ -154,14 +160,15 @@ def merges_file(vocab_file: str) -> str:
     return os.path.join(os.path.dirname(vocab_file), "merges.txt")
 
 
-DIRECTORY_TOKENIZERS = ("vocab.json", "tokenizer.model", "vocab.txt", "spiece.model",
+DIRECTORY_TOKENIZERS = ("vocab.json", "tokenizer.json", "tokenizer.model", "vocab.txt", "spiece.model",
                         "30k-clean.model")
 
 
 def tokenizer_file(path: str) -> str:
     """The tokenizer file --tokenizer names: a file as given; for a directory, the file its
     config.json "tokenizer" entry names (a tfbig-convert output or tfbig-train run), else the
-    first it has of vocab.json (+ merges.txt, a Hugging Face GPT-2), tokenizer.model, vocab.txt
+    first it has of vocab.json (+ merges.txt, a Hugging Face GPT-2), tokenizer.json (a Hugging
+    Face Llama, Mistral, Qwen...: the fast tokenizer), tokenizer.model (SentencePiece), vocab.txt
     (BERT's WordPiece: Hugging Face or Google), spiece.model (a Hugging Face ALBERT) or
     30k-clean.model (Google's ALBERT release)."""
     if not os.path.isdir(path):
@@ -176,7 +183,8 @@ def tokenizer_file(path: str) -> str:
         if os.path.isfile(os.path.join(path, name)):
             return os.path.join(path, name)
     raise ValueError(f"--tokenizer={path}: a directory without vocab.json + merges.txt (GPT-2's "
-                     "byte-level BPE), tokenizer.model (SentencePiece), vocab.txt (WordPiece), "
+                     "byte-level BPE), tokenizer.json (Hugging Face), tokenizer.model "
+                     "(SentencePiece), vocab.txt (WordPiece), "
                      "spiece.model or 30k-clean.model (ALBERT's SentencePiece)")
 
 
@@ -201,13 +209,16 @@ def tokenizer_sha256(path: str) -> str:
 def run_tokenizer_files(path: str) -> tuple[dict, dict | None]:
     """What tfbig-train copies into --model_dir for the data's tokenizer `path`, and the
     config.json "tokenizer" entry that makes `for_run` read it: GPT-2's vocab.json + merges.txt
-    with {"kind": "byte_level_bpe", ...}; a WordPiece vocab.txt as vocab.txt with {"vocab_file":
+    with {"kind": "byte_level_bpe", ...}; a tokenizer.json with {"kind": "tokenizer_json", ...};
+    a WordPiece vocab.txt as vocab.txt with {"vocab_file":
     "vocab.txt", "lowercase": ...} (a converted BERT's layout, which tfbig-classify,
     tfbig-squad and the Hugging Face export read); any other as tokenizer.model and no entry."""
     if is_byte_level_bpe(path):
         from tfbig.data.bpe import RUN_ENTRY
 
         return tokenizer_files(path), dict(RUN_ENTRY)
+    if is_tokenizer_json(path):
+        return {TOKENIZER_JSON: path}, dict(JSON_RUN_ENTRY)
     if path.endswith(".txt"):
         from tfbig.data.wordpiece_vocab import WordPieceVocab
 
@@ -227,9 +238,11 @@ def _training_lines(texts: Iterable[str]):
 def for_run(model_dir: str):
     """The tokenizer a run directory carries: GPT-2's byte-level BPE (vocab.json + merges.txt,
     tfbig.data.bpe) when its config.json says {"tokenizer": {"kind": "byte_level_bpe", ...}}
-    (a tfbig-convert of a GPT-2, or a tfbig-train run on such data), else the SentencePiece
-    tokenizer.model tfbig-train copies there. Both answer the same calls (encode, decode,
-    eos_id, vocab_size...)."""
+    (a tfbig-convert of a GPT-2, or a tfbig-train run on such data), a tokenizer.json when it
+    says {"kind": "tokenizer_json"} (a run on data prepared with one) or lists it among a
+    converted Llama's "huggingface_files", else the SentencePiece tokenizer.model tfbig-train
+    copies there (or a converted Llama 2 / Mistral brought). All answer the same calls
+    (encode, decode, eos_id, vocab_size...)."""
     path = os.path.join(model_dir, "config.json")
     saved = {}
     if os.path.isfile(path):
@@ -241,4 +254,8 @@ def for_run(model_dir: str):
 
         return ByteLevelBPE.load(os.path.join(model_dir, entry["vocab_file"]),
                                  os.path.join(model_dir, entry["merges_file"]))
+    kind = entry.get("kind") if isinstance(entry, dict) else None
+    if kind == "tokenizer_json" or (kind == "huggingface_files"
+                                    and TOKENIZER_JSON in entry.get("files", ())):
+        return TokenizerJson.load(os.path.join(model_dir, TOKENIZER_JSON))
     return Tokenizer.load(os.path.join(model_dir, "tokenizer.model"))

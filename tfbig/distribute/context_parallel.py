@@ -110,8 +110,9 @@ def first_row_everywhere(x, group):
 
 
 def context_attention(layer, group):
-    """A replacement for `layer.attend` (tfbig.models.layers.MultiHeadAttention): this rank's
-    two query chunks against the keys and values of the whole context group."""
+    """A replacement for `layer.attend` (tfbig.models.layers.MultiHeadAttention, Llama's
+    grouped-query attention): this rank's two query chunks against the keys and values of the
+    whole context group."""
     def attend(q, k, v, input_mask=None, training=False, cache_index=None):
         if cache_index is not None:
             raise ValueError("--context_parallel: a key/value cache (generation) runs on one "
@@ -127,16 +128,18 @@ def context_attention(layer, group):
 
 def attend_over_group(q, kv, group, seed=None, **options):
     """Blockwise attention of this rank's queries q (B, T/C, nh, hs) over the keys and values
-    of every rank of `group` (kv: this rank's (B, T/C, nh, 2 hs)), each of its two chunks with
-    its position offset. The gathered keys and values are not kept for the backward: it
+    of every rank of `group` (kv: this rank's (B, T/C, kv, 2 hs); grouped-query attention's kv
+    heads, fewer than nh, are gathered as they are and repeated to the query heads after), each
+    of its two chunks with its position offset. The gathered keys and values are not kept for the backward: it
     gathers them again (one more all-gather per layer for O(T) less memory), differentiates
     with the forward's saved output and log-sum-exp (`blockwise_attention_backward`) and
     reduce-scatters their gradients. `options`: blockwise_attention's causal, key_mask,
     block_size, dropout."""
     width, c = kv.shape[-1] // 2, group.chunk
+    groups = q.shape[2] // kv.shape[2]  # query heads per key/value head
 
     def chunks(q, whole):
-        k, v = whole[..., :width], whole[..., width:]
+        k, v = _repeat_heads(whole[..., :width], groups), _repeat_heads(whole[..., width:], groups)
         for half, offset in enumerate(group.offsets()):
             chunk_seed = None if seed is None else seed + tf.constant([half, 0], seed.dtype)
             yield (q[:, half * c:(half + 1) * c], k, v,
@@ -156,7 +159,8 @@ def attend_over_group(q, kv, group, seed=None, **options):
                 dq_i, dk_i, dv_i = blockwise_attention_backward(
                     q_i, k, v, *results[half], d_out[:, half * c:(half + 1) * c], **opts)
                 dq, dk, dv = dq + [dq_i], dk + dk_i, dv + dv_i
-            d_whole = tf.concat([dk, dv], axis=-1)  # (B, T, nh, 2 hs)
+            d_whole = tf.concat([_sum_groups(dk, groups), _sum_groups(dv, groups)],
+                                axis=-1)  # (B, T, kv, 2 hs)
             return tf.concat(dq, axis=1), _reduce_scatter_in_order(d_whole, group)
 
         return tf.concat([out for out, _ in results], axis=1), grad  # (B, T/C, nh, hs)
@@ -164,9 +168,29 @@ def attend_over_group(q, kv, group, seed=None, **options):
     return attend(q, kv)
 
 
+def _repeat_heads(x, groups):
+    """(B, T, kv, hs) -> (B, T, kv * groups, hs), query head h reading key/value head h // groups."""
+    return x if groups == 1 else tf.repeat(x, groups, axis=2)
+
+
+def _sum_groups(dx, groups):
+    """The gradient of _repeat_heads: (B, T, kv * groups, hs) -> (B, T, kv, hs)."""
+    if groups == 1:
+        return dx
+    batch, length = tf.shape(dx)[0], tf.shape(dx)[1]
+    heads, hs = dx.shape[2], dx.shape[3]
+    return tf.reduce_sum(tf.reshape(dx, [batch, length, heads // groups, groups, hs]), axis=3)
+
+
 def wrap(layer, kind, group):
     call = layer.call
-    if kind == "inputs":  # Embeddings(token_ids, segment_ids=None, ...): this rank's rows
+    if kind == "tokens":  # an Embedding(token_ids): this rank's rows
+        layer.call = lambda token_ids, *args, **kwargs: call(local_rows(token_ids, group), *args,
+                                                             **kwargs)
+    elif kind == "rope_positions":  # rotary embeddings at this rank's positions
+        positions = group.positions().astype(np.float32)
+        layer.positions = lambda length, start_index: tf.constant(positions)
+    elif kind == "inputs":  # Embeddings(token_ids, segment_ids=None, ...): this rank's rows
         def inputs_call(token_ids, segment_ids=None, *args, **kwargs):
             segments = None if segment_ids is None else local_rows(segment_ids, group)
             return call(local_rows(token_ids, group), segments, *args, **kwargs)
@@ -196,7 +220,7 @@ def plan_for(model):
     plan = layout_of(model).context
     if not plan:
         raise ValueError(f"--context_parallel: no context-parallel plan for "
-                         f"{type(model).__name__} (GPT, BERT and ALBERT pretraining declare one "
+                         f"{type(model).__name__} (GPT, Llama, BERT and ALBERT pretraining declare one "
                          f"in their layout(), tfbig.models.layout); run it with "
                          f"--context_parallel=1")
     return plan
@@ -211,6 +235,10 @@ def apply_plan(model, task, group):
         for layer in layers:
             wrap(layer, kind, group)
     if layout_of(model).local_loss:  # a causal LM's labels are cut like its inputs
+        if getattr(task, "format", "") == "completion":
+            raise ValueError("--context_parallel: completion data (tfbig-prep "
+                             "--format=completion) carries a loss mask per token, which is not "
+                             "cut over the context ranks; fine-tune with --context_parallel=1")
         whole = task.vocab_cross_entropy
         task.vocab_cross_entropy = lambda labels, logits: whole(local_rows(labels, group),
                                                                 logits)

@@ -132,7 +132,7 @@ def wrap(layer, split, group):
     elif kind == "vocab_logits":  # a declared output Dense: the task's loss sees all logits
         layer.call = lambda x, *args, **kwargs: gather_last_axis(
             call(enter(x, ps), *args, **kwargs), group)
-    elif kind == "vocab_input":
+    elif kind in ("vocab_input", "region_input"):
         layer.call = lambda *args, **kwargs: enter(call(*args, **kwargs), ps)
     elif kind == "positions" and group.sequence_parallel:
         layer.call = lambda *args, **kwargs: sequence_chunk(call(*args, **kwargs), group)

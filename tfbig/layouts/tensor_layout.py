@@ -37,9 +37,11 @@ def _shrink(layer, split, size):
     if kind == "heads":
         layer.num_heads = _divide(layer.num_heads, size, "num_heads")
         layer.hidden_size = layer.num_heads * layer.head_size  # this rank's attention width
+    elif kind == "grouped_heads":
+        _shrink_grouped_heads(layer, size)
     elif kind == "width":
         layer.intermediate_size = _divide(layer.intermediate_size, size, "intermediate_size")
-    elif kind in ("column", "vocab_column"):
+    elif kind in ("column", "shared_column", "vocab_column"):
         what = "vocab_size" if kind == "vocab_column" else f"{layer.name} units"
         _divide(layer.units // split.sections, size, what)
         layer.units //= size
@@ -50,9 +52,27 @@ def _shrink(layer, split, size):
                                   "with tfbig-prep --vocab_size)")
 
 
+def _shrink_grouped_heads(layer, size):
+    """A grouped-query attention (Llama's) reduced to 1/T of its query heads and of its
+    key/value heads: rank t's query heads read only rank t's key/value heads, so each rank
+    attends on its own (refused when T does not divide the key/value heads)."""
+    if layer.num_kv_heads % size:
+        raise ValueError(f"--tensor_parallel={size} does not divide num_kv_heads="
+                         f"{layer.num_kv_heads} (num_heads={layer.num_heads}): grouped-query "
+                         f"attention splits whole key/value heads, each with its "
+                         f"{layer.num_heads // layer.num_kv_heads} query heads; choose a "
+                         f"degree dividing num_kv_heads")
+    if getattr(layer, "qk_norm", False):
+        raise ValueError(f"--tensor_parallel={size} with qk_norm (Qwen 3): the query/key norm "
+                         f"scales are shared by the heads every rank holds a part of; run it "
+                         f"with --tensor_parallel=1")
+    layer.num_heads = _divide(layer.num_heads, size, "num_heads")
+    layer.num_kv_heads //= size
+
+
 def _variable_splits(layer, split):
     """[(variable, (axis, sections))] of the variables a split layer holds in pieces."""
-    if split.kind in ("column", "vocab_column"):
+    if split.kind in ("column", "shared_column", "vocab_column"):
         pieces = [(layer.kernel, (-1, split.sections))]
         if getattr(layer, "bias", None) is not None:
             pieces.append((layer.bias, (-1, split.sections)))

@@ -10,11 +10,14 @@ import dataclasses
 @dataclasses.dataclass(frozen=True)
 class Split:
     """How one layer is split over a tensor group of T ranks. kind: heads | width (an
-    attention's heads / an MLP's intermediate width shrink to 1/T), column (a Dense's output
-    columns; `sections` equal blocks such as q, k, v each split), row (a Dense's input rows),
-    vocab (an Embedding's rows), vocab_column (the untied output head's columns), vocab_input
-    (the activation entering the vocabulary projection: copied into the region after this
-    layer), vocab_bias (a head's per-token bias, split like the vocabulary), own_mask (a dropout
+    attention's heads / an MLP's intermediate width shrink to 1/T), grouped_heads (a
+    grouped-query attention's query and key/value heads both shrink to 1/T), column (a Dense's
+    output columns; `sections` equal blocks such as q, k, v each split), region_input (a layer
+    whose output enters the split region once for the several shared_column layers reading
+    it), shared_column (a column split adding no collective of its own), row (a Dense's
+    input rows), vocab (an Embedding's rows), vocab_column (the untied output head's
+    columns), vocab_input (the activation entering the vocabulary projection: copied into the
+    region after this layer), vocab_bias (a head's per-token bias, split like the vocabulary), own_mask (a dropout
     inside a split region: its seed state offset by the tensor rank). With --sequence_parallel:
     positions, segments (embedding outputs kept for the rank's sequence chunk), sequence_mask
     (a dropout of the sequence-split region), sequence_output (a backbone output gathered
@@ -40,8 +43,8 @@ class ModelLayout:
     gather_per_call: tuple = ()  # paths gathered around each call: --zero_stage=3
     gather_per_step: tuple = ()  # paths gathered once per step (a tied table read twice)
     blocks: str = ""  # path of the list of transformer blocks: --activation_checkpointing
-    context: tuple = ()  # ((path, what), ...): --context_parallel (inputs, positions,
-    #                      attention, whole_sequence, first_row)
+    context: tuple = ()  # ((path, what), ...): --context_parallel (inputs, tokens, positions,
+    #                      rope_positions, attention, whole_sequence, first_row)
     local_loss: bool = False  # the loss runs on each context rank's own tokens (a causal LM)
 
 

@@ -23,8 +23,30 @@ from keras import ops
 from tfbig.models.attention import blockwise_attention
 from tfbig.models.common import uses_blockwise
 from tfbig.models.layers import make_initializer
-from tfbig.models.layout import ModelLayout
+from tfbig.models.layout import ModelLayout, Split
 from tfbig.models.llama_config import LLAMA_PRESETS, LlamaConfig  # noqa: F401 - re-exported
+
+# How Llama may be split over a tensor group (data; the layout language: tfbig.models.layout).
+# Megatron's attention and MLP pairs: q, k, v, gate and up column-parallel, proj and down
+# row-parallel, query heads and key/value heads both split (whole groups per rank); each RMSNorm's
+# output enters the split region once for the column layers that read it.
+TENSOR_LAYOUT = (
+    ("blocks.*.attn_norm", Split("region_input")),
+    ("blocks.*.attn", Split("grouped_heads")),
+    ("blocks.*.attn.query", Split("shared_column")),
+    ("blocks.*.attn.key", Split("shared_column")),
+    ("blocks.*.attn.value", Split("shared_column")),
+    ("blocks.*.attn.proj", Split("row")),
+    ("blocks.*.attn.attn_dropout", Split("own_mask")),
+    ("blocks.*.mlp_norm", Split("region_input")),
+    ("blocks.*.mlp", Split("width")),
+    ("blocks.*.mlp.gate", Split("shared_column")),
+    ("blocks.*.mlp.up", Split("shared_column")),
+    ("blocks.*.mlp.down", Split("row")),
+    ("embedding", Split("vocab")),
+    ("head", Split("vocab_column")),
+    ("final_norm", Split("vocab_input")),
+)
 
 ROPE_FIELDS = ("rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor",
                "rope_high_freq_factor", "rope_original_seq_length")
@@ -68,11 +90,9 @@ def rope_frequencies(head_size, rope):
     return ops.where(medium, smoothed, scaled)
 
 
-def apply_rope(x, inverse_frequencies, start_index=0):
-    """Rotate (B, T, n, hs) query or key heads to positions start_index.. (the half-split
+def apply_rope(x, inverse_frequencies, positions):
+    """Rotate (B, T, n, hs) query or key heads to float32 `positions` (T,) (the half-split
     pairing (i, i + hs/2) of Hugging Face's rotate_half and keras-hub); float32 inside."""
-    length = ops.shape(x)[1]
-    positions = ops.cast(start_index, "float32") + ops.arange(length, dtype="float32")  # (T,)
     angles = positions[:, None] * inverse_frequencies[None, :]  # (T, hs/2)
     angles = ops.concatenate([angles, angles], axis=-1)[None, :, None, :]  # (1, T, 1, hs)
     x32 = ops.cast(x, "float32")
@@ -88,8 +108,11 @@ class LlamaAttention(keras.layers.Layer):
     `attention` picks dense (a (B, kv, groups, T, S) softmax, key/value heads never repeated)
     or blockwise (tfbig.models.attention, key/value heads repeated to the query heads), as
     tfbig's MultiHeadAttention does; `attend` has its signature, so a context-parallel backend
-    can replace it on the instance from outside.
+    can replace it on the instance from outside, and `positions` (where RoPE puts the rows this
+    layer sees) likewise.
     """
+
+    causal = True  # always (a decoder's): read by backends that replace `attend`
 
     def __init__(self, hidden_size, num_heads, num_kv_heads, head_size, rope, use_bias=False,
                  qk_norm=False, rms_norm_epsilon=1e-5, dropout=0.0, initializer_range=0.02,
@@ -141,8 +164,8 @@ class LlamaAttention(keras.layers.Layer):
         if self.qk_norm:
             q, k = self.query_norm(q), self.key_norm(k)  # per head, before RoPE (Qwen 3)
         inverse = rope_frequencies(self.head_size, self.rope)
-        start = 0 if cache_index is None else cache_index
-        q, k = apply_rope(q, inverse, start), apply_rope(k, inverse, start)  # (B, T, n, hs)
+        positions = self.positions(length, 0 if cache_index is None else cache_index)
+        q, k = apply_rope(q, inverse, positions), apply_rope(k, inverse, positions)
         if cache is not None:
             at = [0, cache_index, 0, 0]
             k = ops.slice_update(cache[0], at, ops.cast(k, cache.dtype))  # (B, S, kv, hs)
@@ -152,6 +175,10 @@ class LlamaAttention(keras.layers.Layer):
         y = self.attend(q, k, v, None, training, cache_index)  # (B, T, nh, hs)
         y = self.proj(ops.reshape(y, (batch, length, self.num_heads * self.head_size)))
         return y if cache is None else (y, cache)
+
+    def positions(self, length, start_index):
+        """float32 (T,) positions of the T rows this call sees: start_index.. in one process."""
+        return ops.cast(start_index, "float32") + ops.arange(length, dtype="float32")
 
     def attend(self, q, k, v, input_mask=None, training=False, cache_index=None):
         """(B, T, nh, hs) q and (B, S, kv, hs) k, v -> (B, T, nh, hs), causal."""
@@ -304,10 +331,19 @@ class Llama(keras.Model):
         self.built = True
 
     def layout(self):
-        """How this model may be split (data the backends read: tfbig.models.layout): its blocks,
-        recomputed one at a time. No ZeRO-3 gathers, tensor or context plan yet: those are
-        refused by name until each is proven equal to one process."""
-        return ModelLayout(blocks="blocks")
+        """How this model may be split (data the backends read: tfbig.models.layout). A tied
+        word table is read twice a step (embedding and logits), so ZeRO-3 gathers it per step.
+        Context parallelism cuts the token ids, puts RoPE at each rank's own positions and
+        attends over the group; the loss runs on each rank's own tokens."""
+        tied = self.config.tie_embeddings
+        return ModelLayout(
+            tensor=TENSOR_LAYOUT,
+            gather_per_call=("blocks.*", "final_norm", "head") + (() if tied else ("embedding",)),
+            gather_per_step=("embedding",) if tied else (),
+            blocks="blocks",
+            context=(("embedding", "tokens"), ("blocks.*.attn", "rope_positions"),
+                     ("blocks.*.attn", "attention")),
+            local_loss=True)
 
     def logits(self, x):
         """Final norm and vocabulary projection of hidden states (B, T, C) -> (B, T, V) float32."""

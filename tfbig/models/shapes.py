@@ -73,6 +73,11 @@ class Shape:
     gated_mlp: bool = False
 
     @property
+    def kv_heads(self):
+        """Key/value heads: a tensor-parallel degree divides them (whole heads per rank)."""
+        return round(self.num_heads * self.kv_fraction)
+
+    @property
     def shared_layers(self):
         """ALBERT's layers share weights, so splitting them over pipeline stages saves none."""
         return self.family == "albert"

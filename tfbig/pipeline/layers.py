@@ -10,6 +10,7 @@ from keras import ops
 from tfbig.models.albert import AlbertForPretraining, AlbertForQuestionAnswering
 from tfbig.models.bert import BertClassifier, BertForPretraining, BertForQuestionAnswering
 from tfbig.models.gpt import GPT
+from tfbig.models.llama import Llama
 
 
 @dataclasses.dataclass
@@ -43,13 +44,15 @@ def _keras_call(layer):
     return lambda x, training: layer(x, training=training)
 
 
-# ---- GPT -------------------------------------------------------------------------------------
-def _gpt_layers(model):
+# ---- GPT and Llama ---------------------------------------------------------------------------
+def _decoder_layers(model, table):
+    """embedding, the blocks, head (final norm and the vocabulary projection; a tied model's
+    head reads the word table `table` as a shared weight)."""
     def head(x, training):
         return model.logits(x)
 
     head_modules = [m for m in (model.final_norm, model.head) if m is not None]
-    tied = [] if model.head is not None else [model.embedding.token.embeddings]
+    tied = [] if model.head is not None else [table]
     random = model.config.dropout > 0
     return ([PipeLayer("embedding", _keras_call(model.embedding), [model.embedding],
                        random=random)]
@@ -154,7 +157,8 @@ def _bert_layers(model, heads):
 
 
 FAMILIES = {  # model class: its layer sequence
-    GPT: _gpt_layers,
+    GPT: lambda model: _decoder_layers(model, model.embedding.token.embeddings),
+    Llama: lambda model: _decoder_layers(model, model.embedding.embeddings),
     AlbertForPretraining: lambda model: _albert_layers(model, _pretraining_heads),
     AlbertForQuestionAnswering: lambda model: _albert_layers(model, _span_head),
     BertForPretraining: lambda model: _bert_layers(model, _pretraining_heads),

@@ -82,10 +82,9 @@ def evaluate(shape, layout, batch_size, precision, cluster, token_budget):
 
 
 # What tfbig-train runs per family where that is less than every layout: {flag: largest value}.
-# The Llama family trains under data parallelism, ZeRO 1-2 and activation checkpointing; its
-# tensor, pipeline, context-parallel and ZeRO-3 plans do not exist yet (tfbig-train refuses).
-FAMILY_LIMITS = {"llama": {"tensor_parallel": 1, "pipeline_stages": 1, "context_parallel": 1,
-                           "zero_stage": 2}}
+# The Llama family trains under every layout but sequence parallelism (its tensor plan splits
+# no sequence: tfbig-train refuses it).
+FAMILY_LIMITS = {"llama": {"sequence_parallel": False}}
 
 
 def _divisors(n):
@@ -95,14 +94,18 @@ def _divisors(n):
 def check_layout(shape, fixed, cluster, batch_size):
     """Named errors for fixed flags that cannot divide the model, the cluster or the batch."""
     for flag, most in FAMILY_LIMITS.get(shape.family, {}).items():
+        if fixed.get(flag, 0) > most and most is False:
+            raise ValueError(f"--{flag}: tfbig-train runs the {shape.family} family without "
+                             f"--{flag}")
         if fixed.get(flag, 0) > most:
             raise ValueError(f"--{flag}={fixed[flag]}: tfbig-train runs the {shape.family} "
                              f"family with --{flag} at most {most}")
     t, k = fixed.get("tensor_parallel"), fixed.get("pipeline_stages")
-    if t is not None and (t < 1 or shape.num_heads % t):
+    if t is not None and (t < 1 or shape.kv_heads % t):
+        kv = f", num_kv_heads={shape.kv_heads}" if shape.kv_heads != shape.num_heads else ""
         raise ValueError(f"--tensor_parallel={t} does not divide the model's "
-                         f"num_heads={shape.num_heads}; choose one of "
-                         f"{_divisors(shape.num_heads)}")
+                         f"num_heads={shape.num_heads}{kv}; choose one of "
+                         f"{_divisors(shape.kv_heads)}")
     if k is not None and (k < 1 or shape.num_layers % k):
         raise ValueError(f"--pipeline_stages={k} does not divide the model's "
                          f"num_layers={shape.num_layers}; choose one of "
@@ -144,9 +147,9 @@ def candidates(shape, cluster, fixed, batch_size):
     """(Layout, global batch) pairs allowed by the fixed flags."""
     node = cluster.gpus_per_node  # a tensor group is never split between nodes
     limits = FAMILY_LIMITS.get(shape.family, {})
-    fixed = {**{f: 1 for f, most in limits.items() if most == 1}, **fixed}
+    fixed = {**{f: most for f, most in limits.items() if most <= 1}, **fixed}
     cuts = {}  # pipeline stages -> transformer layers per stage
-    for t in _options(fixed, "tensor_parallel", [t for t in _divisors(shape.num_heads)
+    for t in _options(fixed, "tensor_parallel", [t for t in _divisors(shape.kv_heads)
                                                  if node % t == 0]):
         for k in _options(fixed, "pipeline_stages", _divisors(shape.num_layers)):
             for c in _context_options(shape, fixed, t, k):

@@ -14,18 +14,23 @@ DEFAULT_VOCAB_SIZE = 8000  # tokenizer trained on the embedded corpus when no --
 
 
 class GPTTask:
-    """Next-token prediction on packed `input_ids` sequences of seq_length + 1 tokens.
+    """Next-token prediction on packed `input_ids` sequences of seq_length + 1 tokens, or, on
+    "completion" data (prompt-completion pairs, tfbig.data.completion), on the completion
+    tokens only: the loss is the mean over the tokens `loss_mask` marks.
 
     `vocab_cross_entropy(labels, logits)` gives per-token losses; a backend that splits the
     vocabulary over ranks (tensor parallelism) sets its own on the instance."""
 
-    format = "gpt"
+    format = "gpt"  # the data's: "gpt", or "completion" when the data directory says so
+    model_format = "gpt"  # config.json's
     vocab_cross_entropy = staticmethod(tf.nn.sparse_softmax_cross_entropy_with_logits)
 
     def __init__(self, train):
         self.train = train
         self.data_dir = train.data_dir or self._prepare_default()
         self.manifest = data.open_manifest(self.data_dir)  # one directory or a mixture
+        if self.manifest.format == "completion":  # fine-tuning pairs: the loss on completions
+            self.format = "completion"
         self.manifest.check(format=self.format)
         self.seq_length = train.seq_length or self.manifest.seq_length
         self.manifest.check(seq_length=self.seq_length)
@@ -74,20 +79,30 @@ class GPTTask:
         return batch["input_ids"][:, :-1]
 
     def loss_from_outputs(self, logits, batch):
-        """Mean next-token cross-entropy in float32, and the metrics to average."""
+        """Mean next-token cross-entropy in float32 (over the completion tokens of completion
+        data), and the metrics to average."""
         targets = batch["input_ids"][:, 1:]
-        losses = self.vocab_cross_entropy(targets, tf.cast(logits, tf.float32))
-        loss = tf.reduce_mean(losses)
+        losses = self.vocab_cross_entropy(targets, tf.cast(logits, tf.float32))  # (B, T)
+        if "loss_mask" not in batch:
+            loss = tf.reduce_mean(losses)
+            return loss, {"loss": loss}
+        mask = tf.cast(batch["loss_mask"], tf.float32)  # (B, T): 1 on completion targets
+        loss = tf.reduce_sum(losses * mask) / tf.maximum(tf.reduce_sum(mask), 1.0)
         return loss, {"loss": loss}
 
     def loss(self, model, batch, training=False):
         return self.loss_from_outputs(model(self.model_inputs(batch), training=training), batch)
 
     def validation_outputs(self, logits, batch):
-        """Per-sequence mean next-token cross-entropy {"loss": float32 (B,)}."""
+        """Per-sequence mean next-token cross-entropy {"loss": float32 (B,)} (over the
+        completion tokens of completion data)."""
         targets = batch["input_ids"][:, 1:]
         losses = self.vocab_cross_entropy(targets, tf.cast(logits, tf.float32))  # (B, T)
-        return {"loss": tf.reduce_mean(losses, axis=1)}
+        if "loss_mask" not in batch:
+            return {"loss": tf.reduce_mean(losses, axis=1)}
+        mask = tf.cast(batch["loss_mask"], tf.float32)
+        return {"loss": tf.reduce_sum(losses * mask, axis=1) /
+                tf.maximum(tf.reduce_sum(mask, axis=1), 1.0)}
 
     def validation_step(self, model, batch):
         """What the metric needs from one batch (single replica; the trainer gathers it)."""

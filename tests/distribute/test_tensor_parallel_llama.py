@@ -1,0 +1,152 @@
+"""--model=llama under --tensor_parallel through real `horovodrun --gloo` launches, against one
+process on the same global batch (test_tensor_parallel's reference and recording worker).
+
+Tiny Llama: hidden 32, 2 layers, 4 query / 2 key-value heads (grouped-query attention: each
+tensor rank holds 2 query heads and the 1 key/value head they read), SwiGLU width 256, untied
+head; clipping active, 2 accumulated micro-batches. Default run: TP2 on 2 ranks (losses over 4
+steps at rtol 1e-5, final weights by tests/equality.py's rule, first-step gradients assembled
+from the slices). Slow: TP2 x DP2 on 4 ranks, and TP2 with the tied word table.
+In-process: each rank's slice of the single-device initialisation, and the refusals.
+"""
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_horovod import WORKER, horovodrun, listed, load, read, run_entry  # noqa: E402
+from test_tensor_parallel import TRAIN, shared_reference, tp_cfg  # noqa: E402
+
+from tfbig.layouts.tensor_layout import split_model, take_slice  # noqa: E402
+from tfbig.layouts.tensor_plan import TensorGroup  # noqa: E402
+
+LLAMA = dict(model="llama")
+SCENARIOS = {"llama_tp2": (2, 2, {})}  # name: (ranks, tensor_parallel, train options)
+SLOW_SCENARIOS = {"llama_tp2_dp2": (4, 2, {}),
+                  "llama_tp2_tied": (2, 2, {"preset": "small"})}  # small: a tied table
+
+
+def launch(root, scenarios, ranks, data_dir):
+    """One `horovodrun -np ranks` running `scenarios`; returns the results' folder."""
+    out = root / "out"
+    plan = [run_entry(name, tp_cfg(data_dir, root / name, tensor, **LLAMA, **train), out,
+                      first_gradients=True)
+            for name, (_, tensor, train) in scenarios.items()]
+    os.makedirs(out)
+    with open(root / "plan.json", "w") as f:
+        json.dump(plan, f)
+    code = horovodrun([WORKER, str(root / "plan.json")], root / "log.txt", timeout=1800,
+                      env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"},
+                      ranks=("-np", str(ranks), "-H", f"localhost:{ranks}"))
+    assert code == 0, read(root / "log.txt")[-6000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(gpt_data, tmp_path_factory):
+    return launch(tmp_path_factory.mktemp("tp_llama"), SCENARIOS, 2, gpt_data)
+
+
+@pytest.fixture(scope="module")
+def slow_runs(gpt_data, tmp_path_factory):
+    out = {}
+    for ranks in (4, 2):  # one launch per world size
+        group = {n: s for n, s in SLOW_SCENARIOS.items() if s[0] == ranks}
+        out[ranks] = launch(tmp_path_factory.mktemp(f"tp_llama_{ranks}"), group, ranks,
+                            gpt_data)
+    return out
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", list(SCENARIOS) + [
+    pytest.param(name, marks=pytest.mark.slow) for name in SLOW_SCENARIOS])
+def test_llama_tensor_parallel_equals_one_process(request, gpt_data, shared, tmp_path_factory,
+                                                  name):
+    slow = name in SLOW_SCENARIOS
+    ranks, tensor, train = (SLOW_SCENARIOS if slow else SCENARIOS)[name]
+    results = request.getfixturevalue("slow_runs")[ranks] if slow else \
+        request.getfixturevalue("runs")
+    per_rank = [load(results, name, r) for r in range(ranks)]
+    single, losses, grads = shared_reference(shared, tmp_path_factory, gpt_data,
+                                             ranks // tensor, **LLAMA, **train)
+    assert type(single.model).__name__ == "Llama"
+    assert single.model.config.num_kv_heads == 2 and single.model.config.num_heads == 4
+    first = per_rank[0]
+    assert np.all(first["grad_norms"] > TRAIN["grad_clip_norm"])  # clipping is active
+    assert len(first["losses"]) == len(losses) == TRAIN["max_steps"]
+    np.testing.assert_allclose(first["losses"], losses, rtol=1e-5)
+    single.recorded.assert_equal(listed(first, "w"), err_msg=name)
+    assert len(listed(first, "gradients")) == len(grads) > 10
+    for ours, theirs in zip(listed(first, "gradients"), grads):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-7)
+    for other in per_rank[1:]:  # every rank's group assembles the same model
+        for a, b in zip(listed(first, "w"), listed(other, "w")):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+class _Task:
+    """A tiny Llama to split, without data."""
+
+    seq_length = 16
+
+    def __init__(self, **config):
+        from tfbig.models.llama import LlamaConfig
+
+        self.config = LlamaConfig.from_preset("tiny", **{
+            "vocab_size": 320, "hidden_size": 32, "num_heads": 4, "num_kv_heads": 2,
+            "intermediate_size": 96, **config})
+
+    def build_model(self):
+        from tfbig.models.llama import Llama
+
+        model = Llama(self.config, name="llama")
+        model.build((None, self.seq_length))
+        return model
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_llama_rank_holds_its_heads_and_columns_of_the_single_device_model(tied):
+    import keras
+
+    task = _Task(tie_embeddings=tied)
+    keras.utils.set_random_seed(0)
+    reference = {v.path: v.numpy() for v in task.build_model().variables}
+    keras.utils.set_random_seed(0)
+    local, splits = split_model(task, TensorGroup(None, 1, 2))
+    attn = local.blocks[0].attn
+    assert (attn.num_heads, attn.num_kv_heads, attn.head_size) == (2, 1, 8)
+    shapes = {v.path: tuple(v.shape) for v in local.variables}
+    assert shapes["llama/block_0/attn/query/kernel"] == (32, 16)  # 2 query heads of 8
+    assert shapes["llama/block_0/attn/key/kernel"] == (32, 8)  # the 1 key/value head they read
+    assert shapes["llama/block_0/attn/value/kernel"] == (32, 8)
+    assert shapes["llama/block_0/attn/proj/kernel"] == (16, 32)
+    assert shapes["llama/block_1/mlp/gate/kernel"] == (32, 48)
+    assert shapes["llama/block_1/mlp/down/kernel"] == (48, 32)
+    assert shapes["llama/embedding/embeddings"] == (160, 32)
+    assert ("llama/head/kernel" in shapes) != tied
+    if not tied:
+        assert shapes["llama/head/kernel"] == (32, 160)
+    # replicated: the RMSNorm scales only
+    assert {p.rsplit("/", 2)[-2] for p in shapes if p not in splits
+            and "seed_generator" not in p} == {"attn_norm", "mlp_norm", "final_norm"}
+    for v in local.variables:
+        if "seed_generator" in v.path:
+            continue
+        expected = reference[v.path]
+        if v.path in splits:
+            expected = take_slice(expected, *splits[v.path], 1, 2)
+        np.testing.assert_array_equal(v.numpy(), expected)
+
+
+@pytest.mark.parametrize("config, size, sequence, message", [
+    (dict(num_heads=4, num_kv_heads=1), 2, False,
+     r"--tensor_parallel=2 does not divide num_kv_heads=1 \(num_heads=4\)"),
+    (dict(num_heads=4, num_kv_heads=4, qk_norm=True), 2, False,
+     "--tensor_parallel=2 with qk_norm"),
+    (dict(), 2, True, "--sequence_parallel: no sequence-parallel plan for Llama"),
+])
+def test_llama_layouts_that_do_not_split_are_refused_by_name(config, size, sequence, message):
+    with pytest.raises(ValueError, match=message):
+        split_model(_Task(**config), TensorGroup(None, 0, size, sequence))
