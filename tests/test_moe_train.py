@@ -18,10 +18,11 @@ from tfbig.training.trainer import Trainer  # noqa: E402
 MOE = dict(model="llama", preset="tiny-moe", num_layers=2, hidden_size=32, num_heads=4)
 
 
-def moe_cfg(data, model_dir, moe=None, **train):
+def moe_cfg(data, model_dir, moe=None, parallel=None, **train):
     cfg = make_cfg(data, model_dir, **{**MOE, **train})
-    for key, value in (moe or {}).items():
-        setattr(cfg.moe, key, value)
+    for section, values in (("moe", moe), ("parallel", parallel)):
+        for key, value in (values or {}).items():
+            setattr(getattr(cfg, section), key, value)
     return cfg
 
 
@@ -45,16 +46,32 @@ def test_the_moe_loss_adds_the_router_losses_and_logs_expert_counts(gpt_data, tm
     assert "expert tokens" in out and "(min/mean/max)" in out
 
 
-@pytest.mark.parametrize("train,moe,message", [
-    (dict(xla=True), {}, "--xla"),
-    (dict(preset="tiny"), {"experts_per_token": 1}, "--experts_per_token=1 has no effect"),
-    (dict(model="gpt", preset="tiny"), {"num_experts": 4}, "--num_experts=4 has no effect"),
-    ({}, {"experts_per_token": 3}, "--experts_per_token=3"),
-    ({}, {"capacity_factor": -0.5}, "--capacity_factor=-0.5"),
+HOROVOD = dict(strategy="horovod")
+EP2 = {"expert_parallel": 2}
+
+
+@pytest.mark.parametrize("train,moe,parallel,message", [
+    (dict(xla=True), {}, {}, "--xla"),
+    (dict(preset="tiny"), {"experts_per_token": 1}, {}, "--experts_per_token=1 has no effect"),
+    (dict(model="gpt", preset="tiny"), {"num_experts": 4}, {}, "--num_experts=4 has no effect"),
+    ({}, {"experts_per_token": 3}, {}, "--experts_per_token=3"),  # k > 2
+    ({}, {"num_experts": 1}, {}, "--experts_per_token=2: expected 1 or 2, at most "
+                                 "--num_experts=1"),  # k > E
+    ({}, {"capacity_factor": -0.5}, {}, "--capacity_factor=-0.5"),
+    ({}, {}, EP2, "--expert_parallel=2 has no effect with --strategy=single"),
+    (HOROVOD, {}, EP2, "--expert_parallel=2 does not divide the 1 data-parallel ranks"),
+    (HOROVOD, {}, {**EP2, "zero_stage": 1}, "--expert_parallel=2 with --zero_stage=1"),
+    (HOROVOD, {}, {**EP2, "tensor_parallel": 2}, "--expert_parallel=2 with --tensor_parallel"),
+    (dict(HOROVOD, pipeline_stages=2), {}, EP2,
+     "--expert_parallel=2 with --pipeline_stages=2"),
 ])
 def test_moe_settings_that_cannot_run_are_refused_before_anything_is_written(
-        gpt_data, tmp_path, train, moe, message):
+        gpt_data, tmp_path, train, moe, parallel, message):
+    train = dict(train)
+    stages = train.pop("pipeline_stages", 0)
+    cfg = moe_cfg(gpt_data, tmp_path / "run", moe, parallel, **train)
+    cfg.pipeline.pipeline_stages = stages
     with pytest.raises(ValueError, match=message):
-        Trainer(moe_cfg(gpt_data, tmp_path / "run", moe, **train))
+        Trainer(cfg)
     assert not os.path.exists(tmp_path / "run")
     tf.keras.backend.clear_session()

@@ -140,12 +140,13 @@ class MoEConfig:
 
     num_experts: int = field(0, "MoE: experts in each block's MLP (0 keeps the preset's; "
                                 "presets tiny-moe and mixtral-8x7b have them).")
-    experts_per_token: int = field(0, "MoE: experts each token is routed to, 1 or 2 (0 keeps "
-                                      "the preset's).")
+    experts_per_token: int = field(0, "MoE: experts each token is routed to, 1 or 2 (0 "
+                                      "keeps the preset's).")
     moe_intermediate_size: int = field(0, "MoE: SwiGLU width of one expert (0 keeps the "
                                           "preset's).")
-    shared_intermediate_size: int = field(-1, "MoE: width of the shared experts every token "
-                                              "goes through (0: none; -1 keeps the preset's).")
+    shared_intermediate_size: int = field(-1, "MoE: width of the shared experts every "
+                                              "token goes through (0: none; -1 keeps the "
+                                              "preset's).")
     router_softmax: str = field("", "MoE: after_topk (Mixtral: softmax of the k chosen "
                                     "logits) | before_topk (Qwen-MoE: the chosen experts' "
                                     "probabilities over all E); empty keeps the preset's.")
