@@ -6,7 +6,8 @@ against one process holding every expert, at one fixed global batch.
 Three runs: one process (`--strategy=single`, every expert), EP2 (`horovodrun -np 2 --gloo`,
 --expert_parallel=2: each rank half the experts and half the batch) and EP2 with the
 all-to-alls replaced by local identities (wrong routing, the same expert compute: the "dry" run).
-all-to-all share = 1 - dry / EP2. Bytes: the expert and replicated parameter bytes rank 0
+all-to-all share = 1 - dry / EP2 (wall seconds). Each also reports its CPU seconds per step
+(rank 0's for EP2), less sensitive to other load than wall time. Bytes: the expert and replicated parameter bytes rank 0
 holds, against the planner's per-rank figure (tfbig.plan.estimate, parameters of
 Layout(data=2, expert=2)). One-thread processes, no XLA (MoE layers run without it). One JSON
 line with the load average; on a 2-core machine the two ranks share the cores with anything
@@ -35,6 +36,8 @@ def _local_alltoall(tensor, splits=None, process_set=None):
 
 def worker(config_path, out_path, warmup, steps, dry):
     """One rank (or the single process): time `steps` steps after `warmup`, write figures."""
+    import time
+
     from tfbig import config as config_lib
     from _timing import time_steps
     from tfbig.training.trainer import Trainer
@@ -51,7 +54,9 @@ def worker(config_path, out_path, warmup, steps, dry):
         expert_parallel.hvd = DryHorovod()
     with open(config_path) as f:
         trainer = Trainer(config_lib.from_dict(json.load(f)))
+    cpu = time.process_time()
     step_seconds = time_steps(trainer, warmup, steps)
+    cpu_seconds = (time.process_time() - cpu) / (warmup + steps)  # this process's CPU per step
     strategy = trainer.strategy
     if hasattr(strategy, "state_bytes"):
         held = strategy.state_bytes()
@@ -60,7 +65,8 @@ def worker(config_path, out_path, warmup, steps, dry):
         held = {"parameters": total}
     rank = getattr(getattr(strategy, "mesh", None), "rank", 0)
     with open(f"{out_path}.rank{rank}", "w") as f:
-        json.dump({"parameter_bytes": held, "step_seconds": step_seconds}, f)
+        json.dump({"parameter_bytes": held, "step_seconds": step_seconds,
+                   "cpu_seconds": cpu_seconds}, f)
     if hasattr(strategy, "mesh"):
         strategy.shutdown()
 
@@ -114,7 +120,7 @@ def main():
     parser.add_argument("--seq_length", type=int, default=64)
     parser.add_argument("--batch_size", type=int, default=8, help="global batch")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -134,6 +140,11 @@ def main():
         "ep2_step_time_vs_single": round(ep2["step_seconds"] / single["step_seconds"], 3),
         "ep2_step_seconds_without_all_to_all": round(dry["step_seconds"], 4),
         "all_to_all_share": round(1 - dry["step_seconds"] / ep2["step_seconds"], 3),
+        # CPU seconds per step of the single process and of EP2's rank 0 (robust to other
+        # processes taking the cores; the all-to-all's waits are not CPU time)
+        "single_cpu_seconds": round(single["cpu_seconds"], 4),
+        "ep2_rank0_cpu_seconds": round(ep2["cpu_seconds"], 4),
+        "ep2_rank0_cpu_seconds_without_all_to_all": round(dry["cpu_seconds"], 4),
         "single_parameter_bytes": single["parameter_bytes"]["parameters"],
         "ep2_parameter_bytes": held, "ep2_planned_parameter_bytes": int(planned),
         "ep2_bytes_vs_plan": round(held["parameters"] / planned, 4),
