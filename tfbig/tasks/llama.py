@@ -30,9 +30,6 @@ class LlamaTask(GPTTask):
     def __init__(self, train, moe=None):
         self.moe = moe or MoEConfig()
         super().__init__(train)
-        if self.model_config.num_experts and train.xla:
-            raise ValueError("--xla: the MoE layers' expert groups have data-dependent sizes "
-                             "(dropless routing), which XLA cannot compile; pass --noxla")
 
     def _prepare_default(self):
         """The embedded corpus at the Llama preset's seq_length (cached, as GPTTask's)."""
@@ -73,7 +70,11 @@ class LlamaTask(GPTTask):
         return given
 
     def build_model(self):
-        """The model, built (variables created) so it can be checkpointed and counted."""
+        """The model, built (variables created) so it can be checkpointed and counted; an MoE
+        model under --xla is refused (also one an --init_checkpoint brought)."""
+        if self.model_config.num_experts and self.train.xla:
+            raise ValueError("--xla: the MoE layers' expert groups have data-dependent sizes "
+                             "(dropless routing), which XLA cannot compile; pass --noxla")
         model = Llama(self.model_config, name="llama")
         model.build((None, self.seq_length))
         return model
