@@ -134,6 +134,33 @@ class AlbertTrainConfig:
 
 
 @dataclasses.dataclass
+class MoEConfig:
+    """Mixture-of-experts options of --model=llama (tfbig.models.moe); each overrides the
+    preset's field of the same name (tfbig.models.llama_config.LlamaConfig) when set."""
+
+    num_experts: int = field(0, "MoE: experts in each block's MLP (0 keeps the preset's; "
+                                "presets tiny-moe and mixtral-8x7b have them).")
+    experts_per_token: int = field(0, "MoE: experts each token is routed to, 1 or 2 (0 "
+                                      "keeps the preset's).")
+    moe_intermediate_size: int = field(0, "MoE: SwiGLU width of one expert (0 keeps the "
+                                          "preset's).")
+    shared_intermediate_size: int = field(-1, "MoE: width of the shared experts every "
+                                              "token goes through (0: none; -1 keeps the "
+                                              "preset's).")
+    router_softmax: str = field("", "MoE: after_topk (Mixtral: softmax of the k chosen "
+                                    "logits) | before_topk (Qwen-MoE: the chosen experts' "
+                                    "probabilities over all E); empty keeps the preset's.")
+    capacity_factor: float = field(0.0, "MoE: each expert takes at most ceil(factor * tokens "
+                                        "* k / E) of a micro-batch's assignments, the rest "
+                                        "dropped and counted; 0 keeps the preset's (dropless "
+                                        "in every preset).")
+    router_aux_loss_coef: float = field(-1.0, "MoE: weight of the load-balancing loss "
+                                              "(negative keeps the preset's).")
+    router_z_loss_coef: float = field(-1.0, "MoE: weight of the router z-loss (negative keeps "
+                                            "the preset's).")
+
+
+@dataclasses.dataclass
 class HorovodConfig:
     """Options of --strategy=horovod (one process per device, started by horovodrun/mpirun)."""
 
@@ -176,6 +203,9 @@ class ParallelConfig:
                                "3 + parameters.")
     shard_degree: int = field(0, "Horovod, with --zero_stage: data-parallel ranks per "
                                  "partition group (MiCS); 0: all of them (ZeRO/FSDP).")
+    expert_parallel: int = field(1, "Horovod, with an MoE model: data-parallel ranks that "
+                                    "split each MoE layer's experts (E/N each), tokens sent "
+                                    "to their experts and back by all-to-all.")
 
 
 @dataclasses.dataclass
@@ -228,6 +258,7 @@ class ExperimentConfig:
     multiworker: MultiWorkerConfig = dataclasses.field(default_factory=MultiWorkerConfig)
     horovod: HorovodConfig = dataclasses.field(default_factory=HorovodConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(ExperimentConfig)}
@@ -242,7 +273,8 @@ def _applicability():
     for section, key, allowed in ((PipelineConfig, "strategy", ("pipeline", "horovod")),
                                   (MultiWorkerConfig, "strategy", ("multiworker", "mirrored")),
                                   (ParallelConfig, "strategy", ("horovod",)),
-                                  (AlbertTrainConfig, "model", ("albert",))):
+                                  (AlbertTrainConfig, "model", ("albert",)),
+                                  (MoEConfig, "model", ("llama",))):
         rules.update({f.name: (key, allowed) for f in dataclasses.fields(section)})
     for flag in ("dynamic_masking", "dynamic_masked_lm_prob"):  # BERT reads them too
         rules[flag] = ("model", ("albert", "bert"))

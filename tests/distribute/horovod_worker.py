@@ -22,6 +22,8 @@ optional keys:
                         pass normalises
     mlm_argmax          save the task's argmax of the masked-LM logits on one batch and that
                         of the assembled single-device model (argmax_ours, argmax_full)
+    expect_error        the Trainer must refuse the run: save its message (error) and whether
+                        the model directory exists (model_dir_exists) instead of training
 Each rank writes OUT/NAME.rank{R}.npz (trainable weights w0.., optimizer variables o0..,
 per-step train losses, grad norms and fp16 loss scales, the learning rates of steps 0..3, final counters) and
 OUT/NAME.rank{R}.pid. A run {"post_style": [DATA_DIR, MODEL_DIR, OUT_DIR]} runs
@@ -149,6 +151,15 @@ def train(run):
     os.makedirs(run["out"], exist_ok=True)
     with open(os.path.join(run["out"], f"{run['name']}.rank{rank}.pid"), "w") as f:
         f.write(str(os.getpid()))  # for tests that signal one rank
+    if run.get("expect_error"):
+        try:
+            make_trainer(run, cfg, strategy, logger)
+            error = ""
+        except ValueError as e:
+            error = str(e)
+        np.savez(os.path.join(run["out"], f"{run['name']}.rank{rank}.npz"), error=error,
+                 model_dir_exists=os.path.exists(cfg.train.model_dir))
+        return
     trainer = make_trainer(run, cfg, strategy, logger)
     phases.done("trainer")
     extra = {"initial": full_values(trainer)}

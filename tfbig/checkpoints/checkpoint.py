@@ -32,7 +32,7 @@ def piece_dir(model_dir, kind, index):
     (so the usual tools find the step and counters there), piece j in MODEL_DIR/KIND/NAME-j."""
     if index == 0:
         return model_dir
-    name = {"zero": "shard", "tensor": "rank", "pipeline": "stage"}[kind]
+    name = {"zero": "shard", "tensor": "rank", "pipeline": "stage", "expert": "rank"}[kind]
     return os.path.join(model_dir, kind, f"{name}-{index}")
 
 

@@ -22,7 +22,7 @@ import shutil
 
 import numpy as np
 
-from tfbig.convert import llama_names
+from tfbig.convert import llama_names, moe_names
 from tfbig.errors import UsageError
 from tfbig.models.llama_config import LlamaConfig
 
@@ -79,7 +79,7 @@ def read_huggingface(directory, raw=None):
 def from_keras_hub(backbone, where="the keras-hub backbone"):
     """(LlamaConfig, {tfbig key: array}) of a keras-hub Llama/Mistral/Qwen backbone object."""
     config = llama_names.config_from_keras_hub(backbone, where)
-    weights = {w.path: np.asarray(w.numpy()) for w in backbone.weights}
+    weights = {moe_names.keras_hub_path(w.path): np.asarray(w.numpy()) for w in backbone.weights}
     return config, llama_names.keras_hub_to_tfbig(weights, config, where)
 
 

@@ -18,6 +18,7 @@ where the family has none (Llama's attention_bias / mlp_bias), an activation oth
 """
 import numpy as np
 
+from tfbig.convert import moe_names
 from tfbig.errors import UsageError
 from tfbig.models.llama_config import LlamaConfig
 
@@ -38,9 +39,11 @@ BLOCK = [
     ("attn/proj/kernel", "self_attn.o_proj.weight", "self_attention/attention_output/kernel",
      None),
     ("mlp_norm/scale", "post_attention_layernorm.weight", "feedforward_layernorm/scale", None),
-    ("mlp/gate/kernel", "mlp.gate_proj.weight", "feedforward_gate_dense/kernel", None),
-    ("mlp/up/kernel", "mlp.up_proj.weight", "feedforward_intermediate_dense/kernel", None),
-    ("mlp/down/kernel", "mlp.down_proj.weight", "feedforward_output_dense/kernel", None),
+    ("mlp/gate/kernel", "mlp.gate_proj.weight", "feedforward_gate_dense/kernel", "dense"),
+    ("mlp/up/kernel", "mlp.up_proj.weight", "feedforward_intermediate_dense/kernel", "dense"),
+    ("mlp/down/kernel", "mlp.down_proj.weight", "feedforward_output_dense/kernel", "dense"),
+    ("mlp/router/kernel", "block_sparse_moe.gate.weight",  # MoE: the experts, moe_names
+     f"{moe_names.KERAS_HUB_BLOCK}/sparse_feedforward_gate_dense/kernel", "experts"),
 ]
 TOP = [
     ("embedding/embeddings", "model.embed_tokens.weight", "token_embedding/embeddings", None),
@@ -51,18 +54,20 @@ TOP = [
 FAMILIES = {"llama": ("LlamaForCausalLM", {}),
             "mistral": ("MistralForCausalLM", {}),
             "qwen2": ("Qwen2ForCausalLM", {"attention_bias": True}),
-            "qwen3": ("Qwen3ForCausalLM", {"qk_norm": True})}
+            "qwen3": ("Qwen3ForCausalLM", {"qk_norm": True}),
+            "mixtral": ("MixtralForCausalLM", {})}
 # keras-hub backbone (its registered name, as a preset's config.json says) -> Hugging Face
 # model_type of the same architecture
 KERAS_HUB = {"keras_hub>LlamaBackbone": "llama", "keras_hub>Llama3Backbone": "llama",
              "keras_hub>MistralBackbone": "mistral", "keras_hub>QwenBackbone": "qwen2",
-             "keras_hub>Qwen3Backbone": "qwen3"}
+             "keras_hub>Qwen3Backbone": "qwen3", "keras_hub>MixtralBackbone": "mixtral"}
 KERAS_HUB_SEQ_LENGTH = 2048  # a keras-hub backbone has no position limit; the converted run's
 
 
 def _present(config, needs):
-    return needs is None or (not config.tie_embeddings if needs == "untied"
-                             else getattr(config, needs))
+    special = {"untied": not config.tie_embeddings, "dense": not config.num_experts,
+               "experts": bool(config.num_experts)}
+    return needs is None or special.get(needs, getattr(config, needs, False))
 
 
 def rows(config):
@@ -85,7 +90,8 @@ def shapes(config):
                "attn/query_norm/scale": (hs,), "attn/key_norm/scale": (hs,),
                "attn/proj/kernel": (q, c), "mlp/gate/kernel": (c, config.intermediate_size),
                "mlp/up/kernel": (c, config.intermediate_size),
-               "mlp/down/kernel": (config.intermediate_size, c)}
+               "mlp/down/kernel": (config.intermediate_size, c),
+               "mlp/router/kernel": (c, config.num_experts)}
     return {key: by_tail.get(key.split("/", 1)[1] if key.startswith("block_") else key, (c,))
             for key, _, _ in rows(config)}
 
@@ -132,7 +138,9 @@ def hf_to_tfbig(tensors, config, where):
         shape = tuple(tensors[hf].shape)
         _check(shape, expected[key][::-1] if key.endswith("/kernel") else expected[key], where,
                hf, config)
-    return {key: np.asarray(_hf_layout(key, tensors[hf]), np.float32) for key, hf, _ in table}
+    experts = moe_names.hf_to_tfbig(tensors, config, where) if config.num_experts else {}
+    return {**{key: np.asarray(_hf_layout(key, tensors[hf]), np.float32)
+               for key, hf, _ in table}, **experts}
 
 
 def tfbig_to_hf(weights, config):
@@ -140,8 +148,9 @@ def tfbig_to_hf(weights, config):
     expected = shapes(config)
     for key, _, _ in rows(config):
         _check(weights[key].shape, expected[key], "the tfbig run", key, config)
-    return {hf: np.ascontiguousarray(_hf_layout(key, np.asarray(weights[key], np.float32)))
-            for key, hf, _ in rows(config)}
+    experts = moe_names.tfbig_to_hf(weights, config) if config.num_experts else {}
+    return {**{hf: np.ascontiguousarray(_hf_layout(key, np.asarray(weights[key], np.float32)))
+               for key, hf, _ in rows(config)}, **experts}
 
 
 def keras_hub_to_tfbig(weights, config, where):
@@ -153,8 +162,9 @@ def keras_hub_to_tfbig(weights, config, where):
     for key, _, kh in table:
         _check(weights[kh].shape, keras_hub_shape(key, config), where, kh, config)
     expected = shapes(config)
-    return {key: np.asarray(weights[kh], np.float32).reshape(expected[key])
-            for key, _, kh in table}
+    experts = moe_names.keras_hub_to_tfbig(weights, config, where) if config.num_experts else {}
+    return {**{key: np.asarray(weights[kh], np.float32).reshape(expected[key])
+               for key, _, kh in table}, **experts}
 
 
 def _rope_from_hf(raw, path):
@@ -186,7 +196,7 @@ def _refuse_hf_features(raw, model_type, seq_length, path):
                              f"{'output/' if key == 'attention_bias' else 'MLP '}biases "
                              f"({key}=false)")
     window = raw.get("sliding_window")
-    active = raw.get("use_sliding_window", model_type == "mistral")
+    active = raw.get("use_sliding_window", model_type in ("mistral", "mixtral"))
     if active and window is not None and window < seq_length:
         raise UsageError(f"{path}: sliding_window={window} with max_position_embeddings="
                          f"{seq_length}; tfbig's Llama attends over the whole sequence "
@@ -219,7 +229,8 @@ def config_from_hf(raw, path):
             tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
             dropout=float(raw.get("attention_dropout", 0.0)),
             initializer_range=raw.get("initializer_range", 0.02),
-            **_rope_from_hf(raw, path), **FAMILIES[model_type][1])
+            **_rope_from_hf(raw, path), **FAMILIES[model_type][1],
+            **(moe_names.config_from_hf(raw, path) if model_type == "mixtral" else {}))
     except ValueError as error:
         raise UsageError(f"{path}: {error}") from error
 
@@ -229,6 +240,8 @@ def model_type(config):
     if config.attention_bias and config.qk_norm:
         raise UsageError("attention_bias=True with qk_norm=True: no Hugging Face family has "
                          "both (Qwen 2 has the biases, Qwen 3 the QK-norm)")
+    if config.num_experts:
+        return "mixtral"
     return "qwen2" if config.attention_bias else "qwen3" if config.qk_norm else "llama"
 
 
@@ -250,7 +263,9 @@ def hf_config(config, bos_id=None, eos_id=None):
            "rope_scaling": rope, "tie_word_embeddings": config.tie_embeddings,
            "attention_dropout": config.dropout, "initializer_range": config.initializer_range,
            "torch_dtype": "float32", "bos_token_id": bos_id, "eos_token_id": eos_id}
-    if kind == "llama":
+    if kind == "mixtral":
+        out.update(moe_names.hf_config(config))
+    elif kind == "llama":
         out.update(attention_bias=False, mlp_bias=False)
     else:
         out.update(use_sliding_window=False, sliding_window=None, max_window_layers=0)
@@ -292,4 +307,5 @@ def config_from_keras_hub(backbone, where):
         intermediate_size=c["intermediate_dim"], rms_norm_epsilon=c["layer_norm_epsilon"],
         tie_embeddings=bool(getattr(backbone, "tie_word_embeddings", False)),
         dropout=float(c.get("dropout", 0.0)), **rope,
-        **FAMILIES[KERAS_HUB[name]][1])
+        **FAMILIES[KERAS_HUB[name]][1],
+        **(moe_names.config_from_keras_hub(c, where) if "num_experts" in c else {}))

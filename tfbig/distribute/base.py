@@ -226,6 +226,11 @@ class Strategy:
                 f"resume it with --strategy=horovod --zero_stage=1|2|3 (any number of "
                 f"processes, re-sharded on load) or write a single-device copy with "
                 f"python -m tfbig.commands.consolidate MODEL_DIR OUT_DIR")
+        if os.path.exists(os.path.join(os.path.dirname(path), "expert.json")):
+            raise ValueError(
+                f"{os.path.dirname(path)} holds an --expert_parallel checkpoint (its "
+                f"expert.json: each rank's experts in a piece of their own); resume it with "
+                f"--strategy=horovod and the same --expert_parallel")
         trainer.checkpoint.restore(path).assert_existing_objects_matched()
 
     def checkpoint_dir(self, model_dir):

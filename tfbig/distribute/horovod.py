@@ -59,7 +59,7 @@ def build_mesh(parallel, world_size):
                          f"(it sizes the groups the model state is sharded over)")
     return Mesh.build(world_size, tensor=parallel.tensor_parallel,
                       shard_degree=parallel.shard_degree, placement=parallel.placement,
-                      context=parallel.context_parallel)
+                      context=parallel.context_parallel, expert=parallel.expert_parallel)
 
 
 class HorovodStrategy(Strategy):

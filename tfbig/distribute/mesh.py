@@ -51,6 +51,8 @@ class Mesh:
       shard_degree: data ranks per ZeRO/MiCS partition group (`data`: the whole data axis,
         as ZeRO/FSDP; fewer: MiCS partition groups replicated across the rest). Divides `data`.
       order: axis letters, last varying fastest (see the module docstring).
+      expert: data ranks per expert-parallel group (--expert_parallel: consecutive data ranks
+        that split the MoE layers' experts between them); divides `data`.
     """
 
     data: int = 1
@@ -59,10 +61,11 @@ class Mesh:
     shard_degree: int = 1
     order: str = "DPT"
     context: int = 1
+    expert: int = 1
 
     @classmethod
     def build(cls, world_size, tensor=1, pipeline=1, shard_degree=0, placement="cluster",
-              context=1):
+              context=1, expert=1):
         """The grid for `world_size` ranks; the data axis takes what the others leave.
 
         shard_degree 0 means the whole data axis (plain ZeRO); errors name the flags.
@@ -87,7 +90,13 @@ class Mesh:
                 f"--shard_degree={shard_degree} does not divide the {data} data-parallel ranks "
                 f"(world {world_size} / (pipeline {pipeline} x tensor {tensor})); choose a "
                 f"divisor of {data}")
-        return cls(data, pipeline, tensor, shard_degree, placement_order(placement), context)
+        if expert < 1 or data % expert:
+            raise ValueError(
+                f"--expert_parallel={expert} does not divide the {data} data-parallel ranks "
+                f"(the experts are split inside the data axis); choose a divisor of {data} "
+                f"or start a multiple of {expert} processes")
+        return cls(data, pipeline, tensor, shard_degree, placement_order(placement), context,
+                   expert)
 
     @property
     def size(self):
@@ -127,17 +136,20 @@ class Mesh:
         axis: 'data', 'pipeline', 'context', 'tensor', or the sharded-DP groups 'partition'
         (the shard_degree ranks sharing one sharded copy of the state), 'replica' (the ranks
         holding the same shard in each partition group) and 'model' (pipeline x tensor: the
-        ranks holding one copy of the model between them, sorted; global norms sum over it).
+        ranks holding one copy of the model between them, sorted; global norms sum over it),
+        and the expert-parallel groups 'expert' (the `expert` consecutive data ranks that hold
+        one copy of the experts between them) and 'expert_replica' (the ranks holding the
+        same experts, one in each expert group).
         """
         c = self.coords(rank)
         if axis == "model":
             return tuple(sorted(self.rank_of(c["data"], p, t, c["context"])
                                 for p in range(self.pipeline) for t in range(self.tensor)))
-        if axis in ("partition", "replica"):
-            first, position = divmod(c["data"], self.shard_degree)
-            indices = (range(first * self.shard_degree, (first + 1) * self.shard_degree)
-                       if axis == "partition" else
-                       range(position, self.data, self.shard_degree))
+        if axis in ("partition", "replica", "expert", "expert_replica"):
+            size = self.expert if axis.startswith("expert") else self.shard_degree
+            first, position = divmod(c["data"], size)
+            indices = (range(first * size, (first + 1) * size)
+                       if axis in ("partition", "expert") else range(position, self.data, size))
             return tuple(self.rank_of(**{**c, "data": d}) for d in indices)
         if axis not in self._sizes():
             raise ValueError(f"unknown mesh axis {axis!r}: expected data, pipeline, context, "
@@ -158,6 +170,9 @@ class Mesh:
             lines.append(f"  sharded-DP partition groups of {self.shard_degree}: "
                          f"{self.groups('partition')}; replica groups: "
                          f"{self.groups('replica')}")
+        if self.expert > 1:
+            lines.append(f"  expert groups of {self.expert}: {self.groups('expert')}; expert "
+                         f"replica groups: {self.groups('expert_replica')}")
         for axis in ("tensor", "context", "pipeline", "data"):
             if self._sizes()[axis] > 1:
                 lines.append(f"  {axis} groups: {self.groups(axis)}")
@@ -170,7 +185,8 @@ class Mesh:
 
     def process_set_ranks(self):
         """Every group of two or more ranks below the whole world, once (for hvd.init)."""
-        axes = ("data", "pipeline", "context", "tensor", "partition", "replica", "model")
+        axes = ("data", "pipeline", "context", "tensor", "partition", "replica", "model",
+                "expert", "expert_replica")
         found = {g for axis in axes for g in self.groups(axis) if 1 < len(g) < self.size}
         # Adjacent pipeline stages exchange activations on a two-rank set of their own.
         found |= {pair for g in self.groups("pipeline") for pair in zip(g, g[1:])

@@ -167,7 +167,7 @@ def split_declared_model(task, group, wrap=None):
     for layer, kind, axis in task.declared_layout(model, group.size):
         split, pieces = _shrink_declared(layer, kind, axis, group)
         for owner, variable, piece in pieces:
-            _replace_variable(owner, variable, take_slice(
+            replace_variable(owner, variable, take_slice(
                 variable.numpy(), *piece, group.rank, group.size))
             splits[variable.path] = piece
         if wrap is not None:
@@ -249,7 +249,7 @@ def _attention_mask_states(attention):
             if "seed_generator" in v.path]
 
 
-def _replace_variable(layer, variable, value):
+def replace_variable(layer, variable, value):
     """Put a new variable holding `value` in `variable`'s place in `layer` (its attribute and
     its position among the layer's weights, so optimizer slots keep their order), under the
     same path."""

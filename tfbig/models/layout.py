@@ -46,6 +46,7 @@ class ModelLayout:
     context: tuple = ()  # ((path, what), ...): --context_parallel (inputs, tokens, positions,
     #                      rope_positions, attention, whole_sequence, first_row)
     local_loss: bool = False  # the loss runs on each context rank's own tokens (a causal LM)
+    experts: tuple = ()  # paths of the MoE layers (tfbig.models.moe.SparseMoE): --expert_parallel
 
 
 def masked_lm_tensor(blocks, pair_head):

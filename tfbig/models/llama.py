@@ -25,6 +25,7 @@ from tfbig.models.common import uses_blockwise
 from tfbig.models.layers import make_initializer
 from tfbig.models.layout import ModelLayout, Split
 from tfbig.models.llama_config import LLAMA_PRESETS, LlamaConfig  # noqa: F401 - re-exported
+from tfbig.models.moe import SparseMoE
 
 # How Llama may be split over a tensor group (data; the layout language: tfbig.models.layout).
 # Megatron's attention and MLP pairs: q, k, v, gate and up column-parallel, proj and down
@@ -259,7 +260,10 @@ class SwiGLU(keras.layers.Layer):
 
 
 class LlamaBlock(keras.layers.Layer):
-    """x = x + attn(attn_norm(x));  x = x + mlp(mlp_norm(x))  (dropout on both branches)."""
+    """x = x + attn(attn_norm(x));  x = x + mlp(mlp_norm(x))  (dropout on both branches).
+
+    With `config.num_experts` the MLP is a SparseMoE (tfbig.models.moe) and the block returns
+    (x, routing statistics)."""
 
     def __init__(self, config, output_initializer_range=None, **kwargs):
         super().__init__(**kwargs)
@@ -276,7 +280,11 @@ class LlamaBlock(keras.layers.Layer):
             attention_block_size=cfg.attention_block_size, name="attn")
         self.mlp_norm = RMSNorm(cfg.rms_norm_epsilon, name="mlp_norm")
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.initializer_range,
-                          output_initializer_range, name="mlp")
+                          output_initializer_range, name="mlp") if not cfg.num_experts else \
+            SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
+                      cfg.experts_per_token, cfg.router_softmax, cfg.capacity_factor,
+                      cfg.shared_intermediate_size, cfg.initializer_range,
+                      output_initializer_range, name="mlp")
         self.drop = keras.layers.Dropout(cfg.dropout)
 
     def parts(self):
@@ -293,8 +301,12 @@ class LlamaBlock(keras.layers.Layer):
         if cache is not None:
             attn_out, cache = attn_out
         x = x + self.drop(attn_out, training=training)
-        x = x + self.drop(self.mlp(self.mlp_norm(x)), training=training)
-        return x if cache is None else (x, cache)
+        mlp_out = self.mlp(self.mlp_norm(x))
+        if self.config.num_experts:
+            mlp_out, routing = mlp_out
+        x = x + self.drop(mlp_out, training=training)
+        out = x if cache is None else (x, cache)
+        return (out, routing) if self.config.num_experts else out
 
     def get_config(self):
         return {**super().get_config(), "config": dataclasses.asdict(self.config),
@@ -334,7 +346,11 @@ class Llama(keras.Model):
         """How this model may be split (data the backends read: tfbig.models.layout). A tied
         word table is read twice a step (embedding and logits), so ZeRO-3 gathers it per step.
         Context parallelism cuts the token ids, puts RoPE at each rank's own positions and
-        attends over the group; the loss runs on each rank's own tokens."""
+        attends over the group; the loss runs on each rank's own tokens. An MoE model declares
+        its MoE MLPs (--expert_parallel) only: its other plans are refused by name until each
+        is proven equal to one process."""
+        if self.config.num_experts:
+            return ModelLayout(experts=("blocks.*.mlp",))
         tied = self.config.tie_embeddings
         return ModelLayout(
             tensor=TENSOR_LAYOUT,
@@ -353,11 +369,24 @@ class Llama(keras.Model):
         table = ops.cast(self.embedding.embeddings, x.dtype)  # (V, C)
         return ops.cast(ops.matmul(x, ops.transpose(table)), "float32")  # (B, T, V)
 
-    def call(self, token_ids, training=False):
+    def call(self, token_ids, training=False, return_routing=False):
+        """Logits (B, T, V); with `return_routing` (an MoE model) also the routing statistics
+        of its MoE layers: aux_loss and z_loss (means over layers), tokens_per_expert (L, E),
+        dropped_tokens (L,)."""
         x = self.embedding(token_ids)  # (B, T, C)
+        routings = []
         for block in self.blocks:
             x = block(x, training=training)
-        return self.logits(x)
+            if self.config.num_experts:
+                x, routing = x
+                routings.append(routing)
+        if not return_routing:
+            return self.logits(x)
+        if not routings:
+            raise ValueError("return_routing: this Llama has no MoE layers (num_experts=0)")
+        stacked = {k: ops.stack([r[k] for r in routings]) for k in routings[0]}
+        return self.logits(x), {**stacked, "aux_loss": ops.mean(stacked["aux_loss"]),
+                                "z_loss": ops.mean(stacked["z_loss"])}
 
     def init_cache(self, batch_size, max_length):
         """An empty cache of the key/value heads only: (num_layers, 2, B, max_length, kv, hs)."""
@@ -370,7 +399,8 @@ class Llama(keras.Model):
         x = self.embedding(token_ids)
         new_cache = []
         for i, block in enumerate(self.blocks):
-            x, layer_cache = block(x, cache=cache[i], cache_index=cache_index)
+            out = block(x, cache=cache[i], cache_index=cache_index)
+            x, layer_cache = out[0] if self.config.num_experts else out
             new_cache.append(layer_cache)
         return self.logits(x), ops.stack(new_cache)
 

@@ -12,6 +12,7 @@ import dataclasses
 from tfbig.models.common import ArchitectureConfig, check_attention
 
 ROPE_SCALING = ("none", "llama3")  # Hugging Face rope_scaling types this model computes
+ROUTER_SOFTMAX = ("after_topk", "before_topk")  # tfbig.models.moe.ROUTER_SOFTMAX
 
 
 @dataclasses.dataclass
@@ -42,6 +43,14 @@ class LlamaConfig(ArchitectureConfig):
     initializer_range: float = 0.02  # std of the normal initialiser
     attention: str = "auto"  # auto | dense | blockwise: how attention scores are computed
     attention_block_size: int = 512  # rows of the query and key tiles of blockwise attention
+    num_experts: int = 0  # E experts in each block's MoE MLP (tfbig.models.moe); 0: dense MLP
+    experts_per_token: int = 2  # MoE: k experts each token is routed to (1 or 2)
+    moe_intermediate_size: int = 0  # MoE: SwiGLU width of one expert; 0 means intermediate_size
+    shared_intermediate_size: int = 0  # MoE: width of the shared experts every token uses; 0: none
+    router_softmax: str = "after_topk"  # MoE: after_topk (Mixtral) | before_topk (Qwen-MoE)
+    capacity_factor: float = 0.0  # MoE: 0 dropless; > 0 an expert takes ceil(cf*N*k/E) tokens
+    router_aux_loss_coef: float = 0.01  # MoE: weight of the load-balancing loss in the loss
+    router_z_loss_coef: float = 0.0  # MoE: weight of the router z-loss in the loss
 
     def __post_init__(self):
         if self.num_kv_heads == 0:
@@ -66,6 +75,29 @@ class LlamaConfig(ArchitectureConfig):
             raise ValueError(f"rope_scaling={self.rope_scaling!r}: expected one of "
                              f"{' | '.join(ROPE_SCALING)}")
         check_attention(self.attention, self.attention_block_size)
+        if self.num_experts:
+            self._check_experts()
+
+    def _check_experts(self):
+        """Refuse an MoE setting that cannot route, naming the flag."""
+        if self.moe_intermediate_size == 0:
+            self.moe_intermediate_size = self.intermediate_size
+        if self.num_experts < 0:
+            raise ValueError(f"--num_experts={self.num_experts}: expected 0 (a dense MLP) or "
+                             f"a positive number of experts")
+        if not 1 <= self.experts_per_token <= min(2, self.num_experts):
+            raise ValueError(f"--experts_per_token={self.experts_per_token}: expected 1 or 2, "
+                             f"at most --num_experts={self.num_experts}")
+        if self.router_softmax not in ROUTER_SOFTMAX:
+            raise ValueError(f"--router_softmax={self.router_softmax!r}: expected one of "
+                             f"{' | '.join(ROUTER_SOFTMAX)}")
+        if self.capacity_factor < 0:
+            raise ValueError(f"--capacity_factor={self.capacity_factor:g}: expected 0 "
+                             f"(dropless routing) or a positive factor such as 1.25")
+        for name in ("router_aux_loss_coef", "router_z_loss_coef", "shared_intermediate_size",
+                     "moe_intermediate_size"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name}={getattr(self, name)}: expected a value >= 0")
 
     @classmethod
     def presets(cls):
@@ -81,14 +113,29 @@ class LlamaConfig(ArchitectureConfig):
         c, hs, i = self.hidden_size, self.head_size, self.intermediate_size
         q, kv = self.num_heads * hs, self.num_kv_heads * hs
         attention = c * q + 2 * c * kv + q * c + ((q + 2 * kv) if self.attention_bias else 0)
-        return 2 * c + attention + (2 * hs if self.qk_norm else 0) + 3 * c * i
+        return 2 * c + attention + (2 * hs if self.qk_norm else 0) + self.mlp_params()
+
+    def mlp_params(self, active=False):
+        """Parameters of one block's MLP: 3 C I dense; with experts the router, the E
+        experts (k of them with `active`: what one token multiplies by) and the shared ones."""
+        c = self.hidden_size
+        if not self.num_experts:
+            return 3 * c * self.intermediate_size
+        experts = self.experts_per_token if active else self.num_experts
+        return c * self.num_experts + 3 * c * (experts * self.moe_intermediate_size
+                                                + self.shared_intermediate_size)
+
+    def expert_params(self):
+        """Parameters of one block's routed experts (what --expert_parallel splits)."""
+        return 3 * self.hidden_size * self.num_experts * self.moe_intermediate_size
 
     def block_matmul_params(self):
-        """Weights of one block's matrices (q, k, v, proj; gate, up, down): what a token
-        multiplies by, without the norm scales and biases."""
+        """Weights of one block's matrices (q, k, v, proj; gate, up, down; with experts the
+        router and the k experts a token uses): what a token multiplies by, without the norm
+        scales and biases."""
         c, hs = self.hidden_size, self.head_size
         q, kv = self.num_heads * hs, self.num_kv_heads * hs
-        return 2 * c * q + 2 * c * kv + 3 * c * self.intermediate_size
+        return 2 * c * q + 2 * c * kv + self.mlp_params(active=True)
 
     def num_params(self):
         """Closed-form parameter count (matches the built model exactly)."""
@@ -96,8 +143,14 @@ class LlamaConfig(ArchitectureConfig):
         head = 0 if self.tie_embeddings else c * v
         return v * c + self.num_layers * self.block_params() + c + head
 
+    def active_params(self):
+        """Parameters one token uses (= num_params() for a dense model): k of E experts."""
+        return self.num_params() - self.num_layers * (self.mlp_params() -
+                                                      self.mlp_params(active=True))
+
     def flops_per_token(self, seq_length=None):
-        """Training FLOPs per token: 6 x matmul params applied per token (the head included,
+        """Training FLOPs per token: 6 x matmul params applied per token (active experts only,
+        the head included,
         the token lookup not) + attention scores and weighted sums (PaLM appendix B)."""
         t = seq_length or self.seq_length
         matmul_params = self.num_layers * self.block_matmul_params() + \
@@ -127,4 +180,13 @@ LLAMA_PRESETS = {
                       intermediate_size=28672),
     "llama-405b": dict(_LLAMA3_ROPE, num_layers=126, hidden_size=16384, num_heads=128,
                        intermediate_size=53248),
+    # Mixture of experts (tfbig.models.moe): a CPU-test size and Mixtral 8x7B's shapes
+    # (config.json of mistralai/Mixtral-8x7B-v0.1: 46.7B parameters, 12.9B active).
+    "tiny-moe": dict(num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2,
+                     intermediate_size=64, seq_length=128, vocab_size=8000, num_experts=4,
+                     experts_per_token=2),
+    "mixtral-8x7b": dict(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8,
+                         intermediate_size=14336, seq_length=32768, vocab_size=32000,
+                         rope_theta=1e6, num_experts=8, experts_per_token=2,
+                         router_aux_loss_coef=0.02),
 }

@@ -71,6 +71,9 @@ class Shape:
     kv_fraction: float = 1.0
     # a gated MLP (Llama's SwiGLU: gate, up and down matrices) instead of one up, one down
     gated_mlp: bool = False
+    # weights of the routed experts of every MoE layer (what --expert_parallel splits); the
+    # FLOPs above count the k experts a token uses, `params` all E
+    expert_params: int = 0
 
     @property
     def kv_heads(self):
@@ -97,7 +100,8 @@ def shape_of(cfg, family, seq_length, masked_per_seq=None):
                  cfg.flops_per_token(seq_length), *_end_params(cfg, family), tuple(specs),
                  uses_blockwise(cfg.attention, seq_length),
                  _layer_variables(cfg) * distinct + _end_variables(cfg, family),
-                 cfg.num_kv_heads / cfg.num_heads if llama else 1.0, llama)
+                 cfg.num_kv_heads / cfg.num_heads if llama else 1.0, llama,
+                 cfg.num_layers * cfg.expert_params() if llama else 0)
 
 
 def family_of(cfg):

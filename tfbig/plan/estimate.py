@@ -35,6 +35,7 @@ class Layout:
     # (`partition_layers`; a run with its own --stage_boundaries passes its own)
     stage_layers: tuple = ()
     context: int = 1  # --context_parallel: ranks sharing every sequence
+    expert: int = 1  # --expert_parallel: data ranks splitting each MoE layer's experts
 
     @property
     def gpus(self):
@@ -48,6 +49,7 @@ class Layout:
     def describe(self):
         zero = f" zero{self.zero_stage}/{self.partition}" if self.zero_stage else ""
         context = f" C{self.context}" if self.context > 1 else ""
+        context += f" E{self.expert}" if self.expert > 1 else ""
         return (f"D{self.data} P{self.pipeline}{context} T{self.tensor}{zero} "
                 f"M{self.num_microbatches}"
                 f"{' ckpt' if self.activation_checkpointing else ''}"
@@ -93,11 +95,12 @@ def layers_on(shape, layout, stage):
 def stage_params(shape, layout, last=False, stage=None):
     """Weights one GPU holds before ZeRO: its layers (ALBERT: every shared block), plus, with
     stages, the embedding on the first stage and the final norm and output matrix on the last
-    (a tied token table is held by both), over T. `stage`: its index (default: the first or,
-    with `last`, the last)."""
+    (a tied token table is held by both), over T; an MoE model's routed experts over
+    --expert_parallel. `stage`: its index (default: the first or, with `last`, the last)."""
     stage = (layout.pipeline - 1 if last else 0) if stage is None else stage
-    layers = shape.block_params if shape.shared_layers else (
-        shape.block_params * layers_on(shape, layout, stage) / shape.num_layers)
+    blocks = shape.block_params - shape.expert_params * (1 - 1 / layout.expert)
+    layers = blocks if shape.shared_layers else (
+        blocks * layers_on(shape, layout, stage) / shape.num_layers)
     ends = shape.params - shape.block_params
     if layout.pipeline > 1:
         ends = (shape.first_params if stage == 0 else 0) + (

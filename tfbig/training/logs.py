@@ -44,7 +44,8 @@ class RunLogger:
                 tf.summary.text(tag, value)
 
     def progress(self, step, values):
-        """One progress line: bar, step, loss, learning rate, grad norm, tokens/s."""
+        """One progress line: bar, step, loss, learning rate, grad norm, tokens/s (and an MoE
+        model's per-expert token counts)."""
         if not self.enabled:
             return
         if self.max_steps:
@@ -60,6 +61,11 @@ class RunLogger:
                          ("loss_scale", "scale {:g}"), ("skipped_steps", "skipped {:.0f}")):
             if key in values and not (key in _SHOWN_IF_NONZERO and values[key] < 0.005):
                 parts.append(fmt.format(values[key]))
+        if "expert_tokens_min" in values:  # an MoE model: imbalance visible (tfbig.tasks.llama)
+            parts.append("expert tokens {:.0f}/{:.1f}/{:.0f} (min/mean/max)".format(
+                *(values[f"expert_tokens_{k}"] for k in ("min", "mean", "max"))))
+            if values.get("dropped_tokens"):
+                parts.append(f"dropped {values['dropped_tokens']:.0f}")
         line = " | ".join(parts)
         if self.interactive:
             ended = self.max_steps and not self.estimated and step >= self.max_steps

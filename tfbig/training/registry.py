@@ -26,7 +26,8 @@ def get_strategy(name, cfg=None):
 
 
 def horovod_backend(cfg=None):
-    """--strategy=horovod: pipeline stages on ranks with --pipeline_stages > 1, elastic with
+    """--strategy=horovod: experts split over ranks with --expert_parallel > 1 (with data
+    parallelism only), pipeline stages on ranks with --pipeline_stages > 1, elastic with
     --elastic, tensor-parallel with --tensor_parallel (with ZeRO-1 if --zero_stage=1),
     ZeRO-sharded with --zero_stage, else the fixed-world HorovodStrategy; with
     --context_parallel the chosen data backend gets the context axis mixed in."""
@@ -34,6 +35,11 @@ def horovod_backend(cfg=None):
     parallel = getattr(cfg, "parallel", None)
     tensor = getattr(parallel, "tensor_parallel", 1)
     context = getattr(parallel, "context_parallel", 1)
+    if getattr(parallel, "expert_parallel", 1) > 1:
+        _check_expert(cfg, horovod)
+        from tfbig.distribute.expert_parallel import ExpertParallelStrategy
+
+        return ExpertParallelStrategy(cfg)
     if context > 1:
         _check_context(cfg, horovod)
     if cfg is not None and pipeline_stages(cfg) > 1:
@@ -71,6 +77,23 @@ def _data_backend(tensor, zero_stage):
     from tfbig.distribute.horovod import HorovodStrategy
 
     return HorovodStrategy
+
+
+def _check_expert(cfg, horovod):
+    """Refuse, by name, what --expert_parallel is not built or tested with yet."""
+    parallel, flag = cfg.parallel, f"--expert_parallel={cfg.parallel.expert_parallel}"
+    for name, value in (("--pipeline_stages", pipeline_stages(cfg)),
+                        ("--tensor_parallel", parallel.tensor_parallel),
+                        ("--context_parallel", parallel.context_parallel),
+                        ("--zero_stage", parallel.zero_stage + 1)):
+        if value > 1:
+            shown = value - 1 if name == "--zero_stage" else value
+            raise ValueError(f"{flag} with {name}={shown} is not supported yet (expert "
+                             f"parallelism is built and tested with data parallelism only); "
+                             f"drop one of them")
+    if horovod is not None and horovod.elastic:
+        raise ValueError(f"{flag} with --elastic is not supported: an expert group cannot "
+                         f"lose a rank; drop one of them")
 
 
 def _check_context(cfg, horovod):

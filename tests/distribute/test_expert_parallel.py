@@ -1,0 +1,173 @@
+"""--expert_parallel on real `horovodrun --gloo` launches: a tiny MoE Llama (--preset=tiny-moe:
+4 experts, top-2, hidden 32, 2 layers, dropless) with its experts split over the ranks equals
+one process reading, per step, exactly the examples all ranks read together, as one
+micro-batch per data-parallel replica (the router losses are each replica's micro-batch's:
+tfbig.tasks.llama): losses over 4 steps at rtol 1e-5, final weights by tests/equality.py's
+rule, first-step gradients of the routers and experts, the evaluation loss. Each rank holds
+half (EP2) or a quarter (EP4) of the experts and the replicated rest bit-identical to the other
+ranks; the per-expert token counts reach the progress line; a run resumed from its per-rank
+expert checkpoints continues exactly.
+
+Default run: EP2 on 2 ranks (one launch: the refusals and a fit). Slow: the resumed run (a
+launch of its own), EP2 x DP2 and EP4 on 4 ranks."""
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from equality import GRADIENT_ATOL, GRADIENT_RTOL, RecordedGradients  # noqa: E402
+from test_horovod import (EQUIVALENCE, WORKER, horovod_cfg, horovodrun, listed,  # noqa: E402
+                          load, read, run_entry)
+from test_trainer import ReplicasTask, make_cfg  # noqa: E402
+
+from horovod_worker import RecordingLogger  # noqa: E402
+from tfbig.tasks import get_task  # noqa: E402
+from tfbig.training.trainer import Trainer  # noqa: E402
+
+# eval_steps=1: one validation batch of micro-batch x replicas records (the whole split costs
+# ~20 s a fit); the reference, with micro-batches of the replicas' size, reads as many in
+# `replicas` batches
+MOE = dict(model="llama", preset="tiny-moe", num_layers=0, hidden_size=0, num_heads=0,
+           eval_steps=1)
+EXPERT_WEIGHTS = ("/mlp/experts/gate", "/mlp/experts/up", "/mlp/experts/down")
+
+
+def ep_cfg(gpt_data, model_dir, expert):
+    cfg = horovod_cfg(gpt_data, model_dir, **MOE)
+    cfg.parallel.expert_parallel = expert
+    return cfg
+
+
+def launch(root, plan, ranks):
+    """One launch of horovod_worker.py on `ranks` processes; {name: [rank results]}."""
+    import json
+
+    os.makedirs(root / "out")
+    with open(root / "plan.json", "w") as f:
+        json.dump(plan, f)
+    code = horovodrun([WORKER, str(root / "plan.json")], root / "log.txt",
+                      env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"},
+                      ranks=("-np", str(ranks), "-H", f"localhost:{ranks}"))
+    output = read(root / "log.txt")
+    assert code == 0, output[-6000:]
+    return {run["name"]: [load(root / "out", run["name"], r) for r in range(ranks)]
+            for run in plan}, output
+
+
+def reference(data_dir, model_dir, replicas):
+    """One process reading every replica's batch, one micro-batch each; (trainer, losses)."""
+    cfg = make_cfg(data_dir, model_dir, **{**EQUIVALENCE, **MOE, "grad_accum_steps": replicas,
+                                           "eval_steps": replicas})
+    logger = RecordingLogger(cfg.train.model_dir, True, cfg.train.max_steps)
+    trainer = Trainer(cfg, task=ReplicasTask(cfg.train, replicas, get_task(cfg.train, cfg)),
+                      logger=logger)
+    trainer.recorded = RecordedGradients(trainer)
+    trainer.fit()
+    return trainer, np.array([logger.losses[s][0] for s in sorted(logger.losses)])
+
+
+def check_equal_to_one_process(results, single, losses, expert):
+    first = results[0]
+    assert first["num_replicas"] == len(results) and first["step"] == EQUIVALENCE["max_steps"]
+    for other in results[1:]:  # the full weights (experts gathered) and losses agree
+        for key in [k for k in first if k[0] == "w" and k[1:].isdigit()]:
+            np.testing.assert_array_equal(first[key], other[key], err_msg=key)
+        np.testing.assert_array_equal(first["losses"], other["losses"])
+    assert np.all(first["grad_norms"] > EQUIVALENCE["grad_clip_norm"])  # clipping is active
+    np.testing.assert_allclose(first["losses"], losses, rtol=1e-5)
+    paths = single.recorded.paths
+    assert len(paths) == len(listed(first, "w"))
+    for path, ours in zip(paths, listed(first, "w")):
+        single.recorded.assert_equal_piece(path, ours, err_msg=path)
+    routed = [i for i, p in enumerate(paths) if "/mlp/router" in p or p.endswith(EXPERT_WEIGHTS)]
+    assert len(routed) == 2 * 4
+    reference_gradients = single.recorded.gradients()[0]
+    for i in routed:
+        ours, theirs = listed(first, "gradients")[i], reference_gradients[i]
+        assert np.abs(theirs).max() > 1e-4, paths[i]
+        np.testing.assert_allclose(ours, theirs, rtol=GRADIENT_RTOL, atol=GRADIENT_ATOL,
+                                   err_msg=paths[i])
+    assert float(first["eval_loss"]) == pytest.approx(single.evaluate()["loss"], rel=1e-5)
+    for result in results:  # E/N experts on each rank (2 layers x 3 x (4, 32, 64) float32)
+        assert result["bytes_expert_parameters"] * expert == 2 * 3 * 4 * 32 * 64 * 4
+
+
+def refused(gpt_data, root, name, expert=2, moe=None, **train):
+    """A run the ranks must refuse (horovod_worker's expect_error)."""
+    cfg = horovod_cfg(gpt_data, root / name, **{**MOE, **train})
+    cfg.parallel.expert_parallel = expert
+    for key, value in (moe or {}).items():
+        setattr(cfg.moe, key, value)
+    return run_entry(name, cfg, root / "out", expect_error=True)
+
+
+# Refused on the ranks (the model's MoE layers are known once it is built), before anything is
+# written; what is refused before Horovod starts: tests/test_moe_train.py.
+REFUSED = {"indivisible": "--expert_parallel=2: the 3 experts of llama/block_0/mlp do not "
+                          "split over 2 ranks",
+           "dense": "--expert_parallel=2: Llama has no MoE layers",
+           "recompute": "--expert_parallel=2 with --activation_checkpointing"}
+
+
+@pytest.fixture(scope="module")
+def ep2(gpt_data, tmp_path_factory):
+    root = tmp_path_factory.mktemp("expert_parallel")
+    recompute = refused(gpt_data, root, "recompute")
+    recompute["config"]["pipeline"]["activation_checkpointing"] = True
+    return launch(root, [
+        refused(gpt_data, root, "indivisible", moe={"num_experts": 3}),
+        refused(gpt_data, root, "dense", preset="tiny"), recompute,
+        run_entry("ep2", ep_cfg(gpt_data, root / "ep2", 2), root / "out", first_gradients=True)],
+        ranks=2)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_what_expert_parallelism_cannot_split_is_refused_by_name_on_every_rank(ep2, name):
+    for result in ep2[0][name]:
+        assert str(result["error"]).startswith(REFUSED[name]), result["error"]
+        assert not result["model_dir_exists"]
+
+
+@pytest.mark.multiproc
+def test_two_expert_ranks_equal_one_process(ep2, gpt_data, shared, tmp_path_factory):
+    results, output = ep2
+    single, losses = shared(("moe", 2), lambda: reference(
+        gpt_data, tmp_path_factory.mktemp("moe_reference"), 2))
+    check_equal_to_one_process(results["ep2"], single, losses, 2)
+    assert "expert groups of 2: [(0, 1)]" in output
+    assert "expert tokens" in output and "(min/mean/max)" in output
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_resumed_expert_parallel_run_continues_exactly(ep2, gpt_data, tmp_path_factory):
+    """Fit 2 steps, save each rank's experts, resume with a new Trainer, fit to 4: the run
+    without the interruption (the default launch's) is matched."""
+    root = tmp_path_factory.mktemp("expert_parallel_resumed")
+    results, _ = launch(root, [run_entry("ep2_resumed", ep_cfg(gpt_data, root / "resumed", 2),
+                                         root / "out", interrupt_at=2)], ranks=2)
+    plain, resumed = ep2[0]["ep2"][0], results["ep2_resumed"]
+    assert int(resumed[0]["restored_step"]) == 2
+    np.testing.assert_allclose(resumed[0]["losses"], plain["losses"], rtol=1e-6)
+    for key in [k for k in plain if k[0] == "w" and k[1:].isdigit()]:
+        np.testing.assert_allclose(resumed[1][key], plain[key], rtol=1e-6, atol=1e-7,
+                                   err_msg=key)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize("expert", [2, 4])
+def test_four_ranks_with_experts_split_in_twos_or_fours_equal_one_process(
+        expert, gpt_data, shared, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"expert_parallel_{expert}x{4 // expert}")
+    results, output = launch(root, [run_entry(
+        "ep", ep_cfg(gpt_data, root / "ep", expert), root / "out", first_gradients=True)],
+        ranks=4)
+    single, losses = shared(("moe", 4), lambda: reference(
+        gpt_data, tmp_path_factory.mktemp("moe_reference4"), 4))
+    check_equal_to_one_process(results["ep"], single, losses, expert)
+    assert f"expert groups of {expert}" in output

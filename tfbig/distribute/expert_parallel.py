@@ -1,0 +1,235 @@
+"""Expert parallelism on Horovod (`--expert_parallel=N`): each MoE layer's E experts split over
+N data-parallel ranks, tokens sent to their experts and back by all-to-all, applied from outside.
+
+The model declares its MoE layers (`layout().experts`, tfbig.models.layout); this backend slices
+each layer's expert weights to the E/N experts of this rank's place in its expert group and
+replaces the layer's `dispatch` (tfbig.models.moe.SparseMoE) with `all_to_all_dispatch`. The
+expert groups are consecutive data ranks (EP inside DP, tfbig.distribute.mesh): every rank
+still reads its own slice of the batch and routes its own tokens; only the expert MLPs see rows
+of the whole group.
+
+Gradients (a data-parallel replica's loss is the mean of its own tokens; the step's loss is the
+mean of the D replicas' losses):
+    non-expert weights: averaged over the data axis, as HorovodStrategy;
+    expert weights: the backward all-to-all already sums, on the rank holding an expert, the
+        gradients of every loss of its expert group; summed over the expert-replica group and
+        divided by D (= averaged over the replicas, divided by N).
+The clipping norm sums the expert slices' squares over the expert group. Checkpoints: each rank
+of the first expert group writes its experts (piece_dir(..., "expert", rank)); a run resumes
+with the same --expert_parallel.
+"""
+import math
+import numpy as np
+import tensorflow as tf
+
+from tfbig.checkpoints.checkpoint import piece_dir, read_layout, slot_owners, write_layout
+from tfbig.distribute.horovod import HorovodStrategy
+from tfbig.distribute.horovod_keras import hvd
+from tfbig.distribute.tensor_collectives import all_reduce_sum
+from tfbig.distribute.tensor_parallel import skip_everywhere
+from tfbig.layouts.tensor_layout import replace_variable
+from tfbig.layouts.tensor_plan import resolve_plan_layers
+from tfbig.models.layout import layout_of
+
+LAYOUT_FILE = "expert.json"
+
+
+def moe_layers(model, flag):
+    """The MoE layers `model` declares (`layout().experts`); refused by name when none."""
+    paths = layout_of(model).experts
+    layers = [layer for path in paths for layer in resolve_plan_layers(model, path)]
+    if not layers:
+        raise ValueError(f"{flag}: {type(model).__name__} has no MoE layers (its layout()."
+                         f"experts is empty); use --model=llama with --num_experts=E or an MoE "
+                         f"preset (tiny-moe, mixtral-8x7b)")
+    return layers
+
+
+def all_to_all_dispatch(layer, process_set, size):
+    """A `dispatch(rows, counts)` for MoE `layer` whose experts are split over an expert group
+    of `size` ranks (rank r holds experts r*E/size..): rows grouped by expert go to the rank
+    holding their expert, through its experts, and back in their order."""
+    num_experts, local = layer.num_experts, layer.num_experts // size
+
+    def dispatch(rows, counts):  # rows (M, C) grouped by expert; counts (E,)
+        counts = tf.reshape(counts, (size, local))  # [destination rank, its expert]
+        # Horovod: each rank's rows to the rank holding their expert; the counts with them
+        received, received_splits = hvd.alltoall(rows, splits=tf.reduce_sum(counts, axis=1),
+                                                 process_set=process_set)
+        counts_in = hvd.alltoall(counts, process_set=process_set)  # [source rank, my expert]
+        # Received rows are source-major; the experts take them grouped by expert.
+        expert_of_row = tf.repeat(tf.tile(tf.range(local), [size]),
+                                  tf.reshape(counts_in, [-1]))
+        order = tf.argsort(expert_of_row, stable=True)
+        out = layer.experts(tf.gather(received, order), tf.reduce_sum(counts_in, axis=0))
+        out = tf.gather(out, tf.math.invert_permutation(order))
+        back, _ = hvd.alltoall(out, splits=received_splits, process_set=process_set)
+        return back  # Horovod: the outputs home again, in the order the rows left
+
+    assert num_experts == local * size
+    return dispatch
+
+
+class ExpertParallelStrategy(HorovodStrategy):
+    """Horovod data parallelism whose MoE layers' experts are split over expert groups."""
+
+    whole_model = False  # each rank holds E/N experts: no text sample at the end
+
+    def __init__(self, cfg=None, mesh=None):
+        super().__init__(cfg, mesh)
+        self.size = self.mesh.mesh.expert
+        self.expert_set = self.mesh.process_set("expert")
+        self.replica_set = self.mesh.process_set("expert_replica")
+        group = self.mesh.mesh.group("expert", self.mesh.rank)
+        self.expert_rank = group.index(self.mesh.rank)
+        self.expert_paths = set()  # paths of the variables this rank holds E/N experts of
+        self._optimizer = None
+
+    def build_model(self, task):
+        flag = f"--expert_parallel={self.size}"
+        if getattr(self.cfg, "pipeline", None) and self.cfg.pipeline.activation_checkpointing:
+            raise ValueError(f"{flag} with --activation_checkpointing is not supported yet "
+                             f"(the recompute would repeat the all-to-alls); drop one of them")
+        model = task.build_model()
+        for layer in moe_layers(model, flag):
+            if layer.num_experts % self.size:
+                raise ValueError(f"{flag}: the {layer.num_experts} experts of {layer.path} do "
+                                 f"not split over {self.size} ranks; choose a divisor of "
+                                 f"{layer.num_experts}")
+            local = layer.num_experts // self.size
+            first = self.expert_rank * local
+            bank = layer.experts
+            for variable in (bank.gate, bank.up, bank.down):
+                replace_variable(bank, variable, variable.numpy()[first:first + local])
+            bank.num_experts = local
+            self.expert_paths.update(v.path for v in (bank.gate, bank.up, bank.down))
+            layer.dispatch = all_to_all_dispatch(layer, self.expert_set, self.size)
+        self._model = model
+        if self.is_chief:
+            print(self.describe(model), flush=True)
+        return model
+
+    def describe(self, model):
+        """The rank grid and which experts each rank holds (printed at the start of a run)."""
+        total = sum(math.prod(v.shape) for v in model.trainable_variables)
+        experts = sum(math.prod(v.shape) for v in model.trainable_variables
+                      if v.path in self.expert_paths)
+        return (f"{self.mesh.mesh.describe()}\nexpert parallel: each expert group of "
+                f"{self.size} ranks splits the experts, expert rank r holding experts "
+                f"r*E/{self.size}..(r+1)*E/{self.size}-1 of every MoE layer ({experts:,} expert "
+                f"and {total - experts:,} replicated parameters on this rank)")
+
+    # ---- the step ----------------------------------------------------------------------------
+    def make_forward_backward(self, loss_fn, variables, scale_loss, jit_compile):
+        # Horovod ops have no XLA kernels: the all-to-alls sit inside the forward/backward.
+        return super().make_forward_backward(loss_fn, variables, scale_loss, False)
+
+    def make_forward(self, loss_fn, jit_compile):
+        return super().make_forward(loss_fn, False)
+
+    def make_validation_step(self, task, model, jit_compile):
+        return super().make_validation_step(task, model, False)
+
+    def _is_expert(self):
+        return [v.path in self.expert_paths for v in self._model.trainable_variables]
+
+    def all_reduce_gradients(self, grads):
+        """Non-expert gradients averaged over data (HorovodStrategy's, with its stop flag);
+        expert gradients summed over the expert-replica group and divided by the data size.
+        fp16: a non-finite value anywhere skips the step on every rank."""
+        expert = self._is_expert()
+        dense = [g for g, e in zip(grads, expert) if not e]
+        mine = [tf.convert_to_tensor(g) for g, e in zip(grads, expert) if e]
+        dense = iter(super().all_reduce_gradients(dense))
+        if self.replica_set is not None:  # Horovod: the same experts' gradients, summed
+            mine = hvd.grouped_allreduce(mine, op=hvd.Sum, process_set=self.replica_set)
+        mine = iter([g / self.num_replicas for g in mine])
+        grads = [next(mine) if e else next(dense) for e in expert]
+        if self._loss_scale() is not None:
+            grads = skip_everywhere(grads, self.expert_set)
+        return grads
+
+    def _sum_expert_squares(self, squares):
+        return all_reduce_sum(squares, self.expert_set)
+
+    def build_optimizer(self, train, variables):
+        from tfbig.optim import build_optimizer
+
+        replicated = [v.path not in self.expert_paths for v in variables]
+        self._optimizer = self.prepare_optimizer(build_optimizer(
+            train, variables, sum_over_shards=self._sum_expert_squares, replicated=replicated))
+        return self._optimizer
+
+    def global_norm(self, grads):
+        """The whole model's gradient norm: expert slices' squares summed over the group."""
+        expert = self._is_expert()
+        squares = [tf.reduce_sum(tf.square(g)) for g, e in zip(grads, expert) if e]
+        others = [tf.reduce_sum(tf.square(g)) for g, e in zip(grads, expert) if not e]
+        return tf.sqrt(self._sum_expert_squares(tf.add_n(squares)) + tf.add_n(others))
+
+    def broadcast_variables(self, variables):
+        """Non-expert state from the data axis's first rank; each rank's experts (weights and
+        optimizer slots) from the rank of the first expert group holding the same experts."""
+        owners = slot_owners(self._optimizer) if self._optimizer is not None else {}
+        expert = [getattr(v, "path", None) in self.expert_paths
+                  or owners.get(id(v)) in self.expert_paths
+                  for v in variables]
+        super().broadcast_variables([v for v, e in zip(variables, expert) if not e])
+        root = self.mesh.mesh.group("expert_replica", self.mesh.rank)[0]
+        from tfbig.distribute import horovod_keras
+
+        horovod_keras.broadcast_variables([v for v, e in zip(variables, expert) if e],
+                                          root_rank=root, process_set=self.replica_set)
+
+    def state_bytes(self):
+        """Bytes of parameters this rank holds, its experts' and the replicated rest."""
+        nbytes = lambda v: math.prod(v.shape) * np.dtype(v.dtype).itemsize  # noqa: E731
+        variables = self._model.trainable_variables
+        experts = sum(nbytes(v) for v in variables if v.path in self.expert_paths)
+        total = sum(nbytes(v) for v in variables)
+        return {"parameters": total, "expert_parameters": experts,
+                "replicated_parameters": total - experts}
+
+    def gather_full(self, variables, values=None):
+        """[full numpy array] of each variable (or of `values`): expert slices gathered from
+        the expert group in expert order; a collective, every rank of the group calls it."""
+        out = []
+        for i, v in enumerate(variables):
+            value = tf.convert_to_tensor(v if values is None else values[i])
+            if v.path in self.expert_paths and self.expert_set is not None:
+                value = hvd.allgather(value, process_set=self.expert_set)  # Horovod
+            out.append(value.numpy())
+        return out
+
+    # ---- checkpoints: each rank of the first expert group writes its experts ---------------
+    @property
+    def restores_checkpoint(self):
+        return self.rank < self.size  # the first expert group; the broadcast gives the rest
+
+    def checkpoint_dir(self, model_dir):
+        return piece_dir(model_dir, "expert", self.expert_rank) if self.rank < self.size \
+            else None
+
+    def restore_dir(self, model_dir):
+        saved = read_layout(model_dir, LAYOUT_FILE)
+        if saved is None and not tf.train.latest_checkpoint(model_dir):
+            return piece_dir(model_dir, "expert", self.expert_rank)  # a fresh run
+        if saved is None:
+            raise ValueError(f"--model_dir={model_dir} holds a checkpoint without {LAYOUT_FILE} "
+                             f"(not written with --expert_parallel); resuming it under "
+                             f"--expert_parallel={self.size} is not supported; resume it on the "
+                             f"layout that wrote it")
+        if saved["expert_parallel"] != self.size:
+            raise ValueError(f"--model_dir={model_dir} was written with --expert_parallel="
+                             f"{saved['expert_parallel']}; this run has {self.size}: resume "
+                             f"with the same degree")
+        return piece_dir(model_dir, "expert", self.expert_rank)
+
+    def restore(self, trainer, path):
+        """This rank's piece (its experts; the rest as every piece holds it)."""
+        trainer.checkpoint.restore(path).assert_existing_objects_matched()
+
+    def after_checkpoint(self, directory):
+        if self.is_chief:
+            write_layout(directory, LAYOUT_FILE, {"expert_parallel": self.size,
+                                                  "expert_variables": sorted(self.expert_paths)})
