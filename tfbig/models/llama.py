@@ -1,6 +1,6 @@
 """Llama: a Llama-class decoder in Keras 3 (Llama 2/3, Mistral, Qwen 2/3), read top to bottom.
 
-RMSNorm -> rotary position embedding -> grouped-query attention -> SwiGLU MLP -> block ->
+RMSNorm -> rotary position embedding (tfbig.models.rope) -> grouped-query attention -> SwiGLU MLP -> block ->
 config (tfbig.models.llama_config) -> model. Pre-norm blocks, no biases (Qwen 2's q/k/v biases
 and Qwen 3's QK-norm are config fields), an untied output layer unless `tie_embeddings`.
 Grouped-query attention keeps `num_kv_heads` key/value heads, each serving `num_heads //
@@ -26,6 +26,7 @@ from tfbig.models.layers import make_initializer
 from tfbig.models.layout import ModelLayout, Split
 from tfbig.models.llama_config import LLAMA_PRESETS, LlamaConfig  # noqa: F401 - re-exported
 from tfbig.models.moe import SparseMoE
+from tfbig.models.rope import ROPE_FIELDS, apply_rope, rope_frequencies  # noqa: F401 - re-exported
 
 # How Llama may be split over a tensor group (data; the layout language: tfbig.models.layout).
 # Megatron's attention and MLP pairs: q, k, v, gate and up column-parallel, proj and down
@@ -49,10 +50,6 @@ TENSOR_LAYOUT = (
     ("final_norm", Split("vocab_input")),
 )
 
-ROPE_FIELDS = ("rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor",
-               "rope_high_freq_factor", "rope_original_seq_length")
-
-
 class RMSNorm(keras.layers.Layer):
     """x / sqrt(mean(x^2) + epsilon) * scale over the last axis, statistics in float32."""
 
@@ -70,36 +67,6 @@ class RMSNorm(keras.layers.Layer):
 
     def get_config(self):
         return {**super().get_config(), "epsilon": self.epsilon}
-
-
-def rope_frequencies(head_size, rope):
-    """float32 (head_size / 2,) inverse frequencies theta^(-2i/hs), with Llama 3.1's scaling
-    when rope["rope_scaling"] == "llama3" (Hugging Face's _compute_llama3_parameters):
-    wavelengths above original/low_freq_factor are divided by `rope_factor`, those below
-    original/high_freq_factor kept, the band between interpolated."""
-    exponent = ops.arange(0, head_size, 2, dtype="float32") / float(head_size)
-    inverse = 1.0 / (float(rope["rope_theta"]) ** exponent)  # (hs/2,)
-    if rope["rope_scaling"] != "llama3":
-        return inverse
-    original, factor = rope["rope_original_seq_length"], rope["rope_factor"]
-    low, high = rope["rope_low_freq_factor"], rope["rope_high_freq_factor"]
-    wavelength = 2 * math.pi / inverse
-    scaled = ops.where(wavelength > original / low, inverse / factor, inverse)
-    smooth = (original / wavelength - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ops.logical_and(wavelength >= original / high, wavelength <= original / low)
-    return ops.where(medium, smoothed, scaled)
-
-
-def apply_rope(x, inverse_frequencies, positions):
-    """Rotate (B, T, n, hs) query or key heads to float32 `positions` (T,) (the half-split
-    pairing (i, i + hs/2) of Hugging Face's rotate_half and keras-hub); float32 inside."""
-    angles = positions[:, None] * inverse_frequencies[None, :]  # (T, hs/2)
-    angles = ops.concatenate([angles, angles], axis=-1)[None, :, None, :]  # (1, T, 1, hs)
-    x32 = ops.cast(x, "float32")
-    first, second = ops.split(x32, 2, axis=-1)  # (B, T, n, hs/2) each
-    rotated = ops.concatenate([-second, first], axis=-1)  # (B, T, n, hs)
-    return ops.cast(x32 * ops.cos(angles) + rotated * ops.sin(angles), x.dtype)
 
 
 class LlamaAttention(keras.layers.Layer):
