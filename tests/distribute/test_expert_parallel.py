@@ -24,6 +24,7 @@ from test_horovod import (EQUIVALENCE, WORKER, horovod_cfg, horovodrun, listed, 
 from test_trainer import ReplicasTask, make_cfg  # noqa: E402
 
 from horovod_worker import RecordingLogger  # noqa: E402
+from tfbig.convert.run_dir import load_model  # noqa: E402
 from tfbig.tasks import get_task  # noqa: E402
 from tfbig.training.trainer import Trainer  # noqa: E402
 
@@ -117,11 +118,12 @@ def ep2(gpt_data, tmp_path_factory):
     root = tmp_path_factory.mktemp("expert_parallel")
     recompute = refused(gpt_data, root, "recompute")
     recompute["config"]["pipeline"]["activation_checkpointing"] = True
-    return launch(root, [
+    results, output = launch(root, [
         refused(gpt_data, root, "indivisible", moe={"num_experts": 3}),
         refused(gpt_data, root, "dense", preset="tiny"), recompute,
         run_entry("ep2", ep_cfg(gpt_data, root / "ep2", 2), root / "out", first_gradients=True)],
         ranks=2)
+    return results, output, root
 
 
 @pytest.mark.multiproc
@@ -134,12 +136,16 @@ def test_what_expert_parallelism_cannot_split_is_refused_by_name_on_every_rank(e
 
 @pytest.mark.multiproc
 def test_two_expert_ranks_equal_one_process(ep2, gpt_data, shared, tmp_path_factory):
-    results, output = ep2
+    results, output, root = ep2
     single, losses = shared(("moe", 2), lambda: reference(
         gpt_data, tmp_path_factory.mktemp("moe_reference"), 2))
     check_equal_to_one_process(results["ep2"], single, losses, 2)
     assert "expert groups of 2: [(0, 1)]" in output
     assert "expert tokens" in output and "(min/mean/max)" in output
+    # the run's per-rank expert checkpoints read back as one single-device model
+    model, _ = load_model(str(root / "ep2"))
+    for v, ours in zip(model.trainable_variables, listed(results["ep2"][0], "w"), strict=True):
+        np.testing.assert_array_equal(v.numpy(), ours, err_msg=v.path)
 
 
 @pytest.mark.slow

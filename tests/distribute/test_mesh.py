@@ -112,3 +112,14 @@ def test_the_context_axis_sits_just_outside_tensor():
     with pytest.raises(ValueError, match="--context_parallel=3 x --tensor_parallel=1 = 3 "
                                          "does not divide 4"):
         Mesh.build(4, context=3)
+
+
+def test_expert_groups_are_consecutive_data_ranks_and_their_replicas_stride_over_them():
+    mesh = Mesh.build(8, expert=2)
+    assert mesh.groups("expert") == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert mesh.groups("expert_replica") == [(0, 2, 4, 6), (1, 3, 5, 7)]
+    assert {(0, 1), (1, 3, 5, 7)} <= set(mesh.process_set_ranks())
+    with_tensor = Mesh.build(8, tensor=2, expert=2)  # data 4: experts over data ranks 0-1, 2-3
+    assert with_tensor.group("expert", 0) == (0, 2) and with_tensor.group("expert", 5) == (5, 7)
+    with pytest.raises(ValueError, match="--expert_parallel=3 does not divide the 8"):
+        Mesh.build(8, expert=3)

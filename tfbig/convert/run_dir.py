@@ -23,7 +23,7 @@ import tensorflow as tf
 from tfbig.checkpoints import integrity
 from tfbig.checkpoints.checkpoint import model_key, model_variables
 from tfbig.errors import UsageError
-from tfbig.layouts import stage_checkpoint, tensor_layout, zero_checkpoint
+from tfbig.layouts import expert_checkpoint, stage_checkpoint, tensor_layout, zero_checkpoint
 from tfbig.models.configs import AlbertConfig, BertConfig, GPTConfig
 from tfbig.models.gpt import GPT
 from tfbig.models.llama import Llama
@@ -151,7 +151,8 @@ def load_model(model_dir):
     model_class, config_class = DECODERS[family]
     model = model_class(config_class(**saved["model_config"]), name=family)
     model.build((None, None))
-    pieces = next((m for m in (tensor_layout, stage_checkpoint, zero_checkpoint)  # per-rank pieces
+    pieces = next((m for m in (tensor_layout, stage_checkpoint, zero_checkpoint,  # per-rank pieces
+                               expert_checkpoint)
                    if m.read_layout(model_dir) is not None), None)
     if pieces is not None:
         weights = pieces.assembled_weights(model_dir, model, warn)

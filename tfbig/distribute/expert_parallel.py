@@ -31,7 +31,7 @@ from tfbig.layouts.tensor_layout import replace_variable
 from tfbig.layouts.tensor_plan import resolve_plan_layers
 from tfbig.models.layout import layout_of
 
-LAYOUT_FILE = "expert.json"
+from tfbig.layouts.expert_checkpoint import LAYOUT_FILE
 
 
 def moe_layers(model, flag):

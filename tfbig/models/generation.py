@@ -37,6 +37,8 @@ class Generator:
         self.model = model
         # XLA compiles for one device: a model split over devices (pipeline stages) runs unjitted.
         jit_compile = jit_compile and len({v.value.device for v in model.trainable_variables}) < 2
+        # MoE layers' expert groups have data-dependent sizes XLA cannot compile
+        jit_compile = jit_compile and not getattr(getattr(model, "config", None), "num_experts", 0)
         self._prefill = tf.function(model.call_with_cache, jit_compile=jit_compile)
         self._decode = tf.function(model.call_with_cache, jit_compile=jit_compile)
 

@@ -1,0 +1,35 @@
+"""An --expert_parallel run's checkpoint read as one model: each rank of the first expert group
+wrote its E/N experts of every MoE layer (piece 0 in MODEL_DIR, piece r in
+MODEL_DIR/expert/rank-r; tfbig.distribute.expert_parallel) and the rest whole; MODEL_DIR/
+expert.json names the degree and the expert variables. `assembled_weights` joins each expert
+variable's pieces along the expert axis, in expert rank order (tfbig-generate,
+tfbig-convert --to=huggingface read a run this way)."""
+import numpy as np
+import tensorflow as tf
+
+from tfbig.checkpoints.checkpoint import piece_checkpoints, reader_key
+from tfbig.checkpoints.checkpoint import read_layout as checkpoint_layout
+
+LAYOUT_FILE = "expert.json"
+
+
+def read_layout(model_dir):
+    """MODEL_DIR/expert.json, or None when the run did not split experts."""
+    return checkpoint_layout(model_dir, LAYOUT_FILE)
+
+
+def assembled_weights(model_dir, model, warn=print):
+    """{variable path: array} of `model`'s (the single-device model's) weights from the newest
+    checkpoint of an expert-parallel run."""
+    saved = read_layout(model_dir)
+    readers = [tf.train.load_checkpoint(path) for path in piece_checkpoints(
+        model_dir, "expert", saved["expert_parallel"], warn)]
+    experts = set(saved["expert_variables"])
+    out = {}
+    for v in model.variables:
+        if "seed_generator" in v.path:
+            continue
+        key = reader_key(model, v)
+        out[v.path] = (np.concatenate([r.get_tensor(key) for r in readers])
+                       if v.path in experts else readers[0].get_tensor(key))
+    return out
