@@ -80,7 +80,7 @@ def _help(entry, prog, *args):
     code = (f"import sys; sys.argv = [{prog!r}, *{list(args)!r}, '--help']; "
             f"from {entry.split(':')[0]} import {entry.split(':')[1]} as run; run()")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                          env=_env(), timeout=120)
+                          env=_env(), timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
 

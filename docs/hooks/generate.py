@@ -42,7 +42,7 @@ def script_flags(name, entry):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
                TF_CPP_MIN_LOG_LEVEL="3")
     done = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "flags_of.py"),
-                           entry, name], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+                           entry, name], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     if done.returncode:
         raise PluginError(f"flags of {name} ({entry}): {done.stderr.strip()[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
