@@ -88,6 +88,14 @@ class TrainConfig:
     eval_steps: int = field(50, "Validation batches per evaluation (0: the whole split).")
     checkpoint_every: int = field(200, "Save a checkpoint every N steps (and at the end).")
     keep_checkpoints: int = field(3, "Keep the last N checkpoints.")
+    async_checkpoint: str = field("auto", "Write checkpoints beside training: the step loop "
+                                          "waits only while the state is copied to host "
+                                          "memory (a second copy of this rank's weights and "
+                                          "optimizer slots). on | off | auto (on where one "
+                                          "rank's files make the checkpoint; off for ZeRO, "
+                                          "tensor and pipeline pieces, whose ranks could die "
+                                          "with their newest pieces at different steps). The "
+                                          "final save waits for its write.")
     skip_corrupt: bool = field(False, "Skip corrupt TFRecord shards (counted in the logs) "
                                       "instead of failing.")
     data_trace: str = field("", "Directory where each input pipeline appends, per training "
@@ -252,6 +260,9 @@ def _applicability():
     return rules
 
 
+ASYNC_CHECKPOINT = ("auto", "on", "off")
+
+
 def check_applicable(cfg):
     """Refuse a flag set away from its default where nothing reads it (it would do nothing)."""
     values = {f.name: (getattr(getattr(cfg, name), f.name), f.default)
@@ -268,6 +279,9 @@ def check_applicable(cfg):
         raise ValueError(f"--time_budget_minutes={cfg.train.time_budget_minutes:g} has no effect "
                          f"with --max_steps={cfg.train.max_steps}; it applies to --max_steps=0 "
                          f"(as many steps as fit in the budget). Give one of the two")
+    if cfg.train.async_checkpoint not in ASYNC_CHECKPOINT:
+        raise ValueError(f"--async_checkpoint={cfg.train.async_checkpoint}: expected one of "
+                         f"{' | '.join(ASYNC_CHECKPOINT)}")
     if cfg.train.calibration and not cfg.train.plan_only:
         raise ValueError(f"--calibration={cfg.train.calibration} is read by --plan_only only; "
                          f"add --plan_only or drop it")

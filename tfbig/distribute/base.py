@@ -95,6 +95,13 @@ class Strategy:
         return True
 
     @property
+    def checkpoint_pieces(self):
+        """How many ranks' files make one checkpoint (ZeRO shards x tensor ranks x stages):
+        --async_checkpoint=auto writes beside training only when it is one (a death during
+        the writes could leave the pieces' newest checkpoints at different steps)."""
+        return 1
+
+    @property
     def learning_rate_scale(self):
         """Factor on the peak learning rate (Horovod's --scale_lr: the number of processes)."""
         return 1.0

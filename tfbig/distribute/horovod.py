@@ -107,6 +107,10 @@ class HorovodStrategy(Strategy):
         return self.is_chief  # Horovod: rank 0 restores, broadcast_variables gives it to all
 
     @property
+    def checkpoint_pieces(self):
+        return self.mesh.mesh.pipeline * self.mesh.mesh.tensor  # a stage's tensor ranks each
+
+    @property
     def learning_rate_scale(self):
         # Horovod: with --scale_lr the peak learning rate grows with the number of processes.
         return float(self.num_replicas) if self.options.scale_lr else 1.0
