@@ -26,6 +26,7 @@ import atexit
 import os
 import threading
 import time
+import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -39,35 +40,51 @@ from tfbig.checkpoints import integrity
 # Tests only: seconds the writer sleeps before it writes, while the loop trains on: the copy
 # must hold the saved step's values, and a process killed then resumes from the previous one.
 WRITE_SLEEP_ENV = "TFBIG_TEST_CHECKPOINT_WRITE_SLEEP"
+_COPIERS = weakref.WeakKeyDictionary()  # {tf.train.Checkpoint: its HostCopier}
 
 
-def _host_copy(value):
-    """A numpy copy of one serialized value (a tensor, or a SaveSpec whose tensor a callable
-    reads): the bytes the write will see, whatever the step does to the variable next."""
-    if isinstance(value, saveable_object.SaveSpec):
-        value = value.tensor  # reads the variable now (a callable for a resource variable)
-    return np.array(value.numpy(), copy=True)
+def _read(value):
+    """The tensor of one serialized value (a SaveSpec's callable reads its variable)."""
+    return value.tensor if isinstance(value, saveable_object.SaveSpec) else value
 
 
-def host_snapshot(checkpoint):
-    """{trackable: {checkpoint key: {slice spec: numpy copy}}} (an identity dictionary) of everything `checkpoint`
-    saves, its object graph included (the None entry)."""
-    saver = checkpoint._saver  # noqa: SLF001 - what tf.train.Checkpoint.write gathers
-    serialized, _, registered, _ = saver._gather_serialized_tensors(None)  # noqa: SLF001
-    if registered:
-        raise NotImplementedError("--async_checkpoint: a registered saver (e.g. DTensor) "
-                                  "cannot be copied to host; use --noasync_checkpoint")
-    snapshot = object_identity.ObjectIdentityDictionary()  # variables are unhashable
-    for trackable, tensors in serialized.items():
-        snapshot[trackable] = {
-            key: {spec: _host_copy(v) for spec, v in
-                  (slices if isinstance(slices, dict) else {"": slices}).items()}
-            for key, slices in tensors.items()}
-    return snapshot
+class HostCopier:
+    """Copies everything a `tf.train.Checkpoint` saves to host memory.
+
+    The first copy gathers what TensorFlow's saver would save (its object graph included, the
+    None entry) and traces one function that reads every value: later copies are one call and
+    one numpy copy per tensor (a variable read one by one costs ~1 ms of Python each). The
+    checkpoint's objects must not change after the first copy (a Trainer's are built before).
+    """
+
+    def __init__(self, checkpoint):
+        saver = checkpoint._saver  # noqa: SLF001 - what tf.train.Checkpoint.write gathers
+        serialized, _, registered, _ = saver._gather_serialized_tensors(None)  # noqa: SLF001
+        if registered:
+            raise NotImplementedError("--async_checkpoint: a registered saver (e.g. DTensor) "
+                                      "cannot be copied to host; use --async_checkpoint=off")
+        self._places, values = [], []  # (trackable, key, slice spec) of each value read
+        for trackable, tensors in serialized.items():
+            for key, slices in tensors.items():
+                for spec, value in (slices if isinstance(slices, dict) else {"": slices}).items():
+                    self._places.append((trackable, key, spec))
+                    values.append(value)
+        self._read_all = tf.function(lambda: [_read(v) for v in values], autograph=False)
+
+    def snapshot(self):
+        """{trackable: {checkpoint key: {slice spec: numpy copy}}} (an identity dictionary):
+        the bytes the write will see, whatever the steps do to the variables next."""
+        snapshot = object_identity.ObjectIdentityDictionary()  # variables are unhashable
+        for (trackable, key, spec), tensor in zip(self._places, self._read_all(), strict=True):
+            keyed = snapshot.setdefault(trackable, {})
+            keyed.setdefault(key, {})[spec] = np.array(tensor.numpy(), copy=True)
+        return snapshot
 
 
 def write_snapshot(snapshot, prefix):
     """Write a host snapshot as TensorFlow checkpoint `prefix` (PREFIX.index, PREFIX.data-*)."""
+    os.makedirs(os.path.dirname(prefix) or ".", exist_ok=True)  # as Checkpoint.write does (a
+    # worker's temporary directory is removed after each save)
     with tf.device("/cpu:0"):
         tensors = object_identity.ObjectIdentityDictionary()
         for trackable, keyed in snapshot.items():
@@ -92,7 +109,10 @@ class _HostCheckpoint:
 
     def _write(self, prefix, options=None):
         callbacks = list(options.experimental_write_callbacks or []) if options else []
-        self._writer._start(prefix, host_snapshot(self._checkpoint), callbacks)  # noqa: SLF001
+        if self._checkpoint not in _COPIERS:  # traced once per checkpoint, whatever the writer
+            _COPIERS[self._checkpoint] = HostCopier(self._checkpoint)
+        snapshot = _COPIERS[self._checkpoint].snapshot()
+        self._writer._start(prefix, snapshot, callbacks)  # noqa: SLF001
         return prefix
 
 
