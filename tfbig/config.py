@@ -96,6 +96,11 @@ class TrainConfig:
                                           "tensor and pipeline pieces, whose ranks could die "
                                           "with their newest pieces at different steps). The "
                                           "final save waits for its write.")
+    straggler_every: int = field(100, "Every N steps, gather each process's own step time "
+                                      "(less the gradient all-reduce's) and name a process "
+                                      "20% or more below the median rate, with its host "
+                                      "(tfbig-doctor's rule), in the log and the summary "
+                                      "(0: never; one process: nothing to compare).")
     skip_corrupt: bool = field(False, "Skip corrupt TFRecord shards (counted in the logs) "
                                       "instead of failing.")
     data_trace: str = field("", "Directory where each input pipeline appends, per training "
@@ -279,6 +284,9 @@ def check_applicable(cfg):
         raise ValueError(f"--time_budget_minutes={cfg.train.time_budget_minutes:g} has no effect "
                          f"with --max_steps={cfg.train.max_steps}; it applies to --max_steps=0 "
                          f"(as many steps as fit in the budget). Give one of the two")
+    if cfg.train.straggler_every < 0:
+        raise ValueError(f"--straggler_every={cfg.train.straggler_every}: expected steps, 0 "
+                         f"(never) or more")
     if cfg.train.async_checkpoint not in ASYNC_CHECKPOINT:
         raise ValueError(f"--async_checkpoint={cfg.train.async_checkpoint}: expected one of "
                          f"{' | '.join(ASYNC_CHECKPOINT)}")

@@ -13,6 +13,7 @@ it with its schedules), how gradients and metrics are averaged (`all_reduce_grad
 import contextlib
 import os
 import signal
+import socket
 import threading
 
 import tensorflow as tf
@@ -207,6 +208,15 @@ class Strategy:
     def max_over_processes(self, values):
         """The largest of each float over all processes (a collective: all must call it)."""
         return [float(v) for v in values]
+
+    def gather_over_processes(self, values):
+        """[the floats `values` of process 0, of process 1, ...] (a collective)."""
+        return [[float(v) for v in values]]
+
+    def process_hosts(self):
+        """The host name of each process, in the order of `gather_over_processes` (a
+        collective)."""
+        return [socket.gethostname()]
 
     def broadcast_variables(self, variables):
         """Make every replica's copy of `variables` equal to the chief's."""

@@ -48,9 +48,9 @@ class BudgetedLoop:
         """The run's first checkpoint, timed (the saves to come take as long), and a whole
         validation pass's time from a timed batch."""
         self._check_finite(step)
-        with self._pause("checkpoint"):
+        with self._pause("checkpoint"), self.goodput.measure("checkpoint_save"):
             self.save()
-        with self._pause("validation"):
+        with self._pause("validation"), self.goodput.measure("evaluation"):
             whole_pass = self._time_validation()
         self.timer.seconds["validation"] = whole_pass  # not the two batches' time
 

@@ -25,6 +25,8 @@ from tfbig.profiling.profiler import RunProfiler
 from tfbig.tasks import get_task
 from tfbig.training import budget as budget_lib
 from tfbig.training.budget_loop import BudgetedLoop
+from tfbig.training.goodput import GoodputClock
+from tfbig.training.stragglers import StragglerWatch
 from tfbig.training import evaluation, preflight, run_directory
 from tfbig.training.logs import RunLogger
 from tfbig.training.precision import set_precision
@@ -109,15 +111,20 @@ class Trainer(BudgetedLoop):
             model=self.strategy.checkpoint_model(self.model), rng_state=rng_variables(self.model),
             optimizer=self.optimizer, step=self.step, batches_consumed=self.batches_consumed,
             nonfinite_steps=self.nonfinite_steps)
+        self.stragglers = StragglerWatch(self.strategy, t.straggler_every, self.logger.info)
+        self.goodput = GoodputClock(  # from this process's start (tfbig.training.goodput)
+            t.model_dir, time.time() - (time.monotonic() - self.started), self.strategy.is_chief)
         self._managers = {}  # {directory: CheckpointWriter}
         self.async_checkpoint = t.async_checkpoint == "on" or (
             t.async_checkpoint == "auto" and self.strategy.checkpoint_pieces == 1)
-        self.restored_from = self._restore()
+        with self.goodput.measure("checkpoint_restore"):
+            self.restored_from = self._restore()
         init_checkpoint.initialise(self)  # a fresh run takes --init_checkpoint's weights
         # Weights, optimizer slots, dropout RNG states and the step/input counters: a rank that
         # found no checkpoint (local disks) continues where the chief's restore left off.
         self.strategy.broadcast_variables(self.model.variables + self.optimizer.variables + [
             self.step, self.batches_consumed, self.nonfinite_steps])
+        self.goodput.resumed(int(self.step.numpy()))  # steps after it are trained again
         self.forward_backward = self.strategy.make_forward_backward(
             self._loss_fn, self.model.trainable_variables, self._scale_loss, t.xla)
         self.validation_step = self.strategy.make_validation_step(self.task, self.model, t.xla)
@@ -259,6 +266,8 @@ class Trainer(BudgetedLoop):
             int(self.batches_consumed.numpy()) * self.cfg.train.batch_size))
         if self.cfg.train.precision != "mixed_float16":
             values.pop("loss_scale")
+        values.update(self.goodput.scalars())  # goodput, badput/<cause>: shares of the wall time
+        self.goodput.write()  # a process killed from here on loses at most the time since
         self.logger.progress(step, values)
         self.logger.scalars("train", step, values)
         return values
@@ -287,47 +296,75 @@ class Trainer(BudgetedLoop):
             timer.start(step)
         end = min(limit, t.max_steps or math.inf)
         last = {}
+        self.goodput.loop_started()
         while step < end:
-            with self.profiler.phase("input"):
-                batch = next(iterator)
-            step += 1
-            log = step % t.log_every == 0 or step == end
-            mark = timer is not None and timer.due(step)
-            with self.profiler.phase("compute"):
-                out = self._train_step(batch)
-                if log or mark:  # wait for device work queued (GPUs run ahead)
-                    out = {k: v.numpy() for k, v in out.items()}
-            if mark:
-                timer.mark(step)
-                if self._estimate_budget(step):  # the decay starts: the count is fixed
-                    timer, end = None, min(limit, t.max_steps)
-            self.profiler.step_done(step, out.pop("communication_seconds"))
-            if log:
-                self._check_finite(step)
-                last = self._log_train(step, out, self.profiler.interval())
-            if t.eval_every and step % t.eval_every == 0 and step < end:
-                with self._pause("validation"):
-                    self._report_eval(step)
-            if step % t.checkpoint_every == 0 and step < end:
-                self._check_finite(step)
-                with self.profiler.phase("checkpoint"), self._pause("checkpoint"):
-                    self.save()
-            self.strategy.after_step(step)
-            if self.strategy.should_stop():  # SIGTERM on any process: all save, then stop
+            with self.goodput.step():
+                step, last, end, timer, stop = self._iteration(iterator, step, last, end, limit,
+                                                               timer)
+            if stop:  # SIGTERM on any process: all save, then stop
                 return self._stop_preempted(step, last)
         self._check_finite(step)
-        summary = {"step": step, "train": last, "checkpoint": self._save_and_wait(),
-                   "eval": self._report_eval(step)}
+        with self.goodput.measure("checkpoint_save"):
+            path = self._save_and_wait()
+        with self.goodput.measure("evaluation"):
+            summary = {"step": step, "train": last, "checkpoint": path,
+                       "eval": self._report_eval(step)}
         if self.budget and step == t.max_steps:  # the budgeted run's end, in its accounting
             self.budget.ended_seconds = time.monotonic() - self.started
             if self.strategy.is_chief:
                 run_directory.save_config(self)
+        summary["goodput"] = self.goodput.summary()
+        summary["stragglers"] = self.stragglers.found
+        self.goodput.write(finished=True)
+        self.logger.info(self.goodput.describe())
+        if self.stragglers.found:
+            self.logger.info(self.stragglers.describe())
         self.logger.flush()
         return summary
 
+    def _iteration(self, iterator, step, last, end, limit, timer):
+        """One step of the loop, with its logging, evaluation and checkpoint."""
+        t = self.cfg.train
+        begin = time.time()
+        self.stragglers.step_started()
+        with self.profiler.phase("input"), self.goodput.measure("input_wait"):
+            batch = next(iterator)
+        step += 1
+        log = step % t.log_every == 0 or step == end
+        mark = timer is not None and timer.due(step)
+        with self.profiler.phase("compute"):
+            out = self._train_step(batch)
+            if log or mark:  # wait for device work queued (GPUs run ahead)
+                out = {k: v.numpy() for k, v in out.items()}
+        if mark:
+            timer.mark(step)
+            if self._estimate_budget(step):  # the decay starts: the count is fixed
+                timer, end = None, min(limit, t.max_steps)
+        communication = out.pop("communication_seconds")
+        self.profiler.step_done(step, communication)
+        self.stragglers.step_done(time.time() - begin, communication)
+        if log:
+            self._check_finite(step)
+            last = self._log_train(step, out, self.profiler.interval())
+        if self.stragglers.due(step):  # every process: a gather
+            self.stragglers.check(step)
+        if t.eval_every and step % t.eval_every == 0 and step < end:
+            with self._pause("validation"), self.goodput.measure("evaluation"):
+                self._report_eval(step)
+        if step % t.checkpoint_every == 0 and step < end:
+            self._check_finite(step)
+            with self.profiler.phase("checkpoint"), self._pause("checkpoint"), \
+                    self.goodput.measure("checkpoint_save"):
+                self.save()
+            self.goodput.checkpoint_saved(step)
+        self.strategy.after_step(step)
+        return step, last, end, timer, self.strategy.should_stop()
+
     def _stop_preempted(self, step, last):
         self._check_finite(step)
-        path = self._save_and_wait()
+        with self.goodput.measure("checkpoint_save"):
+            path = self._save_and_wait()
+        self.goodput.write()
         self.logger.info(f"preempted (SIGTERM) after step {step}: saved {path}; "
                          "start the same command again to resume")
         self.logger.flush()
