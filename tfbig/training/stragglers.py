@@ -4,7 +4,8 @@ gathered (Strategy.gather_over_processes) and tfbig-doctor's rule applied
 named with its host, in the log and in the run's summary.
 
 A process's own step time is its step's wall time less the gradient all-reduce's (where a fast
-process waits for a slow one): input wait, forward, backward and the update. Under
+process waits for a slow one): input wait, forward, backward and the update; its first step
+(compilation) is left out. Under
 --deterministic TensorFlow refuses the timestamps that time the all-reduce, every process's step
 then takes the same time and none is named.
 
@@ -34,13 +35,18 @@ class StragglerWatch:
         self.seconds, self.steps = 0.0, 0
         self.communication = 0.0  # a tensor sum once steps report one (read at a check)
         self.found = []  # every straggler named, with the step of its check
+        self.started = False
 
     def step_started(self):
         if self.delay:
             time.sleep(self.delay)  # tfbig-doctor's test hook: this process is slow
 
     def step_done(self, seconds, communication):
-        """One step of `seconds` wall time, `communication` of them in the all-reduce."""
+        """One step of `seconds` wall time, `communication` of them in the all-reduce. A
+        process's first step (compiling, at its own pace) is not counted."""
+        if not self.started:
+            self.started = True
+            return
         self.seconds += seconds
         self.steps += 1
         self.communication = self.communication + communication
