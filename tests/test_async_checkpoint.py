@@ -41,7 +41,8 @@ def test_an_asynchronous_checkpoint_restores_the_synchronous_state_bit_for_bit(
     summary = Trainer(cfg).fit()
     assert summary["checkpoint"] == str(tmp_path / "async" / "ckpt-3")
     for step in (2, 3):
-        ours, reference = (tensors(str(tmp_path / run / f"ckpt-{step}")) for run in ("async", "sync"))
+        ours, reference = (tensors(str(tmp_path / run / f"ckpt-{step}"))
+                           for run in ("async", "sync"))
         assert len(ours) > 40 and ours.keys() == reference.keys()
         for key in reference:
             np.testing.assert_array_equal(ours[key], reference[key], err_msg=key)
@@ -56,7 +57,8 @@ def test_an_asynchronous_checkpoint_restores_the_synchronous_state_bit_for_bit(
 def test_auto_writes_beside_training_on_one_piece_only(gpt_data, tmp_path):
     trainer = Trainer(make_cfg(gpt_data, tmp_path / "run", max_steps=1))
     assert trainer.cfg.train.async_checkpoint == "auto" and trainer.async_checkpoint
-    with pytest.raises(ValueError, match=r"--async_checkpoint=yes: expected one of auto \| on \| off"):
+    with pytest.raises(ValueError,
+                       match=r"--async_checkpoint=yes: expected one of auto \| on \| off"):
         Trainer(make_cfg(gpt_data, tmp_path / "bad", async_checkpoint="yes"))
     assert not os.path.exists(tmp_path / "bad")
 

@@ -4,7 +4,9 @@
 (numpy copies, taken in the calling thread, so a backend's reads run where they always did)
 and returns; a background thread writes those copies as the same TensorFlow checkpoint a
 synchronous save writes (same keys, same object graph: `tf.train.Checkpoint.restore` reads
-either), records its sums, verifies them (tfbig.checkpoints.integrity), and only then names it
+either), records its sums and checks that the index and every data shard are there
+(tfbig.checkpoints.integrity; the sums were just computed from the files, so checking them
+again would read every byte a second time for nothing), and only then names it
 in the directory's `checkpoint` state file and lets the manager rotate out the oldest one. Until
 then the previous checkpoint is the newest one a resume sees, so a death during the write costs
 the steps since that one, never the run.
@@ -118,8 +120,8 @@ class _HostCheckpoint:
 
 class CheckpointWriter:
     """Saves `checkpoint` into `directory` (keeping `max_to_keep`), synchronously or, with
-    `asynchronous=True`, beside training. `finish(prefix)` runs after each write is complete
-    and verified (e.g. a sharded layout's layout file); its sums are recorded before it."""
+    `asynchronous=True`, beside training. `finish(directory)` runs after each write is
+    complete and checked, its sums recorded (e.g. a sharded layout's layout file)."""
 
     def __init__(self, checkpoint, directory, max_to_keep, asynchronous, finish=None):
         self.directory = directory
@@ -127,7 +129,6 @@ class CheckpointWriter:
         self._finish = finish
         self._thread = None
         self._error = None
-        self.pending = None  # the prefix being written
         self.write_seconds = 0.0  # background seconds of the last write (not the loop's)
         target = _HostCheckpoint(checkpoint, self) if asynchronous else checkpoint
         self._manager = tf.train.CheckpointManager(target, directory, max_to_keep=max_to_keep)
@@ -153,7 +154,6 @@ class CheckpointWriter:
             raise error
 
     def _start(self, prefix, snapshot, callbacks):
-        self.pending = prefix
         self._thread = threading.Thread(target=self._write, args=(prefix, snapshot, callbacks),
                                         name="tfbig-checkpoint-writer", daemon=True)
         self._thread.start()
@@ -165,8 +165,8 @@ class CheckpointWriter:
             with context.executor_scope(executor.new_executor(enable_async=False)):
                 write_snapshot(snapshot, prefix)
             del snapshot
-            integrity.record_checkpoint(prefix)
-            problems = integrity.verify_checkpoint(prefix)
+            integrity.record_checkpoint(prefix)  # its sums, from the files as written
+            problems = integrity.structure_problems(prefix)  # the index and every data shard
             if problems:
                 raise OSError(f"checkpoint {prefix} failed its check after the write: "
                               f"{'; '.join(problems)}; the previous checkpoint is kept")
@@ -176,7 +176,6 @@ class CheckpointWriter:
         except Exception as error:  # noqa: BLE001 - raised in the training thread by wait()
             self._error = error
         finally:
-            self.pending = None
             self.write_seconds = time.monotonic() - begin
 
     def _complete(self, prefix, record=True):

@@ -159,8 +159,8 @@ class GoodputClock:
     def describe(self):
         """One line: goodput and the largest causes of badput."""
         summary = self.summary()
-        causes = sorted(((s, c) for c, s in summary["seconds"].items() if c in CAUSES and s >= 0.05),
-                        reverse=True)
+        causes = sorted(((s, c) for c, s in summary["seconds"].items()
+                         if c in CAUSES and s >= 0.05), reverse=True)
         return (f"goodput {summary['goodput']:.1%} of {summary['wall_seconds']:.1f} s wall"
                 + (f" ({summary['restarts']} restart(s))" if summary["restarts"] else "")
                 + ("; badput: " + ", ".join(f"{c.replace('_', ' ')} {s:.1f} s" for s, c in causes)
