@@ -96,6 +96,16 @@ def write_snapshot(snapshot, prefix):
     return prefix
 
 
+def host_copier(checkpoint):
+    """The HostCopier of `checkpoint`, made and traced once (a few seconds: a Trainer makes it
+    at start, so its first save takes as long as the next ones, which a time budget times)."""
+    if checkpoint not in _COPIERS:
+        checkpoint.save_counter  # noqa: B018 - made on first use: before the graph is fixed
+        copier = _COPIERS[checkpoint] = HostCopier(checkpoint)
+        copier._read_all.get_concrete_function()  # noqa: SLF001 - trace, read nothing
+    return _COPIERS[checkpoint]
+
+
 class _HostCheckpoint:
     """What a tf.train.CheckpointManager saves through, in place of the checkpoint: `_write`
     copies the state to host and hands the write to the writer thread, with the manager's
@@ -111,9 +121,7 @@ class _HostCheckpoint:
 
     def _write(self, prefix, options=None):
         callbacks = list(options.experimental_write_callbacks or []) if options else []
-        if self._checkpoint not in _COPIERS:  # traced once per checkpoint, whatever the writer
-            _COPIERS[self._checkpoint] = HostCopier(self._checkpoint)
-        snapshot = _COPIERS[self._checkpoint].snapshot()
+        snapshot = host_copier(self._checkpoint).snapshot()
         self._writer._start(prefix, snapshot, callbacks)  # noqa: SLF001
         return prefix
 

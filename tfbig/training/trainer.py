@@ -16,7 +16,7 @@ from tensorflow.python.framework import config as op_config
 from tfbig import config as config_lib
 from tfbig import data
 from tfbig.checkpoints import integrity
-from tfbig.checkpoints.async_write import CheckpointWriter
+from tfbig.checkpoints.async_write import CheckpointWriter, host_copier
 from tfbig.checkpoints.checkpoint import rng_variables
 from tfbig.convert import init_checkpoint
 from tfbig.errors import TrainingStoppedError
@@ -117,6 +117,8 @@ class Trainer(BudgetedLoop):
         self._managers = {}  # {directory: CheckpointWriter}
         self.async_checkpoint = t.async_checkpoint == "on" or (
             t.async_checkpoint == "auto" and self.strategy.checkpoint_pieces == 1)
+        if self.async_checkpoint:  # the copy's trace: start-up, not the first save
+            host_copier(self.checkpoint)
         with self.goodput.measure("checkpoint_restore"):
             self.restored_from = self._restore()
         init_checkpoint.initialise(self)  # a fresh run takes --init_checkpoint's weights
