@@ -88,6 +88,19 @@ class TrainConfig:
     eval_steps: int = field(50, "Validation batches per evaluation (0: the whole split).")
     checkpoint_every: int = field(200, "Save a checkpoint every N steps (and at the end).")
     keep_checkpoints: int = field(3, "Keep the last N checkpoints.")
+    async_checkpoint: str = field("auto", "Write checkpoints beside training: the step loop "
+                                          "waits only while the state is copied to host "
+                                          "memory (a second copy of this rank's weights and "
+                                          "optimizer slots). on | off | auto (on where one "
+                                          "rank's files make the checkpoint; off for ZeRO, "
+                                          "tensor and pipeline pieces, whose ranks could die "
+                                          "with their newest pieces at different steps). The "
+                                          "final save waits for its write.")
+    straggler_every: int = field(100, "Every N steps, gather each process's own step time "
+                                      "(less the gradient all-reduce's) and name a process "
+                                      "20% or more below the median rate, with its host "
+                                      "(tfbig-doctor's rule), in the log and the summary "
+                                      "(0: never; one process: nothing to compare).")
     skip_corrupt: bool = field(False, "Skip corrupt TFRecord shards (counted in the logs) "
                                       "instead of failing.")
     data_trace: str = field("", "Directory where each input pipeline appends, per training "
@@ -284,6 +297,9 @@ def _applicability():
     return rules
 
 
+ASYNC_CHECKPOINT = ("auto", "on", "off")
+
+
 def check_applicable(cfg):
     """Refuse a flag set away from its default where nothing reads it (it would do nothing)."""
     values = {f.name: (getattr(getattr(cfg, name), f.name), f.default)
@@ -300,6 +316,12 @@ def check_applicable(cfg):
         raise ValueError(f"--time_budget_minutes={cfg.train.time_budget_minutes:g} has no effect "
                          f"with --max_steps={cfg.train.max_steps}; it applies to --max_steps=0 "
                          f"(as many steps as fit in the budget). Give one of the two")
+    if cfg.train.straggler_every < 0:
+        raise ValueError(f"--straggler_every={cfg.train.straggler_every}: expected steps, 0 "
+                         f"(never) or more")
+    if cfg.train.async_checkpoint not in ASYNC_CHECKPOINT:
+        raise ValueError(f"--async_checkpoint={cfg.train.async_checkpoint}: expected one of "
+                         f"{' | '.join(ASYNC_CHECKPOINT)}")
     if cfg.train.calibration and not cfg.train.plan_only:
         raise ValueError(f"--calibration={cfg.train.calibration} is read by --plan_only only; "
                          f"add --plan_only or drop it")

@@ -70,6 +70,11 @@ SLOW_SCENARIOS = {"z3_d2": (3, 2, "gpt_data", {}, {"first_gradients": True}),
                                         {"first_gradients": True, "untied": True}),
                   "z2_d2_albert": (2, 2, "albert_data", ALBERT, {}),
                   "z1_d4_resumed": (1, 4, "gpt_data", {}, {"interrupt_at": 2}),
+                  # --async_checkpoint=on: each rank's slices written beside training (a
+                  # save at every step; the resume reads the pieces of step 2)
+                  "z3_d2_async_resumed": (3, 2, "gpt_data", {"async_checkpoint": "on",
+                                                             "checkpoint_every": 1},
+                                          {"interrupt_at": 2}),
                   # BERT: a gather per block (one per layer), its word table per step (tied
                   # to the MLM head)
                   "z3_d2_bert": (3, 2, "bert_data", BERT, {"first_gradients": True}),

@@ -89,8 +89,8 @@ def record_checkpoint(prefix):
     return record(checkpoint_files(prefix), prefix + SUMS_SUFFIX)
 
 
-def _structure_problems(prefix):
-    """Missing index or data shards, judged from the file names alone."""
+def structure_problems(prefix):
+    """Missing index or data shards, judged from the file names alone (no file is read)."""
     files = checkpoint_files(prefix)
     problems = [] if prefix + ".index" in files else [f"{prefix}.index: missing"]
     shards = [_DATA_FILE.search(f) for f in files]
@@ -119,7 +119,7 @@ def _unrecorded_problems(prefix):
 
 def verify_checkpoint(prefix):
     """Problems of checkpoint `prefix` ([] when intact): missing files, then sizes and sums."""
-    problems = _structure_problems(prefix)
+    problems = structure_problems(prefix)
     sums = prefix + SUMS_SUFFIX
     if os.path.exists(sums):
         problems += [p for p in verify(sums) if p not in problems]

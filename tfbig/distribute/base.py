@@ -13,6 +13,7 @@ it with its schedules), how gradients and metrics are averaged (`all_reduce_grad
 import contextlib
 import os
 import signal
+import socket
 import threading
 
 import tensorflow as tf
@@ -93,6 +94,13 @@ class Strategy:
         """Whether this process restores --model_dir's checkpoint itself (else it receives
         the restored state through `broadcast_variables`)."""
         return True
+
+    @property
+    def checkpoint_pieces(self):
+        """How many ranks' files make one checkpoint (ZeRO shards x tensor ranks x stages):
+        --async_checkpoint=auto writes beside training only when it is one (a death during
+        the writes could leave the pieces' newest checkpoints at different steps)."""
+        return 1
 
     @property
     def learning_rate_scale(self):
@@ -200,6 +208,15 @@ class Strategy:
     def max_over_processes(self, values):
         """The largest of each float over all processes (a collective: all must call it)."""
         return [float(v) for v in values]
+
+    def gather_over_processes(self, values):
+        """[the floats `values` of process 0, of process 1, ...] (a collective)."""
+        return [[float(v) for v in values]]
+
+    def process_hosts(self):
+        """The host name of each process, in the order of `gather_over_processes` (a
+        collective)."""
+        return [socket.gethostname()]
 
     def broadcast_variables(self, variables):
         """Make every replica's copy of `variables` equal to the chief's."""

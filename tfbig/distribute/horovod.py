@@ -19,6 +19,7 @@ Example:
     horovodrun -np 2 -H localhost:2 --gloo tfbig-train --strategy=horovod --preset=tiny
 """
 import contextlib
+import socket
 
 import tensorflow as tf
 
@@ -107,6 +108,10 @@ class HorovodStrategy(Strategy):
         return self.is_chief  # Horovod: rank 0 restores, broadcast_variables gives it to all
 
     @property
+    def checkpoint_pieces(self):
+        return self.mesh.mesh.pipeline * self.mesh.mesh.tensor  # a stage's tensor ranks each
+
+    @property
     def learning_rate_scale(self):
         # Horovod: with --scale_lr the peak learning rate grows with the number of processes.
         return float(self.num_replicas) if self.options.scale_lr else 1.0
@@ -168,6 +173,13 @@ class HorovodStrategy(Strategy):
     def max_over_processes(self, values):
         # Every rank of the job, whatever its place in the grid.
         return [float(v) for v in hvd.allreduce(tf.constant(values, tf.float64), op=hvd.Max)]
+
+    def gather_over_processes(self, values):
+        # Horovod: one row per rank of the job, in rank order.
+        return hvd.allgather(tf.constant([values], tf.float64)).numpy().tolist()
+
+    def process_hosts(self):
+        return hvd.allgather_object(socket.gethostname())
 
     def broadcast_variables(self, variables):
         # Horovod: every process starts from the first process's model and optimizer state

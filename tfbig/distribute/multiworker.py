@@ -128,6 +128,7 @@ class MultiWorker(Strategy):
         self.tf_strategy = self._make_strategy(options)
         self._temp_dir = None
         self._min_max = None
+        self._gather = None
 
     def _resolver(self, options):
         return cluster_resolver(options.cluster_resolver)
@@ -240,6 +241,18 @@ class MultiWorker(Strategy):
 
     def max_over_processes(self, values):
         return [self._all_workers_min_max(value)[1] for value in values]
+
+    def gather_over_processes(self, values):
+        if self._gather is None:  # one row per replica, worker by worker: a worker's first
+            self._gather = tf.function(lambda x: self.tf_strategy.gather(
+                self.tf_strategy.run(lambda: x[None]), axis=0))
+        rows = self._gather(tf.constant(values, tf.float64)).numpy()
+        return rows[::len(rows) // self.num_workers].tolist()
+
+    def process_hosts(self):
+        jobs = self.resolver.cluster_spec().as_dict() if self.resolver else {}
+        addresses = jobs.get("chief", []) + jobs.get("worker", [])  # _worker_index's order
+        return [a.rsplit(":", 1)[0] for a in addresses] or super().process_hosts()
 
     def shutdown(self):
         """Leave together: a worker that exits while another still works (the chief writing

@@ -215,6 +215,10 @@ class ZeroStrategy(HorovodStrategy):
     def restores_checkpoint(self):
         return True  # every rank restores the optimizer slices of its position
 
+    @property
+    def checkpoint_pieces(self):
+        return self.num_shards * super().checkpoint_pieces
+
     def _shard_dir(self, model_dir):
         return piece_dir(model_dir, "zero", self.shard_index)
 

@@ -35,17 +35,23 @@ def stragglers(records, threshold):
     host_of = {r["rank"]: r["host"] for r in records}
     for name in per_rank[records[0]["rank"]]:
         values = {rank: m[name] for rank, m in per_rank.items() if name in m}
-        found += _below(values, threshold, name, "rank", host_of)
+        found += below_median(values, threshold, name, "rank", host_of)
         hosts = {}
         for rank, value in values.items():
             hosts.setdefault(host_of[rank], []).append(value)
         if len(hosts) > 1:
-            found += _below({h: statistics.median(v) for h, v in hosts.items()}, threshold,
+            found += below_median({h: statistics.median(v) for h, v in hosts.items()}, threshold,
                             name, "host", {h: h for h in hosts})
     return found
 
 
-def _below(values, threshold, name, scope, host_of):
+STRAGGLER_THRESHOLD = 0.2  # tfbig-doctor's --straggler_threshold default; training's rule
+
+
+def below_median(values, threshold, name, scope, host_of):
+    """The straggler rule, on rates (higher is better): [{scope, rank or host, host,
+    measurement, value, median, below}] for each key of `values` whose rate is at least
+    `threshold` below the median of all (tfbig-doctor's measurements, training's steps/s)."""
     if len(values) < 2:
         return []
     median = statistics.median(values.values())
@@ -87,7 +93,7 @@ def problems(records, correctness, require, hosts):
     return found
 
 
-def _straggler_line(s):
+def straggler_line(s):
     who = f"rank {s['rank']} on host {s['host']}" if s["scope"] == "rank" else (
         f"host {s['host']}")
     return (f"STRAGGLER: {who}: {s['measurement']} {s['value']:.4g}, {s['below']:.0%} below "
@@ -99,7 +105,7 @@ def text(report):
     lines = [f"tfbig-doctor: {report['ranks']} rank(s) on {len(report['hosts'])} host(s) "
              f"({', '.join(report['hosts'])}), controller {report['controller']}: "
              f"{'OK' if not (report['stragglers'] or report['problems']) else 'ATTENTION'}"]
-    lines += [_straggler_line(s) for s in report["stragglers"]]
+    lines += [straggler_line(s) for s in report["stragglers"]]
     lines += [f"PROBLEM: {p}" for p in report["problems"]]
     lines.append("build:")
     for r in report["per_rank"]:

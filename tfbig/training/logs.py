@@ -58,7 +58,8 @@ class RunLogger:
                          ("mfu", "MFU {:.1%}"), ("time_fraction/input", "input wait {:.0%}"),
                          ("time_fraction/communication", "comm {:.0%}"),
                          ("time_fraction/checkpoint", "ckpt {:.0%}"),
-                         ("loss_scale", "scale {:g}"), ("skipped_steps", "skipped {:.0f}")):
+                         ("loss_scale", "scale {:g}"), ("skipped_steps", "skipped {:.0f}"),
+                         ("goodput", "goodput {:.0%}")):
             if key in values and not (key in _SHOWN_IF_NONZERO and values[key] < 0.005):
                 parts.append(fmt.format(values[key]))
         if "expert_tokens_min" in values:  # an MoE model: imbalance visible (tfbig.tasks.llama)

@@ -25,11 +25,13 @@ import os
 import re
 import signal
 import threading
+import time
 
 from tfbig.checkpoints import integrity
 from tfbig.config import TrainConfig
 from tfbig.errors import USER_ERROR_EXIT_CODE, UsageError
 from tfbig.models.common import COMPUTE_FIELDS
+from tfbig.training import goodput
 
 BACKOFF_CAP = 300.0  # seconds: the longest wait between restarts
 _STATE_ENTRY = re.compile(r'^(?:all_)?model_checkpoint_paths?: "(.*)"$')
@@ -180,6 +182,7 @@ class Supervisor:
             if self.stopped.is_set():  # asked to stop while it started
                 self.job.stop()
             code = self.job.wait()
+            died = time.time()  # for the run's goodput: a restart's time starts here
             if code == 0 or self.stopped.is_set() or not self.max_restarts:
                 return code
             cause = f"{self.job.failure or f'the job ended with exit code {code}'}"
@@ -200,3 +203,4 @@ class Supervisor:
             if self.stopped.wait(delay):
                 self.say("asked to stop during the back-off: not restarting")
                 return code
+            goodput.record_restart(self.model_dir, died, time.time(), cause)

@@ -5,7 +5,6 @@ One optimizer step = `grad_accum_steps` micro-batches per data-parallel replica:
     average gradients over replicas (once per step)        -> strategy.all_reduce_gradients
     unscale, clip by global norm, apply (skip if not finite) -> optimizer.apply
 """
-import contextlib
 import dataclasses
 import math
 import time
@@ -17,6 +16,7 @@ from tensorflow.python.framework import config as op_config
 from tfbig import config as config_lib
 from tfbig import data
 from tfbig.checkpoints import integrity
+from tfbig.checkpoints.async_write import CheckpointWriter, host_copier
 from tfbig.checkpoints.checkpoint import rng_variables
 from tfbig.convert import init_checkpoint
 from tfbig.errors import TrainingStoppedError
@@ -24,6 +24,9 @@ from tfbig.optim import decide_schedule, learning_rate, loss_scale
 from tfbig.profiling.profiler import RunProfiler
 from tfbig.tasks import get_task
 from tfbig.training import budget as budget_lib
+from tfbig.training.budget_loop import BudgetedLoop
+from tfbig.training.goodput import GoodputClock
+from tfbig.training.stragglers import StragglerWatch
 from tfbig.training import evaluation, preflight, run_directory
 from tfbig.training.logs import RunLogger
 from tfbig.training.precision import set_precision
@@ -43,7 +46,7 @@ def micro_batch_size(batch_size, num_replicas, grad_accum_steps):
     return batch_size // parts
 
 
-class Trainer:
+class Trainer(BudgetedLoop):
     """Builds model, optimizer, data and checkpoint for an ExperimentConfig and trains it.
 
     Example:
@@ -108,13 +111,22 @@ class Trainer:
             model=self.strategy.checkpoint_model(self.model), rng_state=rng_variables(self.model),
             optimizer=self.optimizer, step=self.step, batches_consumed=self.batches_consumed,
             nonfinite_steps=self.nonfinite_steps)
-        self._managers = {}
-        self.restored_from = self._restore()
+        self.stragglers = StragglerWatch(self.strategy, t.straggler_every, self.logger.info)
+        self.goodput = GoodputClock(  # from this process's start (tfbig.training.goodput)
+            t.model_dir, time.time() - (time.monotonic() - self.started), self.strategy.is_chief)
+        self._managers = {}  # {directory: CheckpointWriter}
+        self.async_checkpoint = t.async_checkpoint == "on" or (
+            t.async_checkpoint == "auto" and self.strategy.checkpoint_pieces == 1)
+        if self.async_checkpoint:  # the copy's trace: start-up, not the first save
+            host_copier(self.checkpoint)
+        with self.goodput.measure("checkpoint_restore"):
+            self.restored_from = self._restore()
         init_checkpoint.initialise(self)  # a fresh run takes --init_checkpoint's weights
         # Weights, optimizer slots, dropout RNG states and the step/input counters: a rank that
         # found no checkpoint (local disks) continues where the chief's restore left off.
         self.strategy.broadcast_variables(self.model.variables + self.optimizer.variables + [
             self.step, self.batches_consumed, self.nonfinite_steps])
+        self.goodput.resumed(int(self.step.numpy()))  # steps after it are trained again
         self.forward_backward = self.strategy.make_forward_backward(
             self._loss_fn, self.model.trainable_variables, self._scale_loss, t.xla)
         self.validation_step = self.strategy.make_validation_step(self.task, self.model, t.xla)
@@ -184,14 +196,22 @@ class Trainer:
         directory = self.strategy.checkpoint_dir(self.cfg.train.model_dir)
         if directory is None:
             return None
-        if directory not in self._managers:
-            self._managers[directory] = tf.train.CheckpointManager(
-                self.checkpoint, directory, max_to_keep=self.cfg.train.keep_checkpoints)
-        path = self._managers[directory].save(checkpoint_number=self.step)
-        integrity.record_checkpoint(path)  # sizes and CRC-32s, checked before a restore
-        integrity.prune_sums(directory)
-        self.strategy.after_checkpoint(directory)
+        if directory not in self._managers:  # --async_checkpoint: written beside training
+            self._managers[directory] = CheckpointWriter(
+                self.checkpoint, directory, self.cfg.train.keep_checkpoints,
+                self.async_checkpoint, finish=self.strategy.after_checkpoint)
+        return self._managers[directory].save(int(self.step.numpy()))
+
+    def _save_and_wait(self):
+        """The final (or preempted) save: the process may end once it returns."""
+        path = self.save()
+        self.wait_for_checkpoint()
         return path
+
+    def wait_for_checkpoint(self):
+        """Until a checkpoint being written beside training is complete (raises its error)."""
+        for writer in self._managers.values():
+            writer.wait()
 
     # ---- data --------------------------------------------------------------------------------
     def _train_iterator(self):
@@ -248,6 +268,8 @@ class Trainer:
             int(self.batches_consumed.numpy()) * self.cfg.train.batch_size))
         if self.cfg.train.precision != "mixed_float16":
             values.pop("loss_scale")
+        values.update(self.goodput.scalars())  # goodput, badput/<cause>: shares of the wall time
+        self.goodput.write()  # a process killed from here on loses at most the time since
         self.logger.progress(step, values)
         self.logger.scalars("train", step, values)
         return values
@@ -276,106 +298,75 @@ class Trainer:
             timer.start(step)
         end = min(limit, t.max_steps or math.inf)
         last = {}
+        self.goodput.loop_started()
         while step < end:
-            with self.profiler.phase("input"):
-                batch = next(iterator)
-            step += 1
-            log = step % t.log_every == 0 or step == end
-            mark = timer is not None and timer.due(step)
-            with self.profiler.phase("compute"):
-                out = self._train_step(batch)
-                if log or mark:  # wait for device work queued (GPUs run ahead)
-                    out = {k: v.numpy() for k, v in out.items()}
-            if mark:
-                timer.mark(step)
-                if self._estimate_budget(step):  # the decay starts: the count is fixed
-                    timer, end = None, min(limit, t.max_steps)
-            self.profiler.step_done(step, out.pop("communication_seconds"))
-            if log:
-                self._check_finite(step)
-                last = self._log_train(step, out, self.profiler.interval())
-            if t.eval_every and step % t.eval_every == 0 and step < end:
-                with self._pause("validation"):
-                    self._report_eval(step)
-            if step % t.checkpoint_every == 0 and step < end:
-                self._check_finite(step)
-                with self.profiler.phase("checkpoint"), self._pause("checkpoint"):
-                    self.save()
-            self.strategy.after_step(step)
-            if self.strategy.should_stop():  # SIGTERM on any process: all save, then stop
+            with self.goodput.step():
+                step, last, end, timer, stop = self._iteration(iterator, step, last, end, limit,
+                                                               timer)
+            if stop:  # SIGTERM on any process: all save, then stop
                 return self._stop_preempted(step, last)
         self._check_finite(step)
-        summary = {"step": step, "train": last, "checkpoint": self.save(),
-                   "eval": self._report_eval(step)}
+        with self.goodput.measure("checkpoint_save"):
+            path = self._save_and_wait()
+        with self.goodput.measure("evaluation"):
+            summary = {"step": step, "train": last, "checkpoint": path,
+                       "eval": self._report_eval(step)}
         if self.budget and step == t.max_steps:  # the budgeted run's end, in its accounting
             self.budget.ended_seconds = time.monotonic() - self.started
             if self.strategy.is_chief:
                 run_directory.save_config(self)
+        summary["goodput"] = self.goodput.summary()
+        summary["stragglers"] = self.stragglers.found
+        self.goodput.write(finished=True)
+        self.logger.info(self.goodput.describe())
+        if self.stragglers.found:
+            self.logger.info(self.stragglers.describe())
         self.logger.flush()
         return summary
 
-    # ---- --max_steps=0: a warmup-stable-decay schedule in --time_budget_minutes (tfbig.training.budget)
-    def _pause(self, kind):
-        """Time a checkpoint save or validation pass out of the budget's step time."""
-        return self.timer.pause(kind) if self.timer else contextlib.nullcontext()
-
-    def _estimate_budget(self, step):
-        """At a mark of a budgeted run: estimate the total from the time left (the slowest
-        process's figures); once the decay is due, fix it and the decay's start. Records the
-        first estimate and the decision in config.json; True once decided."""
-        timed = self.timer.seconds_per_step()
-        if timed is None or step % budget_lib.ESTIMATE_EVERY:
-            return False
-        first = self.budget is None  # this process's first estimate
-        if first:
-            self._measure_pauses(step)
-        per_step, save_seconds, validation, elapsed = self.strategy.max_over_processes(
-            [timed[0], self.timer.seconds["checkpoint"], self.timer.seconds["validation"],
-             time.monotonic() - self.started])
-        self.budget = budget_lib.estimate(self.cfg.train, step, per_step, timed[1], elapsed,
-                                          save_seconds, validation, first)
-        self.logger.max_steps, self.logger.estimated = self.budget.max_steps, True
-        if self.budget.decided:
-            self._fix_schedule()
-        if first or self.budget.decided:
-            if self.strategy.is_chief:
-                run_directory.save_config(self)
-            self.logger.info(self.budget.describe())
-        return self.budget.decided
-
-    def _measure_pauses(self, step):
-        """The run's first checkpoint, timed (the saves to come take as long), and a whole
-        validation pass's time from a timed batch."""
-        self._check_finite(step)
-        with self._pause("checkpoint"):
-            self.save()
-        with self._pause("validation"):
-            whole_pass = self._time_validation()
-        self.timer.seconds["validation"] = whole_pass  # not the two batches' time
-
-    def _fix_schedule(self):
-        """The decided decay: the step count, and the schedule's start and end of the decay
-        (a variable the traced step reads: nothing is traced again)."""
-        total = self.cfg.train.max_steps = self.logger.max_steps = self.budget.max_steps
-        self.logger.estimated = False
-        decide_schedule(self.optimizer, self.budget.decay_start, total)
-
-    def _time_validation(self):
-        """Seconds of a whole validation pass: a first batch compiles the forward, a second
-        one is timed (0 without a validation split)."""
-        if not self.eval_batches:
-            return 0.0
-        iterator = self._validation_batches()
-        seconds = []
-        for _ in range(min(2, self.eval_batches)):
-            begin = time.monotonic()
-            tf.nest.map_structure(lambda v: v.numpy(), self._eval_step(next(iterator)))
-            seconds.append(time.monotonic() - begin)
-        return self.eval_batches * seconds[-1]
+    def _iteration(self, iterator, step, last, end, limit, timer):
+        """One step of the loop, with its logging, evaluation and checkpoint."""
+        t = self.cfg.train
+        begin = time.time()
+        self.stragglers.step_started()
+        with self.profiler.phase("input"), self.goodput.measure("input_wait"):
+            batch = next(iterator)
+        step += 1
+        log = step % t.log_every == 0 or step == end
+        mark = timer is not None and timer.due(step)
+        with self.profiler.phase("compute"):
+            out = self._train_step(batch)
+            if log or mark:  # wait for device work queued (GPUs run ahead)
+                out = {k: v.numpy() for k, v in out.items()}
+        if mark:
+            timer.mark(step)
+            if self._estimate_budget(step):  # the decay starts: the count is fixed
+                timer, end = None, min(limit, t.max_steps)
+        communication = out.pop("communication_seconds")
+        self.profiler.step_done(step, communication)
+        self.stragglers.step_done(time.time() - begin, communication)
+        if log:
+            self._check_finite(step)
+            last = self._log_train(step, out, self.profiler.interval())
+        if self.stragglers.due(step):  # every process: a gather
+            self.stragglers.check(step)
+        if t.eval_every and step % t.eval_every == 0 and step < end:
+            with self._pause("validation"), self.goodput.measure("evaluation"):
+                self._report_eval(step)
+        if step % t.checkpoint_every == 0 and step < end:
+            self._check_finite(step)
+            with self.profiler.phase("checkpoint"), self._pause("checkpoint"), \
+                    self.goodput.measure("checkpoint_save"):
+                self.save()
+            self.goodput.checkpoint_saved(step)
+        self.strategy.after_step(step)
+        return step, last, end, timer, self.strategy.should_stop()
 
     def _stop_preempted(self, step, last):
         self._check_finite(step)
-        path = self.save()
+        with self.goodput.measure("checkpoint_save"):
+            path = self._save_and_wait()
+        self.goodput.write()
         self.logger.info(f"preempted (SIGTERM) after step {step}: saved {path}; "
                          "start the same command again to resume")
         self.logger.flush()
