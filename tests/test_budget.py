@@ -213,6 +213,7 @@ SLOW_STEPS, SLOW_SECONDS = 6, 1.0
 BUDGET_MINUTES = 0.5  # 30 s: compilation, 6 slow steps and a few hundred tiny ones
 
 
+@pytest.mark.slow  # a real 30 s budget: on a loaded machine compilation and the slow steps use it up; the estimate, decay and record are checked on a fake clock above
 def test_slow_first_steps_do_not_shorten_the_run_and_a_resume_continues_its_schedule(
         gpt_data, tmp_path):
     flags = dict(max_steps=0, time_budget_minutes=BUDGET_MINUTES, warmup_steps=10, log_every=1,
