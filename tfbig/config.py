@@ -81,8 +81,9 @@ class TrainConfig:
                                        "loss-scale update, apply) too, into one XLA program "
                                        "with the forward/backward where the backend's "
                                        "collectives allow it (single), else into one after "
-                                       "the gradient all-reduce (Horovod, multiworker, "
-                                       "mirrored); false: it runs op by op.")
+                                       "the gradient all-reduce (Horovod); false: it runs "
+                                       "op by op, as it does under ZeRO, tensor parallelism, "
+                                       "pipelines, multiworker and mirrored.")
     seed: int = field(0, "Random seed for initialisation, dropout and data order.")
     deterministic: bool = field(False, "Deterministic ops and data order: exact resume, "
                                        "bit-for-bit repeatable runs (slower).")

@@ -7,12 +7,13 @@
 
 With --xla and --compile_update (the defaults) the backend's `compiled_step` decides what is
 compiled together: "whole" (single device: the whole step above is one program), "update"
-(Horovod, whose ops have no XLA kernels, and tf.distribute on CPU, where XLA refuses
-collectives: the forward/backward is one program, the update after the all-reduce another,
-instead of a dozen ops per variable) or None (a backend whose update itself communicates:
-ZeRO's and tensor parallelism's norms over slices, the pipelines'). Outside XLA every op of
-the update runs on its own, which costs tens of microseconds per variable on a CPU whatever its
-size (the doctor's optimizer probe, tfbig.doctor.probes.update_seconds_per_variable).
+(Horovod, whose ops have no XLA kernels: the forward/backward is one program, the update
+after the all-reduce another, instead of a dozen ops per variable) or None (a backend whose
+update itself communicates: ZeRO's and tensor parallelism's norms over slices, the
+pipelines', tf.distribute's merge_call inside Keras' `apply`: tfbig.distribute.multiworker).
+Outside XLA every op of the update runs on its own, which costs tens of microseconds per
+variable on a CPU whatever its size (the doctor's optimizer probe,
+tfbig.doctor.probes.update_seconds_per_variable).
 """
 import tensorflow as tf
 
