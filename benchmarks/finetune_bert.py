@@ -5,8 +5,8 @@ parameters; --num_layers to shorten it), the same batches (random WordPiece ids 
 two segments, --num_classes labels; the same arrays through the same tf.data pipeline), the
 same optimizer (tfbig-classify's: AdamW, linear warmup and decay, weight decay off norms and
 biases, clipping at 1), dropout 0.1 (BERT's) and XLA. tfbig trains the way tfbig-classify does
-(the Trainer's step on tfbig.tasks.classify, one device: XLA forward and backward, the
-optimizer outside); keras-hub the way its users do, `BertTextClassifier.compile(jit_compile=True)` +
+(the Trainer's step on tfbig.tasks.classify, one device: forward, backward and optimizer
+update in one XLA program, tfbig.training.step); keras-hub the way its users do, `BertTextClassifier.compile(jit_compile=True)` +
 `fit`. Each trains 1 + --steps steps; the first (compilation) is left out and sequences/s
 covers the --steps after it, in wall time and per CPU-second of the process (`ratio_cpu`:
 robust to other processes on a shared machine). The sides alternate for --repeats rounds

@@ -32,14 +32,18 @@ flags.DEFINE_integer("seq_length", 256, "Tokens per sequence.")
 flags.DEFINE_integer("steps", 6, "Timed steps per mode and round.")
 flags.DEFINE_integer("repeats", 2, "Rounds over all modes; the best round of each is reported.")
 flags.DEFINE_string("data_dir", "", "Prepared data (default: the embedded corpus, cached).")
-flags.DEFINE_list("modes", ["fp32", "fp32_xla", "bf16_xla"], "Modes to measure.")
+flags.DEFINE_list("modes", ["fp32", "fp32_xla", "fp32_xla_op_update", "bf16_xla"],
+                  "Modes to measure.")
 
-MODES = {"fp32": ("fp32", False), "fp32_xla": ("fp32", True),
-         "bf16_xla": ("mixed_bfloat16", True)}
+# mode -> (--precision, --xla, --compile_update): fp32_xla is the whole step in one XLA program
+# (tfbig.training.step), fp32_xla_op_update the forward/backward alone, the update op by op.
+MODES = {"fp32": ("fp32", False, True), "fp32_xla": ("fp32", True, True),
+         "fp32_xla_op_update": ("fp32", True, False),
+         "bf16_xla": ("mixed_bfloat16", True, True)}
 
 
 def train_once(precision, xla, model_dir, preset=None, batch_size=None, seq_length=None,
-               steps=None, data_dir=None, **model):
+               steps=None, data_dir=None, compile_update=True, **model):
     """Train one fresh model; tokens/s and tokens per CPU-second over the timed steps, and the
     model's config. Arguments left None take this script's flags (--preset, ...); `model`
     overrides the preset's fields (hidden_size, num_layers, num_heads: tfbig-train's flags)."""
@@ -54,7 +58,7 @@ def train_once(precision, xla, model_dir, preset=None, batch_size=None, seq_leng
     for key, value in dict(
             **settings, **model, model_dir=model_dir, max_steps=steps, log_every=steps,
             warmup_steps=1, eval_steps=1, checkpoint_every=10 ** 9, sample_tokens=0,
-            precision=precision, xla=xla).items():
+            precision=precision, xla=xla, compile_update=compile_update).items():
         setattr(cfg.train, key, value)
     trainer = Trainer(cfg)
     marks = _timing.clock_steps(trainer)
@@ -71,11 +75,12 @@ def main(argv):
     with tempfile.TemporaryDirectory() as root:
         for round_index in range(FLAGS.repeats):
             for mode in FLAGS.modes:
-                precision, xla = MODES[mode]
+                precision, xla, compile_update = MODES[mode]
                 wall, cpu = _timing.peak_flops(precision)
                 old = peaks.get(precision, (0.0, 0.0))
                 peaks[precision] = (max(old[0], wall), max(old[1], cpu or 0.0))
-                run = train_once(precision, xla, os.path.join(root, f"{mode}-{round_index}"))
+                run = train_once(precision, xla, os.path.join(root, f"{mode}-{round_index}"),
+                                 compile_update=compile_update)
                 print(f"round {round_index} {mode}: {run['tokens_per_sec']:,.0f} tok/s, "
                       f"{run['tokens_per_cpu_sec']:,.0f} tok/CPU-s, "
                       f"input wait {run['input_wait']:.1%}", flush=True)
@@ -98,6 +103,10 @@ def main(argv):
         result[f"{mode}_input_wait"] = round(run["input_wait"], 4)
     if "fp32_xla_mfu" in result:
         result["mfu"] = result["fp32_xla_mfu"]
+    if "fp32_xla_tokens_per_sec" in result and "fp32_xla_op_update_tokens_per_sec" in result:
+        result["compiled_update_speedup"] = round(result["fp32_xla_tokens_per_sec"]
+                                                  / result["fp32_xla_op_update_tokens_per_sec"], 3)
+    result["load"] = [round(x, 2) for x in os.getloadavg()]
     _record.emit(result)
 
 

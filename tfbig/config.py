@@ -77,6 +77,13 @@ class TrainConfig:
     attention_block_size: int = field(512, "Rows of the query and key tiles of blockwise "
                                            "attention.")
     xla: bool = field(True, "Compile the forward/backward pass with XLA (jit_compile).")
+    compile_update: bool = field(True, "With --xla: compile the optimizer update (clipping, "
+                                       "loss-scale update, apply) too, into one XLA program "
+                                       "with the forward/backward where the backend's "
+                                       "collectives allow it (single), else into one after "
+                                       "the gradient all-reduce (Horovod); false: it runs "
+                                       "op by op, as it does under ZeRO, tensor parallelism, "
+                                       "pipelines, multiworker and mirrored.")
     seed: int = field(0, "Random seed for initialisation, dropout and data order.")
     deterministic: bool = field(False, "Deterministic ops and data order: exact resume, "
                                        "bit-for-bit repeatable runs (slower).")
@@ -325,6 +332,9 @@ def check_applicable(cfg):
     if cfg.train.calibration and not cfg.train.plan_only:
         raise ValueError(f"--calibration={cfg.train.calibration} is read by --plan_only only; "
                          f"add --plan_only or drop it")
+    if not cfg.train.compile_update and not cfg.train.xla:
+        raise ValueError("--compile_update=false has no effect with --xla=false (nothing is "
+                         "compiled); it applies to --xla=true")
     if cfg.pipeline.offload_activations and not cfg.pipeline.activation_checkpointing:
         raise ValueError("--offload_activations needs --activation_checkpointing: only the "
                          "block inputs it keeps for the recompute are offloaded")

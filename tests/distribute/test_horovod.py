@@ -141,6 +141,8 @@ def runs(gpt_data, tmp_path_factory):
         run_entry("fp16_skip", horovod_cfg(gpt_data, root / "fp16skip", scale_lr=True,
                                            precision="mixed_float16"), out, poison_rank=1,
                   seed_by_rank=True),
+        # --xla: the update after the allreduce is one XLA program (tfbig.training.step)
+        run_entry("compiled", horovod_cfg(gpt_data, root / "compiled", xla=True), out),
         run_entry("preempted", horovod_cfg(gpt_data, root / "preempted", max_steps=6), out,
                   sigterm={"rank": 1, "step": 2}),
         run_entry("budget", horovod_cfg(gpt_data, root / "budget", max_steps=0,
@@ -154,7 +156,7 @@ def runs(gpt_data, tmp_path_factory):
 # z3_d2_albert_lamb), BERT fine-tuning on 2 ranks (test_classify, test_bert_squad),
 # and recompute's checkpointed blocks (base Strategy.build_model, as on one device:
 # test_recompute's GPT cases) feed the allreduce "accum" checks.
-SLOW = ["init", "albert", "bert", "recompute"]
+SLOW = ["init", "albert", "bert", "recompute", "fp16_skip_compiled"]
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +171,10 @@ def slow_runs(gpt2_bpe, gpt_data, albert_data, bert_data, tmp_path_factory):
         run_entry("albert", horovod_cfg(albert_data, root / "albert", **ALBERT), out),
         run_entry("bert", horovod_cfg(bert_data, root / "bert", **BERT), out),
         run_entry("recompute", recompute_cfg(horovod_cfg(gpt_data, root / "recompute",
-                                                         grad_accum_steps=2)), out)])
+                                                         grad_accum_steps=2)), out),
+        run_entry("fp16_skip_compiled", horovod_cfg(
+            gpt_data, root / "fp16skipxla", scale_lr=True, precision="mixed_float16", xla=True),
+            out, poison_rank=1, seed_by_rank=True)])
 
 
 def launch(root, plan, env=None):
@@ -217,7 +222,7 @@ def timeline_counts(path):
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", ["plain", "accum", "resumed", "fp16_allreduce", "fp16_skip",
-                                  "preempted"] + [pytest.param(name, marks=pytest.mark.slow)
+                                  "preempted", "compiled"] + [pytest.param(name, marks=pytest.mark.slow)
                                                   for name in SLOW])
 def test_ranks_end_with_bit_identical_weights_and_optimizer_state(request, name):
     first, second = request.getfixturevalue("slow_runs" if name in SLOW else "runs")[name]
@@ -232,6 +237,10 @@ def test_ranks_end_with_bit_identical_weights_and_optimizer_state(request, name)
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name,data,train", [("plain", "gpt_data", {}),
                                              ("accum", "gpt_data", {"grad_accum_steps": 2}),
+                                             # the compiled update against one device's
+                                             # forward/backward compiled, update op by op
+                                             ("compiled", "gpt_data",
+                                              {"xla": True, "compile_update": False}),
                                              # checkpointed ranks vs a plain single device
                                              pytest.param("recompute", "gpt_data",
                                                           {"grad_accum_steps": 2},
@@ -349,8 +358,11 @@ def test_fp16_allreduce_sends_float16_and_stays_close(runs):
 
 
 @pytest.mark.multiproc
-def test_non_finite_fp16_step_on_one_rank_is_skipped_on_every_rank(runs):
-    for result in runs["fp16_skip"]:  # rank 1's loss was inf in step 1, rank 0's finite
+@pytest.mark.parametrize("name", ["fp16_skip", pytest.param("fp16_skip_compiled",
+                                                            marks=pytest.mark.slow)])
+def test_non_finite_fp16_step_on_one_rank_is_skipped_on_every_rank(request, name):
+    runs = request.getfixturevalue("slow_runs" if name in SLOW else "runs")
+    for result in runs[name]:  # rank 1's loss was inf in step 1, rank 0's finite
         for initial, after in zip(listed(result, "initial"), listed(result, "after_poison")):
             np.testing.assert_array_equal(initial, after)  # the update was skipped
         assert int(result["nonfinite_steps"]) == 1

@@ -65,6 +65,11 @@ class Strategy:
 
     name = "single"
     whole_model = True  # this process holds every weight (the chief samples text from it)
+    # What of one optimizer step can be one XLA program with --xla (tfbig.training.step):
+    # "whole" (forward, backward, all-reduce, clipping, loss scale and apply: no collective
+    # or XLA kernels for them), "update" (the update after the all-reduce; its collectives
+    # run outside XLA) or None (the update itself communicates, or spans devices).
+    compiled_step = "whole"
 
     def __init__(self, cfg=None):
         self.cfg = cfg

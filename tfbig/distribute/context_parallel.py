@@ -250,6 +250,10 @@ class ContextParallel:
     data backend (HorovodStrategy, ZeroStrategy, TensorParallelStrategy...) by `with_context`:
     the backend underneath sees one replica per data rank, as without it."""
 
+    # Its forward/backward runs without XLA (collectives inside); the update stays op by op
+    # too: no test has compiled it with the context axis (tfbig.training.step).
+    compiled_step = None
+
     def __init__(self, cfg=None, mesh=None):
         super().__init__(cfg, mesh)
         self.context = None  # the ContextGroup, once the task's sequence length is known

@@ -74,6 +74,7 @@ class HorovodStrategy(Strategy):
     """
 
     name = "horovod"
+    compiled_step = "update"  # Horovod: its ops have no XLA kernels; the update is local math
 
     def __init__(self, cfg=None, mesh=None):
         super().__init__(cfg)

@@ -108,6 +108,11 @@ class MultiWorker(Strategy):
     """MultiWorkerMirroredStrategy: synchronous data parallelism over worker processes."""
 
     name = "multiworker"
+    # tf.distribute: the update runs op by op. On CPU, XLA refuses collectives ("Collectives
+    # are not yet implemented for CPU devices when compiling with XLA"), and Keras' optimizer
+    # synchronises replicas inside `apply` (merge_call), which a compiled function nested in
+    # the replica step cannot hold ("`merge_call` called while defining a new graph").
+    compiled_step = None
 
     def __init__(self, cfg):
         super().__init__(cfg)

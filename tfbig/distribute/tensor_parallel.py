@@ -71,6 +71,7 @@ class TensorParallelStrategy(HorovodStrategy):
     """Horovod data parallelism over the data axis, each replica split over a tensor group."""
 
     name = "horovod"
+    compiled_step = None  # the global norm sums over the tensor group (Horovod ops)
 
     def __init__(self, cfg=None, mesh=None):
         super().__init__(cfg, mesh)

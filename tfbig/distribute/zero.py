@@ -24,6 +24,7 @@ class ZeroStrategy(HorovodStrategy):
     """Horovod data parallelism with the model state sharded over partition groups."""
 
     name = "horovod"
+    compiled_step = None  # the update sums norms over the slices' ranks (Horovod ops)
 
     def __init__(self, cfg=None, mesh=None):
         super().__init__(cfg, mesh)

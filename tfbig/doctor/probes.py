@@ -247,11 +247,13 @@ def normalisation_bandwidth(device, size_bytes, seconds, delay=0.0):
 UPDATE_VARIABLES = 64  # small variables the optimizer probe updates per step
 
 
-def update_seconds_per_variable(device, seconds, delay=0.0):
+def update_seconds_per_variable(device, seconds, delay=0.0, compiled=True):
     """Seconds tfbig's optimizer step spends per variable when the bytes are nothing: the
     global norm for clipping and AdamW's update of UPDATE_VARIABLES variables of 16 values,
-    in one tf.function as the Trainer runs it (not XLA-compiled), over the variable count.
-    A small model's step pays it for each of its variables."""
+    over the variable count. `compiled`: in one XLA program, as the Trainer's compiled step
+    runs it (tfbig.training.step); False: op by op in a tf.function (--compile_update=false).
+    The gradients are made inside the function, as the step's backward makes them. A small
+    model's step pays the figure for each of its variables."""
     import tensorflow as tf
 
     from tfbig.config import TrainConfig
@@ -259,17 +261,17 @@ def update_seconds_per_variable(device, seconds, delay=0.0):
 
     with tf.device(device):
         variables = [tf.Variable(tf.ones([16])) for _ in range(UPDATE_VARIABLES)]
-        gradients = [tf.ones([16]) * 1e-3 for _ in variables]
         optimizer = build_optimizer(TrainConfig(max_steps=10 ** 6, warmup_steps=1,
                                                 grad_clip_norm=1.0), variables)
 
-        @tf.function
-        def step(grads):
+        def step():
+            grads = [v * 1e-3 for v in variables]
             clipped, norm = tf.clip_by_global_norm(grads, 1.0)
             optimizer.apply(clipped, variables)
             return norm
 
-        typical = typical_seconds(lambda: step(gradients).numpy(), seconds, delay)
+        step = tf.function(step, jit_compile=compiled)
+        typical = typical_seconds(lambda: step().numpy(), seconds, delay)
     return typical / UPDATE_VARIABLES
 
 

@@ -126,6 +126,7 @@ class CrossRankPipeline(HorovodStrategy):
     """Data parallel x pipeline, one stage per Horovod rank (see the module docstring)."""
 
     name = "horovod"
+    compiled_step = None  # the global norm sums over the stages (Horovod ops)
     whole_model = False  # each rank holds one stage: no text sample at the end
 
     def __init__(self, cfg, mesh=None):

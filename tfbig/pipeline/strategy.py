@@ -118,6 +118,7 @@ class PipelineStrategy(Strategy):
     """K stages on K devices of this process, M micro-batches per step, GPipe or 1F1B."""
 
     name = "pipeline"
+    compiled_step = None  # the variables live on several devices; one XLA program is on one
 
     def __init__(self, cfg=None):
         super().__init__(cfg)

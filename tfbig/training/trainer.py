@@ -4,6 +4,7 @@ One optimizer step = `grad_accum_steps` micro-batches per data-parallel replica:
     forward/backward (XLA-compiled, loss-scaled for fp16)  -> strategy.make_forward_backward
     average gradients over replicas (once per step)        -> strategy.all_reduce_gradients
     unscale, clip by global norm, apply (skip if not finite) -> optimizer.apply
+(tfbig.training.step: with --xla, as one XLA program where the backend allows it.)
 """
 import dataclasses
 import math
@@ -20,7 +21,7 @@ from tfbig.checkpoints.async_write import CheckpointWriter, host_copier
 from tfbig.checkpoints.checkpoint import rng_variables
 from tfbig.convert import init_checkpoint
 from tfbig.errors import TrainingStoppedError
-from tfbig.optim import decide_schedule, learning_rate, loss_scale
+from tfbig.optim import decide_schedule, learning_rate
 from tfbig.profiling.profiler import RunProfiler
 from tfbig.tasks import get_task
 from tfbig.training import budget as budget_lib
@@ -28,6 +29,7 @@ from tfbig.training.budget_loop import BudgetedLoop
 from tfbig.training.goodput import GoodputClock
 from tfbig.training.stragglers import StragglerWatch
 from tfbig.training import evaluation, preflight, run_directory
+from tfbig.training import step as step_lib
 from tfbig.training.logs import RunLogger
 from tfbig.training.precision import set_precision
 from tfbig.training.registry import get_strategy
@@ -129,6 +131,10 @@ class Trainer(BudgetedLoop):
         self.goodput.resumed(int(self.step.numpy()))  # steps after it are trained again
         self.forward_backward = self.strategy.make_forward_backward(
             self._loss_fn, self.model.trainable_variables, self._scale_loss, t.xla)
+        self.replica_step = step_lib.make_replica_step(  # one XLA program where it can be
+            self.strategy, self.forward_backward, self.optimizer,
+            self.model.trainable_variables,
+            step_lib.compiled_parts(self.strategy, t.xla, t.compile_update))
         self.validation_step = self.strategy.make_validation_step(self.task, self.model, t.xla)
         self.eval_batches = preflight.validation_batches(  # 0: no validation split
             self.task, self.micro_batch, self.strategy.num_replicas, t.eval_steps,
@@ -142,19 +148,9 @@ class Trainer(BudgetedLoop):
         scale = getattr(self.optimizer, "scale_loss", None)
         return scale(loss) if scale else loss
 
-    def _replica_step(self, batch):
-        _, grads, metrics = self.forward_backward(batch)
-        grads, communication_seconds = self.strategy.all_reduce_gradients_timed(grads)
-        metrics = self.strategy.all_reduce_mean(metrics)
-        scale = tf.cast(loss_scale(self.optimizer), tf.float32)  # read before apply changes it
-        grad_norm = self.strategy.global_norm(grads) / scale
-        self.strategy.apply_gradients(self.optimizer, grads, self.model.trainable_variables)
-        return {**metrics, "grad_norm": grad_norm, "loss_scale": scale,
-                "communication_seconds": communication_seconds}
-
     @tf.function
     def _train_step(self, batch):
-        out = self.strategy.local_result(self.strategy.run(self._replica_step, (batch,)))
+        out = self.strategy.local_result(self.strategy.run(self.replica_step, (batch,)))
         finite = tf.math.is_finite(out["loss"]) & tf.math.is_finite(out["grad_norm"])
         self.nonfinite_steps.assign_add(tf.cast(tf.logical_not(finite), tf.int64))
         self.step.assign_add(1)
