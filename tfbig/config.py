@@ -95,33 +95,23 @@ class TrainConfig:
     eval_steps: int = field(50, "Validation batches per evaluation (0: the whole split).")
     checkpoint_every: int = field(200, "Save a checkpoint every N steps (and at the end).")
     keep_checkpoints: int = field(3, "Keep the last N checkpoints.")
-    async_checkpoint: str = field("auto", "Write checkpoints beside training: the step loop "
-                                          "waits only while the state is copied to host "
-                                          "memory (a second copy of this rank's weights and "
-                                          "optimizer slots). on | off | auto (on where one "
-                                          "rank's files make the checkpoint; off for ZeRO, "
-                                          "tensor and pipeline pieces, whose ranks could die "
-                                          "with their newest pieces at different steps). The "
-                                          "final save waits for its write.")
-    straggler_every: int = field(100, "Every N steps, gather each process's own step time "
-                                      "(less the gradient all-reduce's) and name a process "
-                                      "20% or more below the median rate, with its host "
-                                      "(tfbig-doctor's rule), in the log and the summary "
-                                      "(0: never; one process: nothing to compare).")
+    async_checkpoint: str = field("auto", "on | off | auto: write checkpoints beside training, "
+                                          "the loop waiting only for a host copy of the state "
+                                          "(auto: on unless the checkpoint is ZeRO, tensor or "
+                                          "pipeline pieces). The final save waits for its write.")
+    straggler_every: int = field(100, "Every N steps, name a process 20% or more below the "
+                                      "median step rate, with its host (tfbig-doctor's rule; "
+                                      "0: never).")
     skip_corrupt: bool = field(False, "Skip corrupt TFRecord shards (counted in the logs) "
                                       "instead of failing.")
-    data_trace: str = field("", "Directory where each input pipeline appends, per training "
-                                "example it reads, its global position and the CRC-32 of its "
-                                "record (pipeline-<id>-<pid>.tsv; read-ahead included): to check "
-                                "which examples a run trained on (empty: none).")
-    sample_tokens: int = field(200, "Tokens of text generated at the end of training "
-                                    "(0: none).")
-    plan_only: bool = field(False, "Print the plan of these flags on this machine (memory per "
-                                   "device, step time, tokens/s; tfbig.plan) and exit before "
-                                   "any data or model is built.")
-    calibration: str = field("", "With --plan_only: a calibration file tfbig-doctor "
-                                 "--calibration_out wrote; the plan uses its measured device "
-                                 "and collectives and prints the spec/probe figures beside.")
+    data_trace: str = field("", "Directory where each input pipeline appends the global position "
+                                "and CRC-32 of every example it reads (pipeline-<id>-<pid>.tsv; "
+                                "read-ahead included) (empty: none).")
+    sample_tokens: int = field(200, "Tokens of text generated at the end of training (0: none).")
+    plan_only: bool = field(False, "Print the plan of these flags on this machine (memory, step "
+                                   "time, tokens/s) and exit before building anything.")
+    calibration: str = field("", "With --plan_only: a tfbig-doctor --calibration_out file; the "
+                                 "plan uses its measured device and collectives.")
 
 
 @dataclasses.dataclass
