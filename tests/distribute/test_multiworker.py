@@ -265,6 +265,7 @@ def test_a_hung_worker_makes_the_other_fail_after_the_collective_timeout(gpt_dat
     assert "DeadlineExceededError" in output and "Collective has timed out" in output
 
 
+@pytest.mark.slow  # tfbig-launch's handling of a dead worker: tests/test_supervisor.py's fast tests on real processes; a dead worker failing the other fast: the test above
 @pytest.mark.multiproc
 def test_kill_under_tfbig_launch_fails_the_job_and_stops_the_rest(gpt_data, tmp_path):
     cfg = make_cfg(gpt_data, tmp_path / "run", strategy="multiworker", max_steps=100000)
