@@ -59,6 +59,7 @@ def assert_same_gradients(ours, reference):
 PIPELINE = dict(pipeline_stages=4, num_microbatches=2, schedule="gpipe")  # Trainer flags
 
 
+@pytest.mark.slow  # fine-tuning on pipeline stages: test_squad_stages_equal_one_device (default), the same stage machinery with a span head
 def test_classifier_stages_equal_one_device(files, tmp_path, capsys):
     """tfbig-classify --strategy=pipeline on the Trainer: the first step's per-variable
     gradients equal one device's; the run's losses, checkpoint, predictions and scores too."""
