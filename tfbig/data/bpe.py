@@ -35,7 +35,25 @@ def _byte_of_char():
     return chars
 
 
-class ByteLevelBPE:
+class LibraryTokenizer:
+    """Encoding and decoding through a Hugging Face `tokenizers.Tokenizer` (`self.backend`),
+    shared by the byte-level BPE tfbig trains and a checkpoint's tokenizer.json."""
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text` (no special tokens added)."""
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str], num_threads: int = 1) -> list[list[int]]:
+        """Token ids of each text (the library picks its own threads)."""
+        del num_threads
+        return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of `ids`; special tokens (<|endoftext|>, ...) decode to nothing."""
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+class ByteLevelBPE(LibraryTokenizer):
     """A loaded GPT-2 vocabulary and merge list with the ids the rest of tfbig needs."""
 
     def __init__(self, backend, vocab, path, merges_path):
@@ -94,19 +112,6 @@ class ByteLevelBPE:
         if piece not in self.vocab:
             raise ValueError(f"{piece!r} is not in tokenizer {self.path}")
         return self.vocab[piece]
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text` (no end-of-text added)."""
-        return self.backend.encode(text, add_special_tokens=False).ids
-
-    def encode_batch(self, texts: list[str], num_threads: int = 1) -> list[list[int]]:
-        """Token ids of each text (the library picks its own threads)."""
-        del num_threads
-        return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
-
-    def decode(self, ids: Iterable[int]) -> str:
-        """Text of `ids`; <|endoftext|> decodes to nothing."""
-        return self.backend.decode([int(i) for i in ids], skip_special_tokens=True)
 
     def piece_byte_lengths(self) -> np.ndarray:
         """UTF-8 bytes of source text each id stands for (0 for <|endoftext|>), int64 [vocab]."""

@@ -18,9 +18,10 @@ Example:
 """
 import json
 import os
-from collections.abc import Iterable
 
 import numpy as np
+
+from tfbig.data.bpe import LibraryTokenizer
 
 TOKENIZER_JSON = "tokenizer.json"
 # A run directory's config.json "tokenizer" entry for this file (tfbig.data.tokenizer.for_run)
@@ -42,7 +43,7 @@ def _has_type(node, kind) -> bool:
     return False
 
 
-class TokenizerJson:
+class TokenizerJson(LibraryTokenizer):
     """A loaded tokenizer.json with the ids the rest of tfbig needs."""
 
     def __init__(self, backend, path):
@@ -93,19 +94,6 @@ class TokenizerJson:
         if index is None:
             raise ValueError(f"{piece!r} is not in tokenizer {self.path}")
         return index
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text` (no special tokens added)."""
-        return self.backend.encode(text, add_special_tokens=False).ids
-
-    def encode_batch(self, texts: list[str], num_threads: int = 1) -> list[list[int]]:
-        """Token ids of each text (the library picks its own threads)."""
-        del num_threads
-        return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
-
-    def decode(self, ids: Iterable[int]) -> str:
-        """Text of `ids`; special tokens decode to nothing."""
-        return self.backend.decode([int(i) for i in ids], skip_special_tokens=True)
 
     def piece_byte_lengths(self) -> np.ndarray:
         """UTF-8 bytes of source text each id stands for (0 for special tokens), int64 [vocab]:
