@@ -177,6 +177,7 @@ PRECISION = dict(max_seq_length=24, train_batch_size=8, learning_rate=3e-3, max_
                  xla=False)
 
 
+@pytest.mark.slow  # two fine-tunings; mixed precision's half compute: tests/test_trainer.py's bf16/fp16 cases
 def test_mixed_precision_computes_in_half_and_stays_close_to_fp32(bert_run, tmp_path):
     """--precision: the same steps in fp32, mixed_float16 (loss scaled by 2**15, nothing
     skipped) and mixed_bfloat16 give close but not equal losses; the global dtype policy is
@@ -225,8 +226,10 @@ def _launch_worker(strategy, run, tmp_path):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("strategy", [
-    "horovod",  # one horovodrun launch
+@pytest.mark.parametrize("strategy", [  # a launch each (slow): the default run fine-tunes on
+    # two TF_CONFIG workers in test_bert_squad and skips a poisoned fp16 step on Horovod ranks
+    # in test_horovod
+    pytest.param("horovod", marks=pytest.mark.slow),  # one horovodrun launch
     pytest.param("multiworker", marks=pytest.mark.slow)])  # two TF_CONFIG workers
 def test_fp16_two_processes_skip_a_poisoned_step_and_equal_one(strategy, bert_run, tmp_path):
     """--precision=mixed_float16 on 2 processes, step 1's loss and gradients NaN on process 1

@@ -25,6 +25,7 @@ def trainer_for(cfg):
     return Trainer(cfg, task=get_task(cfg.train, cfg))
 
 
+@pytest.mark.slow  # 60 ALBERT steps; ALBERT's loss and metrics are checked against one device in tests/pipeline/test_pipeline_albert.py
 def test_loss_falls_and_metrics_are_reported(albert_data_dir, tmp_path):
     trainer = trainer_for(make_cfg(albert_data_dir, tmp_path, max_steps=60, xla=True))
     first = trainer.evaluate()

@@ -87,6 +87,7 @@ def one_process(tmp_path_factory):
     return train(str(tmp_path_factory.mktemp("order") / "one"))
 
 
+@pytest.mark.slow  # two launches; the Horovod, ZeRO and TP equality tests compare each rank with one process reading the same global examples (ReplicasTask)
 @pytest.mark.multiproc
 def test_two_ranks_train_on_the_examples_of_one_process(one_process, tmp_path):
     assert_same_run(train(str(tmp_path / "np2"), ranks=2), one_process)

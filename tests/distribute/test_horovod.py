@@ -130,42 +130,46 @@ def runs(gpt_data, tmp_path_factory):
     root = tmp_path_factory.mktemp("horovod")
     out = root / "out"
     plan = [
-        {"post_style": [gpt_data, str(root / "post"), str(out)]},
         run_entry("plain", horovod_cfg(gpt_data, root / "plain"), out, per_rank_model_dir=True),
         run_entry("accum", horovod_cfg(gpt_data, root / "accum", grad_accum_steps=2), out,
                   timeline=str(root / "accum_timeline.json")),
         run_entry("resumed", horovod_cfg(gpt_data, root / "resumed"), out, interrupt_at=2,
                   per_rank_model_dir=True),
-        run_entry("fp16_allreduce", horovod_cfg(gpt_data, root / "fp16ar",
-                                                hvd_fp16_allreduce=True), out),
         run_entry("fp16_skip", horovod_cfg(gpt_data, root / "fp16skip", scale_lr=True,
                                            precision="mixed_float16"), out, poison_rank=1,
                   seed_by_rank=True),
-        # --xla: the update after the allreduce is one XLA program (tfbig.training.step)
-        run_entry("compiled", horovod_cfg(gpt_data, root / "compiled", xla=True), out),
         run_entry("preempted", horovod_cfg(gpt_data, root / "preempted", max_steps=6), out,
                   sigterm={"rank": 1, "step": 2}),
-        run_entry("budget", horovod_cfg(gpt_data, root / "budget", max_steps=0,
-                                        time_budget_minutes=5.0, warmup_steps=10), out, steps=10),
     ]
     return launch(root, plan, env={"HOROVOD_TIMELINE": "DYNAMIC"})
 
 
 # A launch of their own (slow). Horovod averages whatever gradients the task and model give,
-# so the default run keeps ALBERT on Horovod ranks under ZeRO (test_zero's
-# z3_d2_albert_lamb), BERT fine-tuning on 2 ranks (test_classify, test_bert_squad),
+# so the default run keeps BERT fine-tuning on 2 ranks (test_classify, test_bert_squad),
 # and recompute's checkpointed blocks (base Strategy.build_model, as on one device:
-# test_recompute's GPT cases) feed the allreduce "accum" checks.
-SLOW = ["init", "albert", "bert", "recompute", "fp16_skip_compiled"]
+# test_recompute's GPT cases) feed the allreduce "accum" checks. Also slow: the float16
+# allreduce, the compiled update (test_compiled_step has a Horovod case of its own), the time
+# budget's step count across ranks and the user-style script (test_api_parallel trains a user
+# model on 2 Horovod ranks).
+SLOW = ["init", "albert", "bert", "recompute", "fp16_skip_compiled", "fp16_allreduce",
+        "compiled", "budget", "post"]
 
 
 @pytest.fixture(scope="module")
 def slow_runs(gpt2_bpe, gpt_data, albert_data, bert_data, tmp_path_factory):
-    """A launch of its own (slow): --init_checkpoint from a converted GPT-2, ALBERT, BERT and
-    --activation_checkpointing."""
+    """A launch of its own (slow): --init_checkpoint from a converted GPT-2, ALBERT, BERT,
+    --activation_checkpointing, and SLOW's GPT scenarios."""
     root = tmp_path_factory.mktemp("horovod_slow")
     out = root / "out"
     return launch(root, [
+        {"post_style": [gpt_data, str(root / "post"), str(out)]},
+        run_entry("plain", horovod_cfg(gpt_data, root / "plain"), out),  # the reference
+        run_entry("fp16_allreduce", horovod_cfg(gpt_data, root / "fp16ar",
+                                                hvd_fp16_allreduce=True), out),
+        # --xla: the update after the allreduce is one XLA program (tfbig.training.step)
+        run_entry("compiled", horovod_cfg(gpt_data, root / "compiled", xla=True), out),
+        run_entry("budget", horovod_cfg(gpt_data, root / "budget", max_steps=0,
+                                        time_budget_minutes=5.0, warmup_steps=10), out, steps=10),
         run_entry("init", horovod_cfg(gpt2_bpe["data"], root / "init",
                                       init_checkpoint=gpt2_bpe["run"], **INIT), out),
         run_entry("albert", horovod_cfg(albert_data, root / "albert", **ALBERT), out),
@@ -221,9 +225,8 @@ def timeline_counts(path):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name", ["plain", "accum", "resumed", "fp16_allreduce", "fp16_skip",
-                                  "preempted", "compiled"] + [pytest.param(name, marks=pytest.mark.slow)
-                                                  for name in SLOW])
+@pytest.mark.parametrize("name", ["plain", "accum", "resumed", "fp16_skip", "preempted"] + [
+    pytest.param(name, marks=pytest.mark.slow) for name in SLOW])
 def test_ranks_end_with_bit_identical_weights_and_optimizer_state(request, name):
     first, second = request.getfixturevalue("slow_runs" if name in SLOW else "runs")[name]
     assert first["num_replicas"] == 2 and first["step"] == second["step"] > 0
@@ -235,12 +238,14 @@ def test_ranks_end_with_bit_identical_weights_and_optimizer_state(request, name)
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name,data,train", [("plain", "gpt_data", {}),
+@pytest.mark.parametrize("name,data,train", [pytest.param("plain", "gpt_data", {},
+                                                          marks=pytest.mark.slow),
                                              ("accum", "gpt_data", {"grad_accum_steps": 2}),
                                              # the compiled update against one device's
                                              # forward/backward compiled, update op by op
-                                             ("compiled", "gpt_data",
-                                              {"xla": True, "compile_update": False}),
+                                             pytest.param("compiled", "gpt_data",
+                                                          {"xla": True, "compile_update": False},
+                                                          marks=pytest.mark.slow),
                                              # checkpointed ranks vs a plain single device
                                              pytest.param("recompute", "gpt_data",
                                                           {"grad_accum_steps": 2},
@@ -305,9 +310,11 @@ def test_only_rank_0_writes_files(runs):
     assert "[0]<stdout>:[" in runs.output and "[1]<stdout>:[" not in runs.output  # progress
 
 
+@pytest.mark.slow  # a launch of its own
 @pytest.mark.multiproc
-def test_a_time_budget_gives_every_rank_the_same_step_count(runs):
+def test_a_time_budget_gives_every_rank_the_same_step_count(slow_runs):
     # Each rank times its own steps; the count comes from the slowest figures of all ranks.
+    runs = slow_runs
     ranks = runs["budget"]
     with open(runs.root / "budget" / "config.json") as f:
         record = json.load(f)["budget"]
@@ -339,10 +346,11 @@ def test_resume_under_horovod_continues_the_run_from_rank_0s_local_disk(runs):
     assert os.path.exists(runs.root / "resumed" / "rank0" / "ckpt-4.index")
 
 
+@pytest.mark.slow  # a launch of its own
 @pytest.mark.multiproc
-def test_fp16_allreduce_sends_float16_and_stays_close(runs):
-    compressed, _ = runs["fp16_allreduce"]
-    plain, _ = runs["plain"]
+def test_fp16_allreduce_sends_float16_and_stays_close(slow_runs):
+    compressed, _ = slow_runs["fp16_allreduce"]
+    plain, _ = slow_runs["plain"]
     pairs = list(zip(listed(compressed, "w"), listed(plain, "w")))
     assert any(not np.array_equal(a, b) for a, b in pairs)  # float16 rounding changed them
     np.testing.assert_allclose(compressed["losses"], plain["losses"], rtol=1e-3)
@@ -431,8 +439,10 @@ def test_thread_policy_batch_applies_to_the_given_threads_and_normal_leaves_them
         thread.join()
 
 
+@pytest.mark.slow  # a launch of its own
 @pytest.mark.multiproc
-def test_post_style_script_with_the_keras3_helper(runs):
+def test_post_style_script_with_the_keras3_helper(slow_runs):
+    runs = slow_runs
     first, second = runs["post"]
     initial = list(zip(listed(first, "initial"), listed(second, "initial")))
     assert any(not np.array_equal(a, b) for a, b in initial)  # seeded differently per rank
@@ -498,6 +508,7 @@ def horovod_rank_pid(rank, marker):
     return None
 
 
+@pytest.mark.slow  # ~30 s; a death ending the job: test_multiworker's dead worker, the supervisor's tests
 @pytest.mark.multiproc
 def test_killing_one_rank_fails_the_job_fast(gpt_data, tmp_path):
     model_dir = str(tmp_path / "run")

@@ -226,6 +226,7 @@ def test_sigterm_saves_on_every_worker_and_a_restart_resumes_there(gpt_data, tmp
     single.recorded.assert_equal(w0, atol=1e-7)
 
 
+@pytest.mark.slow  # a launch of its own; a death ending a job: tests/test_supervisor.py's fast tests
 @pytest.mark.multiproc
 def test_a_dead_worker_makes_the_other_fail_fast_with_a_clear_message(gpt_data, tmp_path):
     cfg = make_cfg(gpt_data, tmp_path / "run", strategy="multiworker", max_steps=100000)

@@ -48,7 +48,8 @@ def forward_backward(task, model, batch, jit_compile=True):
 # gpt-blockwise: blockwise attention's dropout masks come from the same seed states, so the
 # recompute draws them again too.
 @pytest.mark.parametrize("model,offload", [
-    ("gpt", False), ("gpt", True),
+    # recompute with the checkpointed activations offloaded to the host; without (slow)
+    ("gpt", True), pytest.param("gpt", False, marks=pytest.mark.slow),
     # blockwise attention's own backward under recompute (its gradients against dense are
     # checked by default in tests/models/test_attention.py)
     pytest.param("gpt-blockwise", False, marks=pytest.mark.slow),

@@ -3,12 +3,12 @@ against the single-device run on the same global batch.
 
 Scenarios (tests/distribute/horovod_worker.py plans; HOROVOD_DYNAMIC_PROCESS_SETS=1 lets one
 launch build several rank grids): TP2 x DP2 with accumulation and clipping active (stopped after
-2 steps and resumed from the per-rank checkpoints), the same with --sequence_parallel, ALBERT
-(factorised embedding, shared blocks, MLM head with its vocabulary bias, LAMB) at TP2 x DP2,
-TP4 with LAMB (its per-variable trust ratio over split variables), an fp16 step made non-finite
-on one tensor rank, a TP2 x DP2 run started on the single-device run's checkpoint after 2 steps,
-TP2 x DP2 with ZeRO-1 (each tensor rank's optimizer slots sharded over its data ranks). A slow
-launch of its own runs TP2 x DP2 with --activation_checkpointing, ALBERT with
+2 steps and resumed from the per-rank checkpoints), and TP2 x DP2 with ZeRO-1 (each tensor
+rank's optimizer slots sharded over its data ranks). A slow launch of its own runs TP4 with
+LAMB (its per-variable trust ratio over split variables), an fp16 step made non-finite on one
+tensor rank, the same with --sequence_parallel, ALBERT (factorised embedding, shared blocks,
+MLM head with its vocabulary bias, LAMB) at TP2 x DP2, a TP2 x DP2 run started on the
+single-device run's checkpoint after 2 steps, TP2 x DP2 with --activation_checkpointing, ALBERT with
 --sequence_parallel, BERT (NSP, AdamW), BERT with --sequence_parallel and
 --activation_checkpointing together, and TP2 x DP2 trained under fp16 loss scaling.
 Each rank assembles the full weights and first-step gradients from its group's slices
@@ -46,13 +46,8 @@ BERT_TP = {**BERT, "learning_rate": 3e-3}
 SCENARIOS = {  # name: (tensor_parallel, train options, worker options)
     # stopped after 2 steps and resumed from the per-rank checkpoints: the steps before and
     # after the restore are the same fit loop, so one run covers both
-    "tp2_dp2": (2, {}, {"first_gradients": True, "norm_rows": True, "interrupt_at": 2}),
-    "tp4_lamb": (4, {**LAMB, "grad_accum_steps": 1},
-                 {"first_gradients": True, "widest_activation": True}),
-    # fp16: rank 3's gradient slice of one split kernel is inf in the first step, its tensor
-    # peer's slice is finite; every rank must skip that step
-    "tp2_dp2_fp16_skip": (2, {"precision": "mixed_float16", "max_steps": 2},
-                          {"poison_gradient_rank": 3}),
+    "tp2_dp2": (2, {}, {"first_gradients": True, "norm_rows": True, "interrupt_at": 2,
+                        "widest_activation": True}),
     # optimizer slots of each tensor rank's variables sharded over its 2 data ranks (ZeRO-1),
     # stopped after 2 steps and resumed from the per-(tensor rank, slice) checkpoints
     "tp2_dp2_zero1": (2, {"zero_stage": 1}, {"first_gradients": True, "interrupt_at": 2}),
@@ -67,6 +62,13 @@ SCENARIOS = {  # name: (tensor_parallel, train options, worker options)
 # single-device checkpoint (test_a_single_device_checkpoint_restores_into_each_ranks_slices
 # checks the slicing in-process) and the dropout masks of tensor peers.
 SLOW_SCENARIOS = {  # a launch of its own (slow), as SCENARIOS
+    "tp4_lamb": (4, {**LAMB, "grad_accum_steps": 1},
+                 {"first_gradients": True, "widest_activation": True}),
+    # fp16: rank 3's gradient slice of one split kernel is inf in the first step, its tensor
+    # peer's slice is finite; every rank must skip that step (the default run skips a
+    # poisoned fp16 step under plain Horovod: test_horovod)
+    "tp2_dp2_fp16_skip": (2, {"precision": "mixed_float16", "max_steps": 2},
+                          {"poison_gradient_rank": 3}),
     # ALBERT's shared blocks split over the tensor ranks with its vocabulary-parallel MLM
     # argmax (the default run splits ALBERT under TP x PP: test_tensor_pipeline's
     # albert_pp2_tp2_sequence)
@@ -220,9 +222,11 @@ def test_tensor_parallel_ranks_equal_one_process_on_the_same_data(gpt_data, albe
 
 
 @pytest.mark.multiproc
-def test_each_rank_holds_its_slice_of_the_split_layers(gpt_data, runs, tmp_path):
-    root, out = runs
-    splits = json.loads((root / "tp2_dp2" / "tensor.json").read_text())["splits"]
+@pytest.mark.parametrize("name", ["tp2_dp2", pytest.param("tp4_lamb", marks=pytest.mark.slow)])
+def test_each_rank_holds_its_slice_of_the_split_layers(gpt_data, request, tmp_path, name):
+    root, out = request.getfixturevalue("slow_runs" if name in SLOW_SCENARIOS else "runs")
+    tensor = {**SCENARIOS, **SLOW_SCENARIOS}[name][0]
+    splits = json.loads((root / name / "tensor.json").read_text())["splits"]
     cfg = tp_cfg(gpt_data, tmp_path, 1)
     model = get_task(cfg.train, cfg).build_model()
     whole = sum(4 * v.numpy().size for v in model.trainable_variables if v.path not in splits)
@@ -230,12 +234,11 @@ def test_each_rank_holds_its_slice_of_the_split_layers(gpt_data, runs, tmp_path)
     assert all(len(v.shape) == 1 or "position" in v.path
                for v in model.trainable_variables if v.path not in splits)
     full = sum(4 * v.numpy().size for v in model.trainable_variables)
-    for name, tensor in (("tp2_dp2", 2), ("tp4_lamb", 4)):
-        for rank in range(RANKS):
-            result = load(out, name, rank)
-            split = int(result["bytes_split_parameters"])
-            assert int(result["bytes_replicated_parameters"]) == whole
-            assert split * tensor == full - whole  # exactly 1/T of every split variable
+    for rank in range(RANKS):
+        result = load(out, name, rank)
+        split = int(result["bytes_split_parameters"])
+        assert int(result["bytes_replicated_parameters"]) == whole
+        assert split * tensor == full - whole  # exactly 1/T of every split variable
 
 
 @pytest.mark.multiproc
@@ -250,10 +253,12 @@ def test_every_rank_of_the_first_replica_writes_its_checkpoint(runs):
 
 
 @pytest.mark.multiproc
-def test_no_rank_forms_full_vocabulary_logits(runs):
-    _, out = runs
-    for rank in range(RANKS):  # vocab 320 over 4 ranks: the widest activation is 80 wide
-        assert int(load(out, "tp4_lamb", rank)["widest_activation"]) == 320 // 4
+@pytest.mark.parametrize("name", ["tp2_dp2", pytest.param("tp4_lamb", marks=pytest.mark.slow)])
+def test_no_rank_forms_full_vocabulary_logits(request, name):
+    _, out = request.getfixturevalue("slow_runs" if name in SLOW_SCENARIOS else "runs")
+    tensor = {**SCENARIOS, **SLOW_SCENARIOS}[name][0]
+    for rank in range(RANKS):  # vocab 320 over T ranks: the widest activation is 320 / T wide
+        assert int(load(out, name, rank)["widest_activation"]) == 320 // tensor
 
 
 @pytest.mark.slow
@@ -540,15 +545,16 @@ def test_tensor_zero1_ranks_hold_the_closed_form_of_slot_bytes(gpt_data, runs, t
         consolidate(str(root / "tp2_dp2_zero1"), str(tmp_path / "one"))
 
 
+@pytest.mark.slow  # a launch of its own
 @pytest.mark.multiproc
-def test_a_non_finite_slice_on_one_tensor_rank_skips_the_step_on_all(runs):
+def test_a_non_finite_slice_on_one_tensor_rank_skips_the_step_on_all(slow_runs):
     """Only rank 3's slice of a split kernel is non-finite in step 1 (its tensor peer's is
     finite, and the data all-reduce reaches rank 1 only): every rank skips the step (weights
     unchanged, bit for bit; loss scale halved alike) instead of two applying it and waiting
     for the others in the clipping norm's sum, and step 2 trains all ranks alike."""
     from test_zero import check_the_poisoned_step_is_skipped_on_all
 
-    _, out = runs
+    _, out = slow_runs
     check_the_poisoned_step_is_skipped_on_all(out, "tp2_dp2_fp16_skip")
     for rank in range(RANKS):
         scales = load(out, "tp2_dp2_fp16_skip", rank)["loss_scales"]

@@ -68,6 +68,7 @@ def rank0_lines(output):
             if line.startswith("[0]<stdout>:")]
 
 
+@pytest.mark.slow  # a 2-rank launch; the doctor's report and straggler rule: the single-process tests here and tests/distribute/test_stragglers.py
 @pytest.mark.multiproc
 def test_two_ranks_report_every_field_and_name_the_slowed_rank(tmp_path):
     calibration_file = tmp_path / "calibration.json"

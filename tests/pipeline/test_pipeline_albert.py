@@ -51,7 +51,8 @@ def albert_cfg(data_dir, model_dir, **pipeline):
 
 
 @pytest.mark.parametrize("num_stages,schedule,checkpointing,jit_compile", [
-    (4, "gpipe", True, False), (4, "1f1b", False, True)], ids=["gpipe-recompute", "1f1b-xla"])
+    pytest.param(4, "gpipe", True, False, marks=pytest.mark.slow, id="gpipe-recompute"),
+    pytest.param(4, "1f1b", False, True, id="1f1b-xla")])
 def test_gradients_equal_single_device_accumulation(albert_data, tmp_path, num_stages, schedule,
                                                     checkpointing, jit_compile):
     num_micro = 4

@@ -43,6 +43,7 @@ def trained(cfg):
         summary
 
 
+@pytest.mark.slow  # BERT's blocks in stages: SQuAD's BERT on stages (test_pipeline_finetune) and GPT/ALBERT stages stay in the default run
 def test_bert_stages_equal_the_single_device_run(bert_data, tmp_path, capsys):
     cfg = make_cfg(bert_data, tmp_path / "pipeline", strategy="pipeline", **RUN)
     for key, value in PIPELINE.items():

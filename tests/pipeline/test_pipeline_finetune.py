@@ -166,7 +166,7 @@ def test_squad_recomputed_stages_equal_one_device(files, tmp_path):
     ("pipeline", dict(pipeline_stages=2, stage_boundaries="block_7"),
      r"--stage_boundaries='block_7': 'block_7' is neither a layer index nor a layer name"),
 ])
-@pytest.mark.parametrize("command", ["classify", "squad"])
+@pytest.mark.parametrize("command", ["classify", pytest.param("squad", marks=pytest.mark.slow)])
 def test_bad_pipeline_flags_of_the_commands_are_the_trainers_errors(command, strategy, flags,
                                                                      message, files, tmp_path):
     """tfbig-classify and tfbig-squad run the Trainer: their pipeline flags are checked as

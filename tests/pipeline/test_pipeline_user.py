@@ -206,8 +206,9 @@ def launch(tmp_path, name):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name", [  # pp2: 17.6 s on the idle 2-core machine
-    "pp2", pytest.param("pp2_dp2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", [  # a launch each; the default run has a user model in stages
+    # in one process (above) and GPT's stages across ranks (test_cross_rank)
+    pytest.param("pp2", marks=pytest.mark.slow), pytest.param("pp2_dp2", marks=pytest.mark.slow)])
 def test_my_model_in_stages_on_horovod_ranks_equals_one_process(tmp_path, one_process, name):
     """Each rank holds one stage's weights (placement by the declared layers): every step's
     loss, first-update gradients and trained weights equal one process; pp2 stops after 2

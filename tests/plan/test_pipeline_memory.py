@@ -67,10 +67,12 @@ def test_1f1b_stages_hold_what_the_plan_says():
     check("1f1b", 4, False)
 
 
+@pytest.mark.slow  # the 1F1B stages' case stays in the default run (the same counting)
 def test_gpipe_stages_hold_what_the_plan_says():
     check("gpipe", 4, False)
 
 
+@pytest.mark.slow  # the 1F1B stages' case stays in the default run (the same counting)
 def test_checkpointed_stages_hold_what_the_plan_says():
     check("gpipe", 4, True)
 

@@ -181,6 +181,7 @@ def test_tfbig_train_plan_only_exits_before_any_data(tmp_path):
     assert not os.path.exists(tmp_path / "run")
 
 
+@pytest.mark.slow  # a launch; --plan_only in one process: test_tfbig_train_plan_only_exits_before_any_data
 def test_plan_only_under_horovodrun_prints_one_plan_of_the_whole_job(tmp_path):
     """Every rank plans (and checks) the layout; rank 0 alone prints it."""
     horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 NOTEBOOK = os.path.join(os.path.dirname(__file__), "..", "..", "notebooks", "plan.ipynb")
 RUNNER = """
 import json, sys
@@ -23,6 +25,7 @@ print(json.dumps({"curves": namespace["memory_curves"]["175b"],
 """
 
 
+@pytest.mark.slow  # runs the notebook in a kernel (~30 s); the planner's figures are tested in tests/plan
 def test_plan_notebook_draws_memory_curves_and_the_comparison():
     done = subprocess.run([sys.executable, "-c", RUNNER, NOTEBOOK], capture_output=True,
                           text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
