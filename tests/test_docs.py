@@ -296,7 +296,9 @@ def run_blocks(page, markers, directory, timeout):
     return ran
 
 
-@pytest.mark.parametrize("page", [p for p in GUIDE_PAGES if any(m == "test: run" for m, _, _ in shell_blocks(p))])
+@pytest.mark.parametrize("page", [  # prepare-data's blocks prepare a corpus (~35 s): slow
+    pytest.param(p, marks=[pytest.mark.slow] if p.endswith("prepare-data.md") else [])
+    for p in GUIDE_PAGES if any(m == "test: run" for m, _, _ in shell_blocks(p))])
 def test_the_quick_shell_blocks_of_the_guides_run(page, tmp_path):
     assert run_blocks(page, {"test: run"}, tmp_path, timeout=300)
 

@@ -8,6 +8,7 @@ import pytest
 NOTEBOOKS = os.path.join(os.path.dirname(__file__), "..", "notebooks")
 
 
+@pytest.mark.slow  # runs the notebook in a kernel (~30 s); the same training and generation: tests/test_trainer.py
 def test_quickstart_notebook_trains_and_generates(tmp_path, monkeypatch):
     matplotlib.use("Agg")
     monkeypatch.setenv("TFBIG_NOTEBOOK_RUN_DIR", str(tmp_path / "run"))

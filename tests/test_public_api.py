@@ -67,9 +67,12 @@ def test_a_moved_module_keeps_its_old_name_with_a_warning(old, new):
 
 @pytest.mark.parametrize("old, expected", [
     ("tfbig.plan", "tfbig-plan"),  # a package's __main__, now tfbig.commands.plan
-    ("tfbig.consolidate", "usage: python -m tfbig.commands.consolidate"),
-    ("tfbig.squad.cli", "tfbig-squad"), ("data_prep.prep", "tfbig-prep"),
-    ("launch.local", "tfbig-launch")])
+    # a process each (~8 s): the rest take the same compatibility map (slow)
+    pytest.param("tfbig.consolidate", "usage: python -m tfbig.commands.consolidate",
+                 marks=pytest.mark.slow),
+    pytest.param("tfbig.squad.cli", "tfbig-squad", marks=pytest.mark.slow),
+    pytest.param("data_prep.prep", "tfbig-prep", marks=pytest.mark.slow),
+    pytest.param("launch.local", "tfbig-launch", marks=pytest.mark.slow)])
 def test_python_dash_m_of_an_old_name_runs_its_command(old, expected):
     done = subprocess.run([sys.executable, "-m", old, "--help"], capture_output=True, text=True,
                           timeout=300, cwd=ROOT)

@@ -92,6 +92,7 @@ def test_accumulated_training_equals_one_larger_batch(gpt_data, tmp_path):
     assert_weights_close(weights(one), weights(accumulated))
 
 
+@pytest.mark.slow  # XLA against the graph step: test_compiled_step trains both ways by default
 def test_xla_and_graph_losses_agree(gpt_data, tmp_path):
     losses = {}
     for xla in (False, True):
@@ -100,7 +101,8 @@ def test_xla_and_graph_losses_agree(gpt_data, tmp_path):
     np.testing.assert_allclose(losses[True], losses[False], rtol=1e-4)
 
 
-@pytest.mark.parametrize("precision", ["mixed_float16", "mixed_bfloat16"])
+@pytest.mark.parametrize("precision", [  # fp16's loss scaling trains by default in test_horovod
+    pytest.param("mixed_float16", marks=pytest.mark.slow), "mixed_bfloat16"])
 def test_mixed_precision_steps_stay_finite(gpt_data, tmp_path, precision):
     trainer = Trainer(make_cfg(gpt_data, tmp_path, precision=precision, max_steps=3, xla=True))
     summary = trainer.fit()

@@ -129,6 +129,7 @@ def assert_equals_one_process(root, name, flags, replicas):
     return recorded
 
 
+@pytest.mark.slow  # a launch; a user model split by its declared layout equals one process by default in test_layout_map and test_declared_layout, and trains through the API under Horovod (one rank, ZeRO-3) in test_api_consolidate
 def test_my_model_on_two_horovod_ranks_equals_one_process(tmp_path):
     code = horovodrun([WORKER, str(write_plan(tmp_path, HOROVOD))], tmp_path / "log.txt")
     assert code == 0, read(tmp_path / "log.txt")[-6000:]

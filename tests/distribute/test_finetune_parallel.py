@@ -313,7 +313,8 @@ def test_squad_tp2_pp2_equals_one_process(files, tmp_path):
     ("horovod", dict(sequence_parallel=True), r"--sequence_parallel needs --tensor_parallel >= 2"),
     ("horovod", dict(shard_degree=2), r"--shard_degree=2 needs --zero_stage=1, 2 or 3"),
 ])
-@pytest.mark.parametrize("command", ["classify", "squad"])
+@pytest.mark.parametrize("command", [  # squad: the same Trainer checks, seconds each (slow)
+    "classify", pytest.param("squad", marks=pytest.mark.slow)])
 def test_the_commands_refuse_what_the_trainer_refuses(command, strategy, flags, message, files,
                                                       tmp_path):
     """tfbig-classify's and tfbig-squad's layouts are the Trainer's: refused before training

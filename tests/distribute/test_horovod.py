@@ -2,10 +2,11 @@
 reference on the same data.
 
 One launch (module fixture `runs`) trains every scenario of a plan in tests/distribute/
-horovod_worker.py, plus the user-style script horovod_post_style.py; each rank saves its weights,
-optimizer state and losses. The reference is the single-device trainer reading, per step,
-exactly the examples both ranks read together (`ReplicasTask`). The kill test has a launch of
-its own; a slow launch runs --init_checkpoint, ALBERT, BERT and --activation_checkpointing.
+horovod_worker.py; each rank saves its weights, optimizer state and losses. The reference is
+the single-device trainer reading, per step, exactly the examples both ranks read together
+(`ReplicasTask`). A slow launch runs --init_checkpoint, ALBERT, BERT,
+--activation_checkpointing, the float16 allreduce, the compiled update, a time budget and the
+user-style script horovod_post_style.py; the kill test (slow) has a launch of its own.
 Every launch is bounded by a timeout.
 """
 import collections

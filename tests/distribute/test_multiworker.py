@@ -286,6 +286,7 @@ def test_kill_under_tfbig_launch_fails_the_job_and_stops_the_rest(gpt_data, tmp_
     assert not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers)
 
 
+@pytest.mark.slow  # tf.distribute's all-reduce over replicas: the two TF_CONFIG workers' case (default) runs the same strategy code
 @pytest.mark.multiproc
 def test_mirrored_over_two_cpu_devices_equals_single_device(gpt_data, tmp_path):
     # One input pipeline; its consecutive per-replica batches go to the replicas in order, so

@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 import tensorflow as tf
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -20,6 +22,7 @@ from tfbig.distribute.base import SingleDevice  # noqa: E402
 from tfbig.training.trainer import Trainer  # noqa: E402
 
 
+@pytest.mark.slow  # a SIGTERM on one rank saving and stopping all: test_horovod's preempted scenario (default)
 def test_sigterm_saves_a_checkpoint_and_the_next_start_resumes_there(gpt_data, tmp_path):
     cfg = make_cfg(gpt_data, tmp_path / "run", max_steps=1000, dropout=0.1)
     first = tmp_path / "first"

@@ -452,6 +452,7 @@ def check_resumed(runs, resumed, gpt_data, tmp_path, name):
         np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow  # a process of its own after the launch; a stage-3 checkpoint is read by one process by default in test_generate_reads_a_stage_3_checkpoint and test_export_reads_a_stage_3_checkpoint
 @pytest.mark.multiproc
 def test_a_4_rank_stage_3_checkpoint_resumes_on_1_process(runs, on_one_process, gpt_data,
                                                            tmp_path):

@@ -170,7 +170,8 @@ def test_bad_layer_arguments_are_clear_errors():
         MultiHeadAttention(32, 5)
 
 
-@pytest.mark.parametrize("approximate", [True, False], ids=["tanh", "erf"])
+@pytest.mark.parametrize("approximate", [  # erf: the same check of the other form (slow)
+    pytest.param(True, id="tanh"), pytest.param(False, id="erf", marks=pytest.mark.slow)])
 def test_gelu_equals_keras_and_its_backward_keeps_only_the_input(approximate):
     """Same values and gradients as differentiating keras' GELU, and a smaller backward: each
     GELU of a chain keeps one input-sized tensor for it instead of the formula's intermediates

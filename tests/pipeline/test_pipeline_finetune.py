@@ -105,6 +105,7 @@ def test_classifier_stages_equal_one_device(files, tmp_path, capsys):
 SQUAD = dict(doc_stride=8, max_query_length=8, **STEPS, log_every=1)
 
 
+@pytest.mark.slow  # SQuAD fine-tuned on pipeline stages (~50 s); stages equal one device by default for GPT and ALBERT, SQuAD on two workers in test_bert_squad
 def test_squad_stages_equal_one_device(files, tmp_path, capsys):
     """tfbig-squad --strategy=pipeline on the Trainer (embedding + block_0 | block_1 | heads
     cut by --stage_boundaries, 1F1B, 4 micro-batches): losses, every trained weight

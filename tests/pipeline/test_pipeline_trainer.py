@@ -82,6 +82,7 @@ def test_too_many_stages_for_the_devices_names_the_flag(gpt_data, tmp_path):
         pipeline_trainer(gpt_data, tmp_path, dict(pipeline_stages=16))
 
 
+@pytest.mark.slow  # fp16 loss scaling under XLA stays by default on one device (test_trainer) and Horovod (test_horovod)
 def test_fp16_xla_stages_scale_the_loss_and_stay_finite(gpt_data, tmp_path):
     """fp16's loss scale is a variable on another device than the last stage, which XLA
     cannot read there: it enters the stage as a tensor."""

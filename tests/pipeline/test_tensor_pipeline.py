@@ -202,8 +202,10 @@ def check_scenario(data_dir, out, tmp_path, name):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name", LAUNCHES["pp2_tp2"] + tuple(
-    pytest.param(name, marks=pytest.mark.slow) for name in LAUNCHES["pp2_tp2_masked_lm"]))
+@pytest.mark.parametrize("name", tuple(  # slow: a launch each (~2 min); the default run keeps
+    # TP (test_tensor_parallel) and PP across ranks (test_cross_rank) one case each
+    pytest.param(name, marks=pytest.mark.slow) for name in LAUNCHES["pp2_tp2"]
+    + LAUNCHES["pp2_tp2_masked_lm"]))
 def test_pp2_tp2_equals_one_device_on_the_same_global_batch(gpt_data, albert_data, bert_data,
                                                             request, tmp_path, name):
     launched = "pp2_tp2" if name in LAUNCHES["pp2_tp2"] else "pp2_tp2_masked_lm"
@@ -282,6 +284,7 @@ def assert_holds(model, ranks):
                                           err_msg=path)
 
 
+@pytest.mark.slow  # reads the slow PP2 x TP2 launch; TP pieces consolidate by default in test_tensor_parallel
 @pytest.mark.multiproc
 def test_tp_pp_pieces_consolidate_into_the_single_device_model(gpt_data, pp2_tp2, tmp_path):
     root, out = pp2_tp2

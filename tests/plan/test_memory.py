@@ -133,6 +133,7 @@ def launch(worker, cases, tmp_path, ranks=2):
     # 12 s: the default run checks stages 1 and 2's per-rank bytes against their closed form
     # in test_zero (test_per_rank_model_state_is_the_closed_form)
     pytest.param(("zero1", "zero2"), marks=pytest.mark.slow)], ids=["dp-zero3-tp-pp", "zero1-2"])
+@pytest.mark.slow  # a 4-layout launch; bytes held per rank against the closed form stay by default in test_zero and test_tensor_parallel
 def test_horovod_rank_model_state_within_10_percent(gpt_data, tmp_path, names):
     cases = horovod_cases(gpt_data, tmp_path, names)
     assert [case["name"] for case in cases] == list(names)
