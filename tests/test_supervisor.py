@@ -169,11 +169,12 @@ TRAIN = ["--strategy=multiworker", "--preset=tiny", "--num_layers=2", "--hidden_
          "--peak_tflops=1", "--monitor_interval_ms=0"]  # no CPU matmul probe, no monitor thread
 
 
-def training_job(data_dir, model_dir, *launch_flags):
-    """tfbig-launch --workers=2 LAUNCH_FLAGS -- python -m tfbig.train ... as a process."""
+def training_job(data_dir, model_dir, *launch_flags, train=()):
+    """tfbig-launch --workers=2 LAUNCH_FLAGS -- python -m tfbig.train ... as a process (`train`:
+    more flags of tfbig.train, later ones win)."""
     command = [sys.executable, "-m", "tfbig.commands.launch", "--workers=2", *launch_flags, "--",
                sys.executable, "-m", "tfbig.train", *TRAIN, f"--data_dir={data_dir}",
-               f"--model_dir={model_dir}"]
+               f"--model_dir={model_dir}", *train]
     log = open(f"{model_dir}.log", "w")
     return subprocess.Popen(command, cwd=ROOT, env=env(), stdout=log, stderr=subprocess.STDOUT)
 
@@ -241,13 +242,14 @@ def test_a_worker_killed_mid_training_is_restarted_and_ends_bit_identical(gpt_da
         np.testing.assert_array_equal(ours[key], reference[key], err_msg=key)
 
 
-def horovod_job(data_dir, model_dir, *launch_flags):
-    """tfbig-launch LAUNCH_FLAGS -- horovodrun -np 2 ... python -m tfbig.train --strategy=horovod."""
-    train = [f if f != "--strategy=multiworker" else "--strategy=horovod" for f in TRAIN]
+def horovod_job(data_dir, model_dir, *launch_flags, train=()):
+    """tfbig-launch LAUNCH_FLAGS -- horovodrun -np 2 ... python -m tfbig.train --strategy=horovod
+    (`train`: as training_job's)."""
+    flags = [f if f != "--strategy=multiworker" else "--strategy=horovod" for f in TRAIN]
     command = [sys.executable, "-m", "tfbig.commands.launch", *launch_flags, "--",
                "horovodrun", "-np", "2", "-H", "localhost:2", "--gloo",
-               sys.executable, "-m", "tfbig.train", *train, f"--data_dir={data_dir}",
-               f"--model_dir={model_dir}"]
+               sys.executable, "-m", "tfbig.train", *flags, f"--data_dir={data_dir}",
+               f"--model_dir={model_dir}", *train]
     log = open(f"{model_dir}.log", "w")
     return subprocess.Popen(command, cwd=ROOT, env={**env(), "TF_NUM_INTEROP_THREADS": "1",
                                                     "TF_NUM_INTRAOP_THREADS": "1"},

@@ -81,6 +81,7 @@ def test_accumulated_gradients_equal_one_larger_batch(gpt_data, tmp_path):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8)
 
 
+@pytest.mark.slow  # the accumulated gradients equal one larger batch's by default (the test above); Horovod's accum scenario trains with accumulation
 def test_accumulated_training_equals_one_larger_batch(gpt_data, tmp_path):
     # epsilon=1 keeps Adam's update linear in the gradient: with a tiny epsilon an element
     # whose gradient is ~0 turns summation-order noise into a full-size step.
@@ -125,6 +126,7 @@ def test_resumed_run_equals_uninterrupted_run(gpt_data, tmp_path):
     assert_weights_close(weights(straight), weights(second), rtol=1e-6)
 
 
+@pytest.mark.slow  # tests/test_bad_input.py's non-finite fp32 loss through tfbig-train (default) checks the same stop and checkpoint
 def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(gpt_data, tmp_path):
     Trainer(make_cfg(gpt_data, tmp_path, max_steps=2)).fit()
     good = tf.train.latest_checkpoint(str(tmp_path))
@@ -156,6 +158,7 @@ def test_run_writes_tensorboard_events_and_generates(gpt_data, tmp_path):
     assert out.shape == (1, 8)
 
 
+@pytest.mark.slow  # tests/test_serving.py serves an exported SavedModel against the trained model (default)
 def test_exported_savedmodel_equals_the_trained_model(gpt_data, tmp_path):
     from tfbig.commands.export import export
 
@@ -188,6 +191,7 @@ def test_flags_of_another_backend_are_refused(gpt_data, tmp_path, section, flag,
     assert not os.path.exists(tmp_path / "config.json")  # refused before touching the run dir
 
 
+@pytest.mark.slow  # blockwise attention equals dense by default in tests/models/test_attention.py
 def test_attention_flag_reaches_the_model_and_a_run_resumes_under_another(gpt_data, tmp_path):
     # --attention changes how scores are computed, not the weights: a resume may change it
     first = Trainer(make_cfg(gpt_data, tmp_path, max_steps=2, attention="blockwise",
