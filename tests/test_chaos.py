@@ -5,6 +5,7 @@ every kill was a restart, and the final weights are bit-identical to an uninterr
 Slow (minutes each: every restart starts TensorFlow again); the default run keeps the
 supervisor's rules on real processes (tests/test_supervisor.py)."""
 import random
+import re
 import time
 
 import numpy as np
@@ -20,8 +21,8 @@ MAX_STEPS = 12  # long enough that the job is still running when the 10th kill c
 
 def random_kills(log, launcher, find, seed):
     """SIGKILL one of the job's two processes (drawn) at a drawn moment, 0.5-25 s after the
-    job's last (re)start, KILLS times; waits for each restart. Returns the kill times' list of
-    (seconds after the restart, the process's index, the last progress line before it)."""
+    job's last (re)start, KILLS times; waits for each restart. Returns the kills as (seconds
+    after the (re)start, the process's index, the last step this attempt logged before it)."""
     rng, kills = random.Random(seed), []
     while len(kills) < KILLS:
         delay, index = rng.uniform(0.5, 25.0), rng.randrange(2)
@@ -37,8 +38,8 @@ def random_kills(log, launcher, find, seed):
             victim.kill()
         except psutil.NoSuchProcess:
             continue
-        progress = [line for line in before.splitlines() if "] step " in line]
-        kills.append((round(delay, 1), index, progress[-1][-60:] if progress else "before step 1"))
+        steps = re.findall(r"\] step (\d+)/", before.split("[tfbig-launch] restart ")[-1])
+        kills.append((round(delay, 1), index, f"after step {steps[-1]}" if steps else "before step 1"))
         deadline = time.monotonic() + TIMEOUT  # the supervisor notices and restarts the job
         while len(restart_lines(open(log).read())) < len(kills):
             assert launcher.poll() is None and time.monotonic() < deadline, open(log).read()[-4000:]
@@ -59,6 +60,7 @@ def test_ten_kills_at_random_moments_end_bit_identical(gpt_data, tmp_path, job, 
     log = f"{tmp_path / 'killed'}.log"
     try:
         kills = random_kills(log, killed, find, seed=2026)
+        print(f"kills (seconds after a start, process, where): {kills}")
         killed.wait(timeout=TIMEOUT)
     finally:
         stop([killed, straight])
