@@ -6,7 +6,7 @@ launch build several rank grids): TP2 x DP2 with accumulation and clipping activ
 2 steps and resumed from the per-rank checkpoints), and TP2 x DP2 with ZeRO-1 (each tensor
 rank's optimizer slots sharded over its data ranks). A slow launch of its own runs TP4 with
 LAMB (its per-variable trust ratio over split variables), an fp16 step made non-finite on one
-tensor rank, the same with --sequence_parallel, ALBERT (factorised embedding, shared blocks,
+tensor rank, TP2 x DP2 with --sequence_parallel, ALBERT (factorised embedding, shared blocks,
 MLM head with its vocabulary bias, LAMB) at TP2 x DP2, a TP2 x DP2 run started on the
 single-device run's checkpoint after 2 steps, TP2 x DP2 with --activation_checkpointing, ALBERT with
 --sequence_parallel, BERT (NSP, AdamW), BERT with --sequence_parallel and
@@ -55,12 +55,13 @@ SCENARIOS = {  # name: (tensor_parallel, train options, worker options)
 # Final weights after 4 steps: a split matmul sums in another order, and Adam turns a float32
 # difference in a near-zero gradient into a step of up to the learning rate (BERT had entries
 # 1.5e-6 and 2.1e-6 apart): tests/equality.py bounds each entry through the gradients.
-# The slow launch: ALBERT, BERT's plan (ALBERT's over a block per layer) and fp16 training; the
-# default run keeps TP on GPT (BERT's and ALBERT's split layers under TP x PP are slow too:
-# test_tensor_pipeline's pp2_tp2_masked_lm), and fp16 TP through tp2_dp2_fp16_skip. Also slow: sequence parallelism (the
-# default run has it under TP x PP, test_tensor_pipeline's pp2_tp2_sequence), the start from a
-# single-device checkpoint (test_a_single_device_checkpoint_restores_into_each_ranks_slices
-# checks the slicing in-process) and the dropout masks of tensor peers.
+# The slow launch: TP4 with LAMB, ALBERT, BERT's plan (ALBERT's over a block per layer), fp16
+# training and its skipped step; the default run keeps TP on GPT at TP2 x DP2, alone and with
+# ZeRO-1 (BERT's and ALBERT's split layers under TP x PP are slow too: test_tensor_pipeline's
+# pp2_tp2_masked_lm). Also slow: sequence parallelism (under TP x PP as well,
+# test_tensor_pipeline's pp2_tp2_sequence), the start from a single-device checkpoint
+# (test_a_single_device_checkpoint_restores_into_each_ranks_slices checks the slicing
+# in-process, by default) and the dropout masks of tensor peers.
 SLOW_SCENARIOS = {  # a launch of its own (slow), as SCENARIOS
     "tp4_lamb": (4, {**LAMB, "grad_accum_steps": 1},
                  {"first_gradients": True, "widest_activation": True}),
@@ -70,8 +71,8 @@ SLOW_SCENARIOS = {  # a launch of its own (slow), as SCENARIOS
     "tp2_dp2_fp16_skip": (2, {"precision": "mixed_float16", "max_steps": 2},
                           {"poison_gradient_rank": 3}),
     # ALBERT's shared blocks split over the tensor ranks with its vocabulary-parallel MLM
-    # argmax (the default run splits ALBERT under TP x PP: test_tensor_pipeline's
-    # albert_pp2_tp2_sequence)
+    # argmax (ALBERT under TP x PP, test_tensor_pipeline's albert_pp2_tp2_sequence, is slow
+    # too: the default run splits GPT)
     "tp2_dp2_albert": (2, ALBERT, {"first_gradients": True, "mlm_argmax": True}),
     "tp2_dp2_sequence": (2, {"sequence_parallel": True},
                          {"first_gradients": True, "norm_rows": True}),
