@@ -53,14 +53,10 @@ def read_seconds_per_variable(seconds):
     slots (the resources the update touches) and returns their sum: no update math."""
     import tensorflow as tf
 
-    from tfbig.config import TrainConfig
-    from tfbig.doctor.probes import UPDATE_VARIABLES, typical_seconds
-    from tfbig.optim import build_optimizer
+    from tfbig.doctor.probes import UPDATE_VARIABLES, typical_seconds, update_probe_state
 
     with tf.device("/CPU:0"):
-        variables = [tf.Variable(tf.ones([16])) for _ in range(UPDATE_VARIABLES)]
-        optimizer = build_optimizer(TrainConfig(max_steps=10 ** 6, warmup_steps=1,
-                                                grad_clip_norm=1.0), variables)
+        variables, optimizer = update_probe_state()
         slots = [v for v in optimizer.variables if v.shape == (16,)]
         assert len(slots) == 2 * UPDATE_VARIABLES, len(slots)
 

@@ -50,7 +50,6 @@ from tfbig.training.logs import RunLogger  # noqa: E402
 from tfbig.optim import learning_rate, loss_scale  # noqa: E402
 from tfbig.tasks.gpt import GPTTask  # noqa: E402
 from tfbig.training.trainer import Trainer  # noqa: E402
-from tfbig.training import step as step_lib  # noqa: E402
 
 
 class RecordingLogger(RunLogger):
@@ -127,10 +126,7 @@ def poison_split_gradient(trainer):
         return loss, grads, metrics
 
     trainer.forward_backward = poisoned
-    trainer.replica_step = step_lib.make_replica_step(  # the step the Trainer built holds the old
-        trainer.strategy, poisoned, trainer.optimizer, trainer.model.trainable_variables,
-        step_lib.compiled_parts(trainer.strategy, trainer.cfg.train.xla,
-                                trainer.cfg.train.compile_update))
+    trainer.replica_step = trainer.make_replica_step()  # the one built at start holds the old
     return poison
 
 

@@ -247,6 +247,19 @@ def normalisation_bandwidth(device, size_bytes, seconds, delay=0.0):
 UPDATE_VARIABLES = 64  # small variables the optimizer probe updates per step
 
 
+def update_probe_state():
+    """The probe's UPDATE_VARIABLES weights of 16 values and the AdamW (clipping) built for
+    them, in the current device scope."""
+    import tensorflow as tf
+
+    from tfbig.config import TrainConfig
+    from tfbig.optim import build_optimizer
+
+    variables = [tf.Variable(tf.ones([16])) for _ in range(UPDATE_VARIABLES)]
+    return variables, build_optimizer(TrainConfig(max_steps=10 ** 6, warmup_steps=1,
+                                                  grad_clip_norm=1.0), variables)
+
+
 def update_seconds_per_variable(device, seconds, delay=0.0, compiled=True):
     """Seconds tfbig's optimizer step spends per variable when the bytes are nothing: the
     global norm for clipping and AdamW's update of UPDATE_VARIABLES variables of 16 values,
@@ -256,13 +269,8 @@ def update_seconds_per_variable(device, seconds, delay=0.0, compiled=True):
     model's step pays the figure for each of its variables."""
     import tensorflow as tf
 
-    from tfbig.config import TrainConfig
-    from tfbig.optim import build_optimizer
-
     with tf.device(device):
-        variables = [tf.Variable(tf.ones([16])) for _ in range(UPDATE_VARIABLES)]
-        optimizer = build_optimizer(TrainConfig(max_steps=10 ** 6, warmup_steps=1,
-                                                grad_clip_norm=1.0), variables)
+        variables, optimizer = update_probe_state()
 
         def step():
             grads = [v * 1e-3 for v in variables]

@@ -131,16 +131,21 @@ class Trainer(BudgetedLoop):
         self.goodput.resumed(int(self.step.numpy()))  # steps after it are trained again
         self.forward_backward = self.strategy.make_forward_backward(
             self._loss_fn, self.model.trainable_variables, self._scale_loss, t.xla)
-        self.replica_step = step_lib.make_replica_step(  # one XLA program where it can be
-            self.strategy, self.forward_backward, self.optimizer,
-            self.model.trainable_variables,
-            step_lib.compiled_parts(self.strategy, t.xla, t.compile_update))
+        self.replica_step = self.make_replica_step()
         self.validation_step = self.strategy.make_validation_step(self.task, self.model, t.xla)
         self.eval_batches = preflight.validation_batches(  # 0: no validation split
             self.task, self.micro_batch, self.strategy.num_replicas, t.eval_steps,
             self.logger.info)
 
     # ---- single-replica pieces -------------------------------------------------------------
+    def make_replica_step(self):
+        """One optimizer step of this replica around `self.forward_backward` (built again by
+        whoever replaces that), one XLA program where it can be (tfbig.training.step)."""
+        t = self.cfg.train
+        return step_lib.make_replica_step(
+            self.strategy, self.forward_backward, self.optimizer, self.model.trainable_variables,
+            step_lib.compiled_parts(self.strategy, t.xla, t.compile_update))
+
     def _loss_fn(self, batch, training=False):
         return self.task.loss(self.model, batch, training=training)
 
