@@ -119,6 +119,11 @@ def runs(gpt_data, albert_data, bert_data, tmp_path_factory):
                   {"gpt_data": gpt_data, "albert_data": albert_data, "bert_data": bert_data})
 
 
+def launch_of(request, scenario):
+    """(root, out) of the launch that ran `scenario` (the default or the slow one)."""
+    return request.getfixturevalue("slow_runs" if scenario in SLOW_SCENARIOS else "runs")
+
+
 def reference(data_dir, model_dir, task=None, **train):
     """The single-device run on the examples the 4 ranks read together, and the averaged
     gradients of its first batch. task: a task class (default: the config's)."""
@@ -147,7 +152,7 @@ def shared_reference(shared, tmp_path_factory, data_dir, task=None, **train):
 @pytest.mark.parametrize("name", EQUAL_TO_ONE_DEVICE)
 def test_sharded_ranks_equal_one_process_on_the_same_data(request, shared, tmp_path_factory,
                                                           name):
-    _, out = request.getfixturevalue("slow_runs" if name in SLOW_SCENARIOS else "runs")
+    _, out = launch_of(request, name)
     _, _, data, train, opts = {**SCENARIOS, **SLOW_SCENARIOS}[name]
     ranks = [load(out, name, r) for r in range(RANKS)]
     single, losses, grads = shared_reference(
@@ -185,7 +190,7 @@ def test_sharded_ranks_equal_one_process_on_the_same_data(request, shared, tmp_p
 @pytest.mark.slow  # the slow launch's stages 1 and 2 (TP x ZeRO-1's slot bytes: default)
 @pytest.mark.parametrize("name", ["z2_d4_lamb", "z1_d2"])
 def test_per_rank_model_state_is_the_closed_form(request, name):
-    _, out = request.getfixturevalue("slow_runs" if name in SLOW_SCENARIOS else "runs")
+    _, out = launch_of(request, name)
     degree = {**SCENARIOS, **SLOW_SCENARIOS}[name][1]
     for r in range(RANKS):
         result = load(out, name, r)
@@ -203,7 +208,7 @@ def test_per_rank_model_state_is_the_closed_form(request, name):
 def test_stage_3_ranks_hold_only_their_slices(request, name):
     """(4 + 4 + 8) P / N: float32 parameter slices, gradient slices (transient, of the same
     size: not a variable) and m, v; the model's own variables hold no value at all."""
-    _, out = request.getfixturevalue("slow_runs" if name in SLOW_SCENARIOS else "runs")
+    _, out = launch_of(request, name)
     degree = {**SCENARIOS, **SLOW_SCENARIOS}[name][1]
     for r in range(RANKS):
         result = load(out, name, r)
@@ -375,11 +380,6 @@ RESHARD = {  # name: (source scenario of the 4-rank launch, zero_stage, shard_de
 }
 
 
-def launch_of(request, scenario):
-    """(root, out) of the launch that ran `scenario` (the default or the slow one)."""
-    return request.getfixturevalue("slow_runs" if scenario in SLOW_SCENARIOS else "runs")
-
-
 def resume_elsewhere(request, gpt_data, root, ranks):
     """Copies of the source runs' directories resumed on `ranks` processes (1: a plain
     process, Horovod's world of one)."""
@@ -495,7 +495,7 @@ def test_export_reads_a_stage_3_checkpoint(request, tmp_path, name):
     from tfbig.commands.export import export
     from tfbig.convert.run_dir import load_model
 
-    root, out = request.getfixturevalue("slow_runs" if name in SLOW_SCENARIOS else "runs")
+    root, out = launch_of(request, name)
     model, _ = load_model(str(root / name))
     final = listed(load(out, name, 0), "w")
     for ours, theirs in zip(weights_of(model), final):
