@@ -161,7 +161,8 @@ def test_train_plan_only_reads_the_training_layout():
     cfg.train.strategy, cfg.train.preset, cfg.train.batch_size = "pipeline", "tiny", 16
     cfg.pipeline.pipeline_stages, cfg.pipeline.num_microbatches = 2, 4
     assert search.layout_from_config(cfg) == {
-        "tensor_parallel": 1, "context_parallel": 1, "sequence_parallel": False,
+        "tensor_parallel": 1, "context_parallel": 1, "expert_parallel": 1,
+        "sequence_parallel": False,
         "zero_stage": 0, "shard_degree": 0, "pipeline_stages": 2, "num_microbatches": 4,
         "schedule": "1f1b", "activation_checkpointing": False}
     device = hardware.Device("cpu", 1e11, 16e9, 2e10, 2e10, 1.0, 0.0)

@@ -1,14 +1,19 @@
 """The planner's MoE Llama: Mixtral 8x7B's published sizes (46.7B parameters, 12.9B active per
-token), FLOPs from the active parameters only, and the model state per rank under
---expert_parallel: the routed experts' weights, gradients and Adam state divided by the expert
-group, the rest whole."""
+token), FLOPs from the active parameters only, the model state per rank under
+--expert_parallel (the routed experts' weights, gradients and Adam state divided by the expert
+group, the rest whole), the all-to-alls' bytes and time, and the search over expert degrees
+where tfbig-train runs them."""
+import dataclasses
+
 import pytest
 
+from tfbig.commands import plan as cli
 from tfbig.models import shapes as models
 from tfbig.models.llama import LlamaConfig
-from tfbig.plan import estimate
+from tfbig.plan import estimate, speed
 
 from .memory_probe import CPU
+from .test_plan import plan
 
 
 def test_mixtral_sizes_and_flops_count_the_active_experts():
@@ -36,3 +41,78 @@ def test_expert_parallel_divides_the_experts_state_and_keeps_the_rest(expert):
         assert whole[kind] - split[kind] == pytest.approx(bytes_per_param * saved, rel=1e-9)
     assert split["activations"] == whole["activations"]
     assert estimate.Layout(data=8, expert=expert).describe().startswith(f"D8 P1 E{expert} T1")
+
+
+def mixtral_plan(argv):
+    return plan(["--model=llama", "--preset=mixtral-8x7b", "--gpu=H100-80GB", "--nodes=4",
+                 "--seq_length=4096", "--batch_size=256"] + argv)
+
+
+def test_expert_all_to_alls_are_timed_per_moe_layer_and_micro_batch():
+    """Each MoE layer sends every token's k rows to their experts and back, forward and
+    backward (and again in a recomputed forward): 4 (6) all-to-alls of k x tokens x hidden
+    values over the N ranks of the expert group, each as long as a reduce-scatter of as many
+    bytes; none without expert parallelism or experts."""
+    values, _, found = mixtral_plan(["--expert_parallel=8", "--num_microbatches=2",
+                                     "--activation_checkpointing=false"])
+    best = found[0]
+    shape, cluster = cli.shape_from_flags(values), cli.cluster_from_flags(values)
+    rows = best.micro_batch * 4096 * 2 * 4096 * 2  # tokens x k x hidden, bf16
+    one = cluster.collective_time(rows, 8, 1, passes=1)
+    assert one > 0
+    ticks = best.layout.num_microbatches  # no pipeline: one tick per micro-batch
+    assert best.time["expert"] == pytest.approx(ticks * 32 * 4 * one, rel=1e-12)
+    recomputed = dataclasses.replace(best.layout, activation_checkpointing=True)
+    again = speed.step_time(shape, recomputed, best.micro_batch, "mixed_bfloat16", cluster)
+    assert again["expert"] == pytest.approx(ticks * 32 * 6 * one, rel=1e-12)
+    alone = dataclasses.replace(best.layout, expert=1)
+    assert speed.step_time(shape, alone, best.micro_batch, "mixed_bfloat16",
+                           cluster)["expert"] == 0.0
+    dense = dataclasses.replace(shape, num_experts=0, experts_per_token=0)
+    assert speed.step_time(dense, best.layout, best.micro_batch, "mixed_bfloat16",
+                           cluster)["expert"] == 0.0
+
+
+def test_the_search_offers_expert_parallelism_where_tfbig_train_runs_it():
+    _, _, found = mixtral_plan([])
+    degrees = {e.layout.expert for e in found}
+    assert degrees == {1, 2, 4, 8}
+    for e in found:
+        if e.layout.expert > 1:  # data parallelism alone, N dividing the data ranks
+            layout = e.layout
+            assert (layout.tensor, layout.pipeline, layout.context, layout.zero_stage) == (
+                1, 1, 1, 0)
+            assert layout.data % layout.expert == 0
+    _, _, dense = plan(["--preset=1.3b", "--nodes=2", "--batch_size=512"])
+    assert {e.layout.expert for e in dense} == {1}
+
+
+def test_the_report_gives_active_and_total_parameters(capsys):
+    assert cli.main(["tfbig-plan", "--model=llama", "--preset=mixtral-8x7b", "--nodes=4",
+                     "--gpu=H100-80GB", "--expert_parallel=8", "--seq_length=4096",
+                     "--batch_size=256", "--num_microbatches=1"]) == 0
+    out = capsys.readouterr().out
+    assert ("46.7B parameters (12.9B active: 2 of 8 experts per token; FLOPs and MFU count "
+            "the active ones)") in out
+    shape = models.shape_of(LlamaConfig.from_preset("mixtral-8x7b", seq_length=4096), "llama",
+                            4096)
+    sent = 8 * 4096 * 2 * 4096 * 2  # 8 sequences x tokens x k x hidden, bf16
+    assert speed.expert_exchange_bytes(shape, estimate.Layout(data=32, expert=8), 8,
+                                       "mixed_bfloat16") == sent
+    assert (f"experts over 8 ranks: {sent / 1e6:.3g} MB of rows per rank in each all-to-all, 4 "
+            "per MoE layer and micro-batch") in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--expert_parallel=3"], "--expert_parallel=3 does not divide the model's "
+     "num_experts=8; choose one of [1, 2, 4, 8]"),
+    (["--expert_parallel=2", "--tensor_parallel=2"], "--expert_parallel=2 with "
+     "--tensor_parallel=2: tfbig-train runs expert parallelism with data parallelism alone "
+     "(it refuses this pair)"),
+    (["--expert_parallel=2", "--zero_stage=1"], "--expert_parallel=2 with --zero_stage=1: "
+     "tfbig-train runs expert parallelism with data parallelism alone (it refuses this pair)"),
+])
+def test_expert_parallel_flags_tfbig_train_cannot_run_are_named(argv, message):
+    with pytest.raises(ValueError) as error:
+        mixtral_plan(argv)
+    assert str(error.value) == message

@@ -52,6 +52,9 @@ FLAGS_SPEC = {
     "sequence_parallel": ("bool", False, "Fix sequence parallelism (searched: on when T > 1)."),
     "pipeline_stages": ("integer", 1, "Fix the pipeline stages (searched if absent)."),
     "context_parallel": ("integer", 1, "Fix the context-parallel degree (searched if absent)."),
+    "expert_parallel": ("integer", 1, "Fix the expert-parallel degree: data ranks splitting "
+                                      "each MoE layer's experts (searched if absent, for an "
+                                      "MoE preset)."),
     "num_microbatches": ("integer", 1, "Fix the micro-batches per replica and step."),
     "schedule": ("string", "1f1b", "Pipeline schedule: 1f1b | gpipe (1f1b if absent)."),
     "zero_stage": ("integer", 0, "Fix the ZeRO stage 0-3 (searched if absent)."),

@@ -74,6 +74,16 @@ class Shape:
     # weights of the routed experts of every MoE layer (what --expert_parallel splits); the
     # FLOPs above count the k experts a token uses, `params` all E
     expert_params: int = 0
+    num_experts: int = 0  # E routed experts per MoE layer (every Llama block); 0: dense
+    experts_per_token: int = 0  # k experts each token is sent to (--expert_parallel's traffic)
+
+    @property
+    def active_params(self):
+        """Weights one token multiplies by: an MoE model's k of its E routed experts."""
+        if not self.num_experts:
+            return self.params
+        return round(self.params - self.expert_params * (1 - self.experts_per_token
+                                                         / self.num_experts))
 
     @property
     def kv_heads(self):
@@ -101,7 +111,9 @@ def shape_of(cfg, family, seq_length, masked_per_seq=None):
                  uses_blockwise(cfg.attention, seq_length),
                  _layer_variables(cfg) * distinct + _end_variables(cfg, family),
                  cfg.num_kv_heads / cfg.num_heads if llama else 1.0, llama,
-                 cfg.num_layers * cfg.expert_params() if llama else 0)
+                 cfg.num_layers * cfg.expert_params() if llama else 0,
+                 *((cfg.num_experts, cfg.experts_per_token) if llama and cfg.num_experts
+                   else (0, 0)))
 
 
 def family_of(cfg):

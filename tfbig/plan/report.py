@@ -1,10 +1,12 @@
 """The plan as text (the recommendation, then a table of the best layouts) or as JSON."""
 import json
 
+from tfbig.plan import speed
 from tfbig.plan.hardware import GB
 
 PARTS = ("parameters", "gradients", "optimizer", "activations", "communication", "reserve")
-TIME_PARTS = ("compute", "elementwise", "tensor", "context", "pipeline", "data", "update")
+TIME_PARTS = ("compute", "elementwise", "tensor", "context", "expert", "pipeline", "data",
+              "update")
 
 
 def _human(n, giga="B"):
@@ -23,8 +25,11 @@ def header(shape, cluster, precision, token_budget):
     d = cluster.device
     network = (f", inter-node {cluster.internode_bandwidth * 8 / 1e9:g} Gb/s per node"
                if cluster.nodes > 1 else "")
+    moe = (f" ({_human(shape.active_params)} active: {shape.experts_per_token} of "
+           f"{shape.num_experts} experts per token; FLOPs and MFU count the active ones)"
+           if shape.num_experts else "")
     return [f"model: {shape.family.upper()} {shape.num_layers} layers x {shape.hidden_size} "
-            f"({shape.num_heads} heads), {_human(shape.params)} parameters, "
+            f"({shape.num_heads} heads), {_human(shape.params)} parameters{moe}, "
             f"{_human(shape.flops_per_token, 'G')} FLOP per token at seq {shape.seq_length}, "
             f"{precision}, budget {_human(token_budget)} tokens",
             f"cluster: {cluster.nodes} x {cluster.gpus_per_node} {d.name} "
@@ -45,7 +50,19 @@ def _stage_layers(counts):
     return ", ".join(f"{n} x {r}" if r > 1 else f"{n}" for n, r in runs)
 
 
-def describe_estimate(e, memory_limit):
+def _experts(shape, e, precision):
+    """The expert all-to-alls of an MoE layout: bytes per exchange and time per layer."""
+    if e.layout.expert == 1 or not shape.num_experts:
+        return []
+    sent = speed.expert_exchange_bytes(shape, e.layout, e.micro_batch, precision)
+    per_layer = e.time["expert"] / (e.layout.num_microbatches * shape.num_layers)
+    exchanges = 6 if e.layout.activation_checkpointing else 4
+    return [f"  experts over {e.layout.expert} ranks: {sent / 1e6:.3g} MB of rows per rank in "
+            f"each all-to-all, {exchanges} per MoE layer and micro-batch, "
+            f"{per_layer * 1e3:.3g} ms per layer and micro-batch"]
+
+
+def describe_estimate(e, memory_limit, shape, precision):
     mem = ", ".join(f"{k} {e.memory[k] / GB:.2f}" for k in PARTS)
     time = ", ".join(f"{k} {e.time[k]:.3g}" for k in TIME_PARTS)
     stages = ([f"  stages: {_stage_layers(e.layout.stage_layers)} transformer layers "
@@ -55,7 +72,7 @@ def describe_estimate(e, memory_limit):
             f"micro-batches x {e.micro_batch} sequences"] + stages + [
             f"  memory per GPU {e.memory_bytes / GB:.2f} GB of {memory_limit / GB:.0f} "
             f"({'fits' if e.fits else 'does NOT fit'}): {mem}",
-            f"  step {e.step_seconds:.3g} s: {time}",
+            f"  step {e.step_seconds:.3g} s: {time}"] + _experts(shape, e, precision) + [
             f"  {e.samples_per_sec:.3g} samples/s, {_human(e.tokens_per_sec)} tokens/s, "
             f"{e.tflops_per_gpu:.3g} model TFLOP/s per GPU, MFU {e.mfu:.1%}",
             f"  token budget: {_days(e.days)} days, {_human(e.gpu_hours)} GPU-hours"]
@@ -95,7 +112,7 @@ def text(shape, cluster, precision, token_budget, estimates, top, spec=None):
         lines.append(f"no layout fits in {cluster.device.memory_bytes / GB:.0f} GB per GPU; "
                      f"the fastest needs {best.memory_bytes / GB:.1f} GB: more GPUs, "
                      f"a smaller --batch_size or ZeRO would be needed")
-    lines += describe_estimate(best, cluster.device.memory_bytes)
+    lines += describe_estimate(best, cluster.device.memory_bytes, shape, precision)
     if spec is not None:
         lines += side_by_side(best, spec)
     lines.append(f"best {min(top, len(estimates))} of {len(estimates)} layouts (D data, "

@@ -6,7 +6,8 @@ tfbig-train cuts them: FLOPs-balanced, tfbig.layouts.partition), data = GPUs / (
 over all data ranks or a node-sized partition group (MiCS), micro-batches dividing the per-replica
 batch, with and without activation checkpointing, sequence parallel wherever T > 1, context
 parallel C (2, 4, 8: without pipeline stages, sequence parallelism or ZeRO 2-3, where 2C
-divides the sequence) in the data ranks' place.
+divides the sequence) in the data ranks' place, and for an MoE model expert parallel N (data
+ranks dividing its experts, with data parallelism alone, as tfbig-train runs it).
 
 Example:
     best = search(shape, cluster, precision="mixed_bfloat16", batch_size=512)[0]
@@ -20,7 +21,7 @@ from tfbig.plan import estimate, speed
 DEFAULT_BATCH_TOKENS = 2 ** 20  # --batch_size=0: about a million tokens per step (GPT-3's 0.5-3.2M)
 LAYOUT_FLAGS = ("tensor_parallel", "pipeline_stages", "num_microbatches", "zero_stage",
                 "shard_degree", "activation_checkpointing", "sequence_parallel", "schedule",
-                "context_parallel")
+                "context_parallel", "expert_parallel")
 
 
 @dataclasses.dataclass
@@ -54,6 +55,7 @@ def layout_from_config(cfg):
     pipelined = cfg.train.strategy == "pipeline" or pipeline_stages(cfg) > 1
     return {"tensor_parallel": cfg.parallel.tensor_parallel,
             "context_parallel": cfg.parallel.context_parallel,
+            "expert_parallel": cfg.parallel.expert_parallel,
             "sequence_parallel": cfg.parallel.sequence_parallel,
             "zero_stage": cfg.parallel.zero_stage, "shard_degree": cfg.parallel.shard_degree,
             "pipeline_stages": pipeline_stages(cfg),
@@ -132,11 +134,44 @@ def check_layout(shape, fixed, cluster, batch_size):
     if c > 1 and (k or 1) > 1:
         raise ValueError(f"--context_parallel={c} with --pipeline_stages={k}: tfbig does not "
                          f"combine them (tfbig-train refuses it)")
+    _check_expert(shape, fixed)
     if fixed.get("zero_stage", 0) not in (0, 1, 2, 3):
         raise ValueError(f"--zero_stage={fixed['zero_stage']}: expected 0, 1, 2 or 3")
     if fixed.get("schedule", "1f1b") not in estimate.SCHEDULES:
         raise ValueError(f"--schedule={fixed['schedule']!r}: expected one of "
                          f"{list(estimate.SCHEDULES)}")
+
+
+def _check_expert(shape, fixed):
+    """Named errors for a fixed --expert_parallel the model or tfbig-train cannot run."""
+    n = fixed.get("expert_parallel", 1)
+    if n == 1:
+        return
+    if n < 1 or not shape.num_experts:
+        raise ValueError(f"--expert_parallel={n}: " + (
+            "expected a positive degree" if n < 1 else
+            f"the model has no MoE layers; choose an MoE preset (tiny-moe, mixtral-8x7b)"))
+    if shape.num_experts % n:
+        raise ValueError(f"--expert_parallel={n} does not divide the model's num_experts="
+                         f"{shape.num_experts}; choose one of {_divisors(shape.num_experts)}")
+    for flag in ("tensor_parallel", "pipeline_stages", "context_parallel", "zero_stage"):
+        if fixed.get(flag, 0) > (0 if flag == "zero_stage" else 1):
+            raise ValueError(f"--expert_parallel={n} with --{flag}={fixed[flag]}: tfbig-train "
+                             f"runs expert parallelism with data parallelism alone (it refuses "
+                             f"this pair)")
+
+
+def _expert_options(shape, fixed, layout, d):
+    """Expert-parallel degrees to try for `layout` (d data ranks): what tfbig-train runs (data
+    parallelism alone: no tensor, pipeline or context ranks, no ZeRO; N dividing both the data
+    ranks and the experts)."""
+    alone = (layout.tensor == layout.pipeline == layout.context == 1
+             and not layout.zero_stage)
+    if "expert_parallel" in fixed:
+        n = fixed["expert_parallel"]
+        return [n] if n == 1 or (alone and d % n == 0) else []
+    return [1] + ([n for n in _divisors(d) if n > 1 and shape.num_experts % n == 0]
+                  if shape.num_experts and alone else [])
 
 
 def _options(fixed, name, searched):
@@ -165,7 +200,9 @@ def candidates(shape, cluster, fixed, batch_size):
                     if layout.zero_stage > limits.get("zero_stage", 3):
                         continue
                     if c == 1 or layout.zero_stage < 2:  # tfbig-train: CP with ZeRO 0-1
-                        yield dataclasses.replace(layout, context=c), batch
+                        layout = dataclasses.replace(layout, context=c)
+                        for n in _expert_options(shape, fixed, layout, d):
+                            yield dataclasses.replace(layout, expert=n), batch
 
 
 def _context_options(shape, fixed, t, k):

@@ -1,6 +1,7 @@
 """Step time of a layout (closed forms): each matmul at its size's compute fraction plus its
-operands streamed, a pipeline tick per stage, the bubble of the schedule, and the gradient
-all-reduce across data-parallel replicas. The memory side is tfbig.plan.estimate."""
+operands streamed, a pipeline tick per stage, the bubble of the schedule, the all-to-alls of
+expert parallelism, and the gradient all-reduce across data-parallel replicas. The memory side
+is tfbig.plan.estimate."""
 import dataclasses
 
 from tfbig.plan import hardware
@@ -113,11 +114,36 @@ def tick_time(shape, layout, micro_batch, precision, cluster, stage):
             "elementwise": maps / bandwidth + normalised / row_bandwidth,
             "tensor": layers * (6 if recompute else 4) * cluster.collective_time(boundary, t, 1,
                                                                                  2),
-            "context": context}
+            "context": context,
+            "expert": layers * expert_exchange_time(shape, layout, boundary, cluster)}
+
+
+def expert_exchange_bytes(shape, layout, micro_batch, precision):
+    """Bytes of the rows one rank sends to the experts in one all-to-all of an MoE layer (a
+    micro-batch's tokens, k rows each, of the hidden width); as many come back."""
+    tokens = micro_batch * shape.seq_length / layout.context
+    return shape.experts_per_token * tokens * shape.hidden_size * activation_byte_size(precision)
+
+
+def expert_exchange_time(shape, layout, boundary, cluster):
+    """Seconds of one MoE layer's all-to-alls for a micro-batch under --expert_parallel=N
+    (tfbig.distribute.expert_parallel): each token's k rows of `boundary` / tokens bytes go to
+    the ranks holding their experts and come back (2 all-to-alls forward), and their gradients
+    the same way (2 backward), again in a recomputed forward. An all-to-all over N ranks
+    moves (N - 1) / N of each rank's rows, as a ring reduce-scatter of the same bytes does:
+    it is timed as one (a calibration's reduce-scatter where there is one). The expert group
+    is N consecutive data ranks (tfbig.distribute.mesh)."""
+    if layout.expert == 1 or not shape.num_experts:
+        return 0.0
+    passes = 6 if layout.activation_checkpointing else 4
+    span = layout.tensor * layout.pipeline * layout.context  # data neighbours' distance
+    return passes * cluster.collective_time(shape.experts_per_token * boundary, layout.expert,
+                                            span, passes=1)
 
 
 def step_time(shape, layout, micro_batch, precision, cluster):
-    """Seconds per optimizer step by part: compute, elementwise, tensor, pipeline, data, update.
+    """Seconds per optimizer step by part: compute, elementwise, tensor, context, expert,
+    pipeline, data, update.
     The slowest stage (tfbig-train's partition balances FLOPs, not the logits' traffic) sets
     the pace of every tick."""
     layout = with_partition(shape, layout)
@@ -143,6 +169,7 @@ def step_time(shape, layout, micro_batch, precision, cluster):
               + shape.num_variables / k * device.update_seconds_per_variable)
     return {"compute": ticks * tick["compute"], "elementwise": ticks * tick["elementwise"],
             "tensor": ticks * tick["tensor"], "context": ticks * tick["context"],
+            "expert": ticks * tick["expert"],
             "pipeline": ticks * pipe, "data": data,
             "update": update}
 
