@@ -29,11 +29,13 @@ class _Exported(tf.Module):
         super().__init__()
         self.model = model
 
-    @tf.function(input_signature=[tf.TensorSpec((None, None), tf.int32, name="token_ids")])
+    @tf.function(input_signature=[tf.TensorSpec((None, None), tf.int32, name="token_ids")],
+                 autograph=False)
     def serve(self, token_ids):
         return {"logits": self.model(token_ids, training=False)}
 
-    @tf.function(input_signature=[tf.TensorSpec((None, None), tf.int32, name="token_ids")])
+    @tf.function(input_signature=[tf.TensorSpec((None, None), tf.int32, name="token_ids")],
+                 autograph=False)
     def next_token_logits(self, token_ids):
         return {"logits": self.model(token_ids, training=False)[:, -1]}
 

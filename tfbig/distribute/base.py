@@ -150,19 +150,19 @@ class Strategy:
         """A function batch -> (mean loss, gradients, metrics) over the micro-batch axis."""
         return tf.function(
             lambda batch: accumulate_gradients(loss_fn, variables, batch, scale_loss),
-            jit_compile=jit_compile)
+            jit_compile=jit_compile, autograph=False)
 
     def make_forward(self, loss_fn, jit_compile):
         """A function batch -> metrics for evaluation (no gradients)."""
         return tf.function(lambda batch: loss_fn(batch, training=False)[1],
-                           jit_compile=jit_compile)
+                           jit_compile=jit_compile, autograph=False)
 
     def make_validation_step(self, task, model, jit_compile):
         """A function batch -> the task's per-example validation outputs ({name: (rows, ...)}:
         `task.validation_step`); a backend that splits the model (the pipeline) runs its own
         forward and hands the model's outputs to `task.validation_outputs`."""
         return tf.function(lambda batch: task.validation_step(model, batch),
-                           jit_compile=jit_compile)
+                           jit_compile=jit_compile, autograph=False)
 
     def all_gather(self, values):
         """Concatenate a nest of per-replica (rows, ...) tensors over data-parallel replicas

@@ -222,7 +222,7 @@ class MultiWorker(Strategy):
                 per_replica = self.tf_strategy.run(lambda: x[None])
                 values = self.tf_strategy.gather(per_replica, axis=0)  # (num_replicas,)
                 return tf.reduce_min(values), tf.reduce_max(values)
-            self._min_max = tf.function(min_max)
+            self._min_max = tf.function(min_max, autograph=False)
         low, high = self._min_max(tf.cast(value, tf.float64))
         return float(low), float(high)
 
@@ -250,7 +250,7 @@ class MultiWorker(Strategy):
     def gather_over_processes(self, values):
         if self._gather is None:  # one row per replica, worker by worker: a worker's first
             self._gather = tf.function(lambda x: self.tf_strategy.gather(
-                self.tf_strategy.run(lambda: x[None]), axis=0))
+                self.tf_strategy.run(lambda: x[None]), axis=0), autograph=False)
         rows = self._gather(tf.constant(values, tf.float64)).numpy()
         return rows[::len(rows) // self.num_workers].tolist()
 

@@ -124,7 +124,7 @@ class ZeroStrategy(HorovodStrategy):
             to_slices = self._reduce_scatter
         micro_step = tf.function(
             lambda micro: accumulate_gradients(loss_fn, variables, micro, scale_loss),
-            jit_compile=jit_compile)
+            jit_compile=jit_compile, autograph=False)
 
         def forward_backward(batch):  # stages 2-3: accumulate into the slice, never in full
             num_micro = tf.nest.flatten(batch)[0].shape[0]
@@ -142,7 +142,7 @@ class ZeroStrategy(HorovodStrategy):
             return (loss_sum * scale, [g * scale for g in slices],
                     {k: v * scale for k, v in metric_sums.items()})
 
-        return tf.function(forward_backward)
+        return tf.function(forward_backward, autograph=False)
 
     def make_forward(self, loss_fn, jit_compile):
         # Stage 3 gathers inside the forward: Horovod ops have no XLA kernels.

@@ -104,7 +104,7 @@ def xla_compiles(device):
         weights = tf.Variable(tf.random.normal([64, 64], seed=1))
         inputs = tf.random.normal([32, 64], seed=2)
 
-    @tf.function(jit_compile=True)
+    @tf.function(jit_compile=True, autograph=False)
     def step(x):
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(tf.tanh(tf.matmul(x, weights)) ** 2)
@@ -129,7 +129,7 @@ def precisions_run(device):
         try:
             with tf.device(device):
                 x = tf.ones([16, 16], dtype)
-                tf.function(tf.matmul, jit_compile=True)(x, x).numpy()
+                tf.function(tf.matmul, jit_compile=True, autograph=False)(x, x).numpy()
                 tf.matmul(x, x).numpy()
             runs[name] = True
         except Exception:  # noqa: BLE001 - the precision does not run here: reported False
@@ -187,7 +187,7 @@ def _multiply_pairs():
     """An XLA-compiled call multiplying each (size, size) matrix of a batch by itself."""
     import tensorflow as tf
 
-    return tf.function(lambda x: tf.reduce_sum(tf.matmul(x, x)), jit_compile=True)
+    return tf.function(lambda x: tf.reduce_sum(tf.matmul(x, x)), jit_compile=True, autograph=False)
 
 
 def _pairs(device, batch, size, dtype):
@@ -222,7 +222,7 @@ def memory_bandwidth(device, size_bytes, seconds, delay=0.0):
 
     with tf.device(device):
         x = tf.ones([size_bytes // 4], tf.float32)
-        add = tf.function(lambda v: v * 1.5 + 1.0, jit_compile=True)
+        add = tf.function(lambda v: v * 1.5 + 1.0, jit_compile=True, autograph=False)
         typical = typical_seconds(lambda: add(x)[:1].numpy(), seconds, delay)
     return 2.0 * size_bytes / typical
 
@@ -239,7 +239,8 @@ def normalisation_bandwidth(device, size_bytes, seconds, delay=0.0):
 
     with tf.device(device):
         x = tf.ones([max(1, size_bytes // (4 * NORMALISED_ROW)), NORMALISED_ROW], tf.float32)
-        softmax = tf.function(lambda v: tf.nn.softmax(v, axis=-1), jit_compile=True)
+        softmax = tf.function(lambda v: tf.nn.softmax(v, axis=-1), jit_compile=True,
+                              autograph=False)
         typical = typical_seconds(lambda: softmax(x)[:1, :1].numpy(), seconds, delay)
     return 2.0 * 4 * int(x.shape[0]) * NORMALISED_ROW / typical
 
@@ -278,7 +279,7 @@ def update_seconds_per_variable(device, seconds, delay=0.0, compiled=True):
             optimizer.apply(clipped, variables)
             return norm
 
-        step = tf.function(step, jit_compile=compiled)
+        step = tf.function(step, jit_compile=compiled, autograph=False)
         typical = typical_seconds(lambda: step().numpy(), seconds, delay)
     return typical / UPDATE_VARIABLES
 
@@ -330,7 +331,7 @@ def step_rate(device, seconds, delay=0.0):
     with tf.device(device):
         net, loss_of = tiny_model()
         batch = tiny_batch(TINY_SEQUENCES_PER_RANK)
-        step = tf.function(lambda b: gradients(net, loss_of, b)[0])
+        step = tf.function(lambda b: gradients(net, loss_of, b)[0], autograph=False)
         return 1.0 / typical_seconds(lambda: step(batch).numpy(), seconds, delay)
 
 

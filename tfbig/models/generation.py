@@ -39,8 +39,9 @@ class Generator:
         jit_compile = jit_compile and len({v.value.device for v in model.trainable_variables}) < 2
         # MoE layers' expert groups have data-dependent sizes XLA cannot compile
         jit_compile = jit_compile and not getattr(getattr(model, "config", None), "num_experts", 0)
-        self._prefill = tf.function(model.call_with_cache, jit_compile=jit_compile)
-        self._decode = tf.function(model.call_with_cache, jit_compile=jit_compile)
+        self._prefill, self._decode = (
+            tf.function(model.call_with_cache, jit_compile=jit_compile, autograph=False)
+            for _ in range(2))
 
     def __call__(self, prompt_ids, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0,
                  seed=0, use_cache=True):

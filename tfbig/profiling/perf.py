@@ -56,7 +56,8 @@ def cpu_peak_flops(size=2048, dtype=tf.float32, seconds=1.0, clock=None):
     """
     a = tf.random.normal((size, size), dtype=dtype)
     b = tf.random.normal((size, size), dtype=dtype)
-    matmul = tf.function(lambda x, y: tf.reduce_sum(tf.matmul(x, y)), jit_compile=True)
+    matmul = tf.function(lambda x, y: tf.reduce_sum(tf.matmul(x, y)), jit_compile=True,
+                         autograph=False)
     matmul(a, b).numpy()  # compile
     # (clock, threads its reading is spread over)
     clocks = [(clock, 1)] if clock else [(time.perf_counter, 1), (time.process_time, cpu_threads())]

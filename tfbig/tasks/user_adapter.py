@@ -282,7 +282,8 @@ class UserTask:
         if not isinstance(model, keras.Model):  # a pipeline rank's stage: its layers were
             return  # checked with the loss on the whole model (tfbig.tasks.user_pipeline)
         spec = {k: tf.TensorSpec([micro_batch, *t.shape[1:]], t.dtype) for k, t in first.items()}
-        traced = tf.function(self._unchecked_loss).get_concrete_function(model, spec)
+        traced = tf.function(self._unchecked_loss, autograph=False).get_concrete_function(
+            model, spec)
         check_loss(traced.structured_outputs, self.user_name)  # outside the trace: its own error
 
     def _unchecked_loss(self, model, batch):

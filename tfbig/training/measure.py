@@ -35,7 +35,7 @@ def measure_step(model, batch_size, xla=True, steps=0):
                                 net.trainable_variables)
     ids = tf.random.uniform((batch_size, config.seq_length + 1), 0, config.vocab_size, tf.int32)
 
-    @tf.function(jit_compile=xla)
+    @tf.function(jit_compile=xla, autograph=False)
     def forward_backward(batch):
         with tf.GradientTape() as tape:
             logits = net(batch[:, :-1], training=True)  # (B, T, V)
@@ -43,7 +43,7 @@ def measure_step(model, batch_size, xla=True, steps=0):
                 batch[:, 1:], logits))
         return tape.gradient(loss, net.trainable_variables)
 
-    @tf.function
+    @tf.function(autograph=False)
     def step(batch):
         optimizer.apply(forward_backward(batch), net.trainable_variables)
 

@@ -45,7 +45,7 @@ def make_replica_step(strategy, forward_backward, optimizer, variables, parts):
     step of this replica, with `parts` (compiled_parts) one XLA program each."""
     update = make_update(strategy, optimizer, variables)
     if parts == UPDATE:
-        update = tf.function(update, jit_compile=True)
+        update = tf.function(update, jit_compile=True, autograph=False)
 
     def replica_step(batch):
         _, grads, metrics = forward_backward(batch)
@@ -60,5 +60,5 @@ def make_replica_step(strategy, forward_backward, optimizer, variables, parts):
                 "communication_seconds": communication_seconds}
 
     if parts == WHOLE:
-        return tf.function(replica_step, jit_compile=True)
+        return tf.function(replica_step, jit_compile=True, autograph=False)
     return replica_step

@@ -153,7 +153,10 @@ class Trainer(BudgetedLoop):
         scale = getattr(self.optimizer, "scale_loss", None)
         return scale(loss) if scale else loss
 
-    @tf.function
+    # No tf.function of tfbig converts with autograph: as Keras 3's own fit (do_not_convert),
+    # the traced code is plain Python over tensors (control flow is tf.cond / tf.while_loop),
+    # and converting it took about a quarter of a tiny run's wall time.
+    @tf.function(autograph=False)
     def _train_step(self, batch):
         out = self.strategy.local_result(self.strategy.run(self.replica_step, (batch,)))
         finite = tf.math.is_finite(out["loss"]) & tf.math.is_finite(out["grad_norm"])
@@ -167,7 +170,7 @@ class Trainer(BudgetedLoop):
         return self.strategy.all_gather({**self.validation_step(rows),
                                          evaluation.VALID: batch[evaluation.VALID]})
 
-    @tf.function
+    @tf.function(autograph=False)
     def _eval_step(self, batch):
         """This replica's validation outputs, gathered from every replica in dataset order."""
         return self.strategy.local_result(self.strategy.run(self._replica_validation, (batch,)))
