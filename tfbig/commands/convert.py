@@ -7,7 +7,8 @@ and tfbig BERT/ALBERT/GPT runs back out to Hugging Face directories.
     tfbig-convert --source=albert_base/ --output_dir=runs/albert-base  # model.ckpt, HF, keras-hub
     tfbig-convert --source=gpt2/ --output_dir=runs/gpt2     # HF GPT-2 or a keras-hub preset
     tfbig-convert --source=runs/bert-base --to=huggingface --output_dir=hf/      # export
-    tfbig-convert --source=Llama-3.2-1B/ --output_dir=runs/llama  # Llama, Mistral, Qwen 2/3:
+    tfbig-convert --source=Llama-3.2-1B/ --output_dir=runs/llama  # Llama, Mistral, Qwen 2/3,
+                         # Mixtral, Qwen3-MoE:
                          # HF safetensors or a keras-hub preset, and back (tfbig.convert.llama)
 
 The source format and family are detected from its files (--format to force a format). The run
@@ -32,8 +33,9 @@ from tfbig.errors import UsageError  # noqa: E402
 class ConvertOptions:
     """What to convert, from which format, to where."""
 
-    source: str = field("", "Directory to read: a published BERT, ALBERT, GPT-2, Llama, Mistral "
-                            "or Qwen (--to=tfbig) or a tfbig BERT/ALBERT/GPT/Llama run "
+    source: str = field("", "Directory to read: a published BERT, ALBERT, GPT-2, Llama, Mistral, "
+                            "Qwen, Mixtral or Qwen3-MoE (--to=tfbig) or a tfbig "
+                            "BERT/ALBERT/GPT/Llama run "
                             "directory (--to=huggingface).")
     output_dir: str = field("", "Directory to write (must not hold a checkpoint yet).")
     to: str = field("tfbig", "tfbig: import --source into a tfbig run directory; huggingface: "

@@ -1,13 +1,15 @@
 """Llama-class checkpoints in and out: Hugging Face LlamaForCausalLM / MistralForCausalLM /
-Qwen2ForCausalLM / Qwen3ForCausalLM directories and keras-hub Llama / Mistral / Qwen backbones
-into a tfbig Llama run directory, and a tfbig Llama run back out to a Hugging Face directory.
+Qwen2ForCausalLM / Qwen3ForCausalLM / MixtralForCausalLM / Qwen3MoeForCausalLM directories and
+keras-hub Llama / Mistral / Qwen / Mixtral / Qwen3-MoE backbones into a tfbig Llama run
+directory, and a tfbig Llama run back out to a Hugging Face directory.
 
     huggingface  config.json + model.safetensors, or model-0000i-of-0000n.safetensors with
                  model.safetensors.index.json (any float dtype, bf16 included, read as float32);
                  tokenizer files present (tokenizer.json, tokenizer.model, ...) are copied
     keras_hub    a backbone object, or a preset directory (config.json registered_name
                  keras_hub>LlamaBackbone, Llama3Backbone, MistralBackbone, QwenBackbone,
-                 Qwen3Backbone + model.weights.h5), read with keras-hub itself
+                 Qwen3Backbone, MixtralBackbone, Qwen3MoeBackbone + model.weights.h5), read
+                 with keras-hub itself
 
 The names and refusals are tfbig.convert.llama_names' one table. Everything is read and checked
 before the output directory is created: a refusal writes nothing.

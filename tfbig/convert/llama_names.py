@@ -5,7 +5,8 @@ One table (BLOCK, TOP) serves every direction: a row names a tfbig key, its Hugg
 and its keras-hub path, and the config field that must be set for the row to exist (Qwen 2's
 q/k/v biases, Qwen 3's QK-norm, an untied head). Llama 2/3 (model_type "llama"), Mistral
 ("mistral"), Qwen 2 ("qwen2") and Qwen 3 ("qwen3") share it: keras-hub's Llama, Llama3,
-Mistral, Qwen and Qwen3 backbones name their weights alike.
+Mistral, Qwen and Qwen3 backbones name their weights alike. The MoE rows (Mixtral,
+"mixtral"; Qwen3-MoE, "qwen3_moe") are tfbig.convert.moe_names'.
 
 Layouts: a Hugging Face Linear weight is (out, in), a Keras kernel (in, out): 2-D kernels are
 transposed. keras-hub's EinsumDense kernels are (C, heads, hs) for q/k/v and (heads, hs, C) for
@@ -42,9 +43,7 @@ BLOCK = [
     ("mlp/gate/kernel", "mlp.gate_proj.weight", "feedforward_gate_dense/kernel", "dense"),
     ("mlp/up/kernel", "mlp.up_proj.weight", "feedforward_intermediate_dense/kernel", "dense"),
     ("mlp/down/kernel", "mlp.down_proj.weight", "feedforward_output_dense/kernel", "dense"),
-    ("mlp/router/kernel", "block_sparse_moe.gate.weight",  # MoE: the experts, moe_names
-     f"{moe_names.KERAS_HUB_BLOCK}/sparse_feedforward_gate_dense/kernel", "experts"),
-]
+]  # an MoE block's router and experts: tfbig.convert.moe_names
 TOP = [
     ("embedding/embeddings", "model.embed_tokens.weight", "token_embedding/embeddings", None),
     ("final_norm/scale", "model.norm.weight", "sequence_output_layernorm/scale", None),
@@ -55,18 +54,20 @@ FAMILIES = {"llama": ("LlamaForCausalLM", {}),
             "mistral": ("MistralForCausalLM", {}),
             "qwen2": ("Qwen2ForCausalLM", {"attention_bias": True}),
             "qwen3": ("Qwen3ForCausalLM", {"qk_norm": True}),
-            "mixtral": ("MixtralForCausalLM", {})}
+            "mixtral": ("MixtralForCausalLM", {}),
+            "qwen3_moe": ("Qwen3MoeForCausalLM", {"qk_norm": True})}
+MOE_TYPES = ("mixtral", "qwen3_moe")
 # keras-hub backbone (its registered name, as a preset's config.json says) -> Hugging Face
 # model_type of the same architecture
 KERAS_HUB = {"keras_hub>LlamaBackbone": "llama", "keras_hub>Llama3Backbone": "llama",
              "keras_hub>MistralBackbone": "mistral", "keras_hub>QwenBackbone": "qwen2",
-             "keras_hub>Qwen3Backbone": "qwen3", "keras_hub>MixtralBackbone": "mixtral"}
+             "keras_hub>Qwen3Backbone": "qwen3", "keras_hub>MixtralBackbone": "mixtral",
+             "keras_hub>Qwen3MoeBackbone": "qwen3_moe"}
 KERAS_HUB_SEQ_LENGTH = 2048  # a keras-hub backbone has no position limit; the converted run's
 
 
 def _present(config, needs):
-    special = {"untied": not config.tie_embeddings, "dense": not config.num_experts,
-               "experts": bool(config.num_experts)}
+    special = {"untied": not config.tie_embeddings, "dense": not config.num_experts}
     return needs is None or special.get(needs, getattr(config, needs, False))
 
 
@@ -76,6 +77,8 @@ def rows(config):
     for i in range(config.num_layers):
         out += [(f"block_{i}/{key}", f"model.layers.{i}.{hf}", f"transformer_layer_{i}/{kh}")
                 for key, hf, kh, needs in BLOCK if _present(config, needs)]
+        if config.num_experts:
+            out.append((f"block_{i}/mlp/router/kernel", *moe_names.router_row(config, i)))
     return out
 
 
@@ -230,7 +233,7 @@ def config_from_hf(raw, path):
             dropout=float(raw.get("attention_dropout", 0.0)),
             initializer_range=raw.get("initializer_range", 0.02),
             **_rope_from_hf(raw, path), **FAMILIES[model_type][1],
-            **(moe_names.config_from_hf(raw, path) if model_type == "mixtral" else {}))
+            **(moe_names.config_from_hf(raw, path) if model_type in MOE_TYPES else {}))
     except ValueError as error:
         raise UsageError(f"{path}: {error}") from error
 
@@ -241,7 +244,7 @@ def model_type(config):
         raise UsageError("attention_bias=True with qk_norm=True: no Hugging Face family has "
                          "both (Qwen 2 has the biases, Qwen 3 the QK-norm)")
     if config.num_experts:
-        return "mixtral"
+        return moe_names.names_of(config).model_type
     return "qwen2" if config.attention_bias else "qwen3" if config.qk_norm else "llama"
 
 
@@ -263,7 +266,7 @@ def hf_config(config, bos_id=None, eos_id=None):
            "rope_scaling": rope, "tie_word_embeddings": config.tie_embeddings,
            "attention_dropout": config.dropout, "initializer_range": config.initializer_range,
            "torch_dtype": "float32", "bos_token_id": bos_id, "eos_token_id": eos_id}
-    if kind == "mixtral":
+    if kind in MOE_TYPES:
         out.update(moe_names.hf_config(config))
     elif kind == "llama":
         out.update(attention_bias=False, mlp_bias=False)

@@ -1,30 +1,77 @@
-"""The expert weights of an MoE Llama (Mixtral) in checkpoints: one stacked tfbig variable per
-matrix and block (block_i/mlp/experts/gate, up: (E, C, I); down: (E, I, C), keras-hub
-Mixtral's layout) <-> Hugging Face's per-expert Linear weights
-(model.layers.i.block_sparse_moe.experts.j.w1 / w3 / w2.weight: (I, C), (I, C), (C, I)) <->
-keras-hub MixtralBackbone's stacked weights. The router is a row of tfbig.convert.llama_names'
-table (block_sparse_moe.gate.weight); this module adds the stacked rows and the MoE fields of
-the configs. Every tensor is checked (present, shape) before any is converted; an error names
-the tensor and both shapes.
+"""The MoE parts of an MoE Llama's checkpoints (Mixtral, Qwen3-MoE): one stacked tfbig variable
+per expert matrix and block (block_i/mlp/experts/gate, up: (E, C, I); down: (E, I, C)) and the
+router (block_i/mlp/router/kernel: (C, E)) <-> Hugging Face's per-expert Linear weights <->
+keras-hub's stacked weights. tfbig.convert.llama_names holds the rest of the table; this module
+adds the MoE rows and the MoE fields of the configs. Every tensor is checked (present, shape)
+before any is converted; an error names the tensor and both shapes.
+
+    Mixtral    model.layers.i.block_sparse_moe.gate.weight (E, C);
+               ...block_sparse_moe.experts.j.w1 / w3 / w2.weight: (I, C), (I, C), (C, I);
+               keras-hub MixtralBackbone: mixtral_sparse_moe_block/experts/
+               expert_feedforward_{gate,intermediate,output}_dense (stacked, E first)
+    Qwen3-MoE  model.layers.i.mlp.gate.weight; ...mlp.experts.j.gate_proj / up_proj /
+               down_proj.weight; keras-hub Qwen3MoeBackbone: qwen3_sparse_moe_block/experts/
+               expert_feedforward_gate_dense (E, C, 2I: gate then up) and
+               expert_feedforward_output_dense; norm_topk_prob true is tfbig's after_topk
+               router (the chosen probabilities renormalised = the softmax of the chosen
+               logits), false its before_topk
+
+A tfbig MoE Llama with QK-norm is a Qwen3-MoE, one without a Mixtral (llama_names.model_type).
 """
+import dataclasses
 import re
 
 import numpy as np
 
 from tfbig.errors import UsageError
 
-# (tfbig matrix, Hugging Face name, keras-hub weight below mixtral_sparse_moe_block/experts/)
-EXPERTS = [("gate", "w1", "expert_feedforward_gate_dense"),
-           ("up", "w3", "expert_feedforward_intermediate_dense"),
-           ("down", "w2", "expert_feedforward_output_dense")]
-KERAS_HUB_BLOCK = "mixtral_sparse_moe_block"
+MATRICES = ("gate", "up", "down")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeNames:
+    model_type: str
+    router: str  # Hugging Face, below model.layers.i
+    expert: str  # Hugging Face, below model.layers.i: {j} the expert, {m} its matrix's name
+    matrices: dict  # tfbig matrix -> Hugging Face matrix name
+    keras_hub_block: str  # the MoE layer's name in a keras-hub backbone
+    keras_hub_experts: dict  # tfbig matrix -> keras-hub weight below the block's experts/
+    fused_gate_up: bool  # keras-hub stacks gate and up in one (E, C, 2I) weight
+
+
+MIXTRAL = MoeNames("mixtral", "block_sparse_moe.gate.weight",
+                   "block_sparse_moe.experts.{j}.{m}.weight",
+                   {"gate": "w1", "up": "w3", "down": "w2"}, "mixtral_sparse_moe_block",
+                   {"gate": "expert_feedforward_gate_dense",
+                    "up": "expert_feedforward_intermediate_dense",
+                    "down": "expert_feedforward_output_dense"}, False)
+QWEN3_MOE = MoeNames("qwen3_moe", "mlp.gate.weight", "mlp.experts.{j}.{m}.weight",
+                     {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"},
+                     "qwen3_sparse_moe_block",
+                     {"gate": "expert_feedforward_gate_dense",
+                      "up": "expert_feedforward_gate_dense",
+                      "down": "expert_feedforward_output_dense"}, True)
+BLOCKS = (MIXTRAL.keras_hub_block, QWEN3_MOE.keras_hub_block)
+
+
+def names_of(config):
+    """The checkpoint names of an MoE LlamaConfig's family."""
+    return QWEN3_MOE if config.qk_norm else MIXTRAL
 
 
 def keras_hub_path(path):
     """A keras-hub weight path with the MoE block's layer name as the first one built has it
     (keras-hub names that layer automatically: a second backbone in the process numbers it,
     mixtral_sparse_moe_block_7)."""
-    return re.sub(rf"/{KERAS_HUB_BLOCK}_\d+/", f"/{KERAS_HUB_BLOCK}/", path)
+    return re.sub(rf"/({'|'.join(BLOCKS)})_\d+/", r"/\1/", path)
+
+
+def router_row(config, block):
+    """(Hugging Face name, keras-hub path) of block `block`'s router kernel."""
+    names = names_of(config)
+    return (f"model.layers.{block}.{names.router}",
+            f"transformer_layer_{block}/{names.keras_hub_block}/sparse_feedforward_gate_dense/"
+            "kernel")
 
 
 def expert_shape(config, matrix):
@@ -35,11 +82,13 @@ def expert_shape(config, matrix):
 
 def rows(config):
     """[(tfbig key, [Hugging Face name of each expert], keras-hub path, matrix)]."""
+    names = names_of(config)
     return [(f"block_{b}/mlp/experts/{matrix}",
-             [f"model.layers.{b}.block_sparse_moe.experts.{j}.{hf}.weight"
+             [f"model.layers.{b}." + names.expert.format(j=j, m=names.matrices[matrix])
               for j in range(config.num_experts)],
-             f"transformer_layer_{b}/{KERAS_HUB_BLOCK}/experts/{kh}", matrix)
-            for b in range(config.num_layers) for matrix, hf, kh in EXPERTS]
+             f"transformer_layer_{b}/{names.keras_hub_block}/experts/"
+             f"{names.keras_hub_experts[matrix]}", matrix)
+            for b in range(config.num_layers) for matrix in MATRICES]
 
 
 def _check(found, expected, where, name, config):
@@ -77,19 +126,50 @@ def tfbig_to_hf(weights, config):
 def keras_hub_to_tfbig(weights, config, where):
     """{keras-hub weight path: array} -> {tfbig expert key: array}, shapes checked first."""
     table = rows(config)
-    missing = [kh for _, _, kh, _ in table if kh not in weights]
+    missing = sorted({kh for _, _, kh, _ in table if kh not in weights})
     if missing:
         raise UsageError(f"{where}: {len(missing)} expert weights missing, e.g. {missing[:3]}")
+    fused = names_of(config).fused_gate_up
     for _, _, kh, matrix in table:
-        _check(weights[kh].shape, expert_shape(config, matrix), where, kh, config)
-    return {key: np.asarray(weights[kh], np.float32) for key, _, kh, _ in table}
+        expected = expert_shape(config, matrix)
+        if fused and matrix != "down":  # gate and up side by side in one weight
+            expected = expected[:2] + (2 * expected[2],)
+        _check(weights[kh].shape, expected, where, kh, config)
+    out = {}
+    for key, _, kh, matrix in table:
+        value = np.asarray(weights[kh], np.float32)
+        if fused and matrix != "down":
+            half = config.moe_intermediate_size
+            value = value[..., :half] if matrix == "gate" else value[..., half:]
+        out[key] = value
+    return out
+
+
+def _no_jitter(jitter, where):
+    if jitter:
+        raise UsageError(f"{where}: router_jitter_noise={jitter}; tfbig's router adds no noise "
+                         f"(router_jitter_noise=0)")
+
+
+def _every_block_sparse(step, dense_layers, where, step_name, dense_name):
+    if step != 1 or dense_layers:
+        raise UsageError(f"{where}: {step_name}={step}, {dense_name}={list(dense_layers)}; "
+                         f"tfbig's MoE Llama has an MoE MLP in every block ({step_name}=1, "
+                         f"{dense_name}=[])")
 
 
 def config_from_hf(raw, path):
-    """The MoE LlamaConfig fields of a Hugging Face Mixtral config.json."""
-    if raw.get("router_jitter_noise", 0.0):
-        raise UsageError(f"{path}: router_jitter_noise={raw['router_jitter_noise']}; tfbig's "
-                         f"router adds no noise (router_jitter_noise=0)")
+    """The MoE LlamaConfig fields of a Hugging Face Mixtral or Qwen3-MoE config.json."""
+    if raw["model_type"] == QWEN3_MOE.model_type:
+        _every_block_sparse(raw.get("decoder_sparse_step", 1), raw.get("mlp_only_layers") or [],
+                            path, "decoder_sparse_step", "mlp_only_layers")
+        return {"num_experts": raw["num_experts"],
+                "experts_per_token": raw["num_experts_per_tok"],
+                "moe_intermediate_size": raw["moe_intermediate_size"],
+                "router_softmax": ("after_topk" if raw.get("norm_topk_prob", False)
+                                   else "before_topk"),
+                "router_aux_loss_coef": float(raw.get("router_aux_loss_coef", 0.001))}
+    _no_jitter(raw.get("router_jitter_noise", 0.0), path)
     return {"num_experts": raw["num_local_experts"],
             "experts_per_token": raw["num_experts_per_tok"],
             "moe_intermediate_size": raw["intermediate_size"],
@@ -97,24 +177,42 @@ def config_from_hf(raw, path):
 
 
 def config_from_keras_hub(c, where):
-    """The MoE LlamaConfig fields of a keras-hub MixtralBackbone's get_config()."""
-    if c.get("router_jitter_noise", 0.0):
-        raise UsageError(f"{where}: router_jitter_noise={c['router_jitter_noise']}; tfbig's "
-                         f"router adds no noise (router_jitter_noise=0)")
+    """The MoE LlamaConfig fields of a keras-hub MixtralBackbone's or Qwen3MoeBackbone's
+    get_config()."""
+    if "moe_intermediate_dim" in c:  # Qwen3-MoE
+        _every_block_sparse(c.get("decoder_sparse_step", 1), c.get("mlp_only_layers") or [],
+                            where, "decoder_sparse_step", "mlp_only_layers")
+        return {"num_experts": c["num_experts"], "experts_per_token": c["top_k"],
+                "moe_intermediate_size": c["moe_intermediate_dim"],
+                "router_softmax": "after_topk" if c.get("norm_top_k_prob") else "before_topk",
+                "router_aux_loss_coef": float(c.get("router_aux_loss_coefficient", 0.001))}
+    _no_jitter(c.get("router_jitter_noise", 0.0), where)
     return {"num_experts": c["num_experts"], "experts_per_token": c["top_k"],
             "moe_intermediate_size": c["intermediate_dim"],
             "router_aux_loss_coef": float(c.get("router_aux_loss_coef", 0.02))}
 
 
 def hf_config(config):
-    """The MoE fields of a Mixtral config.json; what Mixtral cannot hold is refused by name."""
-    for name, value, mixtral in (("shared_intermediate_size", config.shared_intermediate_size,
-                                  0), ("router_softmax", config.router_softmax, "after_topk"),
-                                 ("attention_bias", config.attention_bias, False),
-                                 ("qk_norm", config.qk_norm, False)):
-        if value != mixtral:
-            raise UsageError(f"{name}={value!r}: a Mixtral checkpoint has {name}={mixtral!r}; "
-                             f"this MoE model has no Hugging Face export")
+    """The MoE fields of a Mixtral or Qwen3-MoE config.json; what the family cannot hold is
+    refused by name."""
+    names = names_of(config)
+    holds = {"shared_intermediate_size": 0, "attention_bias": False}
+    if names is MIXTRAL:
+        holds["router_softmax"] = "after_topk"
+    for name, value in holds.items():
+        if getattr(config, name) != value:
+            raise UsageError(f"{name}={getattr(config, name)!r}: a {names.model_type} checkpoint "
+                             f"has {name}={value!r}; this MoE model has no Hugging Face export")
+    if names is QWEN3_MOE:
+        return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                "moe_intermediate_size": config.moe_intermediate_size,
+                "num_experts": config.num_experts,
+                "num_experts_per_tok": config.experts_per_token,
+                "norm_topk_prob": config.router_softmax == "after_topk",
+                "decoder_sparse_step": 1, "mlp_only_layers": [],
+                "router_aux_loss_coef": config.router_aux_loss_coef,
+                "output_router_logits": False, "attention_bias": False,
+                "use_sliding_window": False, "sliding_window": None, "max_window_layers": 0}
     return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
             "intermediate_size": config.moe_intermediate_size,
             "num_local_experts": config.num_experts,
