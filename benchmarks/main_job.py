@@ -1,0 +1,73 @@
+"""The main job as a new user runs it: `tfbig-train` with no flags, timed from outside.
+
+Runs the command --repeats times, one after the other, each with a fresh run directory
+(--model_dir in a temporary directory: every other flag keeps its default, so the recipe and
+the 9-minute time budget are the user's) and, with --empty_cache (the default), a fresh
+$TFBIG_CACHE, so the embedded corpus is prepared inside the budget as on a first run.
+For each run it reports the wall time measured from outside (process start to exit), the
+steps trained and the validation bits per byte (the run's last line), and the goodput the run
+recorded (MODEL_DIR/goodput.json: time in productive training steps over wall time, with the
+badput by cause). Goals (issue 43): within 20 s of the budget and <= 2.20 bits per byte.
+
+    python benchmarks/main_job.py --repeats=3 --record
+
+Prints one JSON line per run (and records each with --record).
+"""
+import _record  # --record: append the result to benchmarks/results (strips the flag from sys.argv)
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("repeats", 3, "Runs of the main job, one after the other.")
+flags.DEFINE_bool("empty_cache", True, "Each run prepares the embedded corpus in a fresh "
+                  "$TFBIG_CACHE (as a first run does); false: the user's cache.")
+
+TRAIN = os.path.join(os.path.dirname(sys.executable), "tfbig-train")
+BUDGET_SECONDS = 9 * 60
+DONE = re.compile(r"^done: step (\d+), .*validation bits per byte ([0-9.]+)$", re.M)
+
+
+def run_once(root):
+    model_dir = os.path.join(root, "run")
+    env = dict(os.environ)
+    if FLAGS.empty_cache:
+        env["TFBIG_CACHE"] = os.path.join(root, "cache")
+    started = time.monotonic()
+    proc = subprocess.run([TRAIN, f"--model_dir={model_dir}"], env=env, capture_output=True,
+                          text=True)
+    wall = time.monotonic() - started
+    done = DONE.search(proc.stdout)
+    if proc.returncode != 0 or not done:
+        sys.exit(f"tfbig-train failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}"
+                 f"\n{proc.stderr[-3000:]}")
+    with open(os.path.join(model_dir, "goodput.json")) as f:
+        recorded = json.load(f)
+    seconds = recorded["seconds"]
+    recorded_wall = recorded["updated"] - recorded["run_start"]
+    return {
+        "benchmark": "main_job",
+        "cache": "empty" if FLAGS.empty_cache else "the user's",
+        "wall_seconds": round(wall, 1),
+        "over_budget_seconds": round(wall - BUDGET_SECONDS, 1),
+        "steps": int(done.group(1)),
+        "validation_bits_per_byte": float(done.group(2)),
+        "goodput": round(seconds["productive"] / recorded_wall, 3),
+        "badput_seconds": {k: round(v, 1) for k, v in seconds.items() if k != "productive"},
+    }
+
+
+def main(_):
+    for _ in range(FLAGS.repeats):
+        with tempfile.TemporaryDirectory() as root:
+            _record.emit(run_once(root))
+
+
+if __name__ == "__main__":
+    app.run(main)
