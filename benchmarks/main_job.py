@@ -7,7 +7,9 @@ $TFBIG_CACHE, so the embedded corpus is prepared inside the budget as on a first
 For each run it reports the wall time measured from outside (process start to exit), the
 steps trained and the validation bits per byte (the run's last line), and the goodput the run
 recorded (MODEL_DIR/goodput.json: time in productive training steps over wall time, with the
-badput by cause). Goals (issue 43): within 20 s of the budget and <= 2.20 bits per byte.
+badput by cause), and the budget's decision (config.json: when the decay started, the speed it
+was measured at, the end it predicted, when the loop really ended, and the speed of the steps
+after the decision). Goals (issue 43): within 20 s of the budget and <= 2.20 bits per byte.
 
     python benchmarks/main_job.py --repeats=3 --record
 
@@ -49,6 +51,8 @@ def run_once(root):
                  f"\n{proc.stderr[-3000:]}")
     with open(os.path.join(model_dir, "goodput.json")) as f:
         recorded = json.load(f)
+    with open(os.path.join(model_dir, "config.json")) as f:
+        budget = json.load(f)["budget"]  # the decay the run decided, and the figures behind it
     seconds = recorded["seconds"]
     recorded_wall = recorded["updated"] - recorded["run_start"]
     return {
@@ -60,6 +64,17 @@ def run_once(root):
         "validation_bits_per_byte": float(done.group(2)),
         "goodput": round(seconds["productive"] / recorded_wall, 3),
         "badput_seconds": {k: round(v, 1) for k, v in seconds.items() if k != "productive"},
+        # the budget's decision: when, at which measured speed, the end it predicted, and when
+        # the training loop really ended (the sample and the summary follow); steps after the
+        # decision that run slower than measured push the end past the budget
+        "budget": {"decay_from_step": budget["decay_start"],
+                   "decided_at_seconds": round(budget["elapsed_seconds"], 1),
+                   "seconds_per_step_then": round(budget["seconds_per_step"], 3),
+                   "predicted_end_seconds": round(budget["predicted_end_seconds"], 1),
+                   "loop_ended_seconds": round(budget["ended_seconds"], 1)},
+        "seconds_per_step_after_decision": round(
+            (budget["ended_seconds"] - budget["elapsed_seconds"] - budget["finish_seconds"])
+            / max(1, budget["max_steps"] - budget["decay_start"]), 3),
     }
 
 
