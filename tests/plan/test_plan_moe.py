@@ -116,3 +116,10 @@ def test_expert_parallel_flags_tfbig_train_cannot_run_are_named(argv, message):
     with pytest.raises(ValueError) as error:
         mixtral_plan(argv)
     assert str(error.value) == message
+
+
+def test_expert_parallel_on_a_dense_model_is_named():
+    with pytest.raises(ValueError) as error:
+        plan(["--preset=1.3b", "--nodes=2", "--expert_parallel=2"])
+    assert str(error.value) == ("--expert_parallel=2: the model has no MoE layers; choose an "
+                                "MoE preset (tiny-moe, mixtral-8x7b)")

@@ -150,7 +150,7 @@ def _check_expert(shape, fixed):
     if n < 1 or not shape.num_experts:
         raise ValueError(f"--expert_parallel={n}: " + (
             "expected a positive degree" if n < 1 else
-            f"the model has no MoE layers; choose an MoE preset (tiny-moe, mixtral-8x7b)"))
+            "the model has no MoE layers; choose an MoE preset (tiny-moe, mixtral-8x7b)"))
     if shape.num_experts % n:
         raise ValueError(f"--expert_parallel={n} does not divide the model's num_experts="
                          f"{shape.num_experts}; choose one of {_divisors(shape.num_experts)}")
