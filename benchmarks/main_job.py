@@ -73,8 +73,10 @@ def run_once(root):
                    "predicted_end_seconds": round(budget["predicted_end_seconds"], 1),
                    "loop_ended_seconds": round(budget["ended_seconds"], 1)},
         "seconds_per_step_after_decision": round(
-            (budget["ended_seconds"] - budget["elapsed_seconds"] - budget["finish_seconds"])
-            / max(1, budget["max_steps"] - budget["decay_start"]), 3),
+            # the loop's end comes after the last checkpoint and validation (not the sample)
+            (budget["ended_seconds"] - budget["elapsed_seconds"] - budget["checkpoint_seconds"]
+             - budget["validation_seconds"]) / max(1, budget["max_steps"] - budget["decay_start"]),
+            3),
     }
 
 
