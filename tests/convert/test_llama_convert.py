@@ -25,6 +25,8 @@ from tfbig.errors import UsageError  # noqa: E402
 from tfbig.convert.run_dir import load_model  # noqa: E402
 from tfbig.models.llama import Llama  # noqa: E402
 
+from random_backbones import logits, randomize  # noqa: E402
+
 SIZES = dict(vocabulary_size=97, num_layers=3, num_query_heads=6, num_key_value_heads=2,
              hidden_dim=48, intermediate_dim=100, dtype="float32")
 FAMILIES = {
@@ -46,17 +48,11 @@ def make_backbone(family, seed=0, **overrides):
     missing norm shows in the logits)."""
     cls, extra = FAMILIES[family]
     keras.utils.set_random_seed(seed)
-    backbone = cls(**SIZES, **{**extra, **overrides})
-    rng = np.random.default_rng(seed)
-    for w in backbone.weights:
-        scale = w.path.endswith("scale")
-        w.assign((scale + rng.normal(0, 0.3 if scale else 0.05, w.shape)).astype("float32"))
-    return backbone
+    return randomize(cls(**SIZES, **{**extra, **overrides}), seed, std=0.05)
 
 
 def keras_hub_logits(backbone, tokens=TOKENS):
-    hidden = backbone({"token_ids": tokens, "padding_mask": np.ones_like(tokens)})
-    return np.asarray(backbone.token_embedding(hidden, reverse=True))
+    return logits(backbone, tokens)
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,8 @@ from tfbig.commands.convert import ConvertOptions, convert  # noqa: E402
 from tfbig.convert.run_dir import load_model  # noqa: E402
 from tfbig.errors import UsageError  # noqa: E402
 
+from random_backbones import logits, randomize  # noqa: E402
+
 TOKENS = np.random.default_rng(0).integers(0, 61, size=(2, 11)).astype("int32")
 
 
@@ -29,16 +31,11 @@ def backbone():
         vocabulary_size=61, num_layers=2, num_query_heads=3, num_key_value_heads=1,
         hidden_dim=24, intermediate_dim=40, num_experts=4, top_k=2, sliding_window=None,
         layer_norm_epsilon=1e-5, dtype="float32")
-    rng = np.random.default_rng(0)
-    for w in model.weights:
-        scale = w.path.endswith("scale")
-        w.assign((scale + rng.normal(0, 0.3 if scale else 0.1, w.shape)).astype("float32"))
-    return model
+    return randomize(model)
 
 
 def keras_hub_logits(model):
-    hidden = model({"token_ids": TOKENS, "padding_mask": np.ones_like(TOKENS)})
-    return np.asarray(model.token_embedding(hidden, reverse=True))
+    return logits(model, TOKENS)
 
 
 def test_keras_hub_mixtral_to_tfbig_to_huggingface_and_back_keeps_the_logits(backbone,

@@ -19,6 +19,8 @@ from tfbig.commands.convert import ConvertOptions, convert  # noqa: E402
 from tfbig.convert.run_dir import load_model  # noqa: E402
 from tfbig.errors import UsageError  # noqa: E402
 
+from random_backbones import logits, randomize  # noqa: E402
+
 TOKENS = np.random.default_rng(0).integers(0, 61, size=(2, 11)).astype("int32")
 
 
@@ -32,16 +34,11 @@ def backbone(norm_top_k_prob, **options):
         head_dim=10, hidden_dim=24, intermediate_dim=40, moe_intermediate_dim=20,
         num_experts=4, top_k=2, norm_top_k_prob=norm_top_k_prob, sliding_window_size=None,
         layer_norm_epsilon=1e-6, dtype="float32", **options)
-    rng = np.random.default_rng(0)
-    for w in model.weights:
-        scale = w.path.endswith("scale")
-        w.assign((scale + rng.normal(0, 0.3 if scale else 0.1, w.shape)).astype("float32"))
-    return model
+    return randomize(model)
 
 
 def keras_hub_logits(model):
-    hidden = model({"token_ids": TOKENS, "padding_mask": np.ones_like(TOKENS)})
-    return np.asarray(model.token_embedding(hidden, reverse=True))
+    return logits(model, TOKENS)
 
 
 @pytest.mark.parametrize("norm_top_k_prob, router", [(True, "after_topk"),
