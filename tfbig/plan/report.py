@@ -56,9 +56,8 @@ def _experts(shape, e, precision):
         return []
     sent = speed.expert_exchange_bytes(shape, e.layout, e.micro_batch, precision)
     per_layer = e.time["expert"] / (e.layout.num_microbatches * shape.num_layers)
-    exchanges = 6 if e.layout.activation_checkpointing else 4
     return [f"  experts over {e.layout.expert} ranks: {sent / 1e6:.3g} MB of rows per rank in "
-            f"each all-to-all, {exchanges} per MoE layer and micro-batch, "
+            f"each all-to-all, {speed.expert_exchanges(e.layout)} per MoE layer and micro-batch, "
             f"{per_layer * 1e3:.3g} ms per layer and micro-batch"]
 
 

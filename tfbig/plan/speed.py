@@ -125,6 +125,12 @@ def expert_exchange_bytes(shape, layout, micro_batch, precision):
     return shape.experts_per_token * tokens * shape.hidden_size * activation_byte_size(precision)
 
 
+def expert_exchanges(layout):
+    """All-to-alls of one MoE layer per micro-batch: dispatch and combine forward, their
+    gradients backward, and the forward's again when it is recomputed."""
+    return 6 if layout.activation_checkpointing else 4
+
+
 def expert_exchange_time(shape, layout, boundary, cluster):
     """Seconds of one MoE layer's all-to-alls for a micro-batch under --expert_parallel=N
     (tfbig.distribute.expert_parallel): each token's k rows of `boundary` / tokens bytes go to
@@ -135,10 +141,9 @@ def expert_exchange_time(shape, layout, boundary, cluster):
     is N consecutive data ranks (tfbig.distribute.mesh)."""
     if layout.expert == 1 or not shape.num_experts:
         return 0.0
-    passes = 6 if layout.activation_checkpointing else 4
     span = layout.tensor * layout.pipeline * layout.context  # data neighbours' distance
-    return passes * cluster.collective_time(shape.experts_per_token * boundary, layout.expert,
-                                            span, passes=1)
+    return expert_exchanges(layout) * cluster.collective_time(
+        shape.experts_per_token * boundary, layout.expert, span, passes=1)
 
 
 def step_time(shape, layout, micro_batch, precision, cluster):
