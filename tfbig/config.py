@@ -157,6 +157,9 @@ class MoEConfig:
     shared_intermediate_size: int = field(-1, "MoE: width of the shared experts every "
                                               "token goes through (0: none; -1 keeps the "
                                               "preset's).")
+    shared_expert_gate: bool = field(False, "MoE: scale the shared experts' output by the "
+                                            "sigmoid of one logit per token, as Qwen2-MoE "
+                                            "does (needs --shared_intermediate_size > 0).")
     router_softmax: str = field("", "MoE: after_topk (Mixtral: softmax of the k chosen "
                                     "logits) | before_topk (Qwen-MoE: the chosen experts' "
                                     "probabilities over all E); empty keeps the preset's.")

@@ -152,6 +152,12 @@ def test_the_moe_llama_counts_its_parameters_and_returns_routing_per_layer():
     model = Llama(config)
     model.build((None, None))
     assert sum(int(np.prod(v.shape)) for v in model.trainable_variables) == config.num_params()
+    gated = LlamaConfig.from_preset("tiny-moe", vocab_size=97, shared_intermediate_size=8,
+                                    shared_expert_gate=True)  # Qwen2-MoE: + C per block
+    gated_model = Llama(gated)
+    gated_model.build((None, None))
+    assert sum(int(np.prod(v.shape)) for v in gated_model.trainable_variables) == \
+        gated.num_params() == config.num_params() + 2 * 32
     dense = LlamaConfig.from_preset("tiny-moe", vocab_size=97, num_experts=0)
     # per layer: the router, k = 2 experts of width 64 and the shared width 8 for the dense MLP
     assert config.active_params() == dense.num_params() + 2 * (

@@ -6,7 +6,7 @@ and its keras-hub path, and the config field that must be set for the row to exi
 q/k/v biases, Qwen 3's QK-norm, an untied head). Llama 2/3 (model_type "llama"), Mistral
 ("mistral"), Qwen 2 ("qwen2") and Qwen 3 ("qwen3") share it: keras-hub's Llama, Llama3,
 Mistral, Qwen and Qwen3 backbones name their weights alike. The MoE rows (Mixtral,
-"mixtral"; Qwen3-MoE, "qwen3_moe") are tfbig.convert.moe_names'.
+"mixtral"; Qwen2-MoE, "qwen2_moe"; Qwen3-MoE, "qwen3_moe") are tfbig.convert.moe_names'.
 
 Layouts: a Hugging Face Linear weight is (out, in), a Keras kernel (in, out): 2-D kernels are
 transposed. keras-hub's EinsumDense kernels are (C, heads, hs) for q/k/v and (heads, hs, C) for
@@ -55,14 +55,15 @@ FAMILIES = {"llama": ("LlamaForCausalLM", {}),
             "qwen2": ("Qwen2ForCausalLM", {"attention_bias": True}),
             "qwen3": ("Qwen3ForCausalLM", {"qk_norm": True}),
             "mixtral": ("MixtralForCausalLM", {}),
+            "qwen2_moe": ("Qwen2MoeForCausalLM", {"attention_bias": True}),
             "qwen3_moe": ("Qwen3MoeForCausalLM", {"qk_norm": True})}
-MOE_TYPES = ("mixtral", "qwen3_moe")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 # keras-hub backbone (its registered name, as a preset's config.json says) -> Hugging Face
 # model_type of the same architecture
 KERAS_HUB = {"keras_hub>LlamaBackbone": "llama", "keras_hub>Llama3Backbone": "llama",
              "keras_hub>MistralBackbone": "mistral", "keras_hub>QwenBackbone": "qwen2",
              "keras_hub>Qwen3Backbone": "qwen3", "keras_hub>MixtralBackbone": "mixtral",
-             "keras_hub>Qwen3MoeBackbone": "qwen3_moe"}
+             "keras_hub>QwenMoeBackbone": "qwen2_moe", "keras_hub>Qwen3MoeBackbone": "qwen3_moe"}
 KERAS_HUB_SEQ_LENGTH = 2048  # a keras-hub backbone has no position limit; the converted run's
 
 
@@ -79,6 +80,9 @@ def rows(config):
                 for key, hf, kh, needs in BLOCK if _present(config, needs)]
         if config.num_experts:
             out.append((f"block_{i}/mlp/router/kernel", *moe_names.router_row(config, i)))
+        if config.shared_expert_gate:
+            out.append((f"block_{i}/mlp/shared_gate/kernel",
+                        *moe_names.shared_gate_row(config, i)))
     return out
 
 
@@ -94,7 +98,7 @@ def shapes(config):
                "attn/proj/kernel": (q, c), "mlp/gate/kernel": (c, config.intermediate_size),
                "mlp/up/kernel": (c, config.intermediate_size),
                "mlp/down/kernel": (config.intermediate_size, c),
-               "mlp/router/kernel": (c, config.num_experts)}
+               "mlp/router/kernel": (c, config.num_experts), "mlp/shared_gate/kernel": (c, 1)}
     return {key: by_tail.get(key.split("/", 1)[1] if key.startswith("block_") else key, (c,))
             for key, _, _ in rows(config)}
 

@@ -251,7 +251,7 @@ class LlamaBlock(keras.layers.Layer):
             SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
                       cfg.experts_per_token, cfg.router_softmax, cfg.capacity_factor,
                       cfg.shared_intermediate_size, cfg.initializer_range,
-                      output_initializer_range, name="mlp")
+                      output_initializer_range, shared_gate=cfg.shared_expert_gate, name="mlp")
         self.drop = keras.layers.Dropout(cfg.dropout)
 
     def parts(self):

@@ -47,6 +47,7 @@ class LlamaConfig(ArchitectureConfig):
     experts_per_token: int = 2  # MoE: k experts each token is routed to (1 or 2)
     moe_intermediate_size: int = 0  # MoE: SwiGLU width of one expert; 0 means intermediate_size
     shared_intermediate_size: int = 0  # MoE: width of the shared experts every token uses; 0: none
+    shared_expert_gate: bool = False  # MoE: shared experts' output x sigmoid(x . w) (Qwen2-MoE)
     router_softmax: str = "after_topk"  # MoE: after_topk (Mixtral) | before_topk (Qwen-MoE)
     capacity_factor: float = 0.0  # MoE: 0 dropless; > 0 an expert takes ceil(cf*N*k/E) tokens
     router_aux_loss_coef: float = 0.01  # MoE: weight of the load-balancing loss in the loss
@@ -98,6 +99,9 @@ class LlamaConfig(ArchitectureConfig):
                      "moe_intermediate_size"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name}={getattr(self, name)}: expected a value >= 0")
+        if self.shared_expert_gate and not self.shared_intermediate_size:
+            raise ValueError("--shared_expert_gate scales the shared experts' output: set "
+                             "--shared_intermediate_size above 0 too")
 
     @classmethod
     def presets(cls):
@@ -122,8 +126,8 @@ class LlamaConfig(ArchitectureConfig):
         if not self.num_experts:
             return 3 * c * self.intermediate_size
         experts = self.experts_per_token if active else self.num_experts
-        return c * self.num_experts + 3 * c * (experts * self.moe_intermediate_size
-                                                + self.shared_intermediate_size)
+        return c * (self.num_experts + int(self.shared_expert_gate)) + 3 * c * (
+            experts * self.moe_intermediate_size + self.shared_intermediate_size)
 
     def expert_params(self):
         """Parameters of one block's routed experts (what --expert_parallel splits)."""

@@ -14,6 +14,10 @@ slot-major order of GShard and Switch), and the rest of its assignments are drop
 token keeps only the residual and the other experts) and counted. Expert groups have
 data-dependent sizes, so the layer runs outside XLA.
 
+Shared experts (`shared_intermediate_size`): one SwiGLU every token goes through, added to the
+routed experts' sum; with `shared_gate` (Qwen2-MoE) its output is scaled per token by the
+sigmoid of one more logit, sigmoid(x . w) with w (C, 1).
+
 Router softmax (`router_softmax`): "after_topk" (Mixtral: the k chosen logits' softmax, so the
 weights sum to 1) or "before_topk" (Qwen-MoE with norm_topk_prob false: the chosen experts'
 probabilities of the softmax over all E). Router logits and probabilities are float32.
@@ -121,7 +125,8 @@ class SparseMoE(keras.layers.Layer):
 
     def __init__(self, hidden_size, intermediate_size, num_experts, experts_per_token=2,
                  router_softmax="after_topk", capacity_factor=0.0, shared_intermediate_size=0,
-                 initializer_range=0.02, output_initializer_range=None, **kwargs):
+                 initializer_range=0.02, output_initializer_range=None, shared_gate=False,
+                 **kwargs):
         super().__init__(**kwargs)
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size  # of one expert
@@ -141,12 +146,21 @@ class SparseMoE(keras.layers.Layer):
         self.shared = ExpertBank(1, hidden_size, shared_intermediate_size, initializer_range,
                                  output_initializer_range, name="shared") \
             if shared_intermediate_size else None
+        if shared_gate and not shared_intermediate_size:
+            raise ValueError("shared_gate=True needs shared experts (shared_intermediate_size "
+                             "> 0): it scales their output")
+        self.shared_gate = keras.layers.Dense(
+            1, use_bias=False, name="shared_gate",
+            kernel_initializer=make_initializer("normal", initializer_range)) \
+            if shared_gate else None
 
     def build(self, input_shape):
         self.router.build(input_shape)
         self.experts.build()
         if self.shared is not None:
             self.shared.build()
+        if self.shared_gate is not None:
+            self.shared_gate.build(input_shape)
 
     def dispatch(self, rows, counts):
         """Rows (M, C) grouped by expert (counts (E,) int32 of them per expert, in expert
@@ -162,7 +176,11 @@ class SparseMoE(keras.layers.Layer):
                         self.experts_per_token, self.router_softmax, self.capacity_factor)
         y = self._through_experts(tokens, routing)
         if self.shared is not None:
-            y = y + self.shared(tokens, tf.shape(tokens)[:1])
+            shared = self.shared(tokens, tf.shape(tokens)[:1])
+            if self.shared_gate is not None:  # Qwen2-MoE: sigmoid(x . w) per token, in float32
+                gate = ops.sigmoid(ops.cast(self.shared_gate(tokens), "float32"))
+                shared = shared * ops.cast(gate, shared.dtype)
+            y = y + shared
         stats = {k: routing[k] for k in ("tokens_per_expert", "dropped_tokens", "aux_loss",
                                          "z_loss")}
         return ops.reshape(y, (batch, length, self.hidden_size)), stats
@@ -193,4 +211,5 @@ class SparseMoE(keras.layers.Layer):
                 "router_softmax": self.router_softmax, "capacity_factor": self.capacity_factor,
                 "shared_intermediate_size": self.shared_intermediate_size,
                 "initializer_range": self.initializer_range,
-                "output_initializer_range": self.output_initializer_range}
+                "output_initializer_range": self.output_initializer_range,
+                "shared_gate": self.shared_gate is not None}
