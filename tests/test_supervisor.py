@@ -242,17 +242,19 @@ def test_a_worker_killed_mid_training_is_restarted_and_ends_bit_identical(gpt_da
         np.testing.assert_array_equal(ours[key], reference[key], err_msg=key)
 
 
-def horovod_job(data_dir, model_dir, *launch_flags, train=()):
-    """tfbig-launch LAUNCH_FLAGS -- horovodrun -np 2 ... python -m tfbig.train --strategy=horovod
-    (`train`: as training_job's)."""
+def horovod_job(data_dir, model_dir, *launch_flags, train=(), hosts=("-H", "localhost:2"),
+                env_more=None):
+    """tfbig-launch LAUNCH_FLAGS -- horovodrun -np 2 HOSTS ... python -m tfbig.train
+    --strategy=horovod (`train`: as training_job's; `env_more`: more environment)."""
     flags = [f if f != "--strategy=multiworker" else "--strategy=horovod" for f in TRAIN]
     command = [sys.executable, "-m", "tfbig.commands.launch", *launch_flags, "--",
-               "horovodrun", "-np", "2", "-H", "localhost:2", "--gloo",
+               "horovodrun", "-np", "2", *hosts, "--gloo",
                sys.executable, "-m", "tfbig.train", *flags, f"--data_dir={data_dir}",
                f"--model_dir={model_dir}", *train]
     log = open(f"{model_dir}.log", "w")
     return subprocess.Popen(command, cwd=ROOT, env={**env(), "TF_NUM_INTEROP_THREADS": "1",
-                                                    "TF_NUM_INTRAOP_THREADS": "1"},
+                                                    "TF_NUM_INTRAOP_THREADS": "1",
+                                                    **(env_more or {})},
                             stdout=log, stderr=subprocess.STDOUT)
 
 

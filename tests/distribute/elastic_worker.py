@@ -5,7 +5,8 @@
 
 PLAN_JSON: {"config": tfbig.config.to_dict, "out": dir, "step_seconds": float, "user_task":
 bool (examples/own_model.py's functions as a tfbig.Task, through tfbig.api's flag checks, in
-place of the config's GPT)}. Each process
+place of the config's GPT), "die_before_first_sync": a rank that kills itself (SIGKILL) as
+the first sync of the elastic state begins}. Each process
 writes OUT/pid{PID}.rank (its first rank), and appends to OUT/pid{PID}.jsonl one line per
 optimizer step it runs: {"time", "step", "world", "rank", "rows"} where rows fingerprint the
 records of its slice of the batch; the chief adds {"loss"}. At the end the chief writes
@@ -14,6 +15,7 @@ test can kill and add ranks mid-run.
 """
 import json
 import os
+import signal
 import sys
 import time
 import zlib
@@ -23,6 +25,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 
 from tfbig import config as config_lib  # noqa: E402
+from tfbig.distribute import elastic  # noqa: E402
 from tfbig.training.registry import get_strategy  # noqa: E402
 from tfbig.training.trainer import Trainer  # noqa: E402
 
@@ -88,6 +91,9 @@ def main(plan_path):
     cfg = config_lib.from_dict(plan["config"])
     task = own_model_task(cfg) if plan.get("user_task") else None
     strategy = get_strategy("horovod", cfg)
+    if plan.get("die_before_first_sync") == strategy.rank:
+        # This rank dies (SIGKILL) as the ranks' first collective, the state's sync, begins.
+        elastic.VariablesState.sync = lambda state: os.kill(os.getpid(), signal.SIGKILL)
     with open(os.path.join(plan["out"], f"pid{os.getpid()}.rank"), "w") as f:
         f.write(str(strategy.rank))
     trainer = Recorded(cfg, strategy, plan["out"], plan["step_seconds"], task)

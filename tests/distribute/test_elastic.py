@@ -87,10 +87,9 @@ def last_execution(out):
     return final
 
 
-def killed_and_rejoined(tmp_path, cfg, **plan):
-    """Run `cfg` on 2 elastic ranks (elastic_worker.py; `plan`: its options), SIGKILL rank 1
-    after step 5, let one rank train on, then report a slot again: the run ends with 2 ranks
-    after resets 2 -> 1 -> 2. Returns (out dir, each step's newest execution per rank)."""
+def start(tmp_path, cfg, **plan):
+    """Launch `cfg` on 2 elastic ranks (elastic_worker.py; `plan`: its options), their hosts
+    listed in a file the discovery script reads. Returns (process, out dir, log, hosts file)."""
     out = tmp_path / "out"
     os.makedirs(out)
     with open(tmp_path / "plan.json", "w") as f:
@@ -108,6 +107,28 @@ def killed_and_rejoined(tmp_path, cfg, **plan):
                os.path.join(HERE, "elastic_worker.py"), str(tmp_path / "plan.json")]
     proc = subprocess.Popen(command, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
                             cwd=ROOT, start_new_session=True)
+    return proc, out, log, hosts
+
+
+def finished(proc, out, log, resets):
+    """The run's end: exit 0 after MAX_STEPS with these world resets; each step's newest
+    execution per rank."""
+    output = open(log).read()
+    assert proc.returncode == 0, output[-5000:]
+    with open(out / "final.json") as f:
+        final = json.load(f)
+    assert final["step"] == MAX_STEPS
+    assert final["resets"][:len(resets)] == resets and final["world"] == resets[-1][1], final
+    steps = last_execution(str(out))
+    assert sorted(steps) == list(range(1, MAX_STEPS + 1))
+    return steps
+
+
+def killed_and_rejoined(tmp_path, cfg, **plan):
+    """Run `cfg` on 2 elastic ranks, SIGKILL rank 1 after step 5, let one rank train on, then
+    report a slot again: the run ends with 2 ranks after resets 2 -> 1 -> 2. Returns (out dir,
+    each step's newest execution per rank)."""
+    proc, out, log, hosts = start(tmp_path, cfg, **plan)
     try:
         wait_for(lambda: progress(out) >= 5, 300, "step 5", proc, log)
         ranks = {int(open(p).read()): p for p in glob.glob(str(out / "pid*.rank"))}
@@ -123,14 +144,7 @@ def killed_and_rejoined(tmp_path, cfg, **plan):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    output = open(log).read()
-    assert proc.returncode == 0, output[-5000:]
-    with open(out / "final.json") as f:
-        final = json.load(f)
-    assert final["step"] == MAX_STEPS
-    assert final["resets"][:2] == [[2, 1], [1, 2]] and final["world"] == 2, final
-    steps = last_execution(str(out))
-    assert sorted(steps) == list(range(1, MAX_STEPS + 1))
+    steps = finished(proc, out, log, [[2, 1], [1, 2]])
     worlds = [len(steps[s]) for s in sorted(steps)]
     assert 1 in worlds and worlds[0] == 2 and worlds[-1] == 2, worlds  # 2 -> 1 -> 2 ranks
     return out, steps
@@ -177,6 +191,24 @@ def assert_matches_the_uninterrupted_run(out, steps, reference_cfg, task=None, k
 @pytest.mark.multiproc
 def test_rank_killed_and_replaced_run_matches_the_uninterrupted_one(gpt_data, tmp_path):
     out, steps = killed_and_rejoined(tmp_path, elastic_cfg(gpt_data, tmp_path / "run"))
+    assert_matches_the_uninterrupted_run(out, steps,
+                                         make_cfg(gpt_data, tmp_path / "reference", **TRAIN))
+
+
+@pytest.mark.multiproc
+def test_a_rank_lost_before_step_one_leaves_the_other_training_alone(gpt_data, tmp_path):
+    """Rank 1 dies as the ranks' first collective begins (the sync of the state, while the
+    other one may still build and compile): rank 0's broadcast fails, which is a reset like a
+    loss mid-run, not the end of the job. Rank 0 trains every step alone, equal to one process."""
+    cfg = elastic_cfg(gpt_data, tmp_path / "run")
+    proc, out, log, _ = start(tmp_path, cfg, die_before_first_sync=1, step_seconds=0.0)
+    try:
+        proc.wait(timeout=400)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    steps = finished(proc, out, log, [[2, 1]])
+    assert all(len(steps[s]) == 1 for s in steps), "a step ran with 2 ranks"
     assert_matches_the_uninterrupted_run(out, steps,
                                          make_cfg(gpt_data, tmp_path / "reference", **TRAIN))
 

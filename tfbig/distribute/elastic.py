@@ -2,6 +2,8 @@
 
 Why it is built this way: docs/design/notes/distribute.md (tfbig.distribute.elastic).
 """
+import contextlib
+
 import tensorflow as tf
 from horovod.common.elastic import State, run_fn
 from horovod.common.exceptions import HorovodInternalError
@@ -55,9 +57,12 @@ class VariablesState(State):
             variable.assign(value)
 
     def sync(self):
-        # Horovod: the new world starts from rank 0's committed state.
-        horovod_keras.broadcast_variables(self.variables, root_rank=0,
-                                          process_set=hvd.global_process_set)
+        # Horovod: the new world starts from rank 0's committed state. run_fn calls this outside
+        # the attempt: a peer lost during the broadcast (the first one: while the others still
+        # build and compile) is a reset too, not the end of this rank.
+        with _as_reset():
+            horovod_keras.broadcast_variables(self.variables, root_rank=0,
+                                              process_set=hvd.global_process_set)
         self.save()
 
 
@@ -65,6 +70,18 @@ def _horovod_failure(error):
     """True for a TensorFlow error raised by a Horovod collective whose peer is gone."""
     text = str(getattr(error, "message", error))
     return isinstance(error, tf.errors.OpError) and "Horovod" in text
+
+
+@contextlib.contextmanager
+def _as_reset():
+    """Raise a Horovod collective's failure (a peer is gone) as HorovodInternalError, which
+    Horovod's elastic loop answers with a reset; other errors pass unchanged."""
+    try:
+        yield
+    except tf.errors.OpError as error:
+        if _horovod_failure(error):
+            raise HorovodInternalError(error) from error
+        raise
 
 
 class ElasticHorovodStrategy(HorovodStrategy):
@@ -90,12 +107,8 @@ class ElasticHorovodStrategy(HorovodStrategy):
     def run_training(self, loop):
         """Run `loop()` to completion across resets (rank lost: roll back; ranks added: sync)."""
         def attempt(state):
-            try:
+            with _as_reset():
                 return loop()
-            except tf.errors.OpError as error:
-                if _horovod_failure(error):
-                    raise HorovodInternalError(error) from error
-                raise
 
         return run_fn(attempt, self._reset)(self.state)
 

@@ -5,7 +5,7 @@ sustains while the rest of the machine does what it does (on a shared host, what
 get), steadier than one run. On a CPU the rank's device is the CPU with the threads TensorFlow gives it; on a GPU
 host, the GPU of its local rank.
 
-Test-only hook: TFBIG_DOCTOR_TEST_DELAY_RANK=R makes rank R sleep
+Test-only hook: TFBIG_DOCTOR_TEST_DELAY_RANK=R (or R1,R2,...) makes rank R sleep
 TFBIG_DOCTOR_TEST_DELAY_SECONDS (default 0.02) inside every timed run of its device probes, so
 that the tests can slow one rank on purpose and check it is named as the straggler. It is not a
 feature; never set it outside tests.
@@ -22,8 +22,9 @@ DELAY_SECONDS_VARIABLE = "TFBIG_DOCTOR_TEST_DELAY_SECONDS"
 
 
 def test_delay(rank):
-    """Seconds rank `rank` sleeps inside each timed run (0 unless the test-only hook names it)."""
-    if os.environ.get(DELAY_RANK_VARIABLE, "") != str(rank):
+    """Seconds rank `rank` sleeps inside each timed run (0 unless the test-only hook names it,
+    alone or in a comma-separated list)."""
+    if str(rank) not in os.environ.get(DELAY_RANK_VARIABLE, "").split(","):
         return 0.0
     return float(os.environ.get(DELAY_SECONDS_VARIABLE, "0.02"))
 

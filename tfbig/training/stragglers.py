@@ -9,8 +9,8 @@ process waits for a slow one): input wait, forward, backward and the update; its
 --deterministic TensorFlow refuses the timestamps that time the all-reduce, every process's step
 then takes the same time and none is named.
 
-Test hook (tfbig-doctor's): TFBIG_DOCTOR_TEST_DELAY_RANK=r and TFBIG_DOCTOR_TEST_DELAY_SECONDS=s
-make process r sleep s seconds in each step.
+Test hook (tfbig-doctor's): TFBIG_DOCTOR_TEST_DELAY_RANK=r (or r1,r2,...) and
+TFBIG_DOCTOR_TEST_DELAY_SECONDS=s make process r sleep s seconds in each step.
 """
 import time
 
