@@ -8,8 +8,9 @@ half (EP2) or a quarter (EP4) of the experts and the replicated rest bit-identic
 ranks; the per-expert token counts reach the progress line; a run resumed from its per-rank
 expert checkpoints continues exactly.
 
-Default run: EP2 on 2 ranks (one launch: the refusals and a fit). Slow: the resumed run (a
-launch of its own), EP2 x DP2 and EP4 on 4 ranks."""
+Default run: EP2 on 2 ranks, and EP2 with --activation_checkpointing (its blocks recomputed in
+the backward, the all-to-alls with them), in one launch with the refusals. Slow: the resumed
+run (a launch of its own), EP2 x DP2 and EP4 on 4 ranks."""
 import os
 import sys
 
@@ -36,9 +37,10 @@ MOE = dict(model="llama", preset="tiny-moe", num_layers=0, hidden_size=0, num_he
 EXPERT_WEIGHTS = ("/mlp/experts/gate", "/mlp/experts/up", "/mlp/experts/down")
 
 
-def ep_cfg(gpt_data, model_dir, expert):
+def ep_cfg(gpt_data, model_dir, expert, recompute=False):
     cfg = horovod_cfg(gpt_data, model_dir, **MOE)
     cfg.parallel.expert_parallel = expert
+    cfg.pipeline.activation_checkpointing = recompute
     return cfg
 
 
@@ -109,19 +111,18 @@ def refused(gpt_data, root, name, expert=2, moe=None, **train):
 # written; what is refused before Horovod starts: tests/test_moe_train.py.
 REFUSED = {"indivisible": "--expert_parallel=2: the 3 experts of llama/block_0/mlp do not "
                           "split over 2 ranks",
-           "dense": "--expert_parallel=2: Llama has no MoE layers",
-           "recompute": "--expert_parallel=2 with --activation_checkpointing"}
+           "dense": "--expert_parallel=2: Llama has no MoE layers"}
 
 
 @pytest.fixture(scope="module")
 def ep2(gpt_data, tmp_path_factory):
     root = tmp_path_factory.mktemp("expert_parallel")
-    recompute = refused(gpt_data, root, "recompute")
-    recompute["config"]["pipeline"]["activation_checkpointing"] = True
     results, output = launch(root, [
         refused(gpt_data, root, "indivisible", moe={"num_experts": 3}),
-        refused(gpt_data, root, "dense", preset="tiny"), recompute,
-        run_entry("ep2", ep_cfg(gpt_data, root / "ep2", 2), root / "out", first_gradients=True)],
+        refused(gpt_data, root, "dense", preset="tiny"),
+        run_entry("ep2", ep_cfg(gpt_data, root / "ep2", 2), root / "out", first_gradients=True),
+        run_entry("ep2_recompute", ep_cfg(gpt_data, root / "ep2_recompute", 2, recompute=True),
+                  root / "out", first_gradients=True)],
         ranks=2)
     return results, output, root
 
@@ -146,6 +147,19 @@ def test_two_expert_ranks_equal_one_process(ep2, gpt_data, shared, tmp_path_fact
     model, _ = load_model(str(root / "ep2"))
     for v, ours in zip(model.trainable_variables, listed(results["ep2"][0], "w"), strict=True):
         np.testing.assert_array_equal(v.numpy(), ours, err_msg=v.path)
+
+
+@pytest.mark.multiproc
+def test_recomputed_blocks_with_their_all_to_alls_equal_one_process(ep2, gpt_data, shared,
+                                                                    tmp_path_factory):
+    """--activation_checkpointing: every rank recomputes its blocks in the backward, the
+    MoE layers' all-to-alls again with them (in the same order on every rank): the same
+    result as one process (which does not recompute)."""
+    single, losses = shared(("moe", 2), lambda: reference(
+        gpt_data, tmp_path_factory.mktemp("moe_reference"), 2))
+    check_equal_to_one_process(ep2[0]["ep2_recompute"], single, losses, 2)
+    assert [int(r["recomputed_layers"]) for r in ep2[0]["ep2_recompute"]] == [2, 2]  # blocks
+    assert [int(r["recomputed_layers"]) for r in ep2[0]["ep2"]] == [0, 0]
 
 
 @pytest.mark.slow

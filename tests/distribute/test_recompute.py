@@ -1,7 +1,7 @@
 """Activation checkpointing / offloading (tfbig.distribute.recompute) against the plain model
-(GPT; BERT and ALBERT in the slow run): same loss and per-variable gradients (fp32, rtol 1e-5)
-with dropout active, inside the XLA-compiled forward/backward; offloaded block inputs are
-placed on the host."""
+(GPT and an MoE Llama; BERT and ALBERT in the slow run): same loss and per-variable gradients
+(fp32, rtol 1e-5) with dropout active, inside the XLA-compiled forward/backward (the MoE's
+outside XLA); offloaded block inputs are placed on the host."""
 import os
 import sys
 
@@ -54,24 +54,30 @@ def forward_backward(task, model, batch, jit_compile=True):
     # checked by default in tests/models/test_attention.py)
     pytest.param("gpt-blockwise", False, marks=pytest.mark.slow),
     pytest.param("bert", False, marks=pytest.mark.slow),
-    pytest.param("albert", False, marks=pytest.mark.slow)])
+    pytest.param("albert", False, marks=pytest.mark.slow),
+    # an MoE Llama: its blocks also return the router's statistics, whose losses reach the
+    # router's gradient through the recompute; outside XLA (the experts' groups vary)
+    ("moe", False)])
 def test_gradients_equal_the_plain_model(gpt_data, albert_data, bert_data, tmp_path, model,
                                          offload):
     model, _, attention = model.partition("-")
-    data = {"gpt": gpt_data, "albert": albert_data, "bert": bert_data}[model]
-    extra = dict(seq_length=32, preset="tiny") if model != "gpt" else {}
+    data = {"gpt": gpt_data, "albert": albert_data, "bert": bert_data, "moe": gpt_data}[model]
+    extra = dict(seq_length=32, preset="tiny") if model not in ("gpt", "moe") else {}
     if attention:
         extra.update(attention=attention, attention_block_size=8)
-    cfg = make_cfg(data, tmp_path, model=model, dropout=0.1, xla=True, **extra)
+    if model == "moe":
+        model, extra = "llama", dict(preset="tiny-moe", num_layers=0, hidden_size=0,
+                                     num_heads=0, xla=False)
+    cfg = make_cfg(data, tmp_path, **{"model": model, "dropout": 0.1, "xla": True, **extra})
     if model == "albert":
         cfg.albert.num_groups = 1  # one shared block called num_layers times
     task, plain = build(cfg)
     batch = batch_of(task, cfg)
-    _, loss, grads, states = forward_backward(task, plain, batch)
+    _, loss, grads, states = forward_backward(task, plain, batch, cfg.train.xla)
     cfg.pipeline.activation_checkpointing, cfg.pipeline.offload_activations = True, offload
     task, ckpt = build(cfg)
     assert len(recompute.transformer_blocks(ckpt)) == (1 if model == "albert" else 2)
-    fn, loss_r, grads_r, states_r = forward_backward(task, ckpt, batch)
+    fn, loss_r, grads_r, states_r = forward_backward(task, ckpt, batch, cfg.train.xla)
     np.testing.assert_allclose(loss_r, loss, rtol=1e-5)
     for a, b, v in zip(grads_r, grads, ckpt.trainable_variables):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7, err_msg=v.path)

@@ -86,11 +86,11 @@ class ExpertParallelStrategy(HorovodStrategy):
         self._optimizer = None
 
     def build_model(self, task):
+        """The task's model (with --activation_checkpointing its blocks recomputed, the
+        all-to-alls included: every rank repeats them in the same order), each MoE layer
+        holding this rank's experts and dispatching through the expert group."""
         flag = f"--expert_parallel={self.size}"
-        if getattr(self.cfg, "pipeline", None) and self.cfg.pipeline.activation_checkpointing:
-            raise ValueError(f"{flag} with --activation_checkpointing is not supported yet "
-                             f"(the recompute would repeat the all-to-alls); drop one of them")
-        model = task.build_model()
+        model = super().build_model(task)
         for layer in moe_layers(model, flag):
             if layer.num_experts % self.size:
                 raise ValueError(f"{flag}: the {layer.num_experts} experts of {layer.path} do "

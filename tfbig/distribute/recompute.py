@@ -68,37 +68,44 @@ def recompute(call, states, offload=False):
 
     `states`: the seed-generator variables `call` advances (set back for the recompute).
     Other arguments (masks, `training`) are constants to the gradient. Calls without
-    `training=True` (inference, generation with a cache) run `call` unchanged.
+    `training=True` (inference, generation with a cache) run `call` unchanged. `call` may
+    return a nest of tensors (an MoE block: its output and the router's statistics, which
+    reach the loss): each gets its gradient.
     """
     def wrapped(x, *args, **kwargs):
         if not kwargs.get("training") or kwargs.get("cache") is not None:
             return call(x, *args, **kwargs)
         start = _read(states)
         device = x.device
+        structure = []  # the nest `call` returns, known once the forward has run
 
         @tf.custom_gradient
         def block(x):
             saved = _to_host(x, offload)
             with record.stop_recording():  # keep no intermediate for the outer tape
-                y = call(x, *args, **kwargs)
+                out = call(x, *args, **kwargs)
+            structure.append(out)
 
-            def grad(dy, variables=None):
+            def grad(*dys, variables=None):
                 variables = list(variables or [])
                 after = _read(states)  # what the rest of the step left: restored below
                 _assign(states, start)
                 with tf.GradientTape() as tape:
                     x_again = _from_host(saved, device, offload)
                     tape.watch([x_again] + variables)
-                    with tf.control_dependencies([dy]):  # recompute when the backward gets here
-                        y_again = call(x_again, *args, **kwargs)
+                    with tf.control_dependencies([d for d in dys if d is not None]):
+                        # recompute when the backward gets here
+                        again = tf.nest.flatten(call(x_again, *args, **kwargs))
                 _assign(states, after)
-                grads = tape.gradient(y_again, [x_again] + variables, output_gradients=dy,
+                dys = [tf.zeros_like(y) if d is None else d for y, d in zip(again, dys)]
+                grads = tape.gradient(again, [x_again] + variables, output_gradients=dys,
                                       unconnected_gradients=tf.UnconnectedGradients.ZERO)
                 return grads[0], grads[1:]
 
-            return y, grad
+            return tf.nest.flatten(out), grad
 
-        return block(x)
+        flat = block(x)
+        return tf.nest.pack_sequence_as(structure[-1], flat)
 
     return wrapped
 

@@ -314,10 +314,10 @@ class Llama(keras.Model):
         word table is read twice a step (embedding and logits), so ZeRO-3 gathers it per step.
         Context parallelism cuts the token ids, puts RoPE at each rank's own positions and
         attends over the group; the loss runs on each rank's own tokens. An MoE model declares
-        its MoE MLPs (--expert_parallel) only: its other plans are refused by name until each
-        is proven equal to one process."""
+        its MoE MLPs (--expert_parallel) and its blocks (--activation_checkpointing) only: its
+        other plans are refused by name until each is proven equal to one process."""
         if self.config.num_experts:
-            return ModelLayout(experts=("blocks.*.mlp",))
+            return ModelLayout(experts=("blocks.*.mlp",), blocks="blocks")
         tied = self.config.tie_embeddings
         return ModelLayout(
             tensor=TENSOR_LAYOUT,
