@@ -50,6 +50,22 @@ def random_kills(log, launcher, find, seed, recoveries=restart_lines):
     return kills
 
 
+def survived(tmp_path, killed, straight, find, recoveries=restart_lines):
+    """The kills (random_kills) of the `killed` job (its log: tmp_path/killed.log) until it
+    ends; both it and the `straight` one must end with code 0. Returns (kills, its log)."""
+    log = f"{tmp_path / 'killed'}.log"
+    try:
+        kills = random_kills(log, killed, find, seed=2026, recoveries=recoveries)
+        print(f"kills (seconds after a start, process, where): {kills}")
+        killed.wait(timeout=TIMEOUT)
+    finally:
+        stop([killed, straight])
+    output = open(log).read()
+    assert straight.returncode == 0, open(f"{tmp_path / 'straight'}.log").read()[-4000:]
+    assert killed.returncode == 0, output[-5000:]
+    return kills, output
+
+
 @pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.parametrize("job, find", [(training_job, worker), (horovod_job, horovod_rank)],
@@ -60,16 +76,7 @@ def test_ten_kills_at_random_moments_end_bit_identical(gpt_data, tmp_path, job, 
     straight.wait(timeout=TIMEOUT)  # before the chaos: the two jobs do not share the cores
     killed = job(gpt_data, tmp_path / "killed", f"--max_restarts={KILLS}", "--restart_backoff=0.2",
                  train=flags)
-    log = f"{tmp_path / 'killed'}.log"
-    try:
-        kills = random_kills(log, killed, find, seed=2026)
-        print(f"kills (seconds after a start, process, where): {kills}")
-        killed.wait(timeout=TIMEOUT)
-    finally:
-        stop([killed, straight])
-    output = open(log).read()
-    assert straight.returncode == 0, open(f"{tmp_path / 'straight'}.log").read()[-4000:]
-    assert killed.returncode == 0, output[-5000:]
+    kills, output = survived(tmp_path, killed, straight, find)
     assert len(restart_lines(output)) == KILLS, (kills, output[-5000:])
     assert f"step {MAX_STEPS}/{MAX_STEPS}" in output.split(restart_lines(output)[-1])[1]
     ours, reference = model_tensors(tmp_path / "killed"), model_tensors(tmp_path / "straight")
@@ -117,16 +124,7 @@ def test_ten_kills_of_an_elastic_job_end_within_float_order_noise(gpt_data, tmp_
     straight.wait(timeout=TIMEOUT)
     killed = elastic_job(gpt_data, tmp_path / "killed", f"--max_restarts={KILLS}",
                          "--restart_backoff=0.2", train=flags, step_seconds=2.0)
-    log = f"{tmp_path / 'killed'}.log"
-    try:
-        kills = random_kills(log, killed, horovod_rank, seed=2026, recoveries=recoveries)
-        print(f"kills (seconds after a start, process, where): {kills}")
-        killed.wait(timeout=TIMEOUT)
-    finally:
-        stop([killed, straight])
-    output = open(log).read()
-    assert straight.returncode == 0, open(f"{tmp_path / 'straight'}.log").read()[-4000:]
-    assert killed.returncode == 0, output[-5000:]
+    kills, output = survived(tmp_path, killed, straight, horovod_rank, recoveries)
     restarts, resets = restart_lines(output), recoveries(output)[len(restart_lines(output)):]
     print(f"{len(restarts)} restarts, {len(resets)} elastic resets")
     assert len(restarts) + len(resets) == KILLS and restarts and resets, (kills, output[-5000:])

@@ -17,7 +17,7 @@ from tfbig.commands.convert import ConvertOptions, convert  # noqa: E402
 from tfbig.convert.run_dir import load_model  # noqa: E402
 from tfbig.errors import UsageError  # noqa: E402
 
-from random_backbones import logits, randomize  # noqa: E402
+from random_backbones import logits, preset_to_tfbig, randomize  # noqa: E402
 
 TOKENS = np.random.default_rng(0).integers(0, 61, size=(2, 11)).astype("int32")
 
@@ -40,10 +40,8 @@ def keras_hub_logits(model):
 
 def test_keras_hub_mixtral_to_tfbig_to_huggingface_and_back_keeps_the_logits(backbone,
                                                                              tmp_path):
-    preset, run, hf = tmp_path / "preset", tmp_path / "run", tmp_path / "hf"
-    backbone.save_to_preset(str(preset))
-    convert(ConvertOptions(source=str(preset), output_dir=str(run)))
-    model, _ = load_model(str(run))
+    run, hf = tmp_path / "run", tmp_path / "hf"
+    model = preset_to_tfbig(backbone, tmp_path)
     config = model.config
     assert (config.num_experts, config.experts_per_token, config.moe_intermediate_size) == \
         (4, 2, 40)

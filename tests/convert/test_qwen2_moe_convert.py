@@ -18,7 +18,7 @@ from tfbig.commands.convert import ConvertOptions, convert  # noqa: E402
 from tfbig.convert.run_dir import load_model  # noqa: E402
 from tfbig.errors import UsageError  # noqa: E402
 
-from random_backbones import logits, randomize  # noqa: E402
+from random_backbones import logits, preset_to_tfbig, randomize  # noqa: E402
 
 TOKENS = np.random.default_rng(1).integers(0, 61, size=(2, 11)).astype("int32")
 
@@ -42,10 +42,8 @@ def backbone(norm_top_k_prob, **options):
 def test_keras_hub_qwen2_moe_to_tfbig_to_huggingface_and_back_keeps_the_logits(
         norm_top_k_prob, router, tmp_path):
     theirs_model = backbone(norm_top_k_prob)
-    preset, run, hf = tmp_path / "preset", tmp_path / "run", tmp_path / "hf"
-    theirs_model.save_to_preset(str(preset))
-    convert(ConvertOptions(source=str(preset), output_dir=str(run)))
-    model, _ = load_model(str(run))
+    run, hf = tmp_path / "run", tmp_path / "hf"
+    model = preset_to_tfbig(theirs_model, tmp_path)
     config = model.config
     assert (config.num_experts, config.moe_intermediate_size, config.shared_intermediate_size,
             config.shared_expert_gate, config.router_softmax, config.attention_bias) == (
@@ -116,8 +114,7 @@ def test_what_qwen2_moe_cannot_hold_is_refused_by_name(tmp_path):
         llama_names.hf_config(LlamaConfig(**gated, attention_bias=True, head_size=8))
 
     run, hf = tmp_path / "run", tmp_path / "hf"
-    backbone(True).save_to_preset(str(tmp_path / "preset"))
-    convert(ConvertOptions(source=str(tmp_path / "preset"), output_dir=str(run)))
+    preset_to_tfbig(backbone(True), tmp_path)
     convert(ConvertOptions(source=str(run), output_dir=str(hf), to="huggingface"))
     from safetensors.numpy import load_file, save_file
 

@@ -19,7 +19,7 @@ from tfbig.commands.convert import ConvertOptions, convert  # noqa: E402
 from tfbig.convert.run_dir import load_model  # noqa: E402
 from tfbig.errors import UsageError  # noqa: E402
 
-from random_backbones import logits, randomize  # noqa: E402
+from random_backbones import logits, preset_to_tfbig, randomize  # noqa: E402
 
 TOKENS = np.random.default_rng(0).integers(0, 61, size=(2, 11)).astype("int32")
 
@@ -46,10 +46,8 @@ def keras_hub_logits(model):
 def test_keras_hub_qwen3_moe_to_tfbig_to_huggingface_and_back_keeps_the_logits(
         norm_top_k_prob, router, tmp_path):
     theirs_model = backbone(norm_top_k_prob)
-    preset, run, hf = tmp_path / "preset", tmp_path / "run", tmp_path / "hf"
-    theirs_model.save_to_preset(str(preset))
-    convert(ConvertOptions(source=str(preset), output_dir=str(run)))
-    model, _ = load_model(str(run))
+    run, hf = tmp_path / "run", tmp_path / "hf"
+    model = preset_to_tfbig(theirs_model, tmp_path)
     config = model.config
     assert (config.num_experts, config.experts_per_token, config.moe_intermediate_size,
             config.router_softmax, config.qk_norm) == (4, 2, 20, router, True)
