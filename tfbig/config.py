@@ -133,8 +133,7 @@ class AlbertTrainConfig:
     """ALBERT pretraining options (--model=albert); the masking of the shards is set by tfbig-prep."""
 
     embedding_size: int = field(0, "ALBERT: override the preset's embedding size E (0 keeps it).")
-    num_groups: int = field(0, "ALBERT: override the preset's number of shared layer groups "
-                               "(0 keeps it).")
+    num_groups: int = field(0, "ALBERT: override the preset's shared layer groups (0 keeps it).")
     dynamic_masking: bool = field(False, "ALBERT and BERT: draw fresh token-level masks (80/10/10) for "
                                          "every batch in the input pipeline instead of using "
                                          "the masks stored in the shards.")
@@ -157,9 +156,8 @@ class MoEConfig:
     shared_intermediate_size: int = field(-1, "MoE: width of the shared experts every "
                                               "token goes through (0: none; -1 keeps the "
                                               "preset's).")
-    shared_expert_gate: bool = field(False, "MoE: scale the shared experts' output by the "
-                                            "sigmoid of one logit per token, as Qwen2-MoE "
-                                            "does (needs --shared_intermediate_size > 0).")
+    shared_expert_gate: bool = field(False, "MoE: shared experts' output x sigmoid(x . w), "
+                                            "per token (Qwen2-MoE; needs shared experts).")
     router_softmax: str = field("", "MoE: after_topk (Mixtral: softmax of the k chosen "
                                     "logits) | before_topk (Qwen-MoE: the chosen experts' "
                                     "probabilities over all E); empty keeps the preset's.")
@@ -169,8 +167,7 @@ class MoEConfig:
                                         "in every preset).")
     router_aux_loss_coef: float = field(-1.0, "MoE: weight of the load-balancing loss "
                                               "(negative keeps the preset's).")
-    router_z_loss_coef: float = field(-1.0, "MoE: weight of the router z-loss (negative keeps "
-                                            "the preset's).")
+    router_z_loss_coef: float = field(-1.0, "MoE: weight of the router z-loss (< 0: the preset's).")
 
 
 @dataclasses.dataclass
