@@ -12,11 +12,18 @@ The stretch's steps are the loop's own (`Trainer._train_step`, each loss read ba
 
     python benchmarks/checkpoint.py                         # small GPT, batch 4 x 256 tokens
     python benchmarks/checkpoint.py --preset=tiny --save_every=2 --saves=2
+    horovodrun -np 2 -H localhost:2 --gloo python benchmarks/checkpoint.py --zero_stage=3 \
+        --dir=/tmp/checkpoint-bench
+
+Under horovodrun (--strategy=horovod, e.g. with --zero_stage=3) every rank runs the same
+stretches, each saving its own piece; rank 0 prints (and records) the figures, the bytes of
+every rank's piece as checkpoint_bytes.
 
 Prints one JSON line last: seconds per step, each mode's cost per save, the async/sync ratio
 (goal: <= 0.10), the host copy's and the background write's seconds, the checkpoint's bytes.
 """
 import _record  # --record: append the result to benchmarks/results (strips the flag from sys.argv)
+import contextlib
 import glob
 import os
 import statistics
@@ -35,6 +42,10 @@ flags.DEFINE_integer("save_every", 3, "Steps between saves.")
 flags.DEFINE_integer("saves", 2, "Saves per timed stretch.")
 flags.DEFINE_integer("repeats", 3, "Rounds over the three modes; the median of each is used.")
 flags.DEFINE_string("data_dir", "", "Prepared data (default: the embedded corpus, cached).")
+flags.DEFINE_string("dir", "", "Where the runs write (default: a new temporary directory); "
+                    "under horovodrun one directory every rank names.")
+flags.DEFINE_integer("zero_stage", 0, "Under horovodrun: ZeRO stage of the layout (0: plain data "
+                     "parallel).")
 
 
 def make_trainer(model_dir):
@@ -47,6 +58,10 @@ def make_trainer(model_dir):
                            model_dir=model_dir, max_steps=10 ** 6, warmup_steps=1,
                            sample_tokens=0, checkpoint_every=10 ** 9, keep_checkpoints=2).items():
         setattr(cfg.train, key, value)
+    if "HOROVOD_RANK" in os.environ:  # started by horovodrun: one rank of a Horovod layout
+        cfg.train.strategy, cfg.parallel.zero_stage = "horovod", FLAGS.zero_stage
+    elif FLAGS.zero_stage:
+        raise app.UsageError("--zero_stage needs ranks: run this under horovodrun (see above)")
     cfg.profile.monitor_interval_ms = 0
     return Trainer(cfg)
 
@@ -74,7 +89,9 @@ def main(argv):
     times = {"none": [], "sync": [], "async": []}
     waits = {"sync": [], "async": []}
     write_seconds = []
-    with tempfile.TemporaryDirectory() as root:
+    if "HOROVOD_RANK" in os.environ and not FLAGS.dir:
+        raise app.UsageError("under horovodrun, name the ranks' one directory with --dir")
+    with contextlib.nullcontext(FLAGS.dir) if FLAGS.dir else tempfile.TemporaryDirectory() as root:
         trainer = make_trainer(os.path.join(root, "run"))
         batches = trainer._train_iterator()
         for _ in range(2):  # compile, settle
@@ -92,18 +109,23 @@ def main(argv):
                 times[mode].append(elapsed)
                 if mode != "none":
                     waits[mode] += waited
-                if mode == "async":
-                    write_seconds.append(trainer._managers[model_dir].write_seconds)
+                if mode == "async":  # this rank's writer (its piece's directory)
+                    write_seconds.append(next(iter(trainer._managers.values())).write_seconds)
                 shown = ", ".join(f"{w:.2f}" for w in waited)
                 print(f"round {round_index} {mode}: {elapsed:.2f} s"
                       + (f", loop waits {shown} s" if waited else ""), flush=True)
-        size = sum(os.path.getsize(p) for p in glob.glob(os.path.join(model_dir, "ckpt-*")))
+        size = sum(os.path.getsize(p) for p in glob.glob(os.path.join(model_dir, "**", "ckpt-*"),
+                                                           recursive=True)
+                   if os.path.isfile(p))  # every rank's piece under a sharded layout
     steps = FLAGS.save_every * (FLAGS.saves + 1)
     reference = statistics.median(times["none"])
     cost = {mode: (statistics.median(times[mode]) - reference) / FLAGS.saves
             for mode in ("sync", "async")}
+    if not trainer.strategy.is_chief:
+        return
     _record.emit({
         "benchmark": "checkpoint", "preset": FLAGS.preset, "batch_size": FLAGS.batch_size,
+        "ranks": trainer.strategy.num_replicas, "zero_stage": FLAGS.zero_stage,
         "seq_length": FLAGS.seq_length, "save_every": FLAGS.save_every, "saves": FLAGS.saves,
         "repeats": FLAGS.repeats, "checkpoint_bytes": size // FLAGS.saves,
         "seconds_per_step": round(reference / steps, 4),
