@@ -162,7 +162,8 @@ def test_bad_input_is_refused_by_name_before_the_run_directory_is_written(
       "tensor_layout": own_model.LAYOUT}, "--sequence_parallel=True with --tensor_parallel=2 "
                                           "is refused for a user task"),
     ({"strategy": "horovod", "tensor_parallel": 2, "zero_stage": 3,
-      "tensor_layout": own_model.LAYOUT}, "--zero_stage=3 with --tensor_parallel=2 is refused"),
+      "tensor_layout": own_model.LAYOUT}, "--tensor_parallel=2 with --zero_stage=3 is not "
+                                          "supported: stage 3 gathers whole variables"),
 ])
 def test_what_a_user_task_cannot_run_is_refused_by_flag(tmp_path, flags, message):
     with pytest.raises(UsageError, match=None) as error:

@@ -41,6 +41,7 @@ import dataclasses
 
 from tfbig.config import ExperimentConfig
 from tfbig.errors import UsageError
+from tfbig.layouts import composition
 from tfbig.tasks.user import DataShard, FunctionTask, Task
 from tfbig.tasks.layout_map import device_mesh
 from tfbig.tasks.user_adapter import UserTask
@@ -112,8 +113,6 @@ def config_from_flags(flag_values=None):
 TENSOR_LAYOUT_REFUSED = {
     "sequence_parallel": ((False,), "a declared tensor_layout splits layers along their width, "
                                     "not the sequence"),
-    "zero_stage": ((0, 1), "ZeRO stages 2 and 3 are not built over tensor-parallel slices; "
-                           "--zero_stage=1 shards the optimizer slots"),
 }
 
 
@@ -150,6 +149,7 @@ def check_user_flags(config, task=None):
             if values[flag] != unused:
                 raise UsageError(f"--{flag}={values[flag]!r} with --plan_only is refused for "
                                  f"a user task: {why}")
+    composition.check(composition.values_of(config))  # the pairs no model composes
     if values["tensor_parallel"] == 1:
         return
     for flag, (allowed, why) in TENSOR_LAYOUT_REFUSED.items():

@@ -3,11 +3,11 @@ the single-device run on the same global batch.
 
 The default run keeps one launch of 2 ranks: GPT (causal) at CP2. Slow launches run BERT
 (bidirectional, padding masks, MLM + NSP) at CP2 on 2 ranks, and on 4 ranks CP2 x DP2 (GPT and
-BERT), CP2 x TP2, CP2 x DP2 with ZeRO-1 (stopped after 2 steps and resumed from the
-checkpoint) and ALBERT at CP2 x DP2. Each compares per-variable first-step gradients, the
-losses of every step, the final weights (tests/equality.py) and the validation loss (the
-context group's per-sequence outputs averaged, then gathered) with one device (batch 8, 2
-micro-batches per replica, clipping active).
+BERT), CP2 x TP2, CP2 x DP2 with ZeRO-1 and with ZeRO-3 (both stopped after 2 steps and
+resumed from the checkpoint), with ZeRO-2, and ALBERT at CP2 x DP2. Each compares
+per-variable first-step gradients, the losses of every step, the final weights
+(tests/equality.py) and the validation loss (the context group's per-sequence outputs averaged,
+then gathered) with one device (batch 8, 2 micro-batches per replica, clipping active).
 """
 import json
 import os
@@ -41,6 +41,9 @@ SLOW_SCENARIOS = {  # 4 ranks
     # ZeRO-1: first_gradients would be this rank's slice (its sync reduce-scatters them)
     "cp2_dp2_zero1": (2, 1, {"zero_stage": 1}, {"interrupt_at": 2}),
     "cp2_dp2_albert": (2, 1, ALBERT, {"first_gradients": True}),
+    # ZeRO-3: the parameters gathered per layer over the data ranks of one context index
+    "cp2_dp2_zero3": (2, 1, {"zero_stage": 3}, {"interrupt_at": 2}),
+    "cp2_dp2_zero2": (2, 1, {"zero_stage": 2}, {}),
 }
 
 
@@ -149,9 +152,6 @@ def _cfg(**parallel):
 @pytest.mark.parametrize("options, message", [
     (dict(context_parallel=2, sequence_parallel=True, tensor_parallel=2),
      "--context_parallel=2 with --sequence_parallel is not supported"),
-    (dict(context_parallel=2, zero_stage=3), "--context_parallel=2 with --zero_stage=3"),
-    (dict(context_parallel=2, zero_stage=2), "--context_parallel=2 with --zero_stage=2 is "
-                                             "not supported yet"),
     (dict(context_parallel=3), r"--context_parallel=3 x --tensor_parallel=1 = 3 does not "
                                r"divide 4"),
 ])

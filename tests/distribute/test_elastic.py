@@ -252,9 +252,9 @@ class Losses(RunLogger):
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("zero_stage", 1, "--elastic cannot be combined with --zero_stage=1: an elastic run is "
+    ("zero_stage", 1, "--elastic with --zero_stage=1 is not supported: an elastic run is "
                       "plain data parallel (its world size changes); drop one of the two"),
-    ("tensor_parallel", 2, "--elastic cannot be combined with --tensor_parallel=2: an elastic "
+    ("tensor_parallel", 2, "--elastic with --tensor_parallel=2 is not supported: an elastic "
                            "run is plain data parallel (its world size changes); drop one of "
                            "the two")])
 def test_elastic_refuses_layouts_that_depend_on_the_world_size(field, value, message):

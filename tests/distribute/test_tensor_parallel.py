@@ -63,6 +63,10 @@ SCENARIOS = {  # name: (tensor_parallel, train options, worker options)
 # (test_a_single_device_checkpoint_restores_into_each_ranks_slices checks the slicing
 # in-process, by default) and the dropout masks of tensor peers.
 SLOW_SCENARIOS = {  # a launch of its own (slow), as SCENARIOS
+    # ZeRO-2: each micro-batch's gradients reduce-scattered over the tensor rank's partition
+    # group; stopped after 2 steps and resumed; and with sequence parallelism's sums
+    "tp2_dp2_zero2": (2, {"zero_stage": 2}, {"interrupt_at": 2}),
+    "tp2_dp2_zero2_sequence": (2, {"zero_stage": 2, "sequence_parallel": True}, {}),
     "tp4_lamb": (4, {**LAMB, "grad_accum_steps": 1},
                  {"first_gradients": True, "widest_activation": True}),
     # fp16: rank 3's gradient slice of one split kernel is inf in the first step, its tensor
@@ -376,8 +380,9 @@ def test_slices_of_q_k_v_blocks_join_back_to_the_full_array():
 
 @pytest.mark.parametrize("options, world, message", [
     (dict(tensor_parallel=3), 4, "--tensor_parallel=3 = 3 does not divide 4"),
-    (dict(tensor_parallel=2, zero_stage=2), 4, "--tensor_parallel=2 with --zero_stage=2 is "
-                                               "not supported .*stages 2 and 3"),
+    (dict(tensor_parallel=2, zero_stage=3), 4, "--tensor_parallel=2 with --zero_stage=3 is "
+                                               "not supported: stage 3 gathers whole "
+                                               "variables"),
     (dict(tensor_parallel=1, sequence_parallel=True), 4,
      "--sequence_parallel needs --tensor_parallel >= 2"),
 ])

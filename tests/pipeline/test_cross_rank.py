@@ -223,7 +223,8 @@ def cfg_with(**flags):
     (dict(pipeline_stages=3), 4, "--pipeline_stages=3 x --tensor_parallel=1 = 3 does not "
                                  "divide 4"),
     (dict(pipeline_stages=2, zero_stage=1), 4, "--pipeline_stages=2 with --zero_stage=1"),
-    (dict(pipeline_stages=2, elastic=True), 4, "--pipeline_stages=2 with --elastic=True"),
+    (dict(pipeline_stages=2, elastic=True), 4, "--elastic with --pipeline_stages=2 is not "
+                                               "supported"),
     (dict(pipeline_stages=2, sequence_parallel=True), 2, "with --sequence_parallel=True"),
 ])
 def test_unsupported_layouts_are_refused_before_training(flags, world, message):

@@ -351,8 +351,11 @@ def test_the_context_axis_divides_the_tokens_a_rank_holds():
                        "--batch_size=2"])
     assert {e.layout.context for e in free} == {1, 2}
     assert all(e.layout.gpus == 2 for e in free)
-    assert not any(e.layout.context > 1 and (e.layout.pipeline > 1 or e.layout.zero_stage > 1)
-                   for e in free)
+    assert not any(e.layout.context > 1 and e.layout.pipeline > 1 for e in free)
+    _, _, sharded = plan(["--preset=small", "--seq_length=8192", "--gpus_per_node=4",
+                          "--context_parallel=2", "--zero_stage=3", "--batch_size=2"])
+    assert {(e.layout.context, e.layout.data, e.layout.zero_stage) for e in sharded} == {
+        (2, 2, 3)}  # tfbig-train runs CP x ZeRO-3 (test_context_parallel's cp2_dp2_zero3)
     _, _, fixed = plan(["--preset=small", "--seq_length=8192", "--gpus_per_node=2",
                         "--context_parallel=2", "--batch_size=2"])
     assert {(e.layout.context, e.layout.data) for e in fixed} == {(2, 1)}

@@ -103,19 +103,29 @@ def test_the_report_gives_active_and_total_parameters(capsys):
             "per MoE layer and micro-batch") in out
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--expert_parallel=3"], "--expert_parallel=3 does not divide the model's "
-     "num_experts=8; choose one of [1, 2, 4, 8]"),
-    (["--expert_parallel=2", "--tensor_parallel=2"], "--expert_parallel=2 with "
-     "--tensor_parallel=2: tfbig-train runs expert parallelism with data parallelism alone "
-     "(it refuses this pair)"),
-    (["--expert_parallel=2", "--zero_stage=1"], "--expert_parallel=2 with --zero_stage=1: "
-     "tfbig-train runs expert parallelism with data parallelism alone (it refuses this pair)"),
-])
-def test_expert_parallel_flags_tfbig_train_cannot_run_are_named(argv, message):
+def test_expert_parallel_flags_tfbig_train_cannot_run_are_named():
     with pytest.raises(ValueError) as error:
-        mixtral_plan(argv)
-    assert str(error.value) == message
+        mixtral_plan(["--expert_parallel=3"])
+    assert str(error.value) == ("--expert_parallel=3 does not divide the model's num_experts=8; "
+                                "choose one of [1, 2, 4, 8]")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--expert_parallel=2", "--tensor_parallel=2"], "--expert_parallel=2 with "
+     "--tensor_parallel=2 is not supported: expert parallelism is built with data "
+     "parallelism, activation checkpointing and the MoE models only; drop one of them"),
+    (["--expert_parallel=2", "--zero_stage=1"], "--expert_parallel=2 with --zero_stage=1 is "
+     "not supported: expert parallelism is built with data parallelism, activation "
+     "checkpointing and the MoE models only; drop one of them"),
+])
+def test_fixed_pairs_tfbig_train_refuses_are_estimated_and_named(argv, message):
+    """A pair tfbig-train refuses (tfbig.layouts.composition) is never searched; fixed by the
+    flags, it is estimated as asked and each layout says tfbig-train refuses it."""
+    estimates = mixtral_plan(argv)[2]
+    assert estimates and all(e.to_dict()["refused"] == message for e in estimates)
+    free = mixtral_plan([])[2]
+    assert any(e.layout.expert > 1 for e in free)
+    assert all(e.to_dict()["refused"] is None for e in free)
 
 
 def test_expert_parallel_on_a_dense_model_is_named():

@@ -323,7 +323,7 @@ class ContextParallel:
         it restored a checkpoint); then each rank's dropout states offset by its context rank."""
         super().broadcast_variables(variables)
         root = self.mesh.mesh.group("context", self.mesh.rank)[0]
-        horovod_keras.broadcast_variables(variables, root_rank=root,
+        horovod_keras.broadcast_variables(self.held(variables), root_rank=root,
                                           process_set=self._context_set)
         offset = self.mesh.coords["context"]
         for v in self._context_model.variables if offset else ():

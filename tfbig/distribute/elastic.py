@@ -13,21 +13,11 @@ from tfbig.distribute.horovod import HorovodStrategy
 from tfbig.distribute.horovod_keras import hvd
 from tfbig.distribute.mesh import HorovodMesh, Mesh
 from tfbig.errors import UsageError
-
-# Flags whose layouts depend on the world size; refused with --elastic.
-REFUSED = {"zero_stage": lambda p: p.zero_stage != 0,
-           "tensor_parallel": lambda p: p.tensor_parallel != 1,
-           "sequence_parallel": lambda p: p.sequence_parallel,
-           "shard_degree": lambda p: p.shard_degree != 0}
-
+from tfbig.layouts import composition
 
 def check_elastic(cfg):
     """Refuse --elastic with a layout or option that depends on the world size."""
-    for name, refused in REFUSED.items():
-        if refused(cfg.parallel):
-            raise UsageError(f"--elastic cannot be combined with --{name}="
-                             f"{getattr(cfg.parallel, name)}: an elastic run is plain data "
-                             f"parallel (its world size changes); drop one of the two")
+    composition.check(composition.values_of(cfg))  # the layouts --elastic does not run
     if cfg.horovod.scale_lr:
         raise UsageError("--elastic cannot be combined with --scale_lr: the global batch stays "
                          "--batch_size when ranks come and go, so the learning rate must not "

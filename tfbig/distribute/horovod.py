@@ -19,6 +19,7 @@ Example:
     horovodrun -np 2 -H localhost:2 --gloo tfbig-train --strategy=horovod --preset=tiny
 """
 import contextlib
+import dataclasses
 import socket
 
 import tensorflow as tf
@@ -28,6 +29,7 @@ from tfbig.distribute import horovod_keras  # first: a clear error if Horovod is
 from tfbig.distribute.base import Strategy
 from tfbig.distribute.horovod_keras import hvd
 from tfbig.distribute.mesh import HorovodMesh, Mesh, launcher_world_size
+from tfbig.layouts import composition
 
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -41,20 +43,7 @@ def build_mesh(parallel, world_size):
         raise ValueError(f"--sequence_parallel needs --tensor_parallel >= 2 (it splits the "
                          f"tensor group's replicated regions along the sequence); got "
                          f"--tensor_parallel={parallel.tensor_parallel}")
-    if parallel.tensor_parallel > 1 and parallel.zero_stage > 1:
-        raise ValueError(f"--tensor_parallel={parallel.tensor_parallel} with --zero_stage="
-                         f"{parallel.zero_stage} is not supported by --strategy=horovod yet "
-                         f"(stages 2 and 3 with tensor parallelism are not built); use "
-                         f"--zero_stage=1 (optimizer slots sharded) or no --tensor_parallel")
-    if parallel.context_parallel > 1 and parallel.sequence_parallel:
-        raise ValueError(f"--context_parallel={parallel.context_parallel} with "
-                         f"--sequence_parallel is not supported: both split the sequence; "
-                         f"use one of them")
-    if parallel.context_parallel > 1 and parallel.zero_stage > 1:
-        raise ValueError(f"--context_parallel={parallel.context_parallel} with --zero_stage="
-                         f"{parallel.zero_stage} is not supported yet (stages 2 and 3 "
-                         f"reduce-scatter inside the forward/backward; not tested with the "
-                         f"context axis); use --zero_stage=1")
+    composition.check(dataclasses.asdict(parallel))  # the pairs that do not compose
     if parallel.shard_degree and not parallel.zero_stage:
         raise ValueError(f"--shard_degree={parallel.shard_degree} needs --zero_stage=1, 2 or 3 "
                          f"(it sizes the groups the model state is sharded over)")
@@ -187,6 +176,10 @@ class HorovodStrategy(Strategy):
         # (root_rank is a global rank, also with a process set).
         root = self.mesh.mesh.group("data", self.mesh.rank)[0]
         horovod_keras.broadcast_variables(variables, root_rank=root, process_set=self.process_set)
+
+    def held(self, variables):
+        """The variables this rank holds values of for `variables` (ZeRO-3: their slices)."""
+        return list(variables)
 
     def shutdown(self):
         """Wait for every process (the chief may still be saving), then stop Horovod."""

@@ -1,4 +1,5 @@
-"""Tensor parallelism with ZeRO stage 1: `--tensor_parallel=T --zero_stage=1 [--shard_degree=N]`.
+"""Tensor parallelism with ZeRO stage 1 or 2: `--tensor_parallel=T --zero_stage=1|2
+[--shard_degree=N]`.
 
 Why it is built this way: docs/design/notes/distribute.md (tfbig.distribute.tensor_zero).
 """
@@ -13,7 +14,7 @@ from tfbig.layouts.tensor_layout import read_layout as read_tensor_layout
 
 
 class TensorZeroStrategy(ZeroStrategy, TensorParallelStrategy):
-    """ZeRO-1 over each tensor rank's partition group (see the module docstring).
+    """ZeRO-1/2 over each tensor rank's partition group (see the module docstring).
 
     Method order: ZeroStrategy's, which reach TensorParallelStrategy's through super() (the
     split model, its forward/backward); the norms, gradient sync, gathering and checkpoints
@@ -78,14 +79,15 @@ class TensorZeroStrategy(ZeroStrategy, TensorParallelStrategy):
             return
         saved_tensor = tensor["tensor_parallel"] if tensor else 1
         saved_zero = (zero["zero_stage"], zero["shard_degree"]) if zero else (0, 1)
-        if (saved_tensor, *saved_zero) != (self.group.size, 1, self.num_shards):
+        if (saved_tensor, *saved_zero) != (self.group.size, self.stage, self.num_shards):
             raise ValueError(self._other_layout(
                 model_dir, f"a checkpoint of --tensor_parallel={saved_tensor} --zero_stage="
                            f"{saved_zero[0]} --shard_degree={saved_zero[1]}"))
 
     def _other_layout(self, model_dir, saved):
         return (f"--model_dir={model_dir} holds {saved}; --tensor_parallel={self.group.size} "
-                f"--zero_stage=1 --shard_degree={self.num_shards} resumes only its own layout "
+                f"--zero_stage={self.stage} --shard_degree={self.num_shards} resumes only its "
+                f"own layout "
                 f"(re-sharding across tensor ranks is not built): use a new --model_dir or "
                 f"the flags it was written with")
 

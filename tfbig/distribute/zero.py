@@ -205,6 +205,10 @@ class ZeroStrategy(HorovodStrategy):
         for shard, variable in zip(self.shards, self.model_variables):
             shard.assign(self._own_slice(variable))  # master slices of the final parameters
 
+    def held(self, variables):
+        """Stage 3: each model variable's slice in its place (the model's hold no values)."""
+        return [self._shard_of.get(id(v), v) if self.stage == 3 else v for v in variables]
+
     def checkpoint_model(self, model):
         """Stage 3: the slices, under the keys of the model variables they are slices of."""
         if self.stage < 3:

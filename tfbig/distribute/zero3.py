@@ -75,8 +75,9 @@ class Partition:
         return math.ceil(math.prod(shape) / self.num_shards)
 
     def padded(self, tensor, shape):
-        flat = tf.reshape(tf.cast(tf.convert_to_tensor(tensor), tf.float32), [-1])
-        return tf.pad(flat, [[0, self.slice_size(shape) * self.num_shards - flat.shape[0]]])
+        size = math.prod(shape)  # static also where the value's shape is not (a gradient)
+        flat = tf.reshape(tf.cast(tf.convert_to_tensor(tensor), tf.float32), [size])
+        return tf.pad(flat, [[0, self.slice_size(shape) * self.num_shards - size]])
 
     def own(self, tensor, shape):
         """This position's slice (cut before padding: no second full-size copy)."""

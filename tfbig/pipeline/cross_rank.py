@@ -11,6 +11,7 @@ from tfbig.config import pipeline_stages
 from tfbig.distribute.horovod import HorovodStrategy
 from tfbig.distribute.horovod_keras import hvd
 from tfbig.distribute.mesh import HorovodMesh, Mesh, launcher_world_size
+from tfbig.layouts import composition
 from tfbig.layouts import partition as partition_lib
 from tfbig.layouts import stage_checkpoint
 from tfbig.pipeline import schedules
@@ -20,24 +21,16 @@ from tfbig.pipeline.strategy import (microbatch_size, split_microbatches, stage_
                                      task_layer_specs)
 from tfbig.pipeline.transport import StageLink, boundary_specs, runtime_zero, unfoldable
 
-# (config section, flag, is it set?) of what is not built with stages on different ranks.
-REFUSED = (("parallel", "zero_stage", lambda v: v != 0),
-           ("parallel", "shard_degree", lambda v: v != 0),
-           ("horovod", "elastic", bool),
-           ("pipeline", "offload_activations", bool))
-
-
 def pipeline_mesh(cfg, world_size):
     """The data x pipeline x tensor grid of a cross-rank pipeline run (with
     --tensor_parallel=T each stage is split over T ranks: tfbig.pipeline.tensor_stage);
     refuses what is not built."""
     stages = pipeline_stages(cfg)
-    for section, flag, is_set in REFUSED:
-        value = getattr(getattr(cfg, section), flag)
-        if is_set(value):
-            raise ValueError(f"--pipeline_stages={stages} with --{flag}={value} is not "
-                             f"supported by --strategy=horovod yet (stages on different ranks "
-                             f"are built for plain data parallelism); drop one of the two")
+    composition.check(composition.values_of(cfg))  # the pairs that do not compose
+    if cfg.pipeline.offload_activations:
+        raise ValueError(f"--pipeline_stages={stages} with --offload_activations is not "
+                         f"supported by --strategy=horovod yet (stages on different ranks "
+                         f"keep their activations on the device); drop one of the two")
     parallel = cfg.parallel
     if parallel.sequence_parallel and parallel.tensor_parallel < 2:
         raise ValueError(f"--pipeline_stages={stages} with --sequence_parallel=True needs "

@@ -41,6 +41,13 @@ class Layout:
     def gpus(self):
         return self.data * self.pipeline * self.context * self.tensor
 
+    def flags(self):
+        """{tfbig-train flag: value} of this layout (tfbig.layouts.composition's keys)."""
+        return {"tensor_parallel": self.tensor, "pipeline_stages": self.pipeline,
+                "context_parallel": self.context, "expert_parallel": self.expert,
+                "sequence_parallel": self.sequence_parallel, "zero_stage": self.zero_stage,
+                "shard_degree": self.shard_degree}
+
     @property
     def partition(self):
         """Ranks one copy of the model state is sharded over (1 without ZeRO)."""

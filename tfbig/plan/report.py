@@ -1,6 +1,7 @@
 """The plan as text (the recommendation, then a table of the best layouts) or as JSON."""
 import json
 
+from tfbig.layouts import composition
 from tfbig.plan import speed
 from tfbig.plan.hardware import GB
 
@@ -111,6 +112,9 @@ def text(shape, cluster, precision, token_budget, estimates, top, spec=None):
         lines.append(f"no layout fits in {cluster.device.memory_bytes / GB:.0f} GB per GPU; "
                      f"the fastest needs {best.memory_bytes / GB:.1f} GB: more GPUs, "
                      f"a smaller --batch_size or ZeRO would be needed")
+    refused = composition.refusal(best.layout.flags())
+    if refused:  # only where the fixed flags asked for it (search._allowed)
+        lines.append(f"  tfbig-train refuses this layout: {refused}")
     lines += describe_estimate(best, cluster.device.memory_bytes, shape, precision)
     if spec is not None:
         lines += side_by_side(best, spec)

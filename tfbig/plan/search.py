@@ -5,9 +5,10 @@ node (dividing the heads and the node's GPUs), pipeline stages dividing the laye
 tfbig-train cuts them: FLOPs-balanced, tfbig.layouts.partition), data = GPUs / (T x K), ZeRO 0-3
 over all data ranks or a node-sized partition group (MiCS), micro-batches dividing the per-replica
 batch, with and without activation checkpointing, sequence parallel wherever T > 1, context
-parallel C (2, 4, 8: without pipeline stages, sequence parallelism or ZeRO 2-3, where 2C
-divides the sequence) in the data ranks' place, and for an MoE model expert parallel N (data
-ranks dividing its experts, with data parallelism alone, as tfbig-train runs it).
+parallel C (2, 4, 8, where 2C divides the sequence) in the data ranks' place, and for an MoE
+model expert parallel N (data ranks dividing its experts). A layout holding a pair tfbig-train
+refuses (tfbig.layouts.composition) is never searched; where the fixed flags hold one (a
+published layout to compare against), it is estimated and the report names the refusal.
 
 Example:
     best = search(shape, cluster, precision="mixed_bfloat16", batch_size=512)[0]
@@ -16,6 +17,7 @@ import dataclasses
 import math
 
 from tfbig.config import pipeline_stages
+from tfbig.layouts import composition
 from tfbig.plan import estimate, speed
 
 DEFAULT_BATCH_TOKENS = 2 ** 20  # --batch_size=0: about a million tokens per step (GPT-3's 0.5-3.2M)
@@ -46,7 +48,8 @@ class Estimate:
 
     def to_dict(self):
         return {**dataclasses.asdict(self), "layout": {**dataclasses.asdict(self.layout),
-                                                       "describe": self.layout.describe()}}
+                                                       "describe": self.layout.describe()},
+                "refused": composition.refusal(self.layout.flags())}  # None: tfbig-train runs it
 
 
 def layout_from_config(cfg):
@@ -131,9 +134,6 @@ def check_layout(shape, fixed, cluster, batch_size):
     if c < 1 or shape.seq_length % (2 * c):
         raise ValueError(f"--context_parallel={c}: the sequence length {shape.seq_length} is "
                          f"not a multiple of 2 x {c} (each rank holds 2 of {2 * c} chunks)")
-    if c > 1 and (k or 1) > 1:
-        raise ValueError(f"--context_parallel={c} with --pipeline_stages={k}: tfbig does not "
-                         f"combine them (tfbig-train refuses it)")
     _check_expert(shape, fixed)
     if fixed.get("zero_stage", 0) not in (0, 1, 2, 3):
         raise ValueError(f"--zero_stage={fixed['zero_stage']}: expected 0, 1, 2 or 3")
@@ -154,24 +154,16 @@ def _check_expert(shape, fixed):
     if shape.num_experts % n:
         raise ValueError(f"--expert_parallel={n} does not divide the model's num_experts="
                          f"{shape.num_experts}; choose one of {_divisors(shape.num_experts)}")
-    for flag in ("tensor_parallel", "pipeline_stages", "context_parallel", "zero_stage"):
-        if fixed.get(flag, 0) > (0 if flag == "zero_stage" else 1):
-            raise ValueError(f"--expert_parallel={n} with --{flag}={fixed[flag]}: tfbig-train "
-                             f"runs expert parallelism with data parallelism alone (it refuses "
-                             f"this pair)")
 
 
-def _expert_options(shape, fixed, layout, d):
-    """Expert-parallel degrees to try for `layout` (d data ranks): what tfbig-train runs (data
-    parallelism alone: no tensor, pipeline or context ranks, no ZeRO; N dividing both the data
-    ranks and the experts)."""
-    alone = (layout.tensor == layout.pipeline == layout.context == 1
-             and not layout.zero_stage)
+def _expert_options(shape, fixed, d):
+    """Expert-parallel degrees to try over d data ranks: N dividing both the data ranks and
+    the experts (the pairs tfbig-train refuses are left out by `_allowed`)."""
     if "expert_parallel" in fixed:
         n = fixed["expert_parallel"]
-        return [n] if n == 1 or (alone and d % n == 0) else []
+        return [n] if n == 1 or d % n == 0 else []
     return [1] + ([n for n in _divisors(d) if n > 1 and shape.num_experts % n == 0]
-                  if shape.num_experts and alone else [])
+                  if shape.num_experts else [])
 
 
 def _options(fixed, name, searched):
@@ -199,10 +191,18 @@ def candidates(shape, cluster, fixed, batch_size):
                 for layout, batch in _data_layouts(fixed, t, k, d, batch, cuts[k]):
                     if layout.zero_stage > limits.get("zero_stage", 3):
                         continue
-                    if c == 1 or layout.zero_stage < 2:  # tfbig-train: CP with ZeRO 0-1
-                        layout = dataclasses.replace(layout, context=c)
-                        for n in _expert_options(shape, fixed, layout, d):
-                            yield dataclasses.replace(layout, expert=n), batch
+                    layout = dataclasses.replace(layout, context=c)
+                    for n in _expert_options(shape, fixed, d):
+                        layout = dataclasses.replace(layout, expert=n)
+                        if _allowed(layout, fixed):
+                            yield layout, batch
+
+
+def _allowed(layout, fixed):
+    """Whether the search may plan `layout`: no pair tfbig-train refuses, unless the fixed
+    flags hold that pair (then it is estimated as asked, and the report says it is refused)."""
+    return all(first in fixed and second.partition("=")[0] in fixed
+               for first, second, _ in composition.pairs_in_use(layout.flags()))
 
 
 def _context_options(shape, fixed, t, k):

@@ -1,0 +1,78 @@
+"""The one table of the layout pairs tfbig-train refuses (tfbig.layouts.composition): each row
+refused by the backend registry before any backend starts, naming both flags; listed in the
+docs' table; never searched by tfbig-plan. The pairs that compose are proven equal to one
+process by the launches of test_context_parallel (CP x ZeRO-1/2/3, CP x TP), test_tensor_parallel
+(TP x ZeRO-1/2), test_tensor_pipeline (PP x TP) and the others."""
+import os
+
+import pytest
+
+from tfbig.config import ExperimentConfig
+from tfbig.errors import UsageError
+from tfbig.layouts import composition
+from tfbig.commands import plan as cli
+from tfbig.training.registry import horovod_backend
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+IN_USE = {"tensor_parallel": 2, "pipeline_stages": 2, "context_parallel": 2,
+          "expert_parallel": 2, "sequence_parallel": True, "zero_stage": 1, "shard_degree": 2,
+          "elastic": True}
+
+
+def _flag(key):
+    name, _, only = key.partition("=")
+    return name, (int(only) if only else IN_USE[name])
+
+
+def _config(**values):
+    cfg = ExperimentConfig()
+    cfg.train.strategy = "horovod"
+    for name, value in values.items():
+        section = next(s for s in (cfg.parallel, cfg.pipeline, cfg.horovod) if hasattr(s, name))
+        setattr(section, name, value)
+    return cfg
+
+
+@pytest.mark.parametrize("first, second", [(a, b) for a, b, _ in composition.REFUSED])
+def test_each_refused_pair_is_named_before_any_backend_starts(first, second):
+    values = dict([_flag(first), _flag(second)])
+    with pytest.raises(UsageError) as error:
+        horovod_backend(_config(**values))  # raises before hvd.init: nothing started
+    message = str(error.value)
+    for name, value in values.items():
+        shown = f"--{name}" if isinstance(value, bool) else f"--{name}={value}"
+        assert shown in message
+    assert message == composition.refusal(values)
+    assert "is not supported: " in message
+
+
+def test_the_docs_table_lists_every_refused_pair_and_nothing_else():
+    with open(os.path.join(ROOT, "docs", "guides", "scale-out.md")) as f:
+        text = f.read()
+    table = text[text.index("### What does not compose"):]
+    table = table[:table.index("\n\n", table.index("| flag | with | why |"))]
+    rows = [line.split("|")[1:3] for line in table.splitlines() if line.startswith("| `")]
+    listed = [(a.strip().strip("`").removeprefix("--"), b.strip().strip("`").removeprefix("--"))
+              for a, b in rows]
+    assert len(listed) == len(set(listed))
+    assert set(listed) == {(a, b) for a, b, _ in composition.REFUSED}
+
+
+def test_pairs_that_compose_pass_and_one_value_is_refused_only_where_named():
+    assert composition.refusal({"tensor_parallel": 2, "zero_stage": 2}) is None
+    assert composition.refusal({"context_parallel": 2, "zero_stage": 3,
+                                "tensor_parallel": 2}) is not None  # TP x ZeRO-3
+    assert composition.refusal({"context_parallel": 2, "zero_stage": 3}) is None
+    assert composition.refusal({"context_parallel": 2, "tensor_parallel": 2,
+                                "zero_stage": 1}) is None
+
+
+def test_the_planner_searches_no_refused_pair():
+    flag_values = cli.flags.FlagValues()
+    cli.define_flags(flag_values)
+    flag_values(["tfbig-plan", "--preset=small", "--seq_length=4096", "--gpus_per_node=8",
+                 "--nodes=2", "--batch_size=64"])
+    found = cli.plan({name: flag_values[name].value for name in cli.FLAGS_SPEC}, {})[1]
+    assert {(e.layout.tensor > 1, e.layout.zero_stage) for e in found} >= {(True, 2), (False, 3)}
+    assert any(e.layout.context > 1 and e.layout.zero_stage == 3 for e in found)
+    assert all(composition.refusal(e.layout.flags()) is None for e in found)

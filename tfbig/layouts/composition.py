@@ -1,0 +1,95 @@
+"""Which parallelisms compose: the one table of the pairs tfbig-train refuses.
+
+Every pair of layout flags not in REFUSED composes under --strategy=horovod (one mesh, the
+backends stacked as docs/design/notes/distribute.md says). The backends refuse a run from this
+table before anything is written (`check`), tfbig-plan never plans a layout in it and refuses
+fixed flags in it with the same message (`refusal`), and docs/guides/scale-out.md lists every
+row (tests/distribute/test_composition.py checks all three).
+"""
+from tfbig.config import pipeline_stages
+from tfbig.errors import UsageError
+
+# flag -> whether a value means the flag is in use
+IN_USE = {
+    "tensor_parallel": lambda v: v > 1,
+    "pipeline_stages": lambda v: v > 1,
+    "context_parallel": lambda v: v > 1,
+    "expert_parallel": lambda v: v > 1,
+    "sequence_parallel": bool,
+    "zero_stage": lambda v: v > 0,
+    "shard_degree": lambda v: v > 0,
+    "elastic": bool,
+}
+
+_WORLD = "an elastic run is plain data parallel (its world size changes)"
+_EXPERT = ("expert parallelism is built with data parallelism, activation checkpointing and "
+           "the MoE models only")
+# (flag, flag or flag=value, why): refused when both are in use. The first flag leads the
+# message; a `flag=value` entry refuses that value only.
+REFUSED = (
+    ("context_parallel", "sequence_parallel", "both split the sequence; use one of them"),
+    ("context_parallel", "pipeline_stages",
+     "the pipeline's stages exchange whole-sequence activations and its schedules are not "
+     "cut by chunk; use --context_parallel with data, tensor and ZeRO layouts, or the "
+     "pipeline without it"),
+    ("tensor_parallel", "zero_stage=3",
+     "stage 3 gathers whole variables, not tensor-parallel slices; use --zero_stage=1 or 2 "
+     "(optimizer slots, and gradients, sharded over each tensor rank's data ranks)"),
+    ("pipeline_stages", "zero_stage",
+     "stages on different ranks keep their own optimizer state whole; drop one of the two"),
+    ("pipeline_stages", "shard_degree",
+     "stages on different ranks keep their own optimizer state whole; drop one of the two"),
+    *(("expert_parallel", other, f"{_EXPERT}; drop one of them")
+      for other in ("pipeline_stages", "tensor_parallel", "context_parallel", "zero_stage")),
+    *(("elastic", other, f"{_WORLD}; drop one of the two")
+      for other in ("zero_stage", "shard_degree", "tensor_parallel", "sequence_parallel",
+                    "pipeline_stages", "context_parallel", "expert_parallel")),
+)
+
+
+def values_of(cfg):
+    """{flag: value} of an ExperimentConfig's layout flags (those REFUSED names)."""
+    parallel = cfg.parallel
+    return {"tensor_parallel": parallel.tensor_parallel,
+            "pipeline_stages": pipeline_stages(cfg),
+            "context_parallel": parallel.context_parallel,
+            "expert_parallel": parallel.expert_parallel,
+            "sequence_parallel": parallel.sequence_parallel,
+            "zero_stage": parallel.zero_stage,
+            "shard_degree": parallel.shard_degree,
+            "elastic": bool(getattr(getattr(cfg, "horovod", None), "elastic", False))}
+
+
+def _in_use(key, values):
+    name, _, only = key.partition("=")
+    if name not in values:
+        return False
+    value = values[name]
+    return value == type(value)(only) if only else IN_USE[name](value)
+
+
+def _shown(key, values):
+    name = key.partition("=")[0]
+    return f"--{name}" if isinstance(values[name], bool) else f"--{name}={values[name]}"
+
+
+def pairs_in_use(values):
+    """The REFUSED rows (first, second, why) that `values` ({flag: value}; a flag left out is
+    not in use) holds, in table order."""
+    return [(first, second, why) for first, second, why in REFUSED
+            if _in_use(first, values) and _in_use(second, values)]
+
+
+def refusal(values):
+    """The message of the first REFUSED pair `values` holds, or None when every pair in use
+    composes."""
+    for first, second, why in pairs_in_use(values)[:1]:
+        return f"{_shown(first, values)} with {_shown(second, values)} is not supported: {why}"
+    return None
+
+
+def check(values):
+    """Raise UsageError naming the first refused pair `values` holds (see `refusal`)."""
+    message = refusal(values)
+    if message:
+        raise UsageError(message)
