@@ -124,7 +124,7 @@ def run_context_case(size, length):
         from types import SimpleNamespace
 
         from tfbig.distribute import horovod_keras
-        from tfbig.distribute.context_parallel import ContextGroup, apply_plan
+        from tfbig.distribute.context_layers import ContextGroup, apply_plan
         from tfbig.distribute.horovod_keras import hvd
 
         horovod_keras.init(pin_gpu=False)
@@ -164,7 +164,7 @@ def _collectives(model, group, hvd):
     gradients' average."""
     import tensorflow as tf
 
-    from tfbig.distribute.context_parallel import gather_keys_values
+    from tfbig.distribute.context_layers import gather_keys_values
 
     local = group.seq_length // group.size
     heads, width = MODEL["num_heads"], MODEL["hidden_size"]

@@ -12,6 +12,7 @@ writes, and every tfbig-train flag applies (--strategy, --zero_stage, --precisio
     ... --strategy=horovod --zero_stage=3 --shard_degree=2   # ZeRO-3 over MiCS groups of 2
     ... --strategy=horovod --tensor_parallel=2   # heads, vocabulary and FFNs split (LAYOUT)
     ... --strategy=horovod --pipeline_stages=2   # MyModel cut between the layers of PIPELINE
+    ... --strategy=horovod --context_parallel=2  # every sequence cut over 2 ranks (CONTEXT)
     python examples/own_model.py --strategy=pipeline --num_microbatches=4   # 2 CPU devices
     python examples/own_model.py --plan_only     # memory per rank and step time, no training
 """
@@ -119,6 +120,14 @@ LAYOUT = {"embedding_layer.token_emb": "vocab",
           "output_layer": "vocab"}
 
 
+# How --context_parallel=C cuts every sequence over C ranks, as data: each rank embeds its own
+# positions (tokens: its rows of the token ids; positions: the position table read at them),
+# each attention attends from them over the keys and values gathered from the C ranks, and the
+# output projection's logits are gathered whole, so loss_fn sees the whole sequence.
+CONTEXT = {"embedding_layer.token_emb": "tokens", "embedding_layer.pos_emb": "positions",
+           "transformer_blocks.*.att": "attention", "output_layer": "output"}
+
+
 # Where --strategy=pipeline and --pipeline_stages=K may cut MyModel, as data: the layers whose
 # calls in this order are its forward (the embedding, each block, the vocabulary projection).
 PIPELINE = ("embedding_layer", "transformer_blocks.*", "output_layer")
@@ -178,7 +187,8 @@ def main(argv):
     run = tfbig.train(model_fn, loss_fn, dataset_fn, tfbig.config_from_flags(flags.FLAGS),
                       name="own_model", tokens_per_example=SIZE["maxlen"],
                       checkpoint_layers=("transformer_blocks.*",), tensor_layout=LAYOUT,
-                      pipeline_layers=PIPELINE, transformer_shape=SHAPE)
+                      pipeline_layers=PIPELINE, transformer_shape=SHAPE,
+                      context_layout=CONTEXT)
     if flags.FLAGS.plan_only:  # tfbig.train printed the plan; nothing trained
         return
     if run.trainer.strategy.is_chief:

@@ -112,8 +112,10 @@ class RecordedGradients:
         self.start = int(trainer.optimizer.iterations.numpy())  # updates applied before
         # the first `updates` are enough: sqrt(v_t) >= sqrt(b_ts)|g_s| for any s <= t
         count = self._count = max(min(trainer.cfg.train.max_steps - self.start, updates), 1)
+        # a ZeRO strategy applies this rank's slices (strategy.shards) of each weight's gradient
+        held = getattr(trainer.strategy, "shards", None) or variables
         self._store = [tf.Variable(tf.zeros((count, *v.shape), tf.float32), trainable=False)
-                       for v in variables]
+                       for v in held]
         self.paths = [v.path for v in variables]
         self.trainer = trainer
         apply = trainer.strategy.apply_gradients

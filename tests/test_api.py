@@ -154,16 +154,15 @@ def test_bad_input_is_refused_by_name_before_the_run_directory_is_written(
      "vocab_size"),
     ({"init_checkpoint": "runs/x"}, "--init_checkpoint='runs/x' is refused"),
     ({"strategy": "horovod", "context_parallel": 2}, "--context_parallel=2 is refused for a "
-                                                     "user task: context parallelism replaces"),
+     "user task: context parallelism cuts the layers a task declares in its context_layout"),
     ({"no_such_flag": 1}, "no_such_flag=1: not a tfbig-train flag"),
     # with a declared layout --tensor_parallel runs (tests/distribute/test_api_parallel.py),
     # but not these with it
     ({"strategy": "horovod", "tensor_parallel": 2, "sequence_parallel": True,
       "tensor_layout": own_model.LAYOUT}, "--sequence_parallel=True with --tensor_parallel=2 "
                                           "is refused for a user task"),
-    ({"strategy": "horovod", "tensor_parallel": 2, "zero_stage": 3,
-      "tensor_layout": own_model.LAYOUT}, "--tensor_parallel=2 with --zero_stage=3 is not "
-                                          "supported: stage 3 gathers whole variables"),
+    ({"strategy": "horovod", "context_parallel": 2, "pipeline_stages": 2}, "--context_parallel=2 "
+     "with --pipeline_stages=2 is not supported: the pipeline's stages exchange"),
 ])
 def test_what_a_user_task_cannot_run_is_refused_by_flag(tmp_path, flags, message):
     with pytest.raises(UsageError, match=None) as error:

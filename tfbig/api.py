@@ -24,7 +24,8 @@ exact resume (run it again), SIGTERM preemption, --precision and loss scaling,
 column- or row-split, which attention layers split their heads, which embedding and output
 layer their vocabulary), --strategy=pipeline and --pipeline_stages=K under horovod for a task
 that declares its `pipeline_layers` (the layers whose composition is its forward:
-tfbig.tasks.user_pipeline). --plan_only builds the model,
+tfbig.tasks.user_pipeline), --context_parallel for a task that declares its `context_layout`
+(its token and position embeddings, attentions and output). --plan_only builds the model,
 counts its variables and returns the plan (tfbig.plan.user: the state per rank, under
 --tensor_parallel counted on a rank's slices of the declared layout; activations and step time
 when the task declares its `transformer_shape`, with --tensor_parallel and --context_parallel
@@ -32,8 +33,8 @@ by the planner's closed forms and with --calibration beside the spec figures) in
 training. `consolidate_run` writes a ZeRO or tensor-parallel run of a task as one
 single-device checkpoint. Refused by name for a user task (USER_TASK_REFUSED): tensor
 parallelism without a declared layout, pipeline parallelism without declared pipeline_layers
-(and with --tensor_parallel), --init_checkpoint and training with --context_parallel; with
---plan_only and no transformer_shape (PLAN_REFUSED) --context_parallel.
+(and with --tensor_parallel), --init_checkpoint, and --context_parallel without a declared
+context_layout; with --plan_only and no transformer_shape (PLAN_REFUSED) --context_parallel.
 """
 import atexit
 import copy
@@ -124,6 +125,7 @@ def check_user_flags(config, task=None):
     values = {f.name: getattr(getattr(config, s.name), f.name)
               for s in dataclasses.fields(config)
               for f in dataclasses.fields(getattr(config, s.name))}
+    composition.check(composition.values_of(config))  # the pairs no model composes
     declared = bool(task is None or getattr(task, "tensor_layout", None))
     cut = bool(task is None or getattr(task, "pipeline_layers", None))
     if config.train.strategy == "pipeline" and not cut:
@@ -137,19 +139,18 @@ def check_user_flags(config, task=None):
         if values[flag] != unused:
             raise UsageError(f"--{flag}={values[flag]!r} is refused for a user task: {why}")
     _check_user_pipeline(config, values)
-    if values["context_parallel"] != 1 and not values["plan_only"]:
+    if values["context_parallel"] != 1 and not values["plan_only"] and task is not None \
+            and not getattr(task, "context_layout", None):
         raise UsageError(f"--context_parallel={values['context_parallel']} is refused for a "
-                         "user task: context parallelism replaces the attention of tfbig's own "
-                         "models (tfbig/distribute/context_parallel.py), and a user model's "
-                         "attention has no such plan; --plan_only plans it from the task's "
-                         "transformer_shape")
+                         "user task: context parallelism cuts the layers a task declares in "
+                         "its context_layout ({layer path: 'tokens' | 'positions' | "
+                         "'attention' | 'output'}, Task docs); this task declares none")
     if values["plan_only"] and task is not None and \
             getattr(task, "transformer_shape", None) is None:
         for flag, (unused, why) in PLAN_REFUSED.items():
             if values[flag] != unused:
                 raise UsageError(f"--{flag}={values[flag]!r} with --plan_only is refused for "
                                  f"a user task: {why}")
-    composition.check(composition.values_of(config))  # the pairs no model composes
     if values["tensor_parallel"] == 1:
         return
     for flag, (allowed, why) in TENSOR_LAYOUT_REFUSED.items():
@@ -180,7 +181,7 @@ def _task(task_or_model_fn, loss_fn, dataset_fn, task_options):
 
 
 TASK_OPTIONS = ("name", "tokens_per_example", "checkpoint_layers", "metrics_fn",
-                "tensor_layout", "transformer_shape", "pipeline_layers")
+                "tensor_layout", "transformer_shape", "pipeline_layers", "context_layout")
 
 
 def _split(kwargs):

@@ -4,7 +4,7 @@
     python api_worker.py PLAN_JSON [CPU_DEVICES]
 
 PLAN_JSON: [{"name": ..., "flags": {tfbig-train flag: value}, "model_dir": ...,
-"tensor_layout": {...} (optional: the task's)}, ...]. The chief writes MODEL_DIR/losses.json
+"tensor_layout": {...}, "context_layout": {...} (optional: the task's)}, ...]. The chief writes MODEL_DIR/losses.json
 (each logged step's loss), world.json (the number of data-parallel replicas) and weights.npz
 (the trained weights as the run reports them: its strategy's gather_full, in the order of the
 paths in weights.json); the weights are also the run's checkpoint. A scenario with a
@@ -41,7 +41,9 @@ def main(plan_path, cpu_devices=0):
             continue
         run = tfbig.train(own_model.model_fn, own_model.loss_fn, own_model.dataset_fn,
                           model_dir=scenario["model_dir"], name="own_model",
-                          checkpoint_layers=("transformer_blocks.*",), **scenario["flags"])
+                          checkpoint_layers=("transformer_blocks.*",),
+                          context_layout=scenario.get("context_layout"),
+                          tokens_per_example=own_model.SIZE["maxlen"], **scenario["flags"])
         if run.trainer.strategy.is_chief:
             with open(os.path.join(scenario["model_dir"], "losses.json"), "w") as f:
                 json.dump(run.losses, f)
@@ -78,7 +80,8 @@ def train_recording_gradients(scenario):
 
     config = configure(model_dir=scenario["model_dir"], **scenario["flags"])
     task = FunctionTask(own_model.model_fn, own_model.loss_fn, own_model.dataset_fn,
-                        name="own_model", tensor_layout=scenario["tensor_layout"])
+                        name="own_model", tensor_layout=scenario["tensor_layout"],
+                        checkpoint_layers=("transformer_blocks.*",))  # ZeRO-3 gathers these
     check_user_flags(config, task)
     trainer = _trainer(task, config, recorder=True)
     recorded = RecordedGradients(trainer)

@@ -15,6 +15,7 @@ import sys
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -23,7 +24,7 @@ from test_tensor_parallel import TRAIN, data_of, shared_reference  # noqa: E402
 from test_trainer import make_cfg  # noqa: E402
 
 from tfbig.config import ExperimentConfig, ParallelConfig  # noqa: E402
-from tfbig.distribute.context_parallel import ContextGroup, check_sequence  # noqa: E402
+from tfbig.distribute.context_layers import ContextGroup, check_sequence  # noqa: E402
 from tfbig.distribute.horovod import build_mesh  # noqa: E402
 from tfbig.training.registry import horovod_backend  # noqa: E402
 
@@ -172,8 +173,65 @@ def test_a_sequence_the_chunks_do_not_divide_is_refused():
 
 
 def test_a_model_without_a_context_plan_is_refused_by_name():
-    from tfbig.distribute.context_parallel import plan_for
+    from tfbig.distribute.context_layers import plan_for
 
     classifier = type("BertClassifier", (), {})()
     with pytest.raises(ValueError, match="no context-parallel plan for BertClassifier"):
         plan_for(classifier)
+
+
+def test_a_keras_attention_under_the_context_wrap_equals_the_layer_itself():
+    """A keras MultiHeadAttention that a user task's context_layout names ("attention") gets a
+    `_compute_attention` that attends from the rank's two chunks, each at its position offset,
+    over the keys and values gathered from the context group. On a group of one (Horovod of
+    one rank, in this process: chunks 0 and 1 of 2) its outputs and every gradient equal the
+    layer's own causal attention (Keras' kernel); a mask it cannot honour is refused."""
+    import keras
+
+    from tfbig.distribute.context_layers import wrap
+    from tfbig.distribute.horovod_keras import hvd
+
+    if not hvd.is_initialized():
+        hvd.init()
+    x = tf.random.stateless_normal((2, 16, 12), seed=(1, 2))
+    ours, theirs = (keras.layers.MultiHeadAttention(3, key_dim=4) for _ in range(2))
+    for layer in (ours, theirs):
+        layer(x, x, use_causal_mask=True)  # built
+    theirs.set_weights(ours.get_weights())
+    wrap(ours, "attention", ContextGroup(hvd.global_process_set, 0, 1, 16))
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(x)
+        outputs = [layer(x, x, use_causal_mask=True) for layer in (ours, theirs)]
+        losses = [tf.reduce_sum(out * tf.range(12, dtype=tf.float32)) for out in outputs]
+    np.testing.assert_allclose(outputs[0], outputs[1], rtol=1e-5, atol=1e-6)
+    for layer, loss in zip((ours, theirs), losses):
+        layer.grads = tape.gradient(loss, [x] + layer.trainable_variables)
+    # float32 sums in another order; the key bias's gradient is zero up to that noise
+    scale = max(float(np.abs(g).max()) for g in theirs.grads)
+    for a, b in zip(ours.grads, theirs.grads, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * scale)
+    with pytest.raises(ValueError, match="was called with an attention mask"):
+        ours(x, x, attention_mask=tf.ones((2, 16, 16), tf.bool))
+
+
+@pytest.mark.parametrize("declared, message", [
+    ({"embedding_layer.lookup": "tokens"}, r"context_layout\['embedding_layer.lookup'\] = "
+                                           r"'tokens' names no layer; expected a "
+                                           r"keras.layers.Embedding"),
+    ({"output_layer": "attention"}, r"context_layout\['output_layer'\] = 'attention' names "
+                                    r"Dense \S+; expected a keras.layers.MultiHeadAttention "
+                                    r"with value_dim"),
+    ({"output_layer": "rows"}, r"context_layout\['output_layer'\] = 'rows': expected one of "
+                               r"\['attention', 'output', 'positions', 'tokens'\]"),
+])
+def test_a_user_context_layout_is_checked_on_the_built_model(declared, message):
+    from tfbig.distribute.context_layers import user_plan
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))), "examples"))
+    import own_model
+
+    assert user_plan(own_model.model_fn(), own_model.CONTEXT, "own_model") == list(
+        own_model.CONTEXT.items())
+    with pytest.raises(ValueError, match=r"own_model\." + message):
+        user_plan(own_model.model_fn(), declared, "own_model")

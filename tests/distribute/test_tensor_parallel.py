@@ -67,6 +67,8 @@ SLOW_SCENARIOS = {  # a launch of its own (slow), as SCENARIOS
     # group; stopped after 2 steps and resumed; and with sequence parallelism's sums
     "tp2_dp2_zero2": (2, {"zero_stage": 2}, {"interrupt_at": 2}),
     "tp2_dp2_zero2_sequence": (2, {"zero_stage": 2, "sequence_parallel": True}, {}),
+    # ZeRO-3: each tensor rank's slices sharded over its data ranks, gathered per block
+    "tp2_dp2_zero3": (2, {"zero_stage": 3}, {"interrupt_at": 2}),
     "tp4_lamb": (4, {**LAMB, "grad_accum_steps": 1},
                  {"first_gradients": True, "widest_activation": True}),
     # fp16: rank 3's gradient slice of one split kernel is inf in the first step, its tensor
@@ -380,9 +382,6 @@ def test_slices_of_q_k_v_blocks_join_back_to_the_full_array():
 
 @pytest.mark.parametrize("options, world, message", [
     (dict(tensor_parallel=3), 4, "--tensor_parallel=3 = 3 does not divide 4"),
-    (dict(tensor_parallel=2, zero_stage=3), 4, "--tensor_parallel=2 with --zero_stage=3 is "
-                                               "not supported: stage 3 gathers whole "
-                                               "variables"),
     (dict(tensor_parallel=1, sequence_parallel=True), 4,
      "--sequence_parallel needs --tensor_parallel >= 2"),
 ])
@@ -514,41 +513,46 @@ def test_a_split_rank_holds_its_slice_of_the_single_device_initialisation():
 
 
 @pytest.mark.multiproc
-def test_tensor_zero1_ranks_hold_the_closed_form_of_slot_bytes(gpt_data, runs, tmp_path):
+@pytest.mark.parametrize("name", ["tp2_dp2_zero1", pytest.param("tp2_dp2_zero3",
+                                                                marks=pytest.mark.slow)])
+def test_tensor_zero_ranks_hold_the_closed_form_of_their_state(gpt_data, request, name,
+                                                              tmp_path):
     """TP2 x DP2 with --zero_stage=1: rank (d, t) holds tensor rank t's parameters whole
     (4 P_t bytes) and a 1/2 slice of each of them as master copy (4 S_t) and AdamW m, v (8 S_t),
-    S_t = sum over t's variables of ceil(n / 2); its checkpoint piece is its own directory."""
+    S_t = sum over t's variables of ceil(n / 2); its checkpoint piece is its own directory.
+    --zero_stage=3: the parameters are those slices (the model's variables hold nothing)."""
     import math
 
     from tfbig.layouts.tensor_plan import TensorGroup
     from tfbig.layouts.tensor_layout import split_model
 
-    root, out = runs
+    root, out = request.getfixturevalue("runs" if name in SCENARIOS else "slow_runs")
     cfg = tp_cfg(gpt_data, tmp_path, 2)
     task = get_task(cfg.train, cfg)
+    stage = (SCENARIOS | SLOW_SCENARIOS)[name][1]["zero_stage"]
     for r in range(RANKS):
-        result = load(out, "tp2_dp2_zero1", r)
+        result = load(out, name, r)
         tensor_rank = r % 2  # placement cluster: tensor ranks adjacent
         model, _ = split_model(task, TensorGroup(None, tensor_rank, 2))
         sizes = [math.prod(v.shape) for v in model.trainable_variables]
         slices = sum(math.ceil(n / 2) for n in sizes)
-        assert int(result["bytes_parameters"]) == 4 * sum(sizes)
+        assert int(result["bytes_parameters"]) == (0 if stage == 3 else 4 * sum(sizes))
         assert int(result["bytes_master_slices"]) == 4 * slices
         assert int(result["bytes_optimizer_slots"]) == 8 * slices
     for t, j in [(0, 0), (0, 1), (1, 0), (1, 1)]:
-        piece = root / "tp2_dp2_zero1"
+        piece = root / name
         piece = piece / "tensor" / f"rank-{t}" if t else piece
         piece = piece / "zero" / f"shard-{j}" if j else piece
         assert (piece / "checkpoint").exists(), piece
-    assert int(load(out, "tp2_dp2_zero1", 0)["restored_step"]) == 2
-    assert (root / "tp2_dp2_zero1" / "tensor.json").exists()
-    assert (root / "tp2_dp2_zero1" / "zero.json").exists()
-    model, _ = load_model(str(root / "tp2_dp2_zero1"))  # tfbig-generate joins the tensor pieces
-    final = listed(load(out, "tp2_dp2_zero1", 0), "w")
+    assert int(load(out, name, 0)["restored_step"]) == 2
+    assert (root / name / "tensor.json").exists()
+    assert (root / name / "zero.json").exists()
+    model, _ = load_model(str(root / name))  # tfbig-generate joins the tensor pieces
+    final = listed(load(out, name, 0), "w")
     for ours, theirs in zip(model.trainable_variables, final, strict=True):
         np.testing.assert_array_equal(ours.numpy(), theirs)
-    with pytest.raises(ValueError, match="--zero_stage=1 \\(zero.json\\)"):
-        consolidate(str(root / "tp2_dp2_zero1"), str(tmp_path / "one"))
+    with pytest.raises(ValueError, match=f"--zero_stage={stage} \\(zero.json\\)"):
+        consolidate(str(root / name), str(tmp_path / "one"))
 
 
 @pytest.mark.slow  # a launch of its own

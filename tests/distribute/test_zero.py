@@ -361,8 +361,6 @@ def test_mixed_precision_stages_1_2_equal_unsharded_horovod(slow_runs, name):
 
 @pytest.mark.parametrize("options, world, message", [
     (dict(zero_stage=5), 4, "--zero_stage=5: expected 0 (no sharding), 1"),
-    (dict(zero_stage=3, tensor_parallel=2), 4, "--tensor_parallel=2 with --zero_stage=3 is "
-                                               "not supported"),
     (dict(zero_stage=1, shard_degree=3), 4, "--shard_degree=3 does not divide the 4"),
     (dict(shard_degree=2), 4, "--shard_degree=2 needs --zero_stage=1, 2 or 3"),
 ])

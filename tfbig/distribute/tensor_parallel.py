@@ -84,7 +84,7 @@ class TensorParallelStrategy(HorovodStrategy):
         return self.mesh.mesh.size  # MFU: every rank's device works on the one model
 
     def build_model(self, task):
-        model, self.splits = split_model(task, self.group, wrap=wrap)
+        model = self._split_model(task)
         memory = getattr(self.cfg, "pipeline", None)
         if memory is not None and memory.activation_checkpointing:
             # The recompute runs the block's collectives again in the backward, on every rank
@@ -92,6 +92,12 @@ class TensorParallelStrategy(HorovodStrategy):
             recompute.check_offload(memory.offload_activations, False)
             recompute.checkpoint_blocks(model, offload=memory.offload_activations,
                                         blocks=recompute.task_blocks(task, model))
+        return model
+
+    def _split_model(self, task):
+        """This tensor rank's model: its slices, their collectives, the vocabulary-parallel
+        loss and argmax on the task."""
+        model, self.splits = split_model(task, self.group, wrap=wrap)
         self._model = model
         if self.is_chief:
             print(self.describe(task.model_config), flush=True)

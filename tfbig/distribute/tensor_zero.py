@@ -1,11 +1,11 @@
-"""Tensor parallelism with ZeRO stage 1 or 2: `--tensor_parallel=T --zero_stage=1|2
-[--shard_degree=N]`.
+"""Tensor parallelism with ZeRO: `--tensor_parallel=T --zero_stage=1|2|3 [--shard_degree=N]`.
 
 Why it is built this way: docs/design/notes/distribute.md (tfbig.distribute.tensor_zero).
 """
 import tensorflow as tf
 
 from tfbig.checkpoints.checkpoint import piece_dir, write_layout
+from tfbig.distribute import zero3
 from tfbig.distribute.tensor_parallel import TensorParallelStrategy
 from tfbig.distribute.zero import ZeroStrategy
 from tfbig.layouts import zero_checkpoint
@@ -14,7 +14,7 @@ from tfbig.layouts.tensor_layout import read_layout as read_tensor_layout
 
 
 class TensorZeroStrategy(ZeroStrategy, TensorParallelStrategy):
-    """ZeRO-1/2 over each tensor rank's partition group (see the module docstring).
+    """ZeRO-1/2/3 over each tensor rank's partition group (see the module docstring).
 
     Method order: ZeroStrategy's, which reach TensorParallelStrategy's through super() (the
     split model, its forward/backward); the norms, gradient sync, gathering and checkpoints
@@ -46,9 +46,16 @@ class TensorZeroStrategy(ZeroStrategy, TensorParallelStrategy):
         grads = ZeroStrategy.all_reduce_gradients(self, self._sequence_sums(grads))
         return self._skip_everywhere(grads)
 
+    # ---- stage 3: the tensor rank's slices gathered per layer -----------------------------
+    def _unmaterialised_model(self, task):
+        """Stage 3: this tensor rank's split model, its values kept only to cut the slices."""
+        return zero3.release_values(self._split_model(task))
+
     def gather_full(self, variables, values=None):
         """Full arrays of the model's variables (or of gradient slices `values`): the slices
         gathered over the partition group, then the tensor ranks' pieces joined."""
+        if values is None and self.stage == 3:  # the model's variables hold no values
+            values = [self._shard_of[id(v)] for v in variables]
         if values is not None:
             values = self.partition.gather(values, [v.shape for v in variables])
         return TensorParallelStrategy.gather_full(self, variables, values)

@@ -74,11 +74,15 @@ class ZeroStrategy(HorovodStrategy):
         recompute.check_offload(offload, False)
         # Stage 3 recomputes every gathered layer (zero3.py): --activation_checkpointing is
         # implied, --offload_activations keeps the saved layer inputs on the host.
-        model, self._initialisers = zero3.build_unmaterialised(task)
+        model, self._initialisers = self._unmaterialised_model(task)
         blocks = task.blocks(model) if hasattr(task, "blocks") else None  # a user task's
         zero3.Gatherer(self.partition, self._shard_of, offload).install(model, blocks)
         self._model = model
         return model
+
+    def _unmaterialised_model(self, task):
+        """(the task's model, its trainable variables holding no value; {id: initialiser})."""
+        return zero3.build_unmaterialised(task)
 
     # ---- optimizer over the slices -------------------------------------------------------
     def build_optimizer(self, train, variables):

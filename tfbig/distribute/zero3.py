@@ -133,6 +133,18 @@ def build_unmaterialised(task):
     return model, initialisers
 
 
+def release_values(model):
+    """`build_unmaterialised`'s (model, {id(variable): initialiser}) of a model built whole
+    (a tensor rank's split model): each trainable variable's value becomes its initialiser (a
+    host copy, cut into slices and dropped by the strategy) and the variable holds none."""
+    initialisers = {}
+    for v in model.trainable_variables:
+        initialisers[id(v)] = _loaded(v.numpy())
+        v._value = None  # Keras: a variable without a value (as made in a StatelessScope)
+        v._initializer = _not_gathered(v.path)
+    return model, initialisers
+
+
 def _loaded(value):
     return lambda shape, dtype=None: value
 

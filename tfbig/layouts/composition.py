@@ -24,17 +24,13 @@ IN_USE = {
 _WORLD = "an elastic run is plain data parallel (its world size changes)"
 _EXPERT = ("expert parallelism is built with data parallelism, activation checkpointing and "
            "the MoE models only")
-# (flag, flag or flag=value, why): refused when both are in use. The first flag leads the
-# message; a `flag=value` entry refuses that value only.
+# (flag, flag, why): refused when both are in use; the first flag leads the message.
 REFUSED = (
     ("context_parallel", "sequence_parallel", "both split the sequence; use one of them"),
     ("context_parallel", "pipeline_stages",
      "the pipeline's stages exchange whole-sequence activations and its schedules are not "
      "cut by chunk; use --context_parallel with data, tensor and ZeRO layouts, or the "
      "pipeline without it"),
-    ("tensor_parallel", "zero_stage=3",
-     "stage 3 gathers whole variables, not tensor-parallel slices; use --zero_stage=1 or 2 "
-     "(optimizer slots, and gradients, sharded over each tensor rank's data ranks)"),
     ("pipeline_stages", "zero_stage",
      "stages on different ranks keep their own optimizer state whole; drop one of the two"),
     ("pipeline_stages", "shard_degree",
@@ -60,16 +56,11 @@ def values_of(cfg):
             "elastic": bool(getattr(getattr(cfg, "horovod", None), "elastic", False))}
 
 
-def _in_use(key, values):
-    name, _, only = key.partition("=")
-    if name not in values:
-        return False
-    value = values[name]
-    return value == type(value)(only) if only else IN_USE[name](value)
+def _in_use(name, values):
+    return name in values and IN_USE[name](values[name])
 
 
-def _shown(key, values):
-    name = key.partition("=")[0]
+def _shown(name, values):
     return f"--{name}" if isinstance(values[name], bool) else f"--{name}={values[name]}"
 
 

@@ -11,13 +11,16 @@ read the pieces each rank saved.
 
 Below every backend (the layer map: tfbig/__init__.py): no Strategy, no Horovod, no trainer.
 """
+import os
+
 import keras
 import numpy as np
 import tensorflow as tf
 
 from tfbig.checkpoints.checkpoint import piece_checkpoints
 from tfbig.checkpoints.checkpoint import read_layout as checkpoint_layout
-from tfbig.checkpoints.checkpoint import reader_key, slot_owners
+from tfbig.checkpoints.checkpoint import model_key, reader_key, slot_owners
+from tfbig.layouts import zero_checkpoint
 from tfbig.layouts.tensor_plan import plan_for, resolve_plan_layers
 from tfbig.models.layout import Split
 
@@ -318,17 +321,28 @@ def assembled_weights(model_dir, model, warn=print):
     """{variable path: full array} of `model`'s weights (built at single-device size) from a
     tensor-parallel run's newest checkpoint, each split variable joined from the ranks."""
     layout = read_layout(model_dir)
-    readers = [tf.train.load_checkpoint(p) for p in rank_checkpoints(model_dir, layout, warn)]
+    paths = rank_checkpoints(model_dir, layout, warn)
+    readers = [tf.train.load_checkpoint(p) for p in paths]
+    zero = zero_checkpoint.read_layout(model_dir)
+    if zero is not None and zero["zero_stage"] == 3:  # each rank's pieces sliced over its data
+        states = [zero_checkpoint.SavedState(zero_checkpoint.piece_paths(
+            os.path.dirname(p), zero, p), zero) for p in paths]
+        index = {id(v): i for i, v in enumerate(model.trainable_variables)}
     out = {}
     for v in model.variables:
         if "seed_generator" in v.path:
             continue
         key = reader_key(model, v)
         piece = layout["splits"].get(v.path)
-        if piece is None:
-            out[v.path] = readers[0].get_tensor(key)
+        if zero is not None and zero["zero_stage"] == 3 and id(v) in index:
+            shape = list(v.shape)
+            if piece is not None:
+                shape[piece[0]] //= layout["tensor_parallel"]
+            pieces = [s.parameter(index[id(v)], model_key(model, v), tuple(shape))
+                      for s in states]
         else:
-            out[v.path] = join_slices([r.get_tensor(key) for r in readers], *piece)
+            pieces = [r.get_tensor(key) for r in readers]
+        out[v.path] = pieces[0] if piece is None else join_slices(pieces, *piece)
     return out
 
 

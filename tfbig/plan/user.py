@@ -130,8 +130,10 @@ def _shape_notes(layout):
                      f"a layout that splits fewer layers keeps more activations")
     if layout.context > 1:
         notes.append("note: --context_parallel trains only models with a context plan "
-                     "(tfbig's GPT, BERT and ALBERT: tfbig.distribute.context_parallel); this "
-                     "is the plan of tfbig's GPT of the declared shape")
+                     "(tfbig's own, or a task's context_layout: "
+                     "tfbig.distribute.context_parallel); this is the plan of tfbig's GPT of "
+                     "the declared shape, whose logits stay cut (a context_layout's \"output\" "
+                     "gathers them whole)")
     return notes
 
 

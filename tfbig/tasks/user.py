@@ -91,6 +91,16 @@ class Task:
             model's outputs, each trainable weight belongs to exactly one layer (no weight
             shared between layers), no layer keeps non-trainable state besides dropout seeds.
             Empty: those flags are refused by name.
+        context_layout: how `--context_parallel=C` cuts every sequence over C ranks (data, as
+            tensor_layout; attribute paths): {layer: kind}, kinds "tokens" (a
+            keras.layers.Embedding of the token ids looks up this rank's positions only),
+            "positions" (an Embedding of positions reads this rank's positions, whatever it is
+            called with), "attention" (a keras.layers.MultiHeadAttention, causal through
+            use_causal_mask=True or unmasked, attends from this rank's positions over the keys
+            and values gathered from the group; no other mask) and "output" (the layer whose
+            output the loss reads: gathered whole, so `loss` runs on the whole sequence on
+            every context rank). Each rank holds chunks i and 2C-1-i of 2C. Empty:
+            --context_parallel is refused by name.
         transformer_shape: for `--plan_only`, the sizes of a transformer the model is, as
             {"hidden_size", "num_layers", "num_heads", "seq_length", "vocab_size"} and
             optionally "intermediate_size" (default 4 x hidden_size): the plan then gives the
@@ -103,6 +113,7 @@ class Task:
     tokens_per_example = 1
     checkpoint_layers = ()
     tensor_layout = {}
+    context_layout = {}
     pipeline_layers = ()
     transformer_shape = None
 
@@ -144,12 +155,13 @@ class FunctionTask(Task):
 
     def __init__(self, model_fn, loss_fn=None, dataset_fn=None, name="task", tokens_per_example=1,
                  checkpoint_layers=(), metrics_fn=None, tensor_layout=None,
-                 transformer_shape=None, pipeline_layers=()):
+                 transformer_shape=None, pipeline_layers=(), context_layout=None):
         self.model_fn, self.loss_fn, self.dataset_fn = model_fn, loss_fn, dataset_fn
         self.pipeline_layers = tuple(pipeline_layers)
         self.name, self.tokens_per_example = name, tokens_per_example
         self.checkpoint_layers, self.metrics_fn = tuple(checkpoint_layers), metrics_fn
         self.tensor_layout = dict(tensor_layout or {})
+        self.context_layout = dict(context_layout or {})
         self.transformer_shape = transformer_shape
 
     def build_model(self):

@@ -120,6 +120,11 @@ class UserTask:
         or the entries of a keras.distribution.LayoutMap ({regex: TensorLayout})."""
         return dict(self.user.tensor_layout or {})
 
+    @property
+    def context_layout(self):
+        """The task's declared {layer path: kind} for --context_parallel ({}: none)."""
+        return dict(getattr(self.user, "context_layout", None) or {})
+
     def declared_layout(self, model, degree=None):
         """[(layer, kind, kernel axis)] the task's tensor_layout names in `model`
         (declared_layout); with `degree` (--tensor_parallel), a LayoutMap's mesh must have a

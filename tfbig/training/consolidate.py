@@ -149,9 +149,11 @@ def consolidate_tensor(model_dir, out_dir, warn=print, task=None):
     and optimizer slots) joined from the ranks' slices."""
     layout, cfg = consolidation_input(model_dir, out_dir, tensor_layout.LAYOUT_FILE,
                                       "a tensor-parallel run", task)
-    if zero_checkpoint.read_layout(model_dir) is not None:  # tfbig.distribute.tensor_zero
-        raise ValueError(f"{model_dir} was written with --tensor_parallel and --zero_stage=1 "
-                         f"(zero.json): its optimizer slots are sliced over data ranks too, "
+    zero = zero_checkpoint.read_layout(model_dir)
+    if zero is not None:  # tfbig.distribute.tensor_zero
+        raise ValueError(f"{model_dir} was written with --tensor_parallel and --zero_stage="
+                         f"{zero['zero_stage']} (zero.json): its optimizer slots are sliced "
+                         f"over data ranks too, "
                          f"which this consolidation does not join; resume it with the same "
                          f"flags (tfbig-generate and tfbig-export read its weights)")
     layout = tensor_layout.read_layout(model_dir)
