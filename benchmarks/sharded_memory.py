@@ -1,7 +1,9 @@
 """Per-rank model state, peak RSS and step time of plain Horovod data parallelism vs ZeRO stages
-1-3 at shard degrees 2 and 4, on 4 ranks, for a GPT of over 100M parameters.
+1-3 at shard degrees 2 and 4, and of the compositions TP2 x ZeRO-3 and CP2 x ZeRO-3 against
+their parts alone (TP2, CP2: each x DP2), on 4 ranks, for a GPT of over 100M parameters.
 
     python benchmarks/sharded_memory.py            # 125m-wide GPT (14 layers), seq 64
+    python benchmarks/sharded_memory.py --layouts=tp2,tp2_zero3_d2,cp2,cp2_zero3_d2
 
 Each layout is its own `horovodrun -np 4 --gloo` launch (so each process's peak RSS is its
 own layout's). Every rank reports the bytes of the model state it holds: parameters, master
@@ -15,7 +17,10 @@ allocate through TensorFlow's BFC allocator and also report the peak bytes of li
 during the timed steps (a figure malloc's pooling does not blur). One JSON line: per layout,
 rank 0's figures, the closed form beside the measured bytes (stages 1-2: 4P + 12S, stage 3:
 12S, plain DP: 12P; S = sum of ceil(n / N) per variable; gradients are transient tensors, not
-counted), the full single-process state 16P for the RSS comparison, step time relative to
+counted; P and S of the rank's own variables: a tensor rank's slices), tfbig-plan's figure
+for the same layout (plan_state: parameters + optimizer state of tfbig.plan.estimate, from the
+model's shape) and the measured state over it (state_vs_plan), the full single-process state
+16P for the RSS comparison, step time relative to
 plain DP measured in the same run, the load average and the CPU model. One-thread processes,
 no XLA (the ZeRO collectives sit between TF ops; see tfbig/distribute/zero.py). The launches
 get a Gloo timeout of --gloo_timeout_seconds (300 s; horovodrun's 30 s default kills runs
@@ -27,6 +32,7 @@ without `dp` in --layouts there is no step_time_vs_dp.
 """
 import _record  # --record: append the result to benchmarks/results (strips the flag from sys.argv)
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -38,8 +44,14 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-LAYOUTS = {"dp": (0, 0), "zero1_d2": (1, 2), "zero1_d4": (1, 4), "zero2_d2": (2, 2),
-           "zero2_d4": (2, 4), "zero3_d2": (3, 2), "zero3_d4": (3, 4)}
+# name: (zero stage, shard degree, tensor parallel, context parallel)
+LAYOUTS = {"dp": (0, 0, 1, 1), "zero1_d2": (1, 2, 1, 1), "zero1_d4": (1, 4, 1, 1),
+           "zero2_d2": (2, 2, 1, 1), "zero2_d4": (2, 4, 1, 1), "zero3_d2": (3, 2, 1, 1),
+           "zero3_d4": (3, 4, 1, 1),
+           # the compositions against their parts alone: TP2 x DP2 and CP2 x DP2, each
+           # without ZeRO and with ZeRO-3 over the 2 data ranks
+           "tp2": (0, 0, 2, 1), "tp2_zero3_d2": (3, 2, 2, 1), "cp2": (0, 0, 1, 2),
+           "cp2_zero3_d2": (3, 2, 1, 2)}
 ENV = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1", "OMP_NUM_THREADS": "1",
        "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": ROOT}
 LOG_TAIL = 60  # lines of a failed launch's output printed
@@ -57,18 +69,19 @@ def worker(config_path, out_path, warmup, steps):
     rss_after_init = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     step_times, rss_steps = timed_steps(trainer, warmup, steps)
     strategy = trainer.strategy
-    variables = trainer.model.trainable_variables
+    variables = trainer.model.trainable_variables  # a tensor rank's: its slices
     nbytes = lambda vs: sum(math.prod(v.shape) * 4 for v in vs)  # noqa: E731 - all float32
-    if hasattr(strategy, "state_bytes"):
+    stage = getattr(strategy, "stage", 0)
+    if stage:  # ZeRO (under TP or CP too): the values its variables hold
         state = strategy.state_bytes()
         slices = sum(math.ceil(math.prod(v.shape) / strategy.num_shards) for v in variables)
     else:
         state = {"parameters": nbytes(variables), "optimizer_slots": 2 * nbytes(variables)}
         slices = 0
     params = sum(math.prod(v.shape) for v in variables)
-    stage = getattr(strategy, "stage", 0)
     closed = {0: 12 * params, 3: 12 * slices}.get(stage, 4 * params + 12 * slices)
     figures = {"rank": strategy.mesh.rank, "params": params, "state_bytes": state,
+               "model_config": dataclasses.asdict(trainer.task.model_config),
                "state_total": sum(state.values()), "closed_form": closed,
                "full_state_16p": 16 * params, "peak_rss_after_init_bytes": rss_after_init,
                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -116,7 +129,7 @@ def vm_hwm():
     return int(line.split()[1]) * 1024
 
 
-def launch(args, name, stage, degree, root):
+def launch(args, name, stage, degree, tensor, context, root):
     from tfbig import config as config_lib
 
     cfg = config_lib.ExperimentConfig()
@@ -128,6 +141,7 @@ def launch(args, name, stage, degree, root):
         os.path.join(root, name)
     t.max_steps, t.log_every, t.sample_tokens = 1000, 1000, 0
     cfg.parallel.zero_stage, cfg.parallel.shard_degree = stage, degree
+    cfg.parallel.tensor_parallel, cfg.parallel.context_parallel = tensor, context
     cfg.profile.monitor_interval_ms = 0
     config_path = os.path.join(root, f"{name}.json")
     with open(config_path, "w") as f:
@@ -194,12 +208,31 @@ def main():
             figures["step_time_vs_dp"] = round(figures["step_seconds"] / dp, 3)
         figures["state_vs_closed_form"] = round(figures["state_total"] /
                                                 figures["closed_form"], 4)
+    for name, figures in results.items():
+        figures["plan_state"] = plan_state(figures.pop("model_config"), args.seq_length,
+                                           *LAYOUTS[name])
+        figures["state_vs_plan"] = round(figures["state_total"] / figures["plan_state"], 4)
     _record.emit({"benchmark": "sharded_memory", "ranks": 4, "preset": args.preset,
                       "num_layers": args.num_layers, "hidden_size": args.hidden_size or None,
                       "seq_length": args.seq_length,
                       "layouts": results, "load_average": [round(x, 2) for x in
                                                            os.getloadavg()],
                       "cpu": cpu_model()})
+
+
+def plan_state(model_config, seq_length, stage, degree, tensor, context):
+    """tfbig-plan's bytes of parameters and optimizer state per rank for this layout on 4
+    ranks (tfbig.plan.estimate.state_memory; gradients are transient, not counted)."""
+    from tfbig.models import shapes
+    from tfbig.plan import estimate
+
+    config_class, _ = shapes.load_configs("gpt")
+    shape = shapes.shape_of(config_class(**model_config), "gpt", seq_length)
+    data = 4 // (tensor * context)
+    layout = estimate.Layout(data=data, tensor=tensor, context=context, zero_stage=stage,
+                             shard_degree=degree if stage else 0)
+    state = estimate.state_memory(estimate.stage_params(shape, layout), layout)
+    return round(state["parameters"] + state["optimizer"])
 
 
 def cpu_model():
