@@ -5,7 +5,8 @@ Tiny Llama: hidden 32, 2 layers, 4 query / 2 key-value heads (grouped-query atte
 tensor rank holds 2 query heads and the 1 key/value head they read), SwiGLU width 256, untied
 head; clipping active, 2 accumulated micro-batches. Default run: TP2 on 2 ranks (losses over 4
 steps at rtol 1e-5, final weights by tests/equality.py's rule, first-step gradients assembled
-from the slices). Slow: TP2 x DP2 on 4 ranks, and TP2 with the tied word table.
+from the slices). Slow: TP2 x DP2 on 4 ranks, alone and with ZeRO-1 and ZeRO-3, and TP2 with
+the tied word table.
 In-process: each rank's slice of the single-device initialisation, and the refusals.
 """
 import json
@@ -25,6 +26,10 @@ from tfbig.layouts.tensor_plan import TensorGroup  # noqa: E402
 LLAMA = dict(model="llama")
 SCENARIOS = {"llama_tp2": (2, 2, {})}  # name: (ranks, tensor_parallel, train options)
 SLOW_SCENARIOS = {"llama_tp2_dp2": (4, 2, {}),
+                  # each tensor rank's optimizer slots (ZeRO-1) or its whole state (ZeRO-3)
+                  # sharded over its 2 data ranks
+                  "llama_tp2_dp2_zero1": (4, 2, {"zero_stage": 1}),
+                  "llama_tp2_dp2_zero3": (4, 2, {"zero_stage": 3}),
                   "llama_tp2_tied": (2, 2, {"preset": "small"})}  # small: a tied table
 
 

@@ -56,7 +56,8 @@ TABLE = "gpt/embedding/token/embeddings"  # vocabulary-split, tied: a copy on th
 # ALBERT's and BERT's word table (vocabulary-split, a copy with the MLM head on the last
 # stage); ALBERT's shared block's QKV kernel (held by both stages, slice t on tensor rank t)
 WORD_TABLE, ALBERT_SHARED = "backbone/embedding/word/embeddings", "group_0/attn/qkv/kernel"
-TIED = {"albert": [WORD_TABLE, ALBERT_SHARED], "bert": [WORD_TABLE]}
+# (tiny Llama's head is its own: on the last stage only, nothing held twice)
+TIED = {"albert": [WORD_TABLE, ALBERT_SHARED], "bert": [WORD_TABLE], "llama": []}
 # BERT at lr 3e-3 as in tests/distribute/test_tensor_parallel.py (AdamW turns a float32
 # difference in a near-zero gradient into up to a whole step; the weights' atol below)
 BERT_TP = {**BERT, "learning_rate": 3e-3}
@@ -71,6 +72,9 @@ SCENARIOS = {  # name: (processes, stages, tensor, pipeline options, train optio
                                 dict(ALBERT, sequence_parallel=True), {"first_gradients": True}),
     "bert_pp2_tp2": (4, 2, 2, dict(schedule="1f1b", num_microbatches=2), BERT_TP,
                      {"first_gradients": True}),
+    # Llama's grouped-query attention, RMSNorm and SwiGLU split in each of 2 stages
+    "llama_pp2_tp2": (4, 2, 2, dict(schedule="1f1b", num_microbatches=2), dict(model="llama"),
+                      {"first_gradients": True}),
     "tp2_pp2_dp2": (8, 2, 2, GPIPE_CKPT, dict(num_layers=3), {"first_gradients": True}),
     "albert_tp2_pp2_dp2": (8, 2, 2, GPIPE_CKPT, dict(ALBERT, num_layers=3),
                            {"first_gradients": True}),
@@ -86,7 +90,8 @@ SCENARIOS = {  # name: (processes, stages, tensor, pipeline options, train optio
 # parallelism, BERT without); GPT and ALBERT without it, BERT with it and fp16 in the slow
 # launch (each scenario costs seconds).
 LAUNCHES = {"pp2_tp2": ("pp2_tp2_sequence",),
-            "pp2_tp2_masked_lm": ("albert_pp2_tp2_sequence", "bert_pp2_tp2"),  # slow
+            "pp2_tp2_masked_lm": ("albert_pp2_tp2_sequence", "bert_pp2_tp2",  # slow
+                                  "llama_pp2_tp2"),
             "tp2_pp2_dp2": ("tp2_pp2_dp2", "albert_tp2_pp2_dp2", "tp2_pp2_dp2_fp16",  # slow
                             "tp2_pp2_dp2_sequence", "bert_tp2_pp2_dp2_sequence")}
 
