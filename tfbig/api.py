@@ -243,7 +243,7 @@ def train(task_or_model_fn, loss_fn=None, dataset_fn=None, config=None, **kwargs
         config: an ExperimentConfig (default: tfbig-train's defaults).
         **kwargs: tfbig-train flags by name (max_steps=100, strategy="horovod", ...), and with
             a model_fn the Task options name, tokens_per_example, checkpoint_layers, metrics_fn,
-            tensor_layout, transformer_shape, pipeline_layers.
+            tensor_layout, transformer_shape, pipeline_layers, context_layout (Task docs).
     Returns a Run; training again with the same model_dir resumes from its checkpoint. With
     plan_only=True nothing trains: the plan is printed and its UserPlan returned.
     """
