@@ -2,37 +2,33 @@
 refused by the backend registry before any backend starts, naming both flags; listed in the
 docs' table; never searched by tfbig-plan. The pairs that compose are proven equal to one
 process by the launches of test_context_parallel (CP x ZeRO-1/2/3, CP x TP), test_tensor_parallel
-(TP x ZeRO-1/2), test_tensor_pipeline (PP x TP) and the others."""
+(TP x ZeRO-1/2/3), test_tensor_pipeline (PP x TP) and the others."""
 import os
+import sys
 
 import pytest
 
-from tfbig.config import ExperimentConfig
-from tfbig.errors import UsageError
-from tfbig.layouts import composition
-from tfbig.commands import plan as cli
-from tfbig.training.registry import horovod_backend
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(ROOT, "tests", "pipeline"))
+sys.path.insert(0, os.path.join(ROOT, "tests", "plan"))
+from test_cross_rank import cfg_with  # noqa: E402
+from test_plan import plan  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tfbig.errors import UsageError  # noqa: E402
+from tfbig.layouts import composition  # noqa: E402
+from tfbig.training.registry import horovod_backend  # noqa: E402
+
 IN_USE = {"tensor_parallel": 2, "pipeline_stages": 2, "context_parallel": 2,
           "expert_parallel": 2, "sequence_parallel": True, "zero_stage": 1, "shard_degree": 2,
           "elastic": True}
-
-
-def _config(**values):
-    cfg = ExperimentConfig()
-    cfg.train.strategy = "horovod"
-    for name, value in values.items():
-        section = next(s for s in (cfg.parallel, cfg.pipeline, cfg.horovod) if hasattr(s, name))
-        setattr(section, name, value)
-    return cfg
 
 
 @pytest.mark.parametrize("first, second", [(a, b) for a, b, _ in composition.REFUSED])
 def test_each_refused_pair_is_named_before_any_backend_starts(first, second):
     values = {first: IN_USE[first], second: IN_USE[second]}
     with pytest.raises(UsageError) as error:
-        horovod_backend(_config(**values))  # raises before hvd.init: nothing started
+        horovod_backend(cfg_with(**values))  # raises before hvd.init: nothing started
     message = str(error.value)
     for name, value in values.items():
         shown = f"--{name}" if isinstance(value, bool) else f"--{name}={value}"
@@ -62,11 +58,8 @@ def test_the_pairs_the_launches_prove_compose():
 
 
 def test_the_planner_searches_no_refused_pair():
-    flag_values = cli.flags.FlagValues()
-    cli.define_flags(flag_values)
-    flag_values(["tfbig-plan", "--preset=small", "--seq_length=4096", "--gpus_per_node=8",
-                 "--nodes=2", "--batch_size=64"])
-    found = cli.plan({name: flag_values[name].value for name in cli.FLAGS_SPEC}, {})[1]
+    _, _, found = plan(["--preset=small", "--seq_length=4096", "--gpus_per_node=8",
+                        "--nodes=2", "--batch_size=64"])
     assert {(e.layout.tensor > 1, e.layout.zero_stage) for e in found} >= {(True, 3), (False, 3)}
     assert any(e.layout.context > 1 and e.layout.zero_stage == 3 for e in found)
     assert all(composition.refusal(e.layout.flags()) is None for e in found)

@@ -74,9 +74,11 @@ def pairs_in_use(values):
 def refusal(values):
     """The message of the first REFUSED pair `values` holds, or None when every pair in use
     composes."""
-    for first, second, why in pairs_in_use(values)[:1]:
-        return f"{_shown(first, values)} with {_shown(second, values)} is not supported: {why}"
-    return None
+    pairs = pairs_in_use(values)
+    if not pairs:
+        return None
+    first, second, why = pairs[0]
+    return f"{_shown(first, values)} with {_shown(second, values)} is not supported: {why}"
 
 
 def check(values):

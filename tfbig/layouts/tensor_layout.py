@@ -324,7 +324,8 @@ def assembled_weights(model_dir, model, warn=print):
     paths = rank_checkpoints(model_dir, layout, warn)
     readers = [tf.train.load_checkpoint(p) for p in paths]
     zero = zero_checkpoint.read_layout(model_dir)
-    if zero is not None and zero["zero_stage"] == 3:  # each rank's pieces sliced over its data
+    index = {}  # ZeRO-3: each tensor rank's pieces sliced over its data ranks
+    if zero is not None and zero["zero_stage"] == 3:
         states = [zero_checkpoint.SavedState(zero_checkpoint.piece_paths(
             os.path.dirname(p), zero, p), zero) for p in paths]
         index = {id(v): i for i, v in enumerate(model.trainable_variables)}
@@ -334,7 +335,7 @@ def assembled_weights(model_dir, model, warn=print):
             continue
         key = reader_key(model, v)
         piece = layout["splits"].get(v.path)
-        if zero is not None and zero["zero_stage"] == 3 and id(v) in index:
+        if id(v) in index:
             shape = list(v.shape)
             if piece is not None:
                 shape[piece[0]] //= layout["tensor_parallel"]
