@@ -1,9 +1,11 @@
 """Per-rank model state, peak RSS and step time of plain Horovod data parallelism vs ZeRO stages
 1-3 at shard degrees 2 and 4, and of the compositions TP2 x ZeRO-3 and CP2 x ZeRO-3 against
-their parts alone (TP2, CP2: each x DP2), on 4 ranks, for a GPT of over 100M parameters.
+their parts alone (TP2, CP2: each x DP2), and PP2 x ZeRO-1 against PP2 (x DP2), on 4 ranks,
+for a GPT of over 100M parameters.
 
     python benchmarks/sharded_memory.py            # 125m-wide GPT (14 layers), seq 64
     python benchmarks/sharded_memory.py --layouts=tp2,tp2_zero3_d2,cp2,cp2_zero3_d2
+    python benchmarks/sharded_memory.py --layouts=pp2,pp2_zero1_d2 --num_layers=4
 
 Each layout is its own `horovodrun -np 4 --gloo` launch (so each process's peak RSS is its
 own layout's). Every rank reports the bytes of the model state it holds: parameters, master
@@ -44,14 +46,16 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-# name: (zero stage, shard degree, tensor parallel, context parallel)
-LAYOUTS = {"dp": (0, 0, 1, 1), "zero1_d2": (1, 2, 1, 1), "zero1_d4": (1, 4, 1, 1),
-           "zero2_d2": (2, 2, 1, 1), "zero2_d4": (2, 4, 1, 1), "zero3_d2": (3, 2, 1, 1),
-           "zero3_d4": (3, 4, 1, 1),
-           # the compositions against their parts alone: TP2 x DP2 and CP2 x DP2, each
-           # without ZeRO and with ZeRO-3 over the 2 data ranks
-           "tp2": (0, 0, 2, 1), "tp2_zero3_d2": (3, 2, 2, 1), "cp2": (0, 0, 1, 2),
-           "cp2_zero3_d2": (3, 2, 1, 2)}
+# name: (zero stage, shard degree, tensor parallel, context parallel, pipeline stages)
+LAYOUTS = {"dp": (0, 0, 1, 1, 1), "zero1_d2": (1, 2, 1, 1, 1), "zero1_d4": (1, 4, 1, 1, 1),
+           "zero2_d2": (2, 2, 1, 1, 1), "zero2_d4": (2, 4, 1, 1, 1), "zero3_d2": (3, 2, 1, 1, 1),
+           "zero3_d4": (3, 4, 1, 1, 1),
+           # the compositions against their parts alone: TP2 x DP2, CP2 x DP2 and PP2 x DP2
+           # (stages on ranks, 1F1B), without ZeRO and with ZeRO-3 (ZeRO-1 with the stages)
+           # over the 2 data ranks
+           "tp2": (0, 0, 2, 1, 1), "tp2_zero3_d2": (3, 2, 2, 1, 1), "cp2": (0, 0, 1, 2, 1),
+           "cp2_zero3_d2": (3, 2, 1, 2, 1), "pp2": (0, 0, 1, 1, 2),
+           "pp2_zero1_d2": (1, 2, 1, 1, 2)}
 ENV = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1", "OMP_NUM_THREADS": "1",
        "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": ROOT}
 LOG_TAIL = 60  # lines of a failed launch's output printed
@@ -129,7 +133,7 @@ def vm_hwm():
     return int(line.split()[1]) * 1024
 
 
-def launch(args, name, stage, degree, tensor, context, root):
+def launch(args, name, stage, degree, tensor, context, stages, root):
     from tfbig import config as config_lib
 
     cfg = config_lib.ExperimentConfig()
@@ -142,6 +146,8 @@ def launch(args, name, stage, degree, tensor, context, root):
     t.max_steps, t.log_every, t.sample_tokens = 1000, 1000, 0
     cfg.parallel.zero_stage, cfg.parallel.shard_degree = stage, degree
     cfg.parallel.tensor_parallel, cfg.parallel.context_parallel = tensor, context
+    if stages > 1:  # stages on ranks: rank 0 holds stage 0 (the embedding and first blocks)
+        cfg.pipeline.pipeline_stages, cfg.pipeline.schedule = stages, "1f1b"
     cfg.profile.monitor_interval_ms = 0
     config_path = os.path.join(root, f"{name}.json")
     with open(config_path, "w") as f:
@@ -220,17 +226,18 @@ def main():
                       "cpu": cpu_model()})
 
 
-def plan_state(model_config, seq_length, stage, degree, tensor, context):
+def plan_state(model_config, seq_length, stage, degree, tensor, context, stages):
     """tfbig-plan's bytes of parameters and optimizer state per rank for this layout on 4
-    ranks (tfbig.plan.estimate.state_memory; gradients are transient, not counted)."""
+    ranks (tfbig.plan.estimate.state_memory; gradients are transient, not counted; with
+    stages, the first stage's, as rank 0 holds it)."""
     from tfbig.models import shapes
     from tfbig.plan import estimate
 
     config_class, _ = shapes.load_configs("gpt")
     shape = shapes.shape_of(config_class(**model_config), "gpt", seq_length)
-    data = 4 // (tensor * context)
-    layout = estimate.Layout(data=data, tensor=tensor, context=context, zero_stage=stage,
-                             shard_degree=degree if stage else 0)
+    data = 4 // (tensor * context * stages)
+    layout = estimate.Layout(data=data, tensor=tensor, context=context, pipeline=stages,
+                             zero_stage=stage, shard_degree=degree if stage else 0)
     state = estimate.state_memory(estimate.stage_params(shape, layout), layout)
     return round(state["parameters"] + state["optimizer"])
 

@@ -21,12 +21,12 @@ from tfbig.training.registry import horovod_backend  # noqa: E402
 
 IN_USE = {"tensor_parallel": 2, "pipeline_stages": 2, "context_parallel": 2,
           "expert_parallel": 2, "sequence_parallel": True, "zero_stage": 1, "shard_degree": 2,
-          "elastic": True}
+          "elastic": True, "zero_stage>=2": 2}  # a table entry `name>=N`: from N on
 
 
 @pytest.mark.parametrize("first, second", [(a, b) for a, b, _ in composition.REFUSED])
 def test_each_refused_pair_is_named_before_any_backend_starts(first, second):
-    values = {first: IN_USE[first], second: IN_USE[second]}
+    values = {composition.flag_name(spec): IN_USE[spec] for spec in (first, second)}
     with pytest.raises(UsageError) as error:
         horovod_backend(cfg_with(**values))  # raises before hvd.init: nothing started
     message = str(error.value)
@@ -53,8 +53,14 @@ def test_the_pairs_the_launches_prove_compose():
     for values in ({"tensor_parallel": 2, "zero_stage": 3}, {"tensor_parallel": 2,
                    "zero_stage": 2, "sequence_parallel": True}, {"context_parallel": 2,
                    "zero_stage": 3}, {"context_parallel": 2, "tensor_parallel": 2,
-                   "zero_stage": 1}, {"pipeline_stages": 2, "tensor_parallel": 2}):
+                   "zero_stage": 1}, {"pipeline_stages": 2, "tensor_parallel": 2},
+                   {"pipeline_stages": 2, "zero_stage": 1, "shard_degree": 2},
+                   {"pipeline_stages": 2, "tensor_parallel": 2, "zero_stage": 1}):
         assert composition.refusal(values) is None, values
+    # a `name>=N` entry: refused from N on, with the value the flags hold
+    for stage in (2, 3):
+        assert composition.refusal({"pipeline_stages": 4, "zero_stage": stage}).startswith(
+            f"--pipeline_stages=4 with --zero_stage={stage} is not supported: ")
 
 
 def test_the_planner_searches_no_refused_pair():

@@ -13,7 +13,9 @@ Each rank writes OUT/NAME.rank{R}.npz: the paths of the weights it holds (`paths
 owns each (`owned`), their final values w0.. and first-batch gradients g0.., the per-step train
 losses and grad norms, its stage, data and tensor index and the tensor degree, the tensor
 splits of the weights it holds (JSON {path: [axis, sections]}, empty without
---tensor_parallel), the bytes of weights it holds and the full model's, the evaluation loss,
+--tensor_parallel), the bytes of weights it holds and the full model's, of its optimizer
+slots (`slot_bytes`: 1/N of its stage's with --zero_stage=1 over N data ranks), the evaluation
+loss,
 the skipped (non-finite) steps, the fp16 loss scale of every step and at the end, and with
 --tensor_parallel the shape of the activation stage 0 sends (`sent_shape`).
 """
@@ -32,6 +34,7 @@ import tensorflow as tf  # noqa: E402
 
 from horovod_worker import RecordingLogger  # noqa: E402
 from tfbig import config as config_lib  # noqa: E402
+from tfbig.distribute.zero import ZeroStrategy  # noqa: E402
 from tfbig.training.registry import get_strategy  # noqa: E402
 from tfbig.optim import loss_scale  # noqa: E402
 from tfbig.tasks.gpt import GPTTask  # noqa: E402
@@ -73,6 +76,8 @@ def train(run):
     if run.get("first_gradients"):
         _, grads, _ = trainer.forward_backward(next(trainer._train_iterator()))
         grads = strategy.all_reduce_gradients(grads)
+        if isinstance(strategy, ZeroStrategy):  # ZeRO-1 stages: the slices, gathered whole
+            grads = strategy.partition.gather(grads, [v.shape for v in strategy.model_variables])
         arrays.update({f"g{i}": np.asarray(g) for i, g in enumerate(grads)})
     if run.get("poison"):
         arrays.update({f"initial{i}": v.numpy()
@@ -102,6 +107,8 @@ def train(run):
     splits = getattr(strategy, "splits", {})
     arrays["splits"] = json.dumps({path: list(piece) for path, piece in splits.items()})
     arrays["held_bytes"] = nbytes(trainer.model.variables)
+    inner = getattr(trainer.optimizer, "inner_optimizer", trainer.optimizer)
+    arrays["slot_bytes"] = nbytes(list(inner._momentums) + list(inner._velocities))
     arrays["model_bytes"] = sum(math.prod(v.shape) * 4 for v in strategy.built.model.model
                                 .variables if "seed_generator" not in v.path)
     arrays["step"] = int(trainer.step.numpy())

@@ -13,6 +13,7 @@ import sys
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -23,10 +24,10 @@ from test_trainer import ReplicasTask, make_cfg  # noqa: E402
 
 from horovod_worker import RecordingLogger  # noqa: E402
 from tfbig import config as config_lib  # noqa: E402
-from tfbig.checkpoints.checkpoint import slot_owners  # noqa: E402
+from tfbig.checkpoints.checkpoint import piece_dir, slot_owners  # noqa: E402
 from tfbig.training.consolidate import consolidate  # noqa: E402
 from tfbig.convert.run_dir import load_model  # noqa: E402
-from tfbig.layouts import stage_checkpoint  # noqa: E402
+from tfbig.layouts import stage_checkpoint, zero_checkpoint  # noqa: E402
 from tfbig.pipeline.cross_rank import pipeline_mesh, stage_plan  # noqa: E402
 from tfbig.tasks import get_task  # noqa: E402
 from tfbig.training.trainer import Trainer  # noqa: E402
@@ -39,6 +40,9 @@ TRAIN = dict(max_steps=3, batch_size=8, grad_clip_norm=0.5, dropout=0.0, grad_ac
 SCENARIOS = {  # name: (stages, pipeline options, train options, worker options)
     "pp2_dp2_1f1b": (2, dict(schedule="1f1b", num_microbatches=2), {},
                      {"first_gradients": True, "interrupt_at": 1}),
+    # each stage's optimizer state sharded over its 2 data ranks (tfbig.pipeline.zero_stage)
+    "pp2_dp2_zero1": (2, dict(schedule="1f1b", num_microbatches=2, zero_stage=1), {},
+                      {"first_gradients": True, "interrupt_at": 1}),
 }
 # A launch of its own (slow): the default run has GPT's stages across ranks (here and under
 # TP x PP) and BERT's recomputed 1F1B stages in one process (test_pipeline_bert); BERT's and
@@ -81,8 +85,10 @@ def data_of(train, gpt_data, albert_data, bert_data=None):
 def pipeline_cfg(data_dir, model_dir, stages, pipeline, **train):
     cfg = make_cfg(data_dir, model_dir, strategy="horovod", **{**TRAIN, **train})
     cfg.pipeline.pipeline_stages = stages
-    for key, value in pipeline.items():
-        setattr(cfg.pipeline, key, value)
+    for key, value in pipeline.items():  # --zero_stage, --shard_degree: the parallel section
+        section = cfg.pipeline if hasattr(cfg.pipeline, key) else cfg.parallel
+        assert hasattr(section, key), key
+        setattr(section, key, value)
     return cfg
 
 
@@ -209,6 +215,38 @@ def test_stage_checkpoints_assemble_into_the_single_device_model(gpt_data, runs,
     assert all(np.any(s.numpy() != 0) for s in resumed.optimizer.variables if id(s) in slots)
 
 
+@pytest.mark.multiproc
+def test_zero1_stages_hold_half_the_slots_and_a_piece_each(gpt_data, runs, tmp_path):
+    root, out = runs
+    model_dir = str(root / "pp2_dp2_zero1")
+    assert zero_checkpoint.read_layout(model_dir)["zero_stage"] == 1
+    assert stage_checkpoint.read_layout(model_dir)["pipeline_stages"] == 2
+    for stage in range(2):  # (stage, partition position) pieces: stage k, shard j
+        for shard in range(2):
+            directory = piece_dir(piece_dir(model_dir, "pipeline", stage), "zero", shard)
+            assert tf.train.latest_checkpoint(directory), directory
+    plain = {int(r["stage"]): int(r["slot_bytes"]) for r in
+             (load(out, "pp2_dp2_1f1b", r) for r in range(RANKS))}
+    trained = {}
+    for result in (load(out, "pp2_dp2_zero1", r) for r in range(RANKS)):
+        # half of the stage's Adam slots, each variable's slice padded to a whole element
+        padding = 2 * 4 * len(result["paths"])
+        assert 0 <= 2 * int(result["slot_bytes"]) - plain[int(result["stage"])] <= 2 * padding
+        trained.update(held(result, "w"))
+    model, _ = load_model(model_dir)  # tfbig-generate / tfbig-export: the stages' weights
+    for v in model.trainable_variables:
+        np.testing.assert_array_equal(v.numpy(), trained[v.path])
+    with pytest.raises(ValueError, match=r"written with --pipeline_stages and --zero_stage=1 "
+                                         r"\(zero.json\): its optimizer slots are sliced"):
+        consolidate(model_dir, str(tmp_path / "single"))
+    assert not os.path.exists(tmp_path / "single")
+    # a pipeline run without the sharding (or with another) does not resume it
+    with pytest.raises(ValueError, match="was written with --zero_stage=1 over partition "
+                                         "groups of 2 data rank"):
+        stage_checkpoint.check_resume(model_dir, 2)
+    stage_checkpoint.check_resume(model_dir, 2, zero=(1, 2))  # its own layout resumes
+
+
 def cfg_with(**flags):
     cfg = config_lib.ExperimentConfig()
     cfg.train.strategy = "horovod"
@@ -222,7 +260,12 @@ def cfg_with(**flags):
 @pytest.mark.parametrize("flags, world, message", [
     (dict(pipeline_stages=3), 4, "--pipeline_stages=3 x --tensor_parallel=1 = 3 does not "
                                  "divide 4"),
-    (dict(pipeline_stages=2, zero_stage=1), 4, "--pipeline_stages=2 with --zero_stage=1"),
+    (dict(pipeline_stages=2, zero_stage=2), 4, "--pipeline_stages=2 with --zero_stage=2 is "
+                                               "not supported: each stage accumulates"),
+    (dict(pipeline_stages=2, zero_stage=3), 4, "--pipeline_stages=2 with --zero_stage=3"),
+    (dict(pipeline_stages=2, shard_degree=2), 4, "--shard_degree=2 needs --zero_stage=1"),
+    (dict(pipeline_stages=2, zero_stage=1, shard_degree=3), 4, "--shard_degree=3 does not "
+                                                               "divide the 2 data-parallel"),
     (dict(pipeline_stages=2, elastic=True), 4, "--elastic with --pipeline_stages=2 is not "
                                                "supported"),
     (dict(pipeline_stages=2, sequence_parallel=True), 2, "with --sequence_parallel=True"),

@@ -16,7 +16,8 @@ it and halves its scale, then follows the single-device mixed run poisoned alike
                        run); ALBERT --sequence_parallel, BERT (AdamW) (slow, one launch)
     TP2 x PP2 x DP2    8 processes, GPipe with activation checkpointing, 3 blocks: GPT,
                        ALBERT, GPT --sequence_parallel, BERT --sequence_parallel with LAMB;
-                       1F1B: GPT fp16 (slow, one launch)
+                       1F1B: GPT fp16; GPT --sequence_parallel --zero_stage=1 (with a
+                       resume) (slow, one launch)
 """
 import json
 import os
@@ -85,6 +86,11 @@ SCENARIOS = {  # name: (processes, stages, tensor, pipeline options, train optio
     "bert_tp2_pp2_dp2_sequence": (8, 2, 2, GPIPE_CKPT,
                                   dict(BERT_LAMB, sequence_parallel=True, num_layers=3),
                                   {"first_gradients": True}),
+    # the 175B layout's kind (tfbig-plan's TP x PP x ZeRO-1): each stage's tensor slices'
+    # optimizer state sharded over its 2 data ranks (tfbig.pipeline.zero_stage), resumed
+    "tp2_pp2_dp2_zero1": (8, 2, 2, dict(schedule="1f1b", num_microbatches=2, zero_stage=1),
+                          dict(sequence_parallel=True),
+                          {"first_gradients": True, "interrupt_at": 1}),
 }
 # The default run's launch: one fast case of each layout (GPT and ALBERT with sequence
 # parallelism, BERT without); GPT and ALBERT without it, BERT with it and fp16 in the slow
@@ -93,7 +99,8 @@ LAUNCHES = {"pp2_tp2": ("pp2_tp2_sequence",),
             "pp2_tp2_masked_lm": ("albert_pp2_tp2_sequence", "bert_pp2_tp2",  # slow
                                   "llama_pp2_tp2"),
             "tp2_pp2_dp2": ("tp2_pp2_dp2", "albert_tp2_pp2_dp2", "tp2_pp2_dp2_fp16",  # slow
-                            "tp2_pp2_dp2_sequence", "bert_tp2_pp2_dp2_sequence")}
+                            "tp2_pp2_dp2_sequence", "bert_tp2_pp2_dp2_sequence",
+                            "tp2_pp2_dp2_zero1")}
 
 
 def tensor_pipeline_cfg(data_dir, model_dir, stages, tensor, pipeline, sequence_parallel=False,
@@ -221,7 +228,8 @@ def test_pp2_tp2_equals_one_device_on_the_same_global_batch(gpt_data, albert_dat
 @pytest.mark.multiproc
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["tp2_pp2_dp2", "albert_tp2_pp2_dp2",
-                                  "tp2_pp2_dp2_sequence", "bert_tp2_pp2_dp2_sequence"])
+                                  "tp2_pp2_dp2_sequence", "bert_tp2_pp2_dp2_sequence",
+                                  "tp2_pp2_dp2_zero1"])
 def test_tp2_pp2_dp2_equals_one_device_on_the_same_global_batch(gpt_data, albert_data,
                                                                   bert_data, tp2_pp2_dp2,
                                                                   tmp_path, name):

@@ -24,17 +24,18 @@ IN_USE = {
 _WORLD = "an elastic run is plain data parallel (its world size changes)"
 _EXPERT = ("expert parallelism is built with data parallelism, activation checkpointing and "
            "the MoE models only")
-# (flag, flag, why): refused when both are in use; the first flag leads the message.
+# (flag, flag, why): refused when both are in use; the first flag leads the message. A flag
+# written `name>=N` is in use from the value N on (`--zero_stage>=2`: stages 2 and 3).
 REFUSED = (
     ("context_parallel", "sequence_parallel", "both split the sequence; use one of them"),
     ("context_parallel", "pipeline_stages",
      "the pipeline's stages exchange whole-sequence activations and its schedules are not "
      "cut by chunk; use --context_parallel with data, tensor and ZeRO layouts, or the "
      "pipeline without it"),
-    ("pipeline_stages", "zero_stage",
-     "stages on different ranks keep their own optimizer state whole; drop one of the two"),
-    ("pipeline_stages", "shard_degree",
-     "stages on different ranks keep their own optimizer state whole; drop one of the two"),
+    ("pipeline_stages", "zero_stage>=2",
+     "each stage accumulates its gradients whole over the schedule's micro-batches and "
+     "holds its weights whole for them; use --zero_stage=1 (the optimizer state sharded "
+     "over each stage's data ranks) with --pipeline_stages"),
     *(("expert_parallel", other, f"{_EXPERT}; drop one of them")
       for other in ("pipeline_stages", "tensor_parallel", "context_parallel", "zero_stage")),
     *(("elastic", other, f"{_WORLD}; drop one of the two")
@@ -56,11 +57,19 @@ def values_of(cfg):
             "elastic": bool(getattr(getattr(cfg, "horovod", None), "elastic", False))}
 
 
-def _in_use(name, values):
-    return name in values and IN_USE[name](values[name])
+def flag_name(spec):
+    """The flag a REFUSED entry names ('zero_stage' of 'zero_stage>=2')."""
+    return spec.partition(">=")[0]
 
 
-def _shown(name, values):
+def _in_use(spec, values):
+    name, _, least = spec.partition(">=")
+    return (name in values and IN_USE[name](values[name])
+            and (not least or values[name] >= int(least)))
+
+
+def _shown(spec, values):
+    name = flag_name(spec)
     return f"--{name}" if isinstance(values[name], bool) else f"--{name}={values[name]}"
 
 

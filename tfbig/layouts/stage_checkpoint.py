@@ -25,6 +25,7 @@ import tensorflow as tf
 from tfbig.checkpoints.checkpoint import piece_checkpoints, piece_dir
 from tfbig.checkpoints.checkpoint import read_layout as checkpoint_layout
 from tfbig.checkpoints.checkpoint import reader_key
+from tfbig.layouts import zero_checkpoint
 from tfbig.layouts.tensor_layout import join_slices
 
 LAYOUT_FILE = "pipeline.json"
@@ -63,8 +64,9 @@ def read_layout(model_dir):
     return checkpoint_layout(model_dir, LAYOUT_FILE)
 
 
-def check_resume(model_dir, num_stages, tensor_parallel=1):
-    """Refuse to resume a checkpoint of another layout (errors say what to do)."""
+def check_resume(model_dir, num_stages, tensor_parallel=1, zero=(0, 1)):
+    """Refuse to resume a checkpoint of another layout: stages, tensor degree, or optimizer
+    sharding `zero` (--zero_stage, partition group size; zero.json) (errors say what to do)."""
     saved = read_layout(model_dir)
     if saved is not None and (saved["pipeline_stages"], tensor_degree(saved)) != (
             num_stages, tensor_parallel):
@@ -78,6 +80,15 @@ def check_resume(model_dir, num_stages, tensor_parallel=1):
         raise ValueError(f"--model_dir={model_dir} holds a checkpoint without pipeline stages "
                          f"({LAYOUT_FILE} is missing); resume it without --pipeline_stages or "
                          f"start another --model_dir")
+    sharded = zero_checkpoint.read_layout(model_dir)
+    sharded = (sharded["zero_stage"], sharded["shard_degree"]) if sharded else (0, 1)
+    if saved is not None and sharded != tuple(zero):
+        raise ValueError(
+            f"--model_dir={model_dir} was written with --zero_stage={sharded[0]} over "
+            f"partition groups of {sharded[1]} data rank(s) ({zero_checkpoint.LAYOUT_FILE}); "
+            f"this run has --zero_stage={zero[0]} over {zero[1]}: pipeline stages resume only "
+            f"their own optimizer sharding. Resume with the same --zero_stage, --shard_degree "
+            f"and number of data ranks, or start another --model_dir")
 
 
 def stage_checkpoints(model_dir, saved, warn=print):

@@ -23,8 +23,9 @@ from tfbig.pipeline.transport import StageLink, boundary_specs, runtime_zero, un
 
 def pipeline_mesh(cfg, world_size):
     """The data x pipeline x tensor grid of a cross-rank pipeline run (with
-    --tensor_parallel=T each stage is split over T ranks: tfbig.pipeline.tensor_stage);
-    refuses what is not built."""
+    --tensor_parallel=T each stage is split over T ranks: tfbig.pipeline.tensor_stage; with
+    --zero_stage=1 each stage's data ranks shard its optimizer state, in partition groups of
+    --shard_degree: tfbig.pipeline.zero_stage); refuses what is not built."""
     stages = pipeline_stages(cfg)
     composition.check(composition.values_of(cfg))  # the pairs that do not compose
     if cfg.pipeline.offload_activations:
@@ -40,8 +41,11 @@ def pipeline_mesh(cfg, world_size):
                          f"--sequence_parallel or set --tensor_parallel")
     if cfg.pipeline.num_microbatches < 1:
         raise ValueError(f"--num_microbatches={cfg.pipeline.num_microbatches}: expected >= 1")
-    return Mesh.build(world_size, tensor=cfg.parallel.tensor_parallel, pipeline=stages,
-                      placement=cfg.parallel.placement)
+    if parallel.shard_degree and not parallel.zero_stage:
+        raise ValueError(f"--shard_degree={parallel.shard_degree} needs --zero_stage=1 (it "
+                         f"sizes the groups each stage's optimizer state is sharded over)")
+    return Mesh.build(world_size, tensor=parallel.tensor_parallel, pipeline=stages,
+                      shard_degree=parallel.shard_degree, placement=parallel.placement)
 
 
 def stage_plan(task, pipeline, num_stages):
@@ -197,7 +201,7 @@ class CrossRankPipeline(HorovodStrategy):
         self._counted = [self.counts(v) for v in variables]
         stage, link = self.make_stage(jit_compile), StageLink(
             self.mesh, self.stage_index, self.num_stages, "train")
-        self.stage = stage  # for inspection: peak_live
+        self.stage_ops = stage  # for inspection: peak_live
         num_micro = self.pipeline.num_microbatches
 
         def forward_backward(batch):
@@ -320,12 +324,20 @@ class CrossRankPipeline(HorovodStrategy):
     def all_reduce_gradients(self, grads):
         """Average over the stage's data group, then agree across stages on the norm,
         non-finite gradients and stop requests (one all-reduce of three scalars)."""
-        grads = super().all_reduce_gradients(grads)
+        return self._agree_over_stages(super().all_reduce_gradients(self._before_sync(grads)))
+
+    def _before_sync(self, grads):  # a tensor-parallel stage's sequence-parallel sums
+        return grads
+
+    def _over_slices(self, x):  # ZeRO-1: summed over the partition group's slices
+        return x
+
+    def _agree_over_stages(self, grads):
         squares = [tf.reduce_sum(tf.square(g)) for g, c in zip(grads, self._counted) if c]
         bad = [tf.reduce_sum(tf.cast(~tf.math.is_finite(g), tf.float32)) for g in grads]
-        local = tf.stack([tf.add_n(squares) if squares else tf.constant(0.0),
-                          tf.add_n(bad) if bad else tf.constant(0.0),
-                          self._stop_agreed.read_value()])
+        local = self._over_slices(tf.stack([
+            tf.add_n(squares) if squares else tf.constant(0.0),
+            tf.add_n(bad) if bad else tf.constant(0.0), self._stop_agreed.read_value()]))
         total = hvd.allreduce(local, op=hvd.Sum, process_set=self.model_set,
                               name="pipeline.train.norm", ignore_name_scope=True)
         self._stop_agreed.assign(total[2])
@@ -344,15 +356,19 @@ class CrossRankPipeline(HorovodStrategy):
     def build_optimizer(self, train, variables):
         from tfbig.optim import build_optimizer
 
+        return self.prepare_optimizer(build_optimizer(
+            train, variables, adapt=self.clipping(variables), **self.norm_options(variables)))
+
+    def clipping(self, variables):
+        """build_optimizer's `adapt`: global-norm clipping over the weights each stage owns
+        (`variables` in the optimizer's order), their squares summed over the stages."""
         counted = [self.counts(v) for v in variables]
 
         def sum_over_stages(x):  # Horovod: the clipping norm's squares over the stages
-            return hvd.allreduce(x, op=hvd.Sum, process_set=self.model_set,
+            return hvd.allreduce(self._over_slices(x), op=hvd.Sum, process_set=self.model_set,
                                  name="pipeline.train.clip", ignore_name_scope=True)
 
-        return self.prepare_optimizer(build_optimizer(
-            train, variables, adapt=lambda cls: clipping_class(cls, sum_over_stages, counted),
-            **self.norm_options(variables)))
+        return lambda cls: clipping_class(cls, sum_over_stages, counted)
 
     def norm_options(self, variables):
         """More build_optimizer options for LAMB's per-variable norms (none: every weight a
@@ -368,8 +384,11 @@ class CrossRankPipeline(HorovodStrategy):
         return piece_dir(model_dir, "pipeline", self.stage_index)
 
     def restore_dir(self, model_dir):
-        stage_checkpoint.check_resume(model_dir, self.num_stages)
+        stage_checkpoint.check_resume(model_dir, self.num_stages, zero=self.zero_layout())
         return self._stage_dir(model_dir)
+
+    def zero_layout(self):  # (--zero_stage, partition group size): (0, 1), slots whole
+        return 0, 1
 
     def checkpoint_dir(self, model_dir):
         return self._stage_dir(model_dir) if self.rank == 0 else None

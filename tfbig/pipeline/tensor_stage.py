@@ -102,11 +102,11 @@ class TensorPipeline(CrossRankPipeline):
                                  for v in variables]
         return super()._forward_backward(variables, scale_loss, jit_compile, timed)
 
-    def all_reduce_gradients(self, grads):
+    def _before_sync(self, grads):
         """Sequence parallelism: the replicated weights' gradients summed over the tensor
         group first (each rank saw its chunk of the positions; not those of layers after the
-        gather, which saw the whole sequence); then as without."""
-        return super().all_reduce_gradients(self._sequence_sums(grads))
+        gather, which saw the whole sequence)."""
+        return self._sequence_sums(grads)
 
     def _sequence_sums(self, grads):
         index = [i for i, summed in enumerate(self._sequence_summed) if summed]
@@ -138,7 +138,8 @@ class TensorPipeline(CrossRankPipeline):
         return piece_dir(super()._stage_dir(model_dir), "tensor", self.group.rank)
 
     def restore_dir(self, model_dir):
-        stage_checkpoint.check_resume(model_dir, self.num_stages, self.group.size)
+        stage_checkpoint.check_resume(model_dir, self.num_stages, self.group.size,
+                                      zero=self.zero_layout())
         return self._stage_dir(model_dir)
 
     def after_checkpoint(self, directory):

@@ -149,13 +149,7 @@ def consolidate_tensor(model_dir, out_dir, warn=print, task=None):
     and optimizer slots) joined from the ranks' slices."""
     layout, cfg = consolidation_input(model_dir, out_dir, tensor_layout.LAYOUT_FILE,
                                       "a tensor-parallel run", task)
-    zero = zero_checkpoint.read_layout(model_dir)
-    if zero is not None:  # tfbig.distribute.tensor_zero
-        raise ValueError(f"{model_dir} was written with --tensor_parallel and --zero_stage="
-                         f"{zero['zero_stage']} (zero.json): its optimizer slots are sliced "
-                         f"over data ranks too, "
-                         f"which this consolidation does not join; resume it with the same "
-                         f"flags (tfbig-generate and tfbig-export read its weights)")
+    _refuse_sliced_slots(model_dir, "--tensor_parallel")
     layout = tensor_layout.read_layout(model_dir)
     paths = tensor_layout.rank_checkpoints(model_dir, layout, warn)
     cfg.train.strategy = "single"
@@ -176,6 +170,18 @@ def consolidate_tensor(model_dir, out_dir, warn=print, task=None):
         values = [p[name][0] for p in pieces]
         variable.assign(values[0] if piece is None else tensor_layout.join_slices(values, *piece))
     return full.save()
+
+
+def _refuse_sliced_slots(model_dir, flag):
+    """Refuse a model-parallel run whose optimizer slots are ZeRO slices too (zero.json:
+    tfbig.distribute.tensor_zero, tfbig.pipeline.zero_stage)."""
+    zero = zero_checkpoint.read_layout(model_dir)
+    if zero is not None:
+        raise ValueError(f"{model_dir} was written with {flag} and --zero_stage="
+                         f"{zero['zero_stage']} (zero.json): its optimizer slots are sliced "
+                         f"over data ranks too, which this consolidation does not join; "
+                         f"resume it with the same flags (tfbig-generate and tfbig-export "
+                         f"read its weights)")
 
 
 def _logger(model_dir, task):
@@ -234,6 +240,7 @@ def consolidate_pipeline(model_dir, out_dir, warn=print, task=None):
 
     saved, cfg = consolidation_input(model_dir, out_dir, stage_checkpoint.LAYOUT_FILE,
                                      "a cross-rank pipeline run", task)
+    _refuse_sliced_slots(model_dir, "--pipeline_stages")
     paths = stage_checkpoint.piece_paths(model_dir, saved, warn)
     pipeline, num_stages = cfg.pipeline, saved["pipeline_stages"]
     size = stage_checkpoint.tensor_degree(saved)

@@ -28,8 +28,9 @@ def get_strategy(name, cfg=None):
 
 def horovod_backend(cfg=None):
     """--strategy=horovod: experts split over ranks with --expert_parallel > 1, pipeline
-    stages on ranks with --pipeline_stages > 1, elastic with --elastic, tensor-parallel with
-    --tensor_parallel (with ZeRO-1/2 if --zero_stage), ZeRO-sharded with --zero_stage, else
+    stages on ranks with --pipeline_stages > 1 (with ZeRO-1 if --zero_stage), elastic with
+    --elastic, tensor-parallel with --tensor_parallel (with ZeRO-1/2/3 if --zero_stage),
+    ZeRO-sharded with --zero_stage, else
     the fixed-world HorovodStrategy; with --context_parallel the chosen data backend gets the
     context axis mixed in. The pairs that do not compose (tfbig.layouts.composition) are
     refused first, by name."""
@@ -47,7 +48,12 @@ def horovod_backend(cfg=None):
         from tfbig.pipeline.cross_rank import CrossRankPipeline
         from tfbig.pipeline.tensor_stage import TensorPipeline
 
-        return TensorPipeline(cfg) if tensor > 1 else CrossRankPipeline(cfg)
+        pipeline = TensorPipeline if tensor > 1 else CrossRankPipeline
+        if getattr(parallel, "zero_stage", 0):  # 1 (2, 3: composition.REFUSED)
+            from tfbig.pipeline.zero_stage import with_zero
+
+            pipeline = with_zero(pipeline)
+        return pipeline(cfg)
     if horovod is not None and horovod.elastic:
         from tfbig.distribute.elastic import ElasticHorovodStrategy
 
@@ -65,7 +71,7 @@ def _data_backend(tensor, zero_stage):
     if tensor > 1 and zero_stage:
         from tfbig.distribute.tensor_zero import TensorZeroStrategy
 
-        return TensorZeroStrategy  # --zero_stage=1 or 2 (stage 3: composition.REFUSED)
+        return TensorZeroStrategy
     if tensor > 1:
         from tfbig.distribute.tensor_parallel import TensorParallelStrategy
 
