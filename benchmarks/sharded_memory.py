@@ -1,11 +1,11 @@
 """Per-rank model state, peak RSS and step time of plain Horovod data parallelism vs ZeRO stages
 1-3 at shard degrees 2 and 4, and of the compositions TP2 x ZeRO-3 and CP2 x ZeRO-3 against
-their parts alone (TP2, CP2: each x DP2), and PP2 x ZeRO-1 against PP2 (x DP2), on 4 ranks,
-for a GPT of over 100M parameters.
+their parts alone (TP2, CP2: each x DP2), PP2 x ZeRO-1 against PP2 (x DP2) and CP2 x PP2, on
+4 ranks, for a GPT of over 100M parameters.
 
     python benchmarks/sharded_memory.py            # 125m-wide GPT (14 layers), seq 64
     python benchmarks/sharded_memory.py --layouts=tp2,tp2_zero3_d2,cp2,cp2_zero3_d2
-    python benchmarks/sharded_memory.py --layouts=pp2,pp2_zero1_d2 --num_layers=4
+    python benchmarks/sharded_memory.py --layouts=pp2,pp2_zero1_d2,cp2_pp2 --num_layers=4
 
 Each layout is its own `horovodrun -np 4 --gloo` launch (so each process's peak RSS is its
 own layout's). Every rank reports the bytes of the model state it holds: parameters, master
@@ -52,10 +52,10 @@ LAYOUTS = {"dp": (0, 0, 1, 1, 1), "zero1_d2": (1, 2, 1, 1, 1), "zero1_d4": (1, 4
            "zero3_d4": (3, 4, 1, 1, 1),
            # the compositions against their parts alone: TP2 x DP2, CP2 x DP2 and PP2 x DP2
            # (stages on ranks, 1F1B), without ZeRO and with ZeRO-3 (ZeRO-1 with the stages)
-           # over the 2 data ranks
+           # over the 2 data ranks; CP2 x PP2 (no data parallelism)
            "tp2": (0, 0, 2, 1, 1), "tp2_zero3_d2": (3, 2, 2, 1, 1), "cp2": (0, 0, 1, 2, 1),
            "cp2_zero3_d2": (3, 2, 1, 2, 1), "pp2": (0, 0, 1, 1, 2),
-           "pp2_zero1_d2": (1, 2, 1, 1, 2)}
+           "pp2_zero1_d2": (1, 2, 1, 1, 2), "cp2_pp2": (0, 0, 1, 2, 2)}
 ENV = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1", "OMP_NUM_THREADS": "1",
        "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": ROOT}
 LOG_TAIL = 60  # lines of a failed launch's output printed

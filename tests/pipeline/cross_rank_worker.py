@@ -17,7 +17,8 @@ splits of the weights it holds (JSON {path: [axis, sections]}, empty without
 slots (`slot_bytes`: 1/N of its stage's with --zero_stage=1 over N data ranks), the evaluation
 loss,
 the skipped (non-finite) steps, the fp16 loss scale of every step and at the end, and with
---tensor_parallel the shape of the activation stage 0 sends (`sent_shape`).
+the shape of the activation stage 0 sends (`sent_shape`: a chunk of the positions with
+--sequence_parallel or --context_parallel).
 """
 import json
 import math
@@ -113,7 +114,7 @@ def train(run):
                                 .variables if "seed_generator" not in v.path)
     arrays["step"] = int(trainer.step.numpy())
     arrays["eval_loss"] = summary["eval"].get("loss", np.nan)
-    sent = getattr(strategy, "sent", None)  # tensor-parallel stages: the activation's spec
+    sent = getattr(strategy, "sent", None)  # the activation's spec stage 0 sends
     if sent:
         arrays["sent_shape"] = np.array(tf.nest.flatten(sent[0])[0].shape.as_list())
     arrays["nonfinite_steps"] = int(trainer.nonfinite_steps.numpy())

@@ -3,7 +3,8 @@ one real `horovodrun -np 4 --gloo` launch, against the single-device run on the 
 batch: first-batch gradients of every weight, losses over the steps, final weights, with
 gradient accumulation and active clipping; GPipe and 1F1B; the checkpoint each stage rank
 writes assembled into the single-device model; bad layouts refused without a launch. GPT by
-default; ALBERT (its shared block used by both stages, its word table tied to the MLM head, the
+default, with ZeRO-1 inside the stages (PP2 x DP2, stopped and resumed) and with each stage's
+sequences split over 2 context ranks (CP2 x PP2); plain PP2 x DP2 (resumed), ALBERT (its shared block used by both stages, its word table tied to the MLM head, the
 model inputs riding with the activation to the last stage) and BERT (1F1B with recompute) in
 the slow launch; Llama (untied 1F1B, tied GPipe) in a slow launch of its own.
 """
@@ -38,16 +39,21 @@ RANKS = 4
 TRAIN = dict(max_steps=3, batch_size=8, grad_clip_norm=0.5, dropout=0.0, grad_accum_steps=2,
              hidden_size=16, num_heads=2, eval_steps=1)
 SCENARIOS = {  # name: (stages, pipeline options, train options, worker options)
-    "pp2_dp2_1f1b": (2, dict(schedule="1f1b", num_microbatches=2), {},
-                     {"first_gradients": True, "interrupt_at": 1}),
     # each stage's optimizer state sharded over its 2 data ranks (tfbig.pipeline.zero_stage)
     "pp2_dp2_zero1": (2, dict(schedule="1f1b", num_microbatches=2, zero_stage=1), {},
                       {"first_gradients": True, "interrupt_at": 1}),
+    # each stage's sequences split over 2 context ranks: stage 0 sends its chunks of the
+    # positions, every block attends over its context group (tfbig.distribute.context_parallel)
+    "cp2_pp2": (2, dict(schedule="1f1b", num_microbatches=2, context_parallel=2), {},
+                {"first_gradients": True}),
 }
 # A launch of its own (slow): the default run has GPT's stages across ranks (here and under
 # TP x PP) and BERT's recomputed 1F1B stages in one process (test_pipeline_bert); BERT's and
 # ALBERT's under TP x PP are slow too (test_tensor_pipeline's pp2_tp2_masked_lm launch).
 SLOW_SCENARIOS = {
+    # plain stages x data, stopped and resumed (the default launch: the same with ZeRO-1)
+    "pp2_dp2_1f1b": (2, dict(schedule="1f1b", num_microbatches=2), {},
+                     {"first_gradients": True, "interrupt_at": 1}),
     # four stages, GPipe, each stage's blocks recomputed (GPipe's schedule in the default run:
     # tests/pipeline/test_pipeline_equivalence.py, one process)
     "pp4_gpipe": (4, dict(schedule="gpipe", num_microbatches=4, activation_checkpointing=True),
@@ -162,9 +168,10 @@ def test_stage_ranks_equal_one_device_on_the_same_global_batch(gpt_data, albert_
 
 def check_scenario(data_dir, out, tmp_path, name, scenario):
     """Every rank's losses, weights and first-batch gradients against one device."""
-    stages, _, train, opts = scenario
+    stages, pipeline, train, opts = scenario
+    data = RANKS // (stages * pipeline.get("context_parallel", 1))  # data-parallel replicas
     ranks = [load(out, name, r) for r in range(RANKS)]
-    single, losses, grads = reference(data_dir, tmp_path, RANKS // stages, **train)
+    single, losses, grads = reference(data_dir, tmp_path, data, **train)
     expected = {v.path: v.numpy() for v in single.model.trainable_variables}
     covered = set()
     for result in ranks:
@@ -182,7 +189,10 @@ def check_scenario(data_dir, out, tmp_path, name, scenario):
         assert int(result["held_bytes"]) < int(result["model_bytes"])
     assert covered == set(expected)  # every weight lives on some stage rank
     assert {(int(r["stage"]), int(r["data"])) for r in ranks} == {
-        (s, d) for s in range(stages) for d in range(RANKS // stages)}
+        (s, d) for s in range(stages) for d in range(data)}
+    # what stage 0 sends: (micro-batch, positions, hidden); with C context ranks its 2 chunks
+    length = single.task.seq_length // pipeline.get("context_parallel", 1)
+    assert all(int(r["sent_shape"][1]) == length for r in ranks), name
     if opts.get("interrupt_at"):
         assert int(ranks[0]["restored_step"]) == opts["interrupt_at"]
     eval_loss = single.summary["eval"]["loss"]
@@ -191,13 +201,13 @@ def check_scenario(data_dir, out, tmp_path, name, scenario):
 
 @pytest.mark.multiproc
 def test_stage_checkpoints_assemble_into_the_single_device_model(gpt_data, runs, tmp_path):
-    root, out = runs
-    model_dir = str(root / "pp2_dp2_1f1b")
+    root, out = runs  # CP2 x PP2: context rank 0 of each stage writes it
+    model_dir = str(root / "cp2_pp2")
     layout = stage_checkpoint.read_layout(model_dir)
     assert layout["pipeline_stages"] == 2
     assert layout["stages"][0]["layers"][0] == "embedding"
     assert os.path.exists(os.path.join(model_dir, "pipeline", "stage-1", "checkpoint"))
-    ranks = [load(out, "pp2_dp2_1f1b", r) for r in range(RANKS)]
+    ranks = [load(out, "cp2_pp2", r) for r in range(RANKS)]
     trained = {}
     for result in ranks:
         trained.update(held(result, "w"))
@@ -225,8 +235,8 @@ def test_zero1_stages_hold_half_the_slots_and_a_piece_each(gpt_data, runs, tmp_p
         for shard in range(2):
             directory = piece_dir(piece_dir(model_dir, "pipeline", stage), "zero", shard)
             assert tf.train.latest_checkpoint(directory), directory
-    plain = {int(r["stage"]): int(r["slot_bytes"]) for r in
-             (load(out, "pp2_dp2_1f1b", r) for r in range(RANKS))}
+    plain = {int(r["stage"]): int(r["slot_bytes"]) for r in  # whole slots (CP2 x PP2)
+             (load(out, "cp2_pp2", r) for r in range(RANKS))}
     trained = {}
     for result in (load(out, "pp2_dp2_zero1", r) for r in range(RANKS)):
         # half of the stage's Adam slots, each variable's slice padded to a whole element

@@ -49,7 +49,8 @@ def horovodrun(args, log_path):
     return proc.returncode
 
 
-@pytest.mark.slow  # a launch; data parallel over pipelines runs by default across ranks (test_cross_rank's pp2_dp2_1f1b)
+@pytest.mark.slow  # a launch; data parallel over pipelines runs by default across ranks
+# (test_cross_rank's pp2_dp2_zero1)
 @pytest.mark.multiproc
 def test_two_replicas_of_a_two_stage_pipeline_equal_one_device_on_the_2x_batch(gpt_data,
                                                                                tmp_path):

@@ -2,6 +2,7 @@
 
 Why it is built this way: docs/design/notes/distribute.md (tfbig.distribute.context_parallel).
 """
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -12,8 +13,9 @@ from tfbig.distribute.context_layers import ContextGroup, apply_plan, check_sequ
 # ---- the strategy: a mixin over any Horovod data backend -------------------------------------
 class ContextParallel:
     """Context parallelism over the context axis of the rank grid, mixed in before a Horovod
-    data backend (HorovodStrategy, ZeroStrategy, TensorParallelStrategy...) by `with_context`:
-    the backend underneath sees one replica per data rank, as without it."""
+    backend (HorovodStrategy, ZeroStrategy, TensorParallelStrategy..., or a cross-rank
+    pipeline: each stage's sequences split over its context group) by `with_context`: the
+    backend underneath sees one replica per data rank, as without it."""
 
     # Its forward/backward runs without XLA (collectives inside); the update stays op by op
     # too: no test has compiled it with the context axis (tfbig.training.step).
@@ -37,8 +39,10 @@ class ContextParallel:
         self.context = ContextGroup(self._context_set, self.mesh.coords["context"], size,
                                     task.seq_length)
         model = super().build_model(task)
-        apply_plan(model, task, self.context)
-        self._context_model = model
+        # a pipeline stage's model (tfbig.pipeline.stage_model.StageModel, not a Keras model)
+        # holds the whole Keras model, whose layers its stage calls
+        apply_plan(model if isinstance(model, keras.Model) else model.model, task, self.context)
+        self._context_model = model  # the variables this rank holds
         if self.is_chief:
             print(self.describe_context(), flush=True)
         return model

@@ -28,10 +28,6 @@ _EXPERT = ("expert parallelism is built with data parallelism, activation checkp
 # written `name>=N` is in use from the value N on (`--zero_stage>=2`: stages 2 and 3).
 REFUSED = (
     ("context_parallel", "sequence_parallel", "both split the sequence; use one of them"),
-    ("context_parallel", "pipeline_stages",
-     "the pipeline's stages exchange whole-sequence activations and its schedules are not "
-     "cut by chunk; use --context_parallel with data, tensor and ZeRO layouts, or the "
-     "pipeline without it"),
     ("pipeline_stages", "zero_stage>=2",
      "each stage accumulates its gradients whole over the schedule's micro-batches and "
      "holds its weights whole for them; use --zero_stage=1 (the optimizer state sharded "

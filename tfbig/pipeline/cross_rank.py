@@ -11,9 +11,8 @@ from tfbig.config import pipeline_stages
 from tfbig.distribute.horovod import HorovodStrategy
 from tfbig.distribute.horovod_keras import hvd
 from tfbig.distribute.mesh import HorovodMesh, Mesh, launcher_world_size
-from tfbig.layouts import composition
+from tfbig.layouts import composition, stage_checkpoint
 from tfbig.layouts import partition as partition_lib
-from tfbig.layouts import stage_checkpoint
 from tfbig.pipeline import schedules
 from tfbig.pipeline.stage_model import build_stage_model
 from tfbig.pipeline.stages import Stage
@@ -22,10 +21,10 @@ from tfbig.pipeline.strategy import (microbatch_size, split_microbatches, stage_
 from tfbig.pipeline.transport import StageLink, boundary_specs, runtime_zero, unfoldable
 
 def pipeline_mesh(cfg, world_size):
-    """The data x pipeline x tensor grid of a cross-rank pipeline run (with
-    --tensor_parallel=T each stage is split over T ranks: tfbig.pipeline.tensor_stage; with
-    --zero_stage=1 each stage's data ranks shard its optimizer state, in partition groups of
-    --shard_degree: tfbig.pipeline.zero_stage); refuses what is not built."""
+    """The data x pipeline x context x tensor grid of a cross-rank pipeline run (stages split
+    over T tensor ranks: tfbig.pipeline.tensor_stage; their optimizer state over their data
+    ranks: tfbig.pipeline.zero_stage; their sequences over C context ranks); refuses what is
+    not built."""
     stages = pipeline_stages(cfg)
     composition.check(composition.values_of(cfg))  # the pairs that do not compose
     if cfg.pipeline.offload_activations:
@@ -42,10 +41,11 @@ def pipeline_mesh(cfg, world_size):
     if cfg.pipeline.num_microbatches < 1:
         raise ValueError(f"--num_microbatches={cfg.pipeline.num_microbatches}: expected >= 1")
     if parallel.shard_degree and not parallel.zero_stage:
-        raise ValueError(f"--shard_degree={parallel.shard_degree} needs --zero_stage=1 (it "
-                         f"sizes the groups each stage's optimizer state is sharded over)")
+        raise ValueError(f"--shard_degree={parallel.shard_degree} needs --zero_stage=1 (the "
+                         f"size of the groups sharding a stage's optimizer state)")
     return Mesh.build(world_size, tensor=parallel.tensor_parallel, pipeline=stages,
-                      shard_degree=parallel.shard_degree, placement=parallel.placement)
+                      shard_degree=parallel.shard_degree, placement=parallel.placement,
+                      context=parallel.context_parallel)
 
 
 def stage_plan(task, pipeline, num_stages):
@@ -183,7 +183,9 @@ class CrossRankPipeline(HorovodStrategy):
                      jit_compile)
 
     def _specs(self, micro_batch):
-        return boundary_specs(self.built.layers, self.plan, self.task, micro_batch)
+        specs, metric_spec = boundary_specs(self.built.layers, self.plan, self.task, micro_batch)
+        self.sent = specs  # for inspection: what stage k < K-1 sends (a chunk with SP or CP)
+        return specs, metric_spec
 
     # ---- steps ---------------------------------------------------------------------------
     def make_forward_backward(self, loss_fn, variables, scale_loss, jit_compile):
@@ -384,11 +386,10 @@ class CrossRankPipeline(HorovodStrategy):
         return piece_dir(model_dir, "pipeline", self.stage_index)
 
     def restore_dir(self, model_dir):
-        stage_checkpoint.check_resume(model_dir, self.num_stages, zero=self.zero_layout())
+        stage_checkpoint.check_resume(model_dir, self.num_stages, zero=self.zero_layout)
         return self._stage_dir(model_dir)
 
-    def zero_layout(self):  # (--zero_stage, partition group size): (0, 1), slots whole
-        return 0, 1
+    zero_layout = (0, 1)  # (--zero_stage, partition group size): the slots whole
 
     def checkpoint_dir(self, model_dir):
         return self._stage_dir(model_dir) if self.rank == 0 else None

@@ -91,11 +91,6 @@ class TensorPipeline(CrossRankPipeline):
         # Horovod ops have no XLA kernels: the collectives sit inside the stage's function.
         return super().make_stage(False)
 
-    def _specs(self, micro_batch):
-        specs, metric_spec = super()._specs(micro_batch)
-        self.sent = specs  # for inspection: what stage k < K-1 sends (a chunk with SP)
-        return specs, metric_spec
-
     def _forward_backward(self, variables, scale_loss, jit_compile, timed):
         whole = whole_sequence_paths(self.built.model.model)  # the masked-LM heads
         self._sequence_summed = [v.path not in self.splits and v.path not in whole
@@ -139,7 +134,7 @@ class TensorPipeline(CrossRankPipeline):
 
     def restore_dir(self, model_dir):
         stage_checkpoint.check_resume(model_dir, self.num_stages, self.group.size,
-                                      zero=self.zero_layout())
+                                      zero=self.zero_layout)
         return self._stage_dir(model_dir)
 
     def after_checkpoint(self, directory):

@@ -57,6 +57,7 @@ class ZeroStages:
                     sum_replicated=self._sum_over_partition, adapt=self.clipping(variables))
 
     # ---- checkpoints: one directory per (stage, tensor rank, partition position) ----------
+    @property
     def zero_layout(self):
         return self.stage, self.num_shards
 

@@ -247,7 +247,8 @@ def memory(shape, layout, micro_batch, precision, device, stage=0):
     parameters too."""
     params = stage_params(shape, layout, stage=stage)
     z = layout.zero_stage
-    boundary = micro_batch * shape.seq_length * shape.hidden_size * activation_byte_size(precision)
+    boundary = (micro_batch * shape.seq_length * shape.hidden_size
+                * activation_byte_size(precision) / layout.context)  # a rank's chunks
     comm = ((hardware.FUSION_BUFFER_BYTES if layout.data > 1 else 0)
             + (2 * boundary if layout.pipeline > 1 else 0)
             + (2 * 4 * shape.layer_params / layout.tensor if z == 3 else 0))

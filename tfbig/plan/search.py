@@ -179,7 +179,7 @@ def candidates(shape, cluster, fixed, batch_size):
     for t in _options(fixed, "tensor_parallel", [t for t in _divisors(shape.kv_heads)
                                                  if node % t == 0]):
         for k in _options(fixed, "pipeline_stages", _divisors(shape.num_layers)):
-            for c in _context_options(shape, fixed, t, k):
+            for c in _context_options(shape, fixed, t):
                 if cluster.size % (t * k * c):
                     continue
                 d = cluster.size // (t * k * c)
@@ -205,14 +205,14 @@ def _allowed(layout, fixed):
                for first, second, _ in composition.pairs_in_use(layout.flags()))
 
 
-def _context_options(shape, fixed, t, k):
-    """Context-parallel degrees to try: what tfbig-train runs (no pipeline stages, no sequence
-    parallelism; 2C chunks dividing the sequence)."""
+def _context_options(shape, fixed, t):
+    """Context-parallel degrees to try: what tfbig-train runs (no sequence parallelism; 2C
+    chunks dividing the sequence)."""
     if "context_parallel" in fixed:
         return [fixed["context_parallel"]]
     sequence = fixed.get("sequence_parallel", t > 1)
     return [1] + ([c for c in (2, 4, 8) if shape.seq_length % (2 * c) == 0]
-                  if k == 1 and not sequence else [])
+                  if not sequence else [])
 
 
 def _data_layouts(fixed, t, k, d, batch, stage_layers):

@@ -158,10 +158,12 @@ def step_time(shape, layout, micro_batch, precision, cluster):
     ticks_by_stage = [tick_time(shape, layout, micro_batch, precision, cluster, s)
                       for s in sorted({0, k - 1} | {counts.index(n) for n in set(counts)})]
     tick = max(ticks_by_stage, key=lambda parts: sum(parts.values()))
-    boundary = micro_batch * shape.seq_length * shape.hidden_size * activation_byte_size(precision)
+    # with context parallelism a rank sends its chunks of the sequence only
+    boundary = (micro_batch * shape.seq_length * shape.hidden_size
+                * activation_byte_size(precision) / layout.context)
     # each stage sends its output forward and receives a gradient back; the slowest boundary
     # (across nodes once a model copy spans several) sets the pace
-    across_nodes = t * k > cluster.gpus_per_node
+    across_nodes = t * k * layout.context > cluster.gpus_per_node
     link = cluster.link_bandwidth(cluster.gpus_per_node if across_nodes else 1)
     pipe = 0.0 if k == 1 else 2 * boundary / (link * hardware.BANDWIDTH_FRACTION)
     ticks = m + k - 1

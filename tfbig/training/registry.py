@@ -30,9 +30,9 @@ def horovod_backend(cfg=None):
     """--strategy=horovod: experts split over ranks with --expert_parallel > 1, pipeline
     stages on ranks with --pipeline_stages > 1 (with ZeRO-1 if --zero_stage), elastic with
     --elastic, tensor-parallel with --tensor_parallel (with ZeRO-1/2/3 if --zero_stage),
-    ZeRO-sharded with --zero_stage, else
-    the fixed-world HorovodStrategy; with --context_parallel the chosen data backend gets the
-    context axis mixed in. The pairs that do not compose (tfbig.layouts.composition) are
+    ZeRO-sharded with --zero_stage, else the fixed-world HorovodStrategy; with
+    --context_parallel the chosen backend (a data backend or the pipeline) gets the context axis
+    mixed in. The pairs that do not compose (tfbig.layouts.composition) are
     refused first, by name."""
     horovod = getattr(cfg, "horovod", None)
     parallel = getattr(cfg, "parallel", None)
@@ -53,6 +53,10 @@ def horovod_backend(cfg=None):
             from tfbig.pipeline.zero_stage import with_zero
 
             pipeline = with_zero(pipeline)
+        if context > 1:
+            from tfbig.distribute.context_parallel import with_context
+
+            pipeline = with_context(pipeline)
         return pipeline(cfg)
     if horovod is not None and horovod.elastic:
         from tfbig.distribute.elastic import ElasticHorovodStrategy
