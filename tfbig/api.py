@@ -24,7 +24,7 @@ exact resume (run it again), SIGTERM preemption, --precision and loss scaling,
 column- or row-split, which attention layers split their heads, which embedding and output
 layer their vocabulary), --strategy=pipeline and --pipeline_stages=K under horovod for a task
 that declares its `pipeline_layers` (the layers whose composition is its forward:
-tfbig.tasks.user_pipeline), --context_parallel for a task that declares its `context_layout`
+tfbig.tasks.user_pipeline; with --tensor_parallel its declared layout inside each stage), --context_parallel for a task that declares its `context_layout`
 (its token and position embeddings, attentions and output). --plan_only builds the model,
 counts its variables and returns the plan (tfbig.plan.user: the state per rank, under
 --tensor_parallel counted on a rank's slices of the declared layout; activations and step time
@@ -32,8 +32,8 @@ when the task declares its `transformer_shape`, with --tensor_parallel and --con
 by the planner's closed forms and with --calibration beside the spec figures) instead of
 training. `consolidate_run` writes a ZeRO or tensor-parallel run of a task as one
 single-device checkpoint. Refused by name for a user task (USER_TASK_REFUSED): tensor
-parallelism without a declared layout, pipeline parallelism without declared pipeline_layers
-(and with --tensor_parallel), --init_checkpoint, and --context_parallel without a declared
+parallelism without a declared layout, pipeline parallelism without declared pipeline_layers,
+--init_checkpoint, and --context_parallel without a declared
 context_layout; with --plan_only and no transformer_shape (PLAN_REFUSED) --context_parallel.
 """
 import atexit
@@ -138,7 +138,6 @@ def check_user_flags(config, task=None):
             continue  # a declared layout: tensor_layout.split_declared_model
         if values[flag] != unused:
             raise UsageError(f"--{flag}={values[flag]!r} is refused for a user task: {why}")
-    _check_user_pipeline(config, values)
     if values["context_parallel"] != 1 and not values["plan_only"] and task is not None \
             and not getattr(task, "context_layout", None):
         raise UsageError(f"--context_parallel={values['context_parallel']} is refused for a "
@@ -157,16 +156,6 @@ def check_user_flags(config, task=None):
         if values[flag] not in allowed:
             raise UsageError(f"--{flag}={values[flag]!r} with --tensor_parallel="
                              f"{values['tensor_parallel']} is refused for a user task: {why}")
-
-
-def _check_user_pipeline(config, values):
-    """Refuse, by flag, what a user task's pipeline (--strategy=pipeline, or
-    --pipeline_stages > 1 under horovod) does not run."""
-    piped = config.train.strategy == "pipeline" or values["pipeline_stages"] > 1
-    if piped and values["tensor_parallel"] != 1:
-        raise UsageError(f"--tensor_parallel={values['tensor_parallel']} with a pipeline is "
-                         "refused for a user task: a declared tensor_layout inside pipeline "
-                         "stages is not built; use one of the two")
 
 
 def _task(task_or_model_fn, loss_fn, dataset_fn, task_options):

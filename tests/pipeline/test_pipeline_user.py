@@ -25,6 +25,8 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 from equality import GRADIENT_ATOL, GRADIENT_RTOL, RecordedGradients  # noqa: E402
 from test_horovod import horovodrun, load, read  # noqa: E402
 
+from tfbig.layouts.tensor_layout import take_slice  # noqa: E402
+
 import own_model  # noqa: E402
 
 from tfbig.api import _trainer, check_user_flags, configure  # noqa: E402
@@ -42,6 +44,9 @@ CROSS_RANK = {  # name: (flags, ranks, data-parallel replicas, interrupt_at)
             2, 1, 2),
     "pp2_dp2": (dict(strategy="horovod", pipeline_stages=2, num_microbatches=2,
                      schedule="gpipe", activation_checkpointing=True), 4, 2, 0),
+    # the task's declared tensor_layout (own_model.LAYOUT) split inside each of 2 stages
+    "pp2_tp2": (dict(strategy="horovod", pipeline_stages=2, tensor_parallel=2,
+                     num_microbatches=2, schedule="1f1b"), 4, 1, 2),
 }
 
 
@@ -130,11 +135,7 @@ def skipping_model():
      "transformer_block_1/multi_head_attention"),  # a block left out: its weights in none
     ({"pipeline_layers": ("embedding_layer", "transformer_blocks.*", "transformer_blocks.1",
                           "output_layer")}, {}, "belongs to both 'transformer_blocks.1'"),
-    ({"pipeline_layers": own_model.PIPELINE, "tensor_layout": own_model.LAYOUT},
-     {"tensor_parallel": 2},
-     "--tensor_parallel=2 with a pipeline is refused"),
-], ids=["no-such-layer", "weight-in-none", "shared",
-        "with-tensor-parallel"])
+], ids=["no-such-layer", "weight-in-none", "shared"])
 def test_a_pipeline_the_task_does_not_declare_correctly_is_refused(tmp_path, options, flags,
                                                                    message):
     assert message in train_refused(tmp_path, options, **flags)
@@ -200,7 +201,8 @@ def launch(tmp_path, name):
              "out": str(tmp_path / "out"), "interrupt_at": interrupt_at}]
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     code = horovodrun([WORKER, str(tmp_path / "plan.json")], tmp_path / "log.txt",
-                      ranks=("-np", str(ranks), "-H", f"localhost:{ranks}"))
+                      ranks=("-np", str(ranks), "-H", f"localhost:{ranks}"),
+                      env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"})  # a resume's second mesh
     assert code == 0, read(tmp_path / "log.txt")[-6000:]
     return [load(tmp_path / "out", name, rank) for rank in range(ranks)]
 
@@ -208,11 +210,13 @@ def launch(tmp_path, name):
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", [  # a launch each; the default run has a user model in stages
     # in one process (above) and GPT's stages across ranks (test_cross_rank)
-    pytest.param("pp2", marks=pytest.mark.slow), pytest.param("pp2_dp2", marks=pytest.mark.slow)])
+    pytest.param("pp2", marks=pytest.mark.slow), pytest.param("pp2_dp2", marks=pytest.mark.slow),
+    pytest.param("pp2_tp2", marks=pytest.mark.slow)])
 def test_my_model_in_stages_on_horovod_ranks_equals_one_process(tmp_path, one_process, name):
-    """Each rank holds one stage's weights (placement by the declared layers): every step's
-    loss, first-update gradients and trained weights equal one process; pp2 stops after 2
-    steps and resumes from its stage checkpoints."""
+    """Each rank holds one stage's weights (placement by the declared layers; with
+    --tensor_parallel its tensor rank's slices of the declared layout's): every step's loss,
+    first-update gradients and trained weights equal one process; pp2 and pp2_tp2 stop after
+    2 steps and resume from their stage checkpoints."""
     flags, ranks, replicas, interrupt_at = CROSS_RANK[name]
     results = launch(tmp_path, name)
     losses, recorded, evaluation = one_process
@@ -223,12 +227,21 @@ def test_my_model_in_stages_on_horovod_ranks_equals_one_process(tmp_path, one_pr
         np.testing.assert_allclose(result["losses"], losses, rtol=1e-5, err_msg=name)
         assert float(result["eval_loss"]) == pytest.approx(evaluation["loss"], rel=1e-5)
         paths = [str(p) for p in result["paths"]]
-        assert_first_gradients({p: result[f"g{i}"] for i, p in enumerate(paths)}, recorded,
-                               name)
-        recorded.assert_equal({p: result[f"w{i}"] for i, p in enumerate(paths)},
-                              err_msg=f"{name} stage {int(result['stage'])}")
-        assert by_stage.setdefault(int(result["stage"]), paths) == paths  # the same stage
-    held = [p for paths in by_stage.values() for p in paths]
-    assert sorted(held) == sorted(recorded.paths)  # each weight on exactly one stage
+        splits, tensor = json.loads(str(result["splits"])), int(result["tensor"])
+        piece = {p: (lambda full, p=p: take_slice(full, *splits[p], tensor, 2) if p in splits
+                     else full) for p in paths}  # this tensor rank's slice of a split weight
+        theirs = dict(zip(recorded.paths, recorded.gradients()[0]))
+        for i, p in enumerate(paths):
+            np.testing.assert_allclose(result[f"g{i}"], piece[p](theirs[p]), rtol=GRADIENT_RTOL,
+                                       atol=GRADIENT_ATOL, err_msg=f"{name}: gradient of {p}")
+            recorded.assert_equal_piece(p, result[f"w{i}"], piece[p],
+                                        err_msg=f"{name} stage {int(result['stage'])}")
+        assert by_stage.setdefault((int(result["stage"]), tensor), paths) == paths
+        if "tensor_parallel" in flags:  # each stage holds a block: its heads, column, row
+            assert len(set(splits) & set(paths)) >= 3, name
+    held = {p for paths in by_stage.values() for p in paths}
+    assert len(held) == sum(map(len, by_stage.values())) // (  # each weight on one stage
+        2 if "tensor_parallel" in flags else 1)
+    assert sorted(held) == sorted(recorded.paths)
     if interrupt_at:
         assert (tmp_path / name / "pipeline" / "stage-1" / "checkpoint").exists()

@@ -6,9 +6,10 @@ scenario of a plan (one horovodrun launch).
 
 PLAN_JSON: [{"name", "flags": {tfbig-train flag: value}, "model_dir", "out",
 "interrupt_at": steps (optional: stop there, then resume from the stage checkpoints)}].
-Each rank writes OUT/NAME.rankR.npz: its stage and data index, the paths and trained values
-of the weights it holds, their first update's gradients (averaged over the data group),
-each logged step's loss, the validation loss, the step it resumed from.
+Each rank writes OUT/NAME.rankR.npz: its stage, data and tensor index, the tensor splits of
+the weights it holds (JSON {path: [axis, sections]}), their paths and trained values, their
+first update's gradients (averaged over the data group), each logged step's loss, the
+validation loss, the step it resumed from.
 """
 import json
 import os
@@ -29,22 +30,25 @@ from tfbig.distribute.horovod_keras import hvd  # noqa: E402
 from tfbig.tasks.user import FunctionTask  # noqa: E402
 
 
-def task():
+def task(tensor_parallel=1):
+    """own_model's task cut by PIPELINE (with --tensor_parallel: split by LAYOUT too)."""
+    layout = {"tensor_layout": own_model.LAYOUT} if tensor_parallel > 1 else {}
     return FunctionTask(own_model.model_fn, own_model.loss_fn, own_model.dataset_fn,
-                        name="own_model", pipeline_layers=own_model.PIPELINE)
+                        name="own_model", pipeline_layers=own_model.PIPELINE, **layout)
 
 
 def train(scenario):
     config = configure(model_dir=scenario["model_dir"], **scenario["flags"])
-    check_user_flags(config, task())
-    trainer = _trainer(task(), config, recorder=True)
+    tensor = scenario["flags"].get("tensor_parallel", 1)
+    check_user_flags(config, task(tensor))
+    trainer = _trainer(task(tensor), config, recorder=True)
     recorded = RecordedGradients(trainer)
     arrays = {"restored_step": -1}
     if scenario.get("interrupt_at"):
         trainer.fit(steps=scenario["interrupt_at"])
         first = recorded.gradients()[0]
         losses = list(trainer.logger.losses)
-        trainer = _trainer(task(), config, recorder=True)  # resumes from its stage checkpoint
+        trainer = _trainer(task(tensor), config, recorder=True)  # resumes from its stages
         arrays["restored_step"] = int(trainer.step.numpy())
         summary = trainer.fit()
         losses += trainer.logger.losses
@@ -60,6 +64,8 @@ def train(scenario):
     arrays["losses"] = np.array(losses)
     arrays["stage"], arrays["rank"] = strategy.stage_index, hvd.rank()
     arrays["num_replicas"] = strategy.num_replicas
+    arrays["tensor"] = strategy.mesh.coords["tensor"]  # with --tensor_parallel: its slices
+    arrays["splits"] = json.dumps({p: list(s) for p, s in getattr(strategy, "splits", {}).items()})
     arrays["step"] = int(trainer.step.numpy())
     os.makedirs(scenario["out"], exist_ok=True)
     np.savez(os.path.join(scenario["out"], f"{scenario['name']}.rank{hvd.rank()}.npz"), **arrays)

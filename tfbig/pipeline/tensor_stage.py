@@ -74,6 +74,12 @@ class TensorPipeline(CrossRankPipeline):
 
     def describe(self, micro_batch_tokens):
         size, config = self.group.size, self.task.model_config
+        if not hasattr(config, "num_heads"):  # a user task's declared tensor_layout
+            return (super().describe(micro_batch_tokens) + "\n"
+                    f"tensor parallel inside each stage: groups {self.mesh.mesh.groups('tensor')};"
+                    f" tensor rank t holds 1/{size} of the stage's {len(self.splits)} split "
+                    f"variables of the declared layers (the rest replicated) and sends to "
+                    f"tensor rank t of the next stage")
         heads, rows = config.num_heads // size, config.vocab_size // size
         return (super().describe(micro_batch_tokens) + "\n"
                 f"tensor parallel inside each stage: groups {self.mesh.mesh.groups('tensor')}; "
@@ -92,7 +98,8 @@ class TensorPipeline(CrossRankPipeline):
         return super().make_stage(False)
 
     def _forward_backward(self, variables, scale_loss, jit_compile, timed):
-        whole = whole_sequence_paths(self.built.model.model)  # the masked-LM heads
+        whole = (set() if getattr(self.task, "tensor_layout", None)  # a user task: no SP
+                 else whole_sequence_paths(self.built.model.model))  # the masked-LM heads
         self._sequence_summed = [v.path not in self.splits and v.path not in whole
                                  for v in variables]
         return super()._forward_backward(variables, scale_loss, jit_compile, timed)
