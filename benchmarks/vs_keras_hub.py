@@ -1,4 +1,6 @@
-"""tfbig GPT vs keras-hub's GPT2 (GPT2Backbone + tied vocabulary projection), trained alike.
+"""tfbig GPT vs keras-hub's GPT2 (GPT2Backbone + tied vocabulary projection), or with
+--model=llama tfbig's Llama vs keras-hub's LlamaCausalLM (LlamaBackbone: RoPE, RMSNorm,
+SwiGLU, grouped-query attention, the untied or tied head as the preset says), trained alike.
 
 Both sides get the same dimensions (the --preset), batch, sequence length, data (the same
 prepared shards through tfbig.data), optimizer (tfbig.optim.build_optimizer: AdamW, warmup +
@@ -16,6 +18,7 @@ are checked equal) and a CPU matmul peak probed before every run (the best probe
 which stays meaningful while other processes share the cores.
 
     python benchmarks/vs_keras_hub.py --preset=small --batch_size=16 --seq_length=256
+    python benchmarks/vs_keras_hub.py --model=llama --preset=small
 
 Prints one JSON line last: tokens/s and MFU of each, `ratio` = tfbig / keras-hub.
 """
@@ -31,7 +34,8 @@ from absl import app, flags  # noqa: E402
 import _timing  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("preset", "small", "GPT preset giving the dimensions of both models.")
+flags.DEFINE_enum("model", "gpt", ["gpt", "llama"], "The family on both sides.")
+flags.DEFINE_string("preset", "small", "Preset (of --model) giving both models' dimensions.")
 flags.DEFINE_integer("batch_size", 16, "Sequences per step.")
 flags.DEFINE_integer("seq_length", 256, "Tokens per sequence.")
 flags.DEFINE_integer("steps", 6, "Timed steps per run (after the compiling first step).")
@@ -46,7 +50,8 @@ def train_config(model_dir):
     cfg = ExperimentConfig()
     steps = 1 + FLAGS.steps
     for key, value in dict(
-            preset=FLAGS.preset, batch_size=FLAGS.batch_size, seq_length=FLAGS.seq_length,
+            model=FLAGS.model, preset=FLAGS.preset, batch_size=FLAGS.batch_size,
+            seq_length=FLAGS.seq_length,
             data_dir=FLAGS.data_dir, model_dir=model_dir, max_steps=steps, log_every=steps,
             warmup_steps=1, eval_steps=1, checkpoint_every=10 ** 9, sample_tokens=0,
             precision=FLAGS.precision, xla=True, dropout=0.0).items():
@@ -73,19 +78,33 @@ def run_keras_hub(model_dir):
 
     from tfbig import data
     from tfbig.optim import build_optimizer
-    from tfbig.tasks.gpt import GPTTask
+    from tfbig.tasks import get_task
     from tfbig.training.precision import set_precision
 
     cfg = train_config(model_dir)
     set_precision(cfg.train.precision)
     keras.utils.set_random_seed(cfg.train.seed)
-    task = GPTTask(cfg.train)  # resolves the data and the model dimensions like tfbig does
+    task = get_task(cfg.train, cfg)  # resolves the data and the model dimensions as tfbig does
     mc = task.model_config
-    backbone = keras_hub.models.GPT2Backbone(
-        vocabulary_size=mc.vocab_size, num_layers=mc.num_layers, num_heads=mc.num_heads,
-        hidden_dim=mc.hidden_size, intermediate_dim=mc.intermediate_size, dropout=mc.dropout,
-        max_sequence_length=mc.seq_length)
-    model = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+    if FLAGS.model == "llama":
+        if (mc.rope_scaling != "none" or mc.qk_norm
+                or mc.head_size * mc.num_heads != mc.hidden_size):
+            raise SystemExit(f"--preset={FLAGS.preset}: RoPE scaling, QK-norm or a head width "
+                             f"other than hidden / heads, which keras-hub's LlamaBackbone does "
+                             f"not build here; the comparison would be void")
+        backbone = keras_hub.models.LlamaBackbone(
+            vocabulary_size=mc.vocab_size, num_layers=mc.num_layers,
+            num_query_heads=mc.num_heads, hidden_dim=mc.hidden_size,
+            intermediate_dim=mc.intermediate_size, num_key_value_heads=mc.num_kv_heads,
+            rope_max_wavelength=mc.rope_theta, layer_norm_epsilon=mc.rms_norm_epsilon,
+            dropout=mc.dropout, tie_word_embeddings=mc.tie_embeddings)
+        model = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+    else:
+        backbone = keras_hub.models.GPT2Backbone(
+            vocabulary_size=mc.vocab_size, num_layers=mc.num_layers, num_heads=mc.num_heads,
+            hidden_dim=mc.hidden_size, intermediate_dim=mc.intermediate_size,
+            dropout=mc.dropout, max_sequence_length=mc.seq_length)
+        model = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
     model.compile(optimizer=build_optimizer(cfg.train, model.trainable_variables),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   weighted_metrics=[], jit_compile=True)
@@ -131,7 +150,7 @@ def main(argv):
     best = {name: max(r["tokens_per_sec"] for r in runs) for name, runs in rounds.items()}
     best_cpu = {name: max(r["tokens_per_cpu_sec"] for r in runs)
                 for name, runs in rounds.items()}
-    result = {"preset": FLAGS.preset, "batch_size": FLAGS.batch_size,
+    result = {"model": FLAGS.model, "preset": FLAGS.preset, "batch_size": FLAGS.batch_size,
               "seq_length": FLAGS.seq_length, "precision": FLAGS.precision, "xla": True,
               "timed_steps": FLAGS.steps, "repeats": FLAGS.repeats, "params": params["tfbig"],
               "peak_flops": round(peak),

@@ -26,7 +26,6 @@ from test_trainer import make_cfg  # noqa: E402
 from tfbig.config import ExperimentConfig, ParallelConfig  # noqa: E402
 from tfbig.distribute.context_layers import ContextGroup, check_sequence  # noqa: E402
 from tfbig.distribute.horovod import build_mesh  # noqa: E402
-from tfbig.training.registry import horovod_backend  # noqa: E402
 
 BERT_CP = {**BERT, "learning_rate": 3e-3}  # as test_tensor_parallel's BERT_TP
 SCENARIOS = {  # name: (context, tensor, train options, worker options); 2 ranks
@@ -161,10 +160,19 @@ def test_bad_context_parallel_flags_are_refused_before_training(options, message
         build_mesh(ParallelConfig(**options), 4)
 
 
-def test_context_parallel_with_a_pipeline_is_refused_by_name():
-    with pytest.raises(ValueError, match="--context_parallel=2 with --pipeline_stages=2 is "
-                                         "not supported"):
-        horovod_backend(_cfg(context_parallel=2, pipeline_stages=2))
+def test_context_parallel_with_a_pipeline_splits_each_stage_over_a_context_group():
+    """CP x PP builds the data x pipeline x context grid (tests/pipeline/test_cross_rank.py's
+    cp2_pp2 trains it): stage k's context rank c sends to context rank c of stage k+1."""
+    from tfbig.pipeline.cross_rank import pipeline_mesh
+
+    mesh = pipeline_mesh(_cfg(context_parallel=2, pipeline_stages=2), 8)
+    assert (mesh.data, mesh.pipeline, mesh.context) == (2, 2, 2)
+    for rank in range(8):
+        coords = mesh.coords(rank)
+        assert {mesh.coords(r)["context"] for r in mesh.group("pipeline", rank)} == {
+            coords["context"]}
+        assert {mesh.coords(r)["pipeline"] for r in mesh.group("context", rank)} == {
+            coords["pipeline"]}
 
 
 def test_a_sequence_the_chunks_do_not_divide_is_refused():
