@@ -161,8 +161,6 @@ def test_bad_input_is_refused_by_name_before_the_run_directory_is_written(
     ({"strategy": "horovod", "tensor_parallel": 2, "sequence_parallel": True,
       "tensor_layout": own_model.LAYOUT}, "--sequence_parallel=True with --tensor_parallel=2 "
                                           "is refused for a user task"),
-    ({"strategy": "horovod", "context_parallel": 2, "pipeline_stages": 2}, "--context_parallel=2 "
-     "with --pipeline_stages=2 is not supported: the pipeline's stages exchange"),
 ])
 def test_what_a_user_task_cannot_run_is_refused_by_flag(tmp_path, flags, message):
     with pytest.raises(UsageError, match=None) as error:

@@ -351,7 +351,12 @@ def test_the_context_axis_divides_the_tokens_a_rank_holds():
                        "--batch_size=2"])
     assert {e.layout.context for e in free} == {1, 2}
     assert all(e.layout.gpus == 2 for e in free)
-    assert not any(e.layout.context > 1 and e.layout.pipeline > 1 for e in free)
+    # with stages too (tfbig-train runs CP x PP: test_cross_rank's cp2_pp2), each boundary
+    # carrying a rank's 1/C of the sequence
+    _, _, four = plan(["--preset=small", "--seq_length=8192", "--gpus_per_node=4",
+                       "--batch_size=4"])
+    both = [e for e in four if e.layout.context == 2 and e.layout.pipeline == 2]
+    assert both and all(e.to_dict()["refused"] is None for e in both)
     _, _, sharded = plan(["--preset=small", "--seq_length=8192", "--gpus_per_node=4",
                           "--context_parallel=2", "--zero_stage=3", "--batch_size=2"])
     assert {(e.layout.context, e.layout.data, e.layout.zero_stage) for e in sharded} == {
