@@ -24,8 +24,9 @@ exact resume (run it again), SIGTERM preemption, --precision and loss scaling,
 column- or row-split, which attention layers split their heads, which embedding and output
 layer their vocabulary), --strategy=pipeline and --pipeline_stages=K under horovod for a task
 that declares its `pipeline_layers` (the layers whose composition is its forward:
-tfbig.tasks.user_pipeline; with --tensor_parallel its declared layout inside each stage), --context_parallel for a task that declares its `context_layout`
-(its token and position embeddings, attentions and output). --plan_only builds the model,
+tfbig.tasks.user_pipeline; with --tensor_parallel its declared layout inside each stage),
+--context_parallel for a task that declares its `context_layout` (its token and position
+embeddings, attentions and output). --plan_only builds the model,
 counts its variables and returns the plan (tfbig.plan.user: the state per rank, under
 --tensor_parallel counted on a rank's slices of the declared layout; activations and step time
 when the task declares its `transformer_shape`, with --tensor_parallel and --context_parallel
@@ -33,8 +34,8 @@ by the planner's closed forms and with --calibration beside the spec figures) in
 training. `consolidate_run` writes a ZeRO or tensor-parallel run of a task as one
 single-device checkpoint. Refused by name for a user task (USER_TASK_REFUSED): tensor
 parallelism without a declared layout, pipeline parallelism without declared pipeline_layers,
---init_checkpoint, and --context_parallel without a declared
-context_layout; with --plan_only and no transformer_shape (PLAN_REFUSED) --context_parallel.
+--init_checkpoint, and --context_parallel without a declared context_layout; with --plan_only
+and no transformer_shape (PLAN_REFUSED) --context_parallel.
 """
 import atexit
 import copy

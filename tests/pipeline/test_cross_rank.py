@@ -1,12 +1,13 @@
 """Pipeline stages on different Horovod ranks (--strategy=horovod --pipeline_stages=K) through
 one real `horovodrun -np 4 --gloo` launch, against the single-device run on the same global
 batch: first-batch gradients of every weight, losses over the steps, final weights, with
-gradient accumulation and active clipping; GPipe and 1F1B; the checkpoint each stage rank
-writes assembled into the single-device model; bad layouts refused without a launch. GPT by
-default, with ZeRO-1 inside the stages (PP2 x DP2, stopped and resumed) and with each stage's
-sequences split over 2 context ranks (CP2 x PP2); plain PP2 x DP2 (resumed), ALBERT (its shared block used by both stages, its word table tied to the MLM head, the
-model inputs riding with the activation to the last stage) and BERT (1F1B with recompute) in
-the slow launch; Llama (untied 1F1B, tied GPipe) in a slow launch of its own.
+gradient accumulation and active clipping; GPipe and 1F1B; the checkpoint each stage rank writes
+assembled into the single-device model; bad layouts refused without a launch. GPT by default,
+with ZeRO-1 inside the stages (PP2 x DP2, stopped and resumed) and with each stage's sequences
+split over 2 context ranks (CP2 x PP2); plain PP2 x DP2 (resumed), ALBERT (its shared block used
+by both stages, its word table tied to the MLM head, the model inputs riding with the activation
+to the last stage) and BERT (1F1B with recompute) in the slow launch; Llama (untied 1F1B, tied
+GPipe) in a slow launch of its own.
 """
 import json
 import os

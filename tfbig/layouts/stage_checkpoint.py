@@ -80,9 +80,11 @@ def check_resume(model_dir, num_stages, tensor_parallel=1, zero=(0, 1)):
         raise ValueError(f"--model_dir={model_dir} holds a checkpoint without pipeline stages "
                          f"({LAYOUT_FILE} is missing); resume it without --pipeline_stages or "
                          f"start another --model_dir")
+    if saved is None:
+        return  # nothing to resume
     sharded = zero_checkpoint.read_layout(model_dir)
     sharded = (sharded["zero_stage"], sharded["shard_degree"]) if sharded else (0, 1)
-    if saved is not None and sharded != tuple(zero):
+    if sharded != tuple(zero):
         raise ValueError(
             f"--model_dir={model_dir} was written with --zero_stage={sharded[0]} over "
             f"partition groups of {sharded[1]} data rank(s) ({zero_checkpoint.LAYOUT_FILE}); "

@@ -31,13 +31,13 @@ def horovod_backend(cfg=None):
     stages on ranks with --pipeline_stages > 1 (with ZeRO-1 if --zero_stage), elastic with
     --elastic, tensor-parallel with --tensor_parallel (with ZeRO-1/2/3 if --zero_stage),
     ZeRO-sharded with --zero_stage, else the fixed-world HorovodStrategy; with
-    --context_parallel the chosen backend (a data backend or the pipeline) gets the context axis
-    mixed in. The pairs that do not compose (tfbig.layouts.composition) are
-    refused first, by name."""
+    --context_parallel the chosen backend (a data backend or the pipeline) gets the context
+    axis mixed in. The pairs that do not compose (tfbig.layouts.composition) are refused
+    first, by name."""
     horovod = getattr(cfg, "horovod", None)
     parallel = getattr(cfg, "parallel", None)
     tensor = getattr(parallel, "tensor_parallel", 1)
-    context = getattr(parallel, "context_parallel", 1)
+    zero_stage = getattr(parallel, "zero_stage", 0)
     if cfg is not None:
         composition.check(composition.values_of(cfg))  # the pairs that do not compose
     if getattr(parallel, "expert_parallel", 1) > 1:
@@ -45,29 +45,32 @@ def horovod_backend(cfg=None):
 
         return ExpertParallelStrategy(cfg)
     if cfg is not None and pipeline_stages(cfg) > 1:
-        from tfbig.pipeline.cross_rank import CrossRankPipeline
-        from tfbig.pipeline.tensor_stage import TensorPipeline
-
-        pipeline = TensorPipeline if tensor > 1 else CrossRankPipeline
-        if getattr(parallel, "zero_stage", 0):  # 1 (2, 3: composition.REFUSED)
-            from tfbig.pipeline.zero_stage import with_zero
-
-            pipeline = with_zero(pipeline)
-        if context > 1:
-            from tfbig.distribute.context_parallel import with_context
-
-            pipeline = with_context(pipeline)
-        return pipeline(cfg)
-    if horovod is not None and horovod.elastic:
+        backend = _pipeline_backend(tensor, zero_stage)
+    elif horovod is not None and horovod.elastic:
         from tfbig.distribute.elastic import ElasticHorovodStrategy
 
         return ElasticHorovodStrategy(cfg)
-    backend = _data_backend(tensor, getattr(parallel, "zero_stage", 0))
-    if context > 1:
+    else:
+        backend = _data_backend(tensor, zero_stage)
+    if getattr(parallel, "context_parallel", 1) > 1:
         from tfbig.distribute.context_parallel import with_context
 
         backend = with_context(backend)
     return backend(cfg)
+
+
+def _pipeline_backend(tensor, zero_stage):
+    """The class of the cross-rank pipeline for these flags (ZeRO-1 only: 2 and 3 are
+    composition.REFUSED with stages)."""
+    from tfbig.pipeline.cross_rank import CrossRankPipeline
+    from tfbig.pipeline.tensor_stage import TensorPipeline
+
+    pipeline = TensorPipeline if tensor > 1 else CrossRankPipeline
+    if zero_stage:
+        from tfbig.pipeline.zero_stage import with_zero
+
+        pipeline = with_zero(pipeline)
+    return pipeline
 
 
 def _data_backend(tensor, zero_stage):
