@@ -12,6 +12,11 @@ was measured at, the end it predicted, when the loop really ended, and the speed
 after the decision). Goals (issue 43): within 20 s of the budget and <= 2.20 bits per byte.
 
     python benchmarks/main_job.py --repeats=3 --record
+    python benchmarks/main_job.py --models=gpt,llama --repeats=1 --record   # issue 41
+
+With --models=gpt,llama each repeat runs `tfbig-train` then `tfbig-train --model=llama` (the
+Llama family's main job: its recipe `llama/small`, the same budget and corpus), and a last
+line gives each model's mean bits per byte and steps (goal: the Llama's <= the GPT's).
 
 Prints one JSON line per run (and records each with --record).
 """
@@ -28,6 +33,8 @@ from absl import app, flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("repeats", 3, "Runs of the main job, one after the other.")
+flags.DEFINE_list("models", ["gpt"], "--model of each run, in turn within every repeat "
+                  "(gpt: the main job as it is, no flags).")
 flags.DEFINE_bool("empty_cache", True, "Each run prepares the embedded corpus in a fresh "
                   "$TFBIG_CACHE (as a first run does); false: the user's cache.")
 
@@ -36,13 +43,14 @@ BUDGET_SECONDS = 9 * 60
 DONE = re.compile(r"^done: step (\d+), .*validation bits per byte ([0-9.]+)$", re.M)
 
 
-def run_once(root):
+def run_once(root, model):
     model_dir = os.path.join(root, "run")
     env = dict(os.environ)
     if FLAGS.empty_cache:
         env["TFBIG_CACHE"] = os.path.join(root, "cache")
     started = time.monotonic()
-    proc = subprocess.run([TRAIN, f"--model_dir={model_dir}"], env=env, capture_output=True,
+    command = [TRAIN, f"--model_dir={model_dir}"] + ([] if model == "gpt" else [f"--model={model}"])
+    proc = subprocess.run(command, env=env, capture_output=True,
                           text=True)
     wall = time.monotonic() - started
     done = DONE.search(proc.stdout)
@@ -57,6 +65,7 @@ def run_once(root):
     recorded_wall = recorded["updated"] - recorded["run_start"]
     return {
         "benchmark": "main_job",
+        "model": model,
         "cache": "empty" if FLAGS.empty_cache else "the user's",
         "wall_seconds": round(wall, 1),
         "over_budget_seconds": round(wall - BUDGET_SECONDS, 1),
@@ -81,9 +90,24 @@ def run_once(root):
 
 
 def main(_):
+    runs = []
     for _ in range(FLAGS.repeats):
-        with tempfile.TemporaryDirectory() as root:
-            _record.emit(run_once(root))
+        for model in FLAGS.models:
+            with tempfile.TemporaryDirectory() as root:
+                runs.append(run_once(root, model))
+                _record.emit(runs[-1])
+    if len(FLAGS.models) > 1:
+        mean = {}
+        for model in FLAGS.models:
+            mine = [run for run in runs if run["model"] == model]
+            mean[model] = {key: round(sum(run[key] for run in mine) / len(mine), 4)
+                           for key in ("validation_bits_per_byte", "steps", "wall_seconds")}
+        first, *others = FLAGS.models
+        _record.emit({"benchmark": "main_job_models", "repeats": FLAGS.repeats, "mean": mean,
+                      "bits_per_byte_minus_" + first: {
+                          model: round(mean[model]["validation_bits_per_byte"]
+                                       - mean[first]["validation_bits_per_byte"], 4)
+                          for model in others}})
 
 
 if __name__ == "__main__":

@@ -24,6 +24,12 @@ def test_the_small_gpt_takes_its_recipe_and_a_given_flag_wins():
         assert getattr(cfg.train, name) == value != config_lib.TrainConfig().__getattribute__(name)
 
 
+def test_the_small_llama_takes_the_main_jobs_width_and_schedule():
+    flag_values = parsed("--model=llama")
+    assert recipes.apply(flag_values) == recipes.RECIPES["gpt/small"]
+    assert config_lib.from_flags(flag_values).train.hidden_size == 128
+
+
 def test_other_presets_keep_the_defaults_and_albert_trains_with_lamb():
     flag_values = parsed("--preset=tiny")
     assert recipes.apply(flag_values) == {}
@@ -38,4 +44,5 @@ def test_help_names_every_recipe():
     text = recipes.describe()
     assert "  albert: --optimizer=lamb\n" in text
     small = recipes.RECIPES["gpt/small"]
-    assert f"--learning_rate={small['learning_rate']:g}" in text.splitlines()[-1]
+    line, = [line for line in text.splitlines() if line.startswith("  gpt/small: ")]
+    assert f"--learning_rate={small['learning_rate']:g}" in line
