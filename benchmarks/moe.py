@@ -9,7 +9,10 @@ all-to-alls replaced by local identities (wrong routing, the same expert compute
 all-to-all share = 1 - dry / EP2 (wall seconds). Each also reports its CPU seconds per step
 (rank 0's for EP2), less sensitive to other load than wall time. Bytes: the expert and replicated parameter bytes rank 0
 holds, against the planner's per-rank figure (tfbig.plan.estimate, parameters of
-Layout(data=2, expert=2)). One-thread processes, no XLA (MoE layers run without it). One JSON
+Layout(data=2, expert=2)). A fourth run, EP2 with --zero_stage=1, reports its step time against
+EP2's and the parameter and optimizer-state bytes rank 0 holds (parameters, the replicated
+weights' master slices, every Adam slot) against the planner's (tfbig.plan.estimate.memory:
+parameters + optimizer). One-thread processes, no XLA (MoE layers run without it). One JSON
 line with the load average; on a 2-core machine the two ranks share the cores with anything
 else running.
 """
@@ -72,18 +75,18 @@ def worker(config_path, out_path, warmup, steps, dry):
         strategy.shutdown()
 
 
-def launch(args, root, ranks, dry=False):
+def launch(args, root, ranks, dry=False, zero_stage=0):
     from tfbig import config as config_lib
 
     cfg = config_lib.ExperimentConfig()
     t = cfg.train
-    name = f"ep{ranks}" + ("_dry" if dry else "")
+    name = f"ep{ranks}" + ("_dry" if dry else "") + (f"_zero{zero_stage}" if zero_stage else "")
     t.model, t.preset, t.hidden_size, t.num_layers = "llama", "tiny-moe", args.hidden_size, 2
     t.num_heads, t.seq_length, t.batch_size, t.xla = 4, args.seq_length, args.batch_size, False
     t.model_dir, t.max_steps, t.log_every, t.sample_tokens = os.path.join(root, name), 1000, \
         1000, 0
     t.strategy = "horovod" if ranks > 1 else "single"
-    cfg.parallel.expert_parallel = ranks
+    cfg.parallel.expert_parallel, cfg.parallel.zero_stage = ranks, zero_stage
     cfg.profile.monitor_interval_ms = 0
     config_path = os.path.join(root, f"{name}.json")
     with open(config_path, "w") as f:
@@ -115,6 +118,26 @@ def planned_parameter_bytes(cfg, seq_length):
     return 4 * estimate.stage_params(shape, estimate.Layout(data=2, expert=2))
 
 
+def planned_zero_state_bytes(cfg, seq_length):
+    """The planner's parameter and optimizer-state bytes per rank of EP2 x ZeRO-1 on 2 ranks
+    (the optimizer's: the replicated weights' master slices and moments over 2, the experts'
+    moments whole)."""
+    from tfbig.models import shapes
+    from tfbig.models.llama_config import LlamaConfig
+    from tfbig.plan import estimate, hardware
+    from tfbig.tasks.gpt import DEFAULT_VOCAB_SIZE
+
+    t = cfg.train
+    config = LlamaConfig.from_preset(t.preset, hidden_size=t.hidden_size, num_layers=2,
+                                     num_heads=4, intermediate_size=0, moe_intermediate_size=0,
+                                     vocab_size=DEFAULT_VOCAB_SIZE)
+    shape = shapes.shape_of(config, "llama", seq_length)
+    device = hardware.Device("memory", 1.0, 0.0, 1.0, 1.0, 1.0, 0.0)
+    held = estimate.memory(shape, estimate.Layout(data=2, expert=2, zero_stage=1),
+                           t.batch_size // 2, "fp32", device)
+    return held["parameters"] + held["optimizer"]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden_size", type=int, default=128)
@@ -131,8 +154,13 @@ def main():
         single, _ = launch(args, root, 1)
         ep2, cfg = launch(args, root, 2)
         dry, _ = launch(args, root, 2, dry=True)
+        zero1, _ = launch(args, root, 2, zero_stage=1)
     held = ep2["parameter_bytes"]
     planned = planned_parameter_bytes(cfg, args.seq_length)
+    zero_held = zero1["parameter_bytes"]
+    zero_state = (zero_held["parameters"] + zero_held["master_slices"]
+                  + zero_held["optimizer_slots"])
+    zero_planned = planned_zero_state_bytes(cfg, args.seq_length)
     _record.emit({
         "benchmark": "moe", "hidden_size": args.hidden_size, "num_layers": 2, "num_experts": 4,
         "experts_per_token": 2, "seq_length": args.seq_length, "batch_size": args.batch_size,
@@ -149,6 +177,12 @@ def main():
         "single_parameter_bytes": single["parameter_bytes"]["parameters"],
         "ep2_parameter_bytes": held, "ep2_planned_parameter_bytes": int(planned),
         "ep2_bytes_vs_plan": round(held["parameters"] / planned, 4),
+        # EP2 x ZeRO-1: the replicated weights' optimizer state sliced over the 2 ranks
+        "ep2_zero1_step_seconds": round(zero1["step_seconds"], 4),
+        "ep2_zero1_step_time_vs_ep2": round(zero1["step_seconds"] / ep2["step_seconds"], 3),
+        "ep2_zero1_rank0_cpu_seconds": round(zero1["cpu_seconds"], 4),
+        "ep2_zero1_state_bytes": zero_held, "ep2_zero1_planned_state_bytes": int(zero_planned),
+        "ep2_zero1_state_vs_plan": round(zero_state / zero_planned, 4),
         "load_average": [round(x, 2) for x in os.getloadavg()]})
 
 

@@ -2,7 +2,8 @@
 refused by the backend registry before any backend starts, naming both flags; listed in the
 docs' table; never searched by tfbig-plan. The pairs that compose are proven equal to one
 process by the launches of test_context_parallel (CP x ZeRO-1/2/3, CP x TP), test_tensor_parallel
-(TP x ZeRO-1/2/3), test_tensor_pipeline (PP x TP) and the others."""
+(TP x ZeRO-1/2/3), test_tensor_pipeline (PP x TP), test_expert_parallel (EP x ZeRO-1/2) and
+the others."""
 import os
 import sys
 
@@ -21,7 +22,7 @@ from tfbig.training.registry import horovod_backend  # noqa: E402
 
 IN_USE = {"tensor_parallel": 2, "pipeline_stages": 2, "context_parallel": 2,
           "expert_parallel": 2, "sequence_parallel": True, "zero_stage": 1, "shard_degree": 2,
-          "elastic": True, "zero_stage>=2": 2}  # a table entry `name>=N`: from N on
+          "elastic": True, "zero_stage>=2": 2, "zero_stage>=3": 3}  # a table entry `name>=N`: from N on
 
 
 @pytest.mark.parametrize("first, second", [(a, b) for a, b, _ in composition.REFUSED])
@@ -55,7 +56,9 @@ def test_the_pairs_the_launches_prove_compose():
                    "zero_stage": 3}, {"context_parallel": 2, "tensor_parallel": 2,
                    "zero_stage": 1}, {"pipeline_stages": 2, "tensor_parallel": 2},
                    {"pipeline_stages": 2, "zero_stage": 1, "shard_degree": 2},
-                   {"pipeline_stages": 2, "tensor_parallel": 2, "zero_stage": 1}):
+                   {"pipeline_stages": 2, "tensor_parallel": 2, "zero_stage": 1},
+                   {"expert_parallel": 2, "zero_stage": 1}, {"expert_parallel": 2,
+                   "zero_stage": 2, "shard_degree": 4}):
         assert composition.refusal(values) is None, values
     # a `name>=N` entry: refused from N on, with the value the flags hold
     for stage in (2, 3):

@@ -8,9 +8,13 @@ half (EP2) or a quarter (EP4) of the experts and the replicated rest bit-identic
 ranks; the per-expert token counts reach the progress line; a run resumed from its per-rank
 expert checkpoints continues exactly.
 
-Default run: EP2 on 2 ranks, and EP2 with --activation_checkpointing (its blocks recomputed in
-the backward, the all-to-alls with them), in one launch with the refusals. Slow: the resumed
-run (a launch of its own), EP2 x DP2 and EP4 on 4 ranks."""
+With --zero_stage=1|2 (tfbig.distribute.expert_zero) the optimizer state of every weight but
+the experts is sliced over the partition group, the experts' kept whole on their ranks.
+
+Default run: EP2 on 2 ranks, EP2 with --activation_checkpointing (its blocks recomputed in
+the backward, the all-to-alls with them) and EP2 x ZeRO-1 (resumed), in one launch with the
+refusals. Slow: the resumed run (a launch of its own), EP2 x DP2 and EP4 on 4 ranks, EP2 x DP2
+with ZeRO-1 and ZeRO-2 over partition groups of 4."""
 import os
 import sys
 
@@ -27,6 +31,7 @@ from test_trainer import ReplicasTask, make_cfg  # noqa: E402
 from horovod_worker import RecordingLogger  # noqa: E402
 from tfbig.convert.run_dir import load_model  # noqa: E402
 from tfbig.tasks import get_task  # noqa: E402
+from tfbig.training.consolidate import consolidate  # noqa: E402
 from tfbig.training.trainer import Trainer  # noqa: E402
 
 # eval_steps=1: one validation batch of micro-batch x replicas records (the whole split costs
@@ -37,9 +42,10 @@ MOE = dict(model="llama", preset="tiny-moe", num_layers=0, hidden_size=0, num_he
 EXPERT_WEIGHTS = ("/mlp/experts/gate", "/mlp/experts/up", "/mlp/experts/down")
 
 
-def ep_cfg(gpt_data, model_dir, expert, recompute=False):
+def ep_cfg(gpt_data, model_dir, expert, recompute=False, zero_stage=0, shard_degree=0):
     cfg = horovod_cfg(gpt_data, model_dir, **MOE)
     cfg.parallel.expert_parallel = expert
+    cfg.parallel.zero_stage, cfg.parallel.shard_degree = zero_stage, shard_degree
     cfg.pipeline.activation_checkpointing = recompute
     return cfg
 
@@ -122,7 +128,12 @@ def ep2(gpt_data, tmp_path_factory):
         refused(gpt_data, root, "dense", preset="tiny"),
         run_entry("ep2", ep_cfg(gpt_data, root / "ep2", 2), root / "out", first_gradients=True),
         run_entry("ep2_recompute", ep_cfg(gpt_data, root / "ep2_recompute", 2, recompute=True),
-                  root / "out", first_gradients=True)],
+                  root / "out", first_gradients=True),
+        run_entry("ep2_zero1", ep_cfg(gpt_data, root / "ep2_zero1", 2, zero_stage=1),
+                  root / "out", first_gradients=True, interrupt_at=2),
+        # the ZeRO pieces resumed without --zero_stage: refused before anything is restored
+        run_entry("ep2_zero1_as_ep2", ep_cfg(gpt_data, root / "ep2_zero1", 2), root / "out",
+                  expect_error=True)],
         ranks=2)
     return results, output, root
 
@@ -160,6 +171,65 @@ def test_recomputed_blocks_with_their_all_to_alls_equal_one_process(ep2, gpt_dat
     check_equal_to_one_process(ep2[0]["ep2_recompute"], single, losses, 2)
     assert [int(r["recomputed_layers"]) for r in ep2[0]["ep2_recompute"]] == [2, 2]  # blocks
     assert [int(r["recomputed_layers"]) for r in ep2[0]["ep2"]] == [0, 0]
+
+
+def check_zero_over_the_other_weights(results, single, shards):
+    """Each rank's master slices are its partition position's of the replicated weights (1/
+    `shards` of each, padded), its Adam moments those slices' and its own experts' whole."""
+    ceil = lambda n: -(-n // shards)  # noqa: E731
+    replicated = [v for v in single.model.trainable_variables
+                  if not v.path.endswith(EXPERT_WEIGHTS)]
+    master = sum(4 * ceil(int(np.prod(v.shape))) for v in replicated)
+    for result in results:
+        assert int(result["bytes_master_slices"]) == master
+        assert int(result["bytes_optimizer_slots"]) == 2 * (
+            master + int(result["bytes_expert_parameters"]))
+        assert int(result["bytes_replicated_parameters"]) == 4 * sum(
+            int(np.prod(v.shape)) for v in replicated)
+
+
+@pytest.mark.multiproc
+def test_zero1_over_the_replicated_weights_of_two_expert_ranks_equals_one_process(
+        ep2, gpt_data, shared, tmp_path_factory):
+    """--expert_parallel=2 --zero_stage=1, stopped after 2 steps and resumed from its pieces:
+    the one process's losses, weights and first gradients; the optimizer state of everything
+    but the experts halved on each rank; the pieces read back as one model; resuming them
+    without --zero_stage and consolidating them are refused by name."""
+    results, _, root = ep2
+    single, losses = shared(("moe", 2), lambda: reference(
+        gpt_data, tmp_path_factory.mktemp("moe_reference"), 2))
+    run = results["ep2_zero1"]
+    assert int(run[0]["restored_step"]) == 2
+    check_equal_to_one_process(run, single, losses, 2)
+    check_zero_over_the_other_weights(run, single, 2)
+    model, _ = load_model(str(root / "ep2_zero1"))
+    for v, ours in zip(model.trainable_variables, listed(run[0], "w"), strict=True):
+        np.testing.assert_array_equal(v.numpy(), ours, err_msg=v.path)
+    for result in results["ep2_zero1_as_ep2"]:
+        assert "was written with --expert_parallel and --zero_stage" in str(result["error"])
+    with pytest.raises(ValueError, match="was written with --expert_parallel"):
+        consolidate(str(root / "ep2_zero1"), str(tmp_path_factory.mktemp("consolidated")))
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize("stage, shards", [(1, 4), (2, 2)])
+def test_zero_partition_groups_across_expert_groups_equal_one_process(
+        stage, shards, gpt_data, shared, tmp_path_factory):
+    """4 ranks, EP2 x DP2, resumed from their pieces: ZeRO-1 over one partition group of 4
+    (spanning both expert groups: lcm(4, 2) = 4 pieces) and ZeRO-2 over MiCS groups of 2
+    (each an expert group; their replicas hold the same slices and experts: 2 pieces)."""
+    root = tmp_path_factory.mktemp(f"expert_zero{stage}")
+    results, output = launch(root, [run_entry(
+        "ep", ep_cfg(gpt_data, root / "ep", 2, zero_stage=stage, shard_degree=shards),
+        root / "out", first_gradients=True, interrupt_at=2)], ranks=4)
+    single, losses = shared(("moe", 4), lambda: reference(
+        gpt_data, tmp_path_factory.mktemp("moe_reference4"), 4))
+    assert [int(r["restored_step"]) for r in results["ep"]] == [2] * 4
+    check_equal_to_one_process(results["ep"], single, losses, 2)
+    check_zero_over_the_other_weights(results["ep"], single, shards)
+    assert "expert groups of 2" in output
+    assert sorted(os.listdir(root / "ep" / "expert")) == [f"rank-{r}" for r in range(1, shards)]
 
 
 @pytest.mark.slow

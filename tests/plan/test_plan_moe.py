@@ -43,6 +43,23 @@ def test_expert_parallel_divides_the_experts_state_and_keeps_the_rest(expert):
     assert estimate.Layout(data=8, expert=expert).describe().startswith(f"D8 P1 E{expert} T1")
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_beside_experts_slices_the_other_weights_state_and_keeps_the_experts(stage):
+    """EP x ZeRO-1/2 (tfbig.distribute.expert_zero): the replicated weights' optimizer state
+    (master copy + moments: 12 bytes) over the partition group, with stage 2 their gradients
+    too; a rank's E/N experts keep 4 + 4 + 8 bytes each (moments whole, no master copy)."""
+    shape = models.shape_of(LlamaConfig.from_preset("mixtral-8x7b"), "llama", 4096)
+    layout = estimate.Layout(data=8, expert=2, zero_stage=stage, shard_degree=4)
+    held = estimate.memory(shape, layout, 1, "bf16", CPU)
+    experts = shape.expert_params / 2
+    dense = shape.params - shape.expert_params
+    assert estimate.expert_params_held(shape, layout) == experts
+    assert held["parameters"] == pytest.approx(4 * (dense + experts), rel=1e-12)
+    assert held["optimizer"] == pytest.approx(12 * dense / 4 + 8 * experts, rel=1e-12)
+    assert held["gradients"] == pytest.approx(4 * dense / (4 if stage == 2 else 1)
+                                              + 4 * experts, rel=1e-12)
+
+
 def mixtral_plan(argv):
     return plan(["--model=llama", "--preset=mixtral-8x7b", "--gpu=H100-80GB", "--nodes=4",
                  "--seq_length=4096", "--batch_size=256"] + argv)
@@ -78,11 +95,11 @@ def test_the_search_offers_expert_parallelism_where_tfbig_train_runs_it():
     degrees = {e.layout.expert for e in found}
     assert degrees == {1, 2, 4, 8}
     for e in found:
-        if e.layout.expert > 1:  # data parallelism alone, N dividing the data ranks
+        if e.layout.expert > 1:  # data parallelism (ZeRO-1/2), N dividing the data ranks
             layout = e.layout
-            assert (layout.tensor, layout.pipeline, layout.context, layout.zero_stage) == (
-                1, 1, 1, 0)
-            assert layout.data % layout.expert == 0
+            assert (layout.tensor, layout.pipeline, layout.context) == (1, 1, 1)
+            assert layout.zero_stage in (0, 1, 2) and layout.data % layout.expert == 0
+    assert {e.layout.zero_stage for e in found if e.layout.expert > 1} >= {0, 1}
     _, _, dense = plan(["--preset=1.3b", "--nodes=2", "--batch_size=512"])
     assert {e.layout.expert for e in dense} == {1}
 
@@ -113,10 +130,12 @@ def test_expert_parallel_flags_tfbig_train_cannot_run_are_named():
 @pytest.mark.parametrize("argv, message", [
     (["--expert_parallel=2", "--tensor_parallel=2"], "--expert_parallel=2 with "
      "--tensor_parallel=2 is not supported: expert parallelism is built with data "
-     "parallelism, activation checkpointing and the MoE models only; drop one of them"),
-    (["--expert_parallel=2", "--zero_stage=1"], "--expert_parallel=2 with --zero_stage=1 is "
-     "not supported: expert parallelism is built with data parallelism, activation "
-     "checkpointing and the MoE models only; drop one of them"),
+     "parallelism, ZeRO-1/2, activation checkpointing and the MoE models only; drop one of "
+     "them"),
+    (["--expert_parallel=2", "--zero_stage=3"], "--expert_parallel=2 with --zero_stage=3 is "
+     "not supported: ZeRO-3 gathers each layer's weights over the data ranks, and a rank's "
+     "experts are its own; use --zero_stage=1 or 2 (the other weights' optimizer state "
+     "sharded, the experts' kept whole on their ranks) with --expert_parallel"),
 ])
 def test_fixed_pairs_tfbig_train_refuses_are_estimated_and_named(argv, message):
     """A pair tfbig-train refuses (tfbig.layouts.composition) is never searched; fixed by the

@@ -31,6 +31,7 @@ from tfbig.layouts.tensor_layout import replace_variable
 from tfbig.layouts.tensor_plan import resolve_plan_layers
 from tfbig.models.layout import layout_of
 
+from tfbig.layouts import zero_checkpoint
 from tfbig.layouts.expert_checkpoint import LAYOUT_FILE
 
 
@@ -79,7 +80,7 @@ class ExpertParallelStrategy(HorovodStrategy):
         super().__init__(cfg, mesh)
         self.size = self.mesh.mesh.expert
         self.expert_set = self.mesh.process_set("expert")
-        self.replica_set = self.mesh.process_set("expert_replica")
+        self.expert_replica_set = self.mesh.process_set("expert_replica")
         group = self.mesh.mesh.group("expert", self.mesh.rank)
         self.expert_rank = group.index(self.mesh.rank)
         self.expert_paths = set()  # paths of the variables this rank holds E/N experts of
@@ -137,12 +138,17 @@ class ExpertParallelStrategy(HorovodStrategy):
         """Non-expert gradients averaged over data (HorovodStrategy's, with its stop flag);
         expert gradients summed over the expert-replica group and divided by the data size.
         fp16: a non-finite value anywhere skips the step on every rank."""
+        return self._sync_split(grads, super().all_reduce_gradients)
+
+    def _sync_split(self, grads, sync_dense):
+        """`sync_dense` of the non-expert gradients; the expert ones summed over the
+        expert-replica group and divided by the data size; fp16: a non-finite value anywhere
+        skips the step on every rank."""
         expert = self._is_expert()
-        dense = [g for g, e in zip(grads, expert) if not e]
+        dense = iter(sync_dense([g for g, e in zip(grads, expert) if not e]))
         mine = [tf.convert_to_tensor(g) for g, e in zip(grads, expert) if e]
-        dense = iter(super().all_reduce_gradients(dense))
-        if self.replica_set is not None:  # Horovod: the same experts' gradients, summed
-            mine = hvd.grouped_allreduce(mine, op=hvd.Sum, process_set=self.replica_set)
+        if self.expert_replica_set is not None:  # Horovod: the same experts' gradients, summed
+            mine = hvd.grouped_allreduce(mine, op=hvd.Sum, process_set=self.expert_replica_set)
         mine = iter([g / self.num_replicas for g in mine])
         grads = [next(mine) if e else next(dense) for e in expert]
         if self._loss_scale() is not None:
@@ -179,7 +185,8 @@ class ExpertParallelStrategy(HorovodStrategy):
         from tfbig.distribute import horovod_keras
 
         horovod_keras.broadcast_variables([v for v, e in zip(variables, expert) if e],
-                                          root_rank=root, process_set=self.replica_set)
+                                          root_rank=root,
+                                          process_set=self.expert_replica_set)
 
     def state_bytes(self):
         """Bytes of parameters this rank holds, its experts' and the replicated rest."""
@@ -219,6 +226,10 @@ class ExpertParallelStrategy(HorovodStrategy):
                              f"(not written with --expert_parallel); resuming it under "
                              f"--expert_parallel={self.size} is not supported; resume it on the "
                              f"layout that wrote it")
+        if zero_checkpoint.read_layout(model_dir) is not None:
+            raise ValueError(f"--model_dir={model_dir} was written with --expert_parallel and "
+                             f"--zero_stage (zero.json): its optimizer state is sliced over "
+                             f"data ranks; resume it with the flags it was written with")
         if saved["expert_parallel"] != self.size:
             raise ValueError(f"--model_dir={model_dir} was written with --expert_parallel="
                              f"{saved['expert_parallel']}; this run has {self.size}: resume "

@@ -87,10 +87,7 @@ class ZeroStrategy(HorovodStrategy):
     # ---- optimizer over the slices -------------------------------------------------------
     def build_optimizer(self, train, variables):
         self.model_variables = list(variables)
-        self.shards = [keras.Variable(self._initial_slice(v), dtype="float32", trainable=True,
-                                      autocast=self.stage < 3,  # gathered in float32
-                                      name=v.path.replace("/", "__") + "__zero_slice")
-                       for v in variables]
+        self.shards = [self._new_shard(v) for v in variables]
         self._shard_of.update({id(v): s for v, s in zip(variables, self.shards)})
         for v in variables if self.stage == 3 else ():  # sliced: a loaded value is freed
             self._initialisers.pop(id(v), None)
@@ -102,6 +99,13 @@ class ZeroStrategy(HorovodStrategy):
         inner = getattr(self.optimizer, "inner_optimizer", self.optimizer)
         self._slot_ids = {id(v) for v in list(inner._momentums) + list(inner._velocities)}
         return self.optimizer
+
+    def _new_shard(self, variable):
+        """The float32 variable the optimizer updates for model variable `variable`: its
+        slice (stages 1-2: the master copy; stage 3: the parameter itself)."""
+        return keras.Variable(self._initial_slice(variable), dtype="float32", trainable=True,
+                              autocast=self.stage < 3,  # gathered in float32
+                              name=variable.path.replace("/", "__") + "__zero_slice")
 
     def _initial_slice(self, variable):
         if self.stage < 3:
@@ -162,7 +166,11 @@ class ZeroStrategy(HorovodStrategy):
 
     def all_reduce_gradients(self, grads):
         """Slices of the gradients averaged over all data-parallel ranks (2-hop sync)."""
-        slices = self._reduce_scatter(grads) if self.stage == 1 else grads
+        return self._sync_slices(self._reduce_scatter(grads) if self.stage == 1 else grads)
+
+    def _sync_slices(self, slices):
+        """Slices averaged over the replica groups; the stop request and a non-finite slice
+        agreed over every rank (a non-finite one poisons every slice: the step is skipped)."""
         # Horovod: the slices averaged across the replica groups (hop 2).
         slices = average_gradients(slices, process_set=self.replica_set)
         nonfinite = tf.cast(tf.logical_not(tf.reduce_all(
@@ -182,7 +190,12 @@ class ZeroStrategy(HorovodStrategy):
         optimizer.apply(grads, self.shards)
         if self.stage == 3:
             return  # the parameters are the slices: gathered when a layer runs
-        values = [tf.convert_to_tensor(s.value) for s in self.shards]
+        self._assign_gathered(self.shards, variables)
+
+    def _assign_gathered(self, shards, variables):
+        """Each of `variables` set to its updated slices in `shards`, gathered over the
+        partition group."""
+        values = [tf.convert_to_tensor(s.value) for s in shards]
         if self.partition_set is not None:  # Horovod: the updated slices, gathered
             values = hvd.grouped_allgather(values, process_set=self.partition_set)
         for variable, full in zip(variables, values):
@@ -267,6 +280,10 @@ class ZeroStrategy(HorovodStrategy):
         """The layout `model_dir`'s checkpoint was saved with (None: no checkpoint yet); a
         plain checkpoint counts as stage 0 over one piece."""
         saved = zero_checkpoint.read_layout(model_dir)
+        if saved is not None and "expert_parallel" in saved:
+            raise ValueError(f"--model_dir={model_dir} was written with --expert_parallel="
+                             f"{saved['expert_parallel']} (zero.json): resume it with the "
+                             f"flags it was written with")
         if saved is None and tf.train.latest_checkpoint(model_dir):
             return {"zero_stage": 0, "shard_degree": 1, "data": 1, "world_size": 1}
         return saved

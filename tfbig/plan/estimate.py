@@ -115,6 +115,12 @@ def stage_params(shape, layout, last=False, stage=None):
     return (layers + ends) / layout.tensor
 
 
+def expert_params_held(shape, layout, stage=0):
+    """The routed experts' weights one GPU holds (in `stage_params`): its layers' E/N."""
+    layers = 1 if shape.shared_layers else layers_on(shape, layout, stage) / shape.num_layers
+    return shape.expert_params * layers / layout.expert / layout.tensor
+
+
 def layer_activation_bytes(shape, layout, precision):
     """Bytes per token one transformer layer keeps for its backward pass. Dense attention
     keeps its (T, T) softmax (and dropout mask and output) per head: the `a s` term, quadratic
@@ -246,13 +252,18 @@ def memory(shape, layout, micro_batch, precision, device, stage=0):
     float32 master copy: 12 bytes per parameter / g), stage 2 also the gradients, stage 3 the
     parameters too."""
     params = stage_params(shape, layout, stage=stage)
+    experts = expert_params_held(shape, layout, stage) if layout.expert > 1 else 0
     z = layout.zero_stage
     boundary = (micro_batch * shape.seq_length * shape.hidden_size
                 * activation_byte_size(precision) / layout.context)  # a rank's chunks
     comm = ((hardware.FUSION_BUFFER_BYTES if layout.data > 1 else 0)
             + (2 * boundary if layout.pipeline > 1 else 0)
             + (2 * 4 * shape.layer_params / layout.tensor if z == 3 else 0))
-    return {**state_memory(params, layout),
+    state = state_memory(params - experts, layout)
+    if experts:  # a rank's own experts: whole under ZeRO-1/2 (tfbig/distribute/expert_zero.py)
+        whole = state_memory(experts, dataclasses.replace(layout, zero_stage=0))
+        state = {kind: state[kind] + whole[kind] for kind in state}
+    return {**state,
             "activations": activation_memory(shape, layout, micro_batch, precision, stage),
             "communication": comm, "reserve": device.reserve_bytes}
 

@@ -23,7 +23,8 @@ import os
 
 from tfbig.checkpoints import integrity
 from tfbig.distribute.base import Strategy
-from tfbig.layouts import stage_checkpoint, tensor_layout, tensor_plan, zero_checkpoint
+from tfbig.layouts import (expert_checkpoint, stage_checkpoint, tensor_layout, tensor_plan,
+                           zero_checkpoint)
 from tfbig.training.trainer import Trainer
 
 COMMAND = "python -m tfbig.commands.consolidate MODEL_DIR OUT_DIR"
@@ -87,6 +88,11 @@ def consolidate(model_dir, out_dir, warn=print, task=None):
     `out_dir`, whichever layout wrote it. Returns the checkpoint path written. `task`: for a
     run of a user's own model, the tfbig.tasks.user_adapter.UserTask that builds it
     (tfbig.consolidate_run)."""
+    if expert_checkpoint.read_layout(model_dir) is not None:
+        raise ValueError(f"{model_dir} was written with --expert_parallel "
+                         f"({expert_checkpoint.LAYOUT_FILE}): this consolidation does not join "
+                         f"expert pieces; resume it with the same flags (tfbig-generate and "
+                         f"tfbig-export read its weights)")
     if tensor_layout.read_layout(model_dir) is not None:
         return consolidate_tensor(model_dir, out_dir, warn, task)
     if stage_checkpoint.read_layout(model_dir) is not None:  # pipeline, or TP x PP

@@ -27,7 +27,8 @@ def get_strategy(name, cfg=None):
 
 
 def horovod_backend(cfg=None):
-    """--strategy=horovod: experts split over ranks with --expert_parallel > 1, pipeline
+    """--strategy=horovod: experts split over ranks with --expert_parallel > 1 (with ZeRO-1/2
+    over the other weights if --zero_stage), pipeline
     stages on ranks with --pipeline_stages > 1 (with ZeRO-1 if --zero_stage), elastic with
     --elastic, tensor-parallel with --tensor_parallel (with ZeRO-1/2/3 if --zero_stage),
     ZeRO-sharded with --zero_stage, else the fixed-world HorovodStrategy; with
@@ -40,6 +41,10 @@ def horovod_backend(cfg=None):
     zero_stage = getattr(parallel, "zero_stage", 0)
     if cfg is not None:
         composition.check(composition.values_of(cfg))  # the pairs that do not compose
+    if getattr(parallel, "expert_parallel", 1) > 1 and zero_stage:
+        from tfbig.distribute.expert_zero import ExpertZeroStrategy
+
+        return ExpertZeroStrategy(cfg)
     if getattr(parallel, "expert_parallel", 1) > 1:
         from tfbig.distribute.expert_parallel import ExpertParallelStrategy
 
