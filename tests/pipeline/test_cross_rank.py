@@ -74,8 +74,14 @@ SLOW_SCENARIOS = {
                                     {"first_gradients": True}),
 }
 # A launch of its own (slow): Llama (RMSNorm, RoPE, SwiGLU, 4 query / 2 key-value heads), its
-# untied head on the last stage, 1F1B; and its tied word table read by both stages, GPipe.
+# untied head on the last stage, 1F1B; its tied word table read by both stages, GPipe; each
+# stage's optimizer state sharded over its data ranks (ZeRO-1); and each stage's sequences
+# split over 2 context ranks (RoPE at each rank's own positions on both stages).
 LLAMA_SCENARIOS = {
+    "llama_pp2_dp2_zero1": (2, dict(schedule="1f1b", num_microbatches=2, zero_stage=1),
+                            dict(model="llama", num_heads=4), {"first_gradients": True}),
+    "llama_cp2_pp2": (2, dict(schedule="1f1b", num_microbatches=2, context_parallel=2),
+                      dict(model="llama", num_heads=4), {"first_gradients": True}),
     "llama_pp2_dp2_1f1b": (2, dict(schedule="1f1b", num_microbatches=2),
                            dict(model="llama", num_heads=4), {"first_gradients": True}),
     "llama_tied_pp2_dp2_gpipe": (2, dict(schedule="gpipe", num_microbatches=2),
