@@ -12,9 +12,10 @@ With --zero_stage=1|2 (tfbig.distribute.expert_zero) the optimizer state of ever
 the experts is sliced over the partition group, the experts' kept whole on their ranks.
 
 Default run: EP2 on 2 ranks, EP2 with --activation_checkpointing (its blocks recomputed in
-the backward, the all-to-alls with them) and EP2 x ZeRO-1 (resumed), in one launch with the
-refusals. Slow: the resumed run (a launch of its own), EP2 x DP2 and EP4 on 4 ranks, EP2 x DP2
-with ZeRO-1 and ZeRO-2 over partition groups of 4."""
+the backward, the all-to-alls with them), EP2 x ZeRO-1 (resumed) and EP2 started from a
+single-device checkpoint, in one launch with the refusals. Slow: the resumed run (a launch of
+its own), EP2 x DP2 and EP4 on 4 ranks, EP2 x DP2 with ZeRO-1 over a partition group of 4 and
+ZeRO-2 over MiCS groups of 2."""
 import os
 import sys
 
@@ -66,10 +67,10 @@ def launch(root, plan, ranks):
             for run in plan}, output
 
 
-def reference(data_dir, model_dir, replicas):
+def reference(data_dir, model_dir, replicas, **train):
     """One process reading every replica's batch, one micro-batch each; (trainer, losses)."""
     cfg = make_cfg(data_dir, model_dir, **{**EQUIVALENCE, **MOE, "grad_accum_steps": replicas,
-                                           "eval_steps": replicas})
+                                           "eval_steps": replicas, **train})
     logger = RecordingLogger(cfg.train.model_dir, True, cfg.train.max_steps)
     trainer = Trainer(cfg, task=ReplicasTask(cfg.train, replicas, get_task(cfg.train, cfg)),
                       logger=logger)
@@ -123,6 +124,7 @@ REFUSED = {"indivisible": "--expert_parallel=2: the 3 experts of llama/block_0/m
 @pytest.fixture(scope="module")
 def ep2(gpt_data, tmp_path_factory):
     root = tmp_path_factory.mktemp("expert_parallel")
+    reference(gpt_data, root / "from_one", 2, max_steps=2)  # a single-device checkpoint
     results, output = launch(root, [
         refused(gpt_data, root, "indivisible", moe={"num_experts": 3}),
         refused(gpt_data, root, "dense", preset="tiny"),
@@ -133,7 +135,8 @@ def ep2(gpt_data, tmp_path_factory):
                   root / "out", first_gradients=True, interrupt_at=2),
         # the ZeRO pieces resumed without --zero_stage: refused before anything is restored
         run_entry("ep2_zero1_as_ep2", ep_cfg(gpt_data, root / "ep2_zero1", 2), root / "out",
-                  expect_error=True)],
+                  expect_error=True),
+        run_entry("from_one", ep_cfg(gpt_data, root / "from_one", 2), root / "out")],
         ranks=2)
     return results, output, root
 
@@ -232,6 +235,23 @@ def test_zero_partition_groups_across_expert_groups_equal_one_process(
     assert sorted(os.listdir(root / "ep" / "expert")) == [f"rank-{r}" for r in range(1, shards)]
 
 
+@pytest.mark.multiproc
+def test_a_single_device_checkpoint_starts_an_expert_parallel_run(ep2, gpt_data, shared,
+                                                                  tmp_path_factory):
+    """The one process's checkpoint after 2 steps (as a converted or consolidated checkpoint
+    is: no expert.json), resumed under --expert_parallel=2: each rank cuts its experts and
+    their Adam slots from it, and steps 3-4 are the one process's."""
+    results = ep2[0]
+    single, losses = shared(("moe", 2), lambda: reference(
+        gpt_data, tmp_path_factory.mktemp("moe_reference"), 2))
+    first = results["from_one"][0]
+    assert list(first["loss_steps"]) == [3, 4]
+    np.testing.assert_allclose(first["losses"], losses[2:], rtol=1e-5)
+    for path, ours in zip(single.recorded.paths, listed(first, "w"), strict=True):
+        single.recorded.assert_equal_piece(path, ours, err_msg=path)
+    np.testing.assert_array_equal(listed(results["from_one"][1], "w")[0], listed(first, "w")[0])
+
+
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_a_resumed_expert_parallel_run_continues_exactly(ep2, gpt_data, tmp_path_factory):
@@ -261,3 +281,26 @@ def test_four_ranks_with_experts_split_in_twos_or_fours_equal_one_process(
         gpt_data, tmp_path_factory.mktemp("moe_reference4"), 4))
     check_equal_to_one_process(results["ep"], single, losses, expert)
     assert f"expert groups of {expert}" in output
+
+
+@pytest.mark.parametrize("layout_file, flag", [("zero.json", "--zero_stage"),
+                                               ("tensor.json", "--tensor_parallel"),
+                                               ("pipeline.json", "--pipeline_stages")])
+def test_another_layouts_pieces_are_not_taken_for_a_single_device_checkpoint(
+        tmp_path, layout_file, flag):
+    from types import SimpleNamespace
+
+    from tfbig.distribute.expert_parallel import ExpertParallelStrategy
+    from tfbig.layouts import stage_checkpoint, tensor_layout, zero_checkpoint
+
+    assert {zero_checkpoint.LAYOUT_FILE, tensor_layout.LAYOUT_FILE,
+            stage_checkpoint.LAYOUT_FILE} == {"zero.json", "tensor.json", "pipeline.json"}
+    ExpertParallelStrategy._refuse_other_pieces(SimpleNamespace(size=2), str(tmp_path))
+    (tmp_path / layout_file).write_text('{"zero_stage": 1, "shard_degree": 2, '
+                                        '"tensor_parallel": 2, "splits": {}, '
+                                        '"pipeline_stages": 2}')
+    with pytest.raises(ValueError) as error:
+        ExpertParallelStrategy._refuse_other_pieces(SimpleNamespace(size=2), str(tmp_path))
+    assert str(error.value).startswith(f"--model_dir={tmp_path} was written with {flag} "
+                                       f"({layout_file}): --expert_parallel=2 starts from a "
+                                       f"single-device checkpoint only")

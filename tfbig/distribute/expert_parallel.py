@@ -16,9 +16,12 @@ mean of the D replicas' losses):
         divided by D (= averaged over the replicas, divided by N).
 The clipping norm sums the expert slices' squares over the expert group. Checkpoints: each rank
 of the first expert group writes its experts (piece_dir(..., "expert", rank)); a run resumes
-with the same --expert_parallel.
+with the same --expert_parallel, or starts from a single-device checkpoint (a converted
+Mixtral's, a consolidated run's), each rank cutting its experts and their slots from it.
 """
 import math
+import types
+
 import numpy as np
 import tensorflow as tf
 
@@ -26,12 +29,12 @@ from tfbig.checkpoints.checkpoint import piece_dir, read_layout, slot_owners, wr
 from tfbig.distribute.horovod import HorovodStrategy
 from tfbig.distribute.horovod_keras import hvd
 from tfbig.distribute.tensor_collectives import all_reduce_sum
-from tfbig.distribute.tensor_parallel import skip_everywhere
+from tfbig.distribute.tensor_parallel import restore_from_single_device, skip_everywhere
 from tfbig.layouts.tensor_layout import replace_variable
 from tfbig.layouts.tensor_plan import resolve_plan_layers
 from tfbig.models.layout import layout_of
 
-from tfbig.layouts import zero_checkpoint
+from tfbig.layouts import stage_checkpoint, tensor_layout, zero_checkpoint
 from tfbig.layouts.expert_checkpoint import LAYOUT_FILE
 
 
@@ -218,14 +221,13 @@ class ExpertParallelStrategy(HorovodStrategy):
             else None
 
     def restore_dir(self, model_dir):
+        """This rank's piece; `model_dir` itself for a single-device checkpoint (a converted
+        one included: every rank of the first expert group cuts its experts from it)."""
         saved = read_layout(model_dir, LAYOUT_FILE)
-        if saved is None and not tf.train.latest_checkpoint(model_dir):
-            return piece_dir(model_dir, "expert", self.expert_rank)  # a fresh run
         if saved is None:
-            raise ValueError(f"--model_dir={model_dir} holds a checkpoint without {LAYOUT_FILE} "
-                             f"(not written with --expert_parallel); resuming it under "
-                             f"--expert_parallel={self.size} is not supported; resume it on the "
-                             f"layout that wrote it")
+            self._refuse_other_pieces(model_dir)
+            return model_dir if tf.train.latest_checkpoint(model_dir) else piece_dir(
+                model_dir, "expert", self.expert_rank)
         if zero_checkpoint.read_layout(model_dir) is not None:
             raise ValueError(f"--model_dir={model_dir} was written with --expert_parallel and "
                              f"--zero_stage (zero.json): its optimizer state is sliced over "
@@ -236,8 +238,26 @@ class ExpertParallelStrategy(HorovodStrategy):
                              f"with the same degree")
         return piece_dir(model_dir, "expert", self.expert_rank)
 
+    def _refuse_other_pieces(self, model_dir):
+        """A checkpoint of per-rank pieces of another layout is not a single-device one."""
+        for layouts, flag in ((zero_checkpoint, "--zero_stage"),
+                              (tensor_layout, "--tensor_parallel"),
+                              (stage_checkpoint, "--pipeline_stages")):
+            if layouts.read_layout(model_dir) is not None:
+                raise ValueError(
+                    f"--model_dir={model_dir} was written with {flag} ({layouts.LAYOUT_FILE}): "
+                    f"--expert_parallel={self.size} starts from a single-device checkpoint "
+                    f"only; consolidate it into one first (python -m tfbig.commands."
+                    f"consolidate {model_dir} OUT_DIR) or resume it with its own flags")
+
     def restore(self, trainer, path):
-        """This rank's piece (its experts; the rest as every piece holds it)."""
+        """This rank's piece (its experts; the rest as every piece holds it), or its experts
+        cut from a single-device checkpoint, the optimizer's slots with them."""
+        if read_layout(trainer.cfg.train.model_dir, LAYOUT_FILE) is None:
+            group = types.SimpleNamespace(rank=self.expert_rank, size=self.size)
+            return restore_from_single_device(trainer, path, group,
+                                              {p: (0, 1) for p in self.expert_paths},
+                                              own_rng=False)
         trainer.checkpoint.restore(path).assert_existing_objects_matched()
 
     def after_checkpoint(self, directory):

@@ -34,13 +34,14 @@ def skip_everywhere(grads, process_set):
     return [g + tf.cast(poison, g.dtype) for g in grads]
 
 
-def restore_from_single_device(trainer, path, group, splits):
+def restore_from_single_device(trainer, path, group, splits, own_rng=True):
     """Restore single-device checkpoint `path` into tensor rank `group.rank`'s slices.
 
     The full model and its optimizer are built on this process for the duration of the restore
     (P parameters and their slots, as one device of the single-device run held them), restored,
-    and every variable's slice assigned; dropout states as `split_model` offsets them. So a run
-    consolidated from any layout (tfbig.training.consolidate) resumes under any --tensor_parallel."""
+    and every variable's slice assigned; dropout states as `split_model` offsets them (none
+    without `own_rng`: expert parallelism's ranks share them). So a run consolidated from any
+    layout (tfbig.training.consolidate) resumes under any --tensor_parallel."""
     from types import SimpleNamespace
 
     from tfbig.checkpoints.checkpoint import model_variables, rng_variables
@@ -53,7 +54,7 @@ def restore_from_single_device(trainer, path, group, splits):
                         optimizer=optimizer, **counters).restore(
         path).assert_existing_objects_matched()
     source = state_arrays(SimpleNamespace(model=full, optimizer=optimizer, **counters), splits)
-    own = own_mask_states(trainer.model, group, trainer.task)
+    own = own_mask_states(trainer.model, group, trainer.task) if own_rng else set()
     own_rng = {f"rng/{i}" for i, v in enumerate(
         v for v in trainer.model.variables if "seed_generator" in v.path) if id(v) in own}
     for name, variable in state_variables(trainer).items():
