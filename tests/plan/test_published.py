@@ -14,6 +14,7 @@ import dataclasses
 import pytest
 
 from tfbig.models.configs import BertConfig
+from tfbig.models.llama_config import LlamaConfig
 from tfbig.plan import estimate, hardware, search, speed
 from tfbig.models import shapes as models
 
@@ -155,3 +156,60 @@ def test_matmul_efficiency_rises_with_width_on_v100():
     # fp32's ridge point is 8x lower: the same small products run near the big-GEMM fraction
     fp32 = hardware.gpu("V100-32GB", "fp32")
     assert speed.matmul_fraction(small, layout, 8, fp32, "fp32") > small_fraction
+
+
+# ---- Llama 3 (torchtitan) ------------------------------------------------------------------
+# torchtitan's benchmarks/llama3_h100_202412_torchtitan.md: Grand Teton hosts of 8 H100s (96 GB
+# HBM2e, 2.4 TB/s, the default 500 W power limit), 400 Gb/s RDMA per GPU between hosts, bf16,
+# sequence length 8192, tokens per second per GPU at the 90th step.
+TORCHTITAN = ("https://github.com/pytorch/torchtitan/blob/main/benchmarks/"
+              "llama3_h100_202412_torchtitan.md")
+
+
+@dataclasses.dataclass(frozen=True)
+class PublishedLlama:
+    table: str
+    preset: str
+    gpus: int
+    fsdp: int  # ranks sharding the model state (FSDP2: tfbig's --zero_stage=3)
+    tensor: int
+    local_batch: int  # sequences per FSDP rank and step
+    tokens_per_sec_per_gpu: float
+    planned_ratio: float  # planned / published, as the plan gives it today
+    fits: bool  # whether the plan fits the layout in 80 GB
+
+
+LLAMA_FIGURES = [
+    # Table 1: 1D (FSDP), 8 GPUs, local batch 2, selective activation checkpointing, eager
+    PublishedLlama("Table 1", "llama-8b", 8, 8, 1, 2, 5762, 0.654, True),
+    # Table 4: 2D (FSDP 32 x TP 8, sequence-parallel TP), 256 GPUs, local batch 16, full
+    # activation checkpointing, torch.compile + Float8 (the plan knows neither)
+    PublishedLlama("Table 4", "llama-70b", 256, 32, 8, 16, 829, 0.52, False),
+]
+
+
+def planned_llama(figure):
+    """The plan of a torchtitan figure: ZeRO-3 over the FSDP ranks x the tensor ranks, every
+    block recomputed (the plan's only recomputation), H100-80GB's spec at bf16."""
+    shape = models.shape_of(LlamaConfig.from_preset(figure.preset, seq_length=8192), "llama",
+                            8192)
+    cluster = hardware.Cluster(hardware.gpu("H100-80GB", "mixed_bfloat16"), 8,
+                               figure.gpus // 8, 8 * 400e9 / 8)
+    layout = estimate.Layout(data=figure.fsdp, tensor=figure.tensor, zero_stage=3,
+                             activation_checkpointing=True)
+    return search.evaluate(shape, layout, figure.local_batch * figure.fsdp, "mixed_bfloat16",
+                           cluster, 300e9)
+
+
+@pytest.mark.parametrize("figure", LLAMA_FIGURES, ids=lambda f: f"{f.preset}-{f.table}")
+def test_llama3_figures_of_torchtitan_are_planned_at_their_listed_ratio(figure):
+    """Not within the issue's +-25% yet: the plan gives tfbig's TensorFlow step (unfused
+    elementwise work over a quarter of it, whole blocks recomputed where torchtitan recomputes
+    selected ops) 0.65x torchtitan's eager 8B step; for the 70B figure, which torchtitan ran
+    with torch.compile and Float8 matmuls, 0.52x, and the layout does not fit: tfbig's Llama
+    tensor plan splits no sequence, so every rank keeps each block's whole-sequence input."""
+    plan = planned_llama(figure)
+    ratio = plan.tokens_per_sec / figure.gpus / figure.tokens_per_sec_per_gpu
+    assert ratio == pytest.approx(figure.planned_ratio, abs=0.01), ratio
+    assert plan.fits == figure.fits
+    assert plan.time["elementwise"] > 0.25 * plan.step_seconds
