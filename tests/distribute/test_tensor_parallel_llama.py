@@ -6,7 +6,8 @@ tensor rank holds 2 query heads and the 1 key/value head they read), SwiGLU widt
 head; clipping active, 2 accumulated micro-batches. Default run: TP2 on 2 ranks (losses over 4
 steps at rtol 1e-5, final weights by tests/equality.py's rule, first-step gradients assembled
 from the slices). Slow: TP2 x DP2 on 4 ranks, alone and with ZeRO-1 and ZeRO-3, and TP2 with
-the tied word table.
+the tied word table, alone and with --sequence_parallel (each RMSNorm and the residual stream
+on the rank's half of the positions, gathered into the split regions and reduce-scattered out).
 In-process: each rank's slice of the single-device initialisation, and the refusals.
 """
 import json
@@ -30,7 +31,9 @@ SLOW_SCENARIOS = {"llama_tp2_dp2": (4, 2, {}),
                   # sharded over its 2 data ranks
                   "llama_tp2_dp2_zero1": (4, 2, {"zero_stage": 1}),
                   "llama_tp2_dp2_zero3": (4, 2, {"zero_stage": 3}),
-                  "llama_tp2_tied": (2, 2, {"preset": "small"})}  # small: a tied table
+                  "llama_tp2_tied": (2, 2, {"preset": "small"}),  # small: a tied table
+                  # each norm on the rank's half of the positions, the tied table too
+                  "llama_tp2_sequence": (2, 2, {"sequence_parallel": True, "preset": "small"})}
 
 
 def launch(root, scenarios, ranks, data_dir):
@@ -86,6 +89,9 @@ def test_llama_tensor_parallel_equals_one_process(request, gpt_data, shared, tmp
     assert len(listed(first, "gradients")) == len(grads) > 10
     for ours, theirs in zip(listed(first, "gradients"), grads):
         np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-7)
+    if train.get("sequence_parallel"):  # the run split its norms' positions over the group
+        assert ("sequence parallel: their activations split along the sequence, positions "
+                f"t*T/{tensor}.. on tensor rank t") in read(results.parent / "log.txt")
     for other in per_rank[1:]:  # every rank's group assembles the same model
         for a, b in zip(listed(first, "w"), listed(other, "w")):
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
@@ -94,11 +100,10 @@ def test_llama_tensor_parallel_equals_one_process(request, gpt_data, shared, tmp
 class _Task:
     """A tiny Llama to split, without data."""
 
-    seq_length = 16
-
-    def __init__(self, **config):
+    def __init__(self, seq_length=16, **config):
         from tfbig.models.llama import LlamaConfig
 
+        self.seq_length = seq_length
         self.config = LlamaConfig.from_preset("tiny", **{
             "vocab_size": 320, "hidden_size": 32, "num_heads": 4, "num_kv_heads": 2,
             "intermediate_size": 96, **config})
@@ -150,7 +155,8 @@ def test_a_llama_rank_holds_its_heads_and_columns_of_the_single_device_model(tie
      r"--tensor_parallel=2 does not divide num_kv_heads=1 \(num_heads=4\)"),
     (dict(num_heads=4, num_kv_heads=4, qk_norm=True), 2, False,
      "--tensor_parallel=2 with qk_norm"),
-    (dict(), 2, True, "--sequence_parallel: no sequence-parallel plan for Llama"),
+    (dict(seq_length=15), 2, True, "--sequence_parallel with --tensor_parallel=2: the "
+     "sequence length 15 must be a multiple of 2"),
 ])
 def test_llama_layouts_that_do_not_split_are_refused_by_name(config, size, sequence, message):
     with pytest.raises(ValueError, match=message):

@@ -288,10 +288,12 @@ def own_mask_states(model, group, task=None):
 
 
 def _check_sequence_parallel(model, layers, seq_length, size):
-    if not any(split.kind == "positions" for _, split in layers):
+    # a family with a plan chunks its position embedding (GPT, BERT, ALBERT) or, with rotary
+    # positions applied on the gathered sequence, declares its chunk's dropout masks (Llama)
+    if not any(split.kind in ("positions", "sequence_mask") for _, split in layers):
         raise ValueError(f"--sequence_parallel: no sequence-parallel plan for "
-                         f"{type(model).__name__}; GPT, ALBERT and BERT pretraining have one. "
-                         f"Run it without --sequence_parallel")
+                         f"{type(model).__name__}; GPT, ALBERT, BERT pretraining and Llama "
+                         f"have one. Run it without --sequence_parallel")
     if seq_length % size:
         raise ValueError(f"--sequence_parallel with --tensor_parallel={size}: the sequence "
                          f"length {seq_length} must be a multiple of {size} (each rank holds "

@@ -48,6 +48,9 @@ TENSOR_LAYOUT = (
     ("embedding", Split("vocab")),
     ("head", Split("vocab_column")),
     ("final_norm", Split("vocab_input")),
+    # --sequence_parallel: each norm runs on the rank's chunk of positions (its output
+    # gathered whole into the split region, the row outputs reduce-scattered back to chunks)
+    ("blocks.*.drop", Split("sequence_mask")),
 )
 
 class RMSNorm(keras.layers.Layer):

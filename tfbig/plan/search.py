@@ -86,25 +86,12 @@ def evaluate(shape, layout, batch_size, precision, cluster, token_budget):
                     days * 24 * layout.gpus, stage)
 
 
-# What tfbig-train runs per family where that is less than every layout: {flag: largest value}.
-# The Llama family trains under every layout but sequence parallelism (its tensor plan splits
-# no sequence: tfbig-train refuses it).
-FAMILY_LIMITS = {"llama": {"sequence_parallel": False}}
-
-
 def _divisors(n):
     return [i for i in range(1, n + 1) if n % i == 0]
 
 
 def check_layout(shape, fixed, cluster, batch_size):
     """Named errors for fixed flags that cannot divide the model, the cluster or the batch."""
-    for flag, most in FAMILY_LIMITS.get(shape.family, {}).items():
-        if fixed.get(flag, 0) > most and most is False:
-            raise ValueError(f"--{flag}: tfbig-train runs the {shape.family} family without "
-                             f"--{flag}")
-        if fixed.get(flag, 0) > most:
-            raise ValueError(f"--{flag}={fixed[flag]}: tfbig-train runs the {shape.family} "
-                             f"family with --{flag} at most {most}")
     t, k = fixed.get("tensor_parallel"), fixed.get("pipeline_stages")
     if t is not None and (t < 1 or shape.kv_heads % t):
         kv = f", num_kv_heads={shape.kv_heads}" if shape.kv_heads != shape.num_heads else ""
@@ -173,8 +160,6 @@ def _options(fixed, name, searched):
 def candidates(shape, cluster, fixed, batch_size):
     """(Layout, global batch) pairs allowed by the fixed flags."""
     node = cluster.gpus_per_node  # a tensor group is never split between nodes
-    limits = FAMILY_LIMITS.get(shape.family, {})
-    fixed = {**{f: most for f, most in limits.items() if most <= 1}, **fixed}
     cuts = {}  # pipeline stages -> transformer layers per stage
     for t in _options(fixed, "tensor_parallel", [t for t in _divisors(shape.kv_heads)
                                                  if node % t == 0]):
@@ -189,8 +174,6 @@ def candidates(shape, cluster, fixed, batch_size):
                 if k not in cuts:  # tfbig-train's FLOPs-balanced partition of the layers
                     cuts[k] = estimate.partition_layers(shape, k) if k > 1 else ()
                 for layout, batch in _data_layouts(fixed, t, k, d, batch, cuts[k]):
-                    if layout.zero_stage > limits.get("zero_stage", 3):
-                        continue
                     layout = dataclasses.replace(layout, context=c)
                     for n in _expert_options(shape, fixed, d):
                         layout = dataclasses.replace(layout, expert=n)
