@@ -175,16 +175,16 @@ class PublishedLlama:
     tensor: int
     local_batch: int  # sequences per FSDP rank and step
     tokens_per_sec_per_gpu: float
+    sequence_parallel: bool  # torchtitan's TP splits the norms' sequence (tfbig: the flag)
     planned_ratio: float  # planned / published, as the plan gives it today
-    fits: bool  # whether the plan fits the layout in 80 GB
 
 
 LLAMA_FIGURES = [
     # Table 1: 1D (FSDP), 8 GPUs, local batch 2, selective activation checkpointing, eager
-    PublishedLlama("Table 1", "llama-8b", 8, 8, 1, 2, 5762, 0.654, True),
+    PublishedLlama("Table 1", "llama-8b", 8, 8, 1, 2, 5762, False, 0.654),
     # Table 4: 2D (FSDP 32 x TP 8, sequence-parallel TP), 256 GPUs, local batch 16, full
     # activation checkpointing, torch.compile + Float8 (the plan knows neither)
-    PublishedLlama("Table 4", "llama-70b", 256, 32, 8, 16, 829, 0.52, False),
+    PublishedLlama("Table 4", "llama-70b", 256, 32, 8, 16, 829, True, 0.57),
 ]
 
 
@@ -196,7 +196,8 @@ def planned_llama(figure):
     cluster = hardware.Cluster(hardware.gpu("H100-80GB", "mixed_bfloat16"), 8,
                                figure.gpus // 8, 8 * 400e9 / 8)
     layout = estimate.Layout(data=figure.fsdp, tensor=figure.tensor, zero_stage=3,
-                             activation_checkpointing=True)
+                             activation_checkpointing=True,
+                             sequence_parallel=figure.sequence_parallel)
     return search.evaluate(shape, layout, figure.local_batch * figure.fsdp, "mixed_bfloat16",
                            cluster, 300e9)
 
@@ -204,12 +205,11 @@ def planned_llama(figure):
 @pytest.mark.parametrize("figure", LLAMA_FIGURES, ids=lambda f: f"{f.preset}-{f.table}")
 def test_llama3_figures_of_torchtitan_are_planned_at_their_listed_ratio(figure):
     """Not within the issue's +-25% yet: the plan gives tfbig's TensorFlow step (unfused
-    elementwise work over a quarter of it, whole blocks recomputed where torchtitan recomputes
-    selected ops) 0.65x torchtitan's eager 8B step; for the 70B figure, which torchtitan ran
-    with torch.compile and Float8 matmuls, 0.52x, and the layout does not fit: tfbig's Llama
-    tensor plan splits no sequence, so every rank keeps each block's whole-sequence input."""
+    elementwise work a fifth to a third of it, whole blocks recomputed where torchtitan recomputes
+    selected ops) 0.65x torchtitan's eager 8B step; 0.57x its 70B step, which torchtitan ran
+    with torch.compile and Float8 matmuls. Both layouts fit in 80 GB as planned."""
     plan = planned_llama(figure)
     ratio = plan.tokens_per_sec / figure.gpus / figure.tokens_per_sec_per_gpu
     assert ratio == pytest.approx(figure.planned_ratio, abs=0.01), ratio
-    assert plan.fits == figure.fits
-    assert plan.time["elementwise"] > 0.25 * plan.step_seconds
+    assert plan.fits
+    assert plan.time["elementwise"] >= 0.2 * plan.step_seconds
