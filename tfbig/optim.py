@@ -95,7 +95,7 @@ def no_decay_variables(variables):
 
 
 def build_optimizer(train, variables, no_decay=None, sum_over_shards=None, replicated=None,
-                    adapt=None, sum_replicated=None):
+                    adapt=None, sum_replicated=None, sum_for=None):
     """The optimizer for TrainConfig `train`, wrapped in a LossScaleOptimizer for fp16.
 
     Weight decay skips `no_decay` (default: `no_decay_variables(variables)`); clipping is by
@@ -105,8 +105,11 @@ def build_optimizer(train, variables, no_decay=None, sum_over_shards=None, repli
     per-layer trust ratio then see whole variables. `replicated` (booleans in the order of
     `variables`; tensor parallelism) marks variables every rank holds whole: their squares
     are counted once, outside `sum_over_shards` (through `sum_replicated` if given: ZeRO slices
-    of replicated tensor-parallel variables). `adapt(cls) -> cls` lets a backend change the
-    optimizer class (the cross-rank pipeline's global norm over stages).
+    of replicated tensor-parallel variables). `sum_for` (one function per variable, in the
+    order of `variables`) replaces both where a layout has slices of more than one kind (an
+    expert's over the expert group, a tensor slice's over the tensor group). `adapt(cls) ->
+    cls` lets a backend change the optimizer class (the cross-rank pipeline's global norm over
+    stages).
     """
     if train.optimizer not in OPTIMIZERS:
         raise ValueError(f"--optimizer={train.optimizer!r}: expected one of {OPTIMIZERS}")
@@ -117,8 +120,8 @@ def build_optimizer(train, variables, no_decay=None, sum_over_shards=None, repli
         schedule = WarmupStableDecay(train.learning_rate, train.warmup_steps,
                                      train.lr_schedule, train.min_lr_ratio)
     cls = keras.optimizers.AdamW if train.optimizer == "adamw" else keras.optimizers.Lamb
-    if sum_over_shards is not None:
-        cls = sharded_class(cls, sum_over_shards, replicated, sum_replicated)
+    if sum_over_shards is not None or sum_for is not None:
+        cls = sharded_class(cls, sum_over_shards, replicated, sum_replicated, sum_for)
     if adapt is not None:
         cls = adapt(cls)
     optimizer = cls(learning_rate=schedule, weight_decay=train.weight_decay,
@@ -132,24 +135,28 @@ def build_optimizer(train, variables, no_decay=None, sum_over_shards=None, repli
     return optimizer
 
 
-def sharded_class(cls, sum_over_shards, replicated=None, sum_replicated=None):
+def sharded_class(cls, sum_over_shards, replicated=None, sum_replicated=None, sum_for=None):
     """`cls` (AdamW or Lamb) for variables that are slices: norms are summed over slices
     (except those of the variables `replicated` marks, in the order of the optimizer's: those
-    through `sum_replicated`, default none)."""
+    through `sum_replicated`, default none). `sum_for`: each variable's own sum instead (the
+    squares of the variables sharing one are summed first, then it is applied once)."""
     sum_replicated = sum_replicated or (lambda x: x)
 
-    def whole(index):
-        return replicated is not None and replicated[index]
+    def sum_of(index):
+        if sum_for is not None:
+            return sum_for[index]
+        whole = replicated is not None and replicated[index]
+        return sum_replicated if whole else sum_over_shards
 
     class Sharded(cls):
         def _clip_gradients(self, grads):
             if not (self.global_clipnorm and self.global_clipnorm > 0):
                 return super()._clip_gradients(grads)
-            sliced = [ops.sum(ops.square(g)) for i, g in enumerate(grads) if not whole(i)]
-            squares = sum_over_shards(ops.sum(ops.stack(sliced)))
-            kept = [ops.sum(ops.square(g)) for i, g in enumerate(grads) if whole(i)]
-            if kept:
-                squares = squares + sum_replicated(ops.sum(ops.stack(kept)))
+            kinds = {}  # the sum -> its variables' squares, in the order first met (each
+            for i, g in enumerate(grads):  # rank meets them alike: collectives pair up)
+                kinds.setdefault(sum_of(i), []).append(ops.sum(ops.square(g)))
+            squares = [total(ops.sum(ops.stack(found))) for total, found in kinds.items()]
+            squares = squares[0] if len(squares) == 1 else ops.sum(ops.stack(squares))
             norm = ops.sqrt(squares)  # the same formula as keras' clip_by_global_norm
             scale = self.global_clipnorm * ops.minimum(1.0 / norm, 1.0 / self.global_clipnorm)
             return [g * (scale + (norm - norm)) for g in grads]
@@ -172,10 +179,7 @@ def sharded_class(cls, sum_over_shards, replicated=None, sum_replicated=None):
                 update = ops.divide(m_t_hat, v_sqrt)
                 squares = ops.stack([ops.sum(ops.power(variable, 2)),
                                      ops.sum(ops.power(update, 2))])
-                if not whole(self._get_variable_index(variable)):
-                    squares = sum_over_shards(squares)
-                else:
-                    squares = sum_replicated(squares)
+                squares = sum_of(self._get_variable_index(variable))(squares)
                 w_norm, g_norm = ops.sqrt(squares[0]), ops.sqrt(squares[1])
                 ratio = ops.where(ops.greater(w_norm, 0),
                                   ops.where(ops.greater(g_norm, 0), (w_norm / g_norm), 1.0),

@@ -9,7 +9,8 @@ optional keys:
     interrupt_at        fit that many steps, then resume with a new Trainer
     poison_rank         that rank's loss is inf in the first step
     poison_gradient_rank  that rank's gradient of its first split variable (tensor parallelism:
-                        its own slice) is non-finite in the first step
+                        its own slice; expert parallelism: its first expert weight) is
+                        non-finite in the first step
     untied              GPT without tied embeddings (its own output projection)
     steps               fit this many steps only
     seed_by_rank        seed + rank: different initial weights before the broadcast
@@ -112,11 +113,12 @@ class UntiedTask(GPTTask):
 
 
 def poison_split_gradient(trainer):
-    """A variable the gradient of the model's first tensor-split variable is multiplied by
-    after the forward/backward (inf: a non-finite value in this rank's slice only)."""
+    """A variable the gradient of the model's first tensor-split variable (its first expert
+    weight under expert parallelism) is multiplied by after the forward/backward (inf: a
+    non-finite value in this rank's slice only)."""
     poison = tf.Variable(1.0, trainable=False)
-    index = next(i for i, v in enumerate(trainer.model.trainable_variables)
-                 if v.path in trainer.strategy.splits)
+    split = getattr(trainer.strategy, "expert_paths", None) or trainer.strategy.splits
+    index = next(i for i, v in enumerate(trainer.model.trainable_variables) if v.path in split)
     forward_backward = trainer.forward_backward
 
     def poisoned(batch):

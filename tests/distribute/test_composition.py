@@ -2,8 +2,8 @@
 refused by the backend registry before any backend starts, naming both flags; listed in the
 docs' table; never searched by tfbig-plan. The pairs that compose are proven equal to one
 process by the launches of test_context_parallel (CP x ZeRO-1/2/3, CP x TP), test_tensor_parallel
-(TP x ZeRO-1/2/3), test_tensor_pipeline (PP x TP), test_expert_parallel (EP x ZeRO-1/2) and
-the others."""
+(TP x ZeRO-1/2/3), test_tensor_pipeline (PP x TP), test_expert_parallel (EP x ZeRO-1/2, EP x
+TP) and the others."""
 import os
 import sys
 
@@ -27,7 +27,8 @@ IN_USE = {"tensor_parallel": 2, "pipeline_stages": 2, "context_parallel": 2,
 
 @pytest.mark.parametrize("first, second", [(a, b) for a, b, _ in composition.REFUSED])
 def test_each_refused_pair_is_named_before_any_backend_starts(first, second):
-    values = {composition.flag_name(spec): IN_USE[spec] for spec in (first, second)}
+    values = {name: IN_USE[part] for spec in (first, second) for part in spec.split("+")
+              for name in composition.flag_names(part)}
     with pytest.raises(UsageError) as error:
         horovod_backend(cfg_with(**values))  # raises before hvd.init: nothing started
     message = str(error.value)
@@ -44,8 +45,8 @@ def test_the_docs_table_lists_every_refused_pair_and_nothing_else():
     table = text[text.index("### What does not compose"):]
     table = table[:table.index("\n\n", table.index("| flag | with | why |"))]
     rows = [line.split("|")[1:3] for line in table.splitlines() if line.startswith("| `")]
-    listed = [(a.strip().strip("`").removeprefix("--"), b.strip().strip("`").removeprefix("--"))
-              for a, b in rows]
+    listed = [(a.strip().strip("`").removeprefix("--"),
+               b.strip().strip("`").removeprefix("--").replace("+--", "+")) for a, b in rows]
     assert len(listed) == len(set(listed))
     assert set(listed) == {(a, b) for a, b, _ in composition.REFUSED}
 
@@ -58,7 +59,8 @@ def test_the_pairs_the_launches_prove_compose():
                    {"pipeline_stages": 2, "zero_stage": 1, "shard_degree": 2},
                    {"pipeline_stages": 2, "tensor_parallel": 2, "zero_stage": 1},
                    {"expert_parallel": 2, "zero_stage": 1}, {"expert_parallel": 2,
-                   "zero_stage": 2, "shard_degree": 4}):
+                   "zero_stage": 2, "shard_degree": 4}, {"expert_parallel": 2,
+                   "tensor_parallel": 2}):
         assert composition.refusal(values) is None, values
     # a `name>=N` entry: refused from N on, with the value the flags hold
     for stage in (2, 3):

@@ -9,11 +9,15 @@ ranks; the per-expert token counts reach the progress line; a run resumed from i
 expert checkpoints continues exactly.
 
 With --zero_stage=1|2 (tfbig.distribute.expert_zero) the optimizer state of every weight but
-the experts is sliced over the partition group, the experts' kept whole on their ranks.
+the experts is sliced over the partition group, the experts' kept whole on their ranks. With
+--tensor_parallel=2 (tfbig.distribute.expert_tensor) each replica's attention and vocabulary
+are split over a tensor group and the experts over the expert groups of each tensor rank.
 
 Default run: EP2 on 2 ranks, EP2 with --activation_checkpointing (its blocks recomputed in
 the backward, the all-to-alls with them), EP2 x ZeRO-1 (resumed) and EP2 started from a
-single-device checkpoint, in one launch with the refusals. Slow: the resumed run (a launch of
+single-device checkpoint, in one launch with the refusals; EP2 x TP2 on 4 ranks (resumed,
+from a single-device checkpoint, an fp16 overflow), TP2 and TP2 x ZeRO-1 of the MoE model, in
+another. Slow: the resumed run (a launch of
 its own), EP2 x DP2 and EP4 on 4 ranks, EP2 x DP2 with ZeRO-1 over a partition group of 4 and
 ZeRO-2 over MiCS groups of 2."""
 import os
@@ -43,9 +47,10 @@ MOE = dict(model="llama", preset="tiny-moe", num_layers=0, hidden_size=0, num_he
 EXPERT_WEIGHTS = ("/mlp/experts/gate", "/mlp/experts/up", "/mlp/experts/down")
 
 
-def ep_cfg(gpt_data, model_dir, expert, recompute=False, zero_stage=0, shard_degree=0):
-    cfg = horovod_cfg(gpt_data, model_dir, **MOE)
-    cfg.parallel.expert_parallel = expert
+def ep_cfg(gpt_data, model_dir, expert, recompute=False, zero_stage=0, shard_degree=0,
+           tensor=1, **train):
+    cfg = horovod_cfg(gpt_data, model_dir, **{**MOE, **train})
+    cfg.parallel.expert_parallel, cfg.parallel.tensor_parallel = expert, tensor
     cfg.parallel.zero_stage, cfg.parallel.shard_degree = zero_stage, shard_degree
     cfg.pipeline.activation_checkpointing = recompute
     return cfg
@@ -79,9 +84,10 @@ def reference(data_dir, model_dir, replicas, **train):
     return trainer, np.array([logger.losses[s][0] for s in sorted(logger.losses)])
 
 
-def check_equal_to_one_process(results, single, losses, expert):
+def check_equal_to_one_process(results, single, losses, expert, tensor=1):
     first = results[0]
-    assert first["num_replicas"] == len(results) and first["step"] == EQUIVALENCE["max_steps"]
+    assert first["num_replicas"] * tensor == len(results)
+    assert first["step"] == EQUIVALENCE["max_steps"]
     for other in results[1:]:  # the full weights (experts gathered) and losses agree
         for key in [k for k in first if k[0] == "w" and k[1:].isdigit()]:
             np.testing.assert_array_equal(first[key], other[key], err_msg=key)
@@ -102,7 +108,8 @@ def check_equal_to_one_process(results, single, losses, expert):
                                    err_msg=paths[i])
     assert float(first["eval_loss"]) == pytest.approx(single.evaluate()["loss"], rel=1e-5)
     for result in results:  # E/N experts on each rank (2 layers x 3 x (4, 32, 64) float32)
-        assert result["bytes_expert_parameters"] * expert == 2 * 3 * 4 * 32 * 64 * 4
+        assert result.get("bytes_expert_parameters", 2 * 3 * 4 * 32 * 64 * 4) * expert == (
+            2 * 3 * 4 * 32 * 64 * 4)
 
 
 def refused(gpt_data, root, name, expert=2, moe=None, **train):
@@ -233,6 +240,82 @@ def test_zero_partition_groups_across_expert_groups_equal_one_process(
     check_zero_over_the_other_weights(results["ep"], single, shards)
     assert "expert groups of 2" in output
     assert sorted(os.listdir(root / "ep" / "expert")) == [f"rank-{r}" for r in range(1, shards)]
+
+
+@pytest.fixture(scope="module")
+def ep2_tp2(gpt_data, tmp_path_factory):
+    """One 4-rank launch: EP2 x TP2 (resumed from its pieces), TP2 of the MoE model alone (its
+    experts whole on both tensor ranks), EP2 x TP2 from a single-device checkpoint and with an
+    fp16 overflow in one rank's experts, and --sequence_parallel refused."""
+    root = tmp_path_factory.mktemp("expert_tensor")
+    reference(gpt_data, root / "from_one", 2, max_steps=2)  # a single-device checkpoint
+    fp16 = dict(precision="mixed_float16", max_steps=2)
+    sequence = ep_cfg(gpt_data, root / "sequence", 2, tensor=2)
+    sequence.parallel.sequence_parallel = True
+    results, output = launch(root, [
+        run_entry("ep2_tp2", ep_cfg(gpt_data, root / "ep2_tp2", 2, tensor=2), root / "out",
+                  first_gradients=True, interrupt_at=2),
+        run_entry("tp2", ep_cfg(gpt_data, root / "tp2", 1, tensor=2), root / "out",
+                  first_gradients=True),
+        run_entry("tp2_zero1", ep_cfg(gpt_data, root / "tp2_zero1", 1, tensor=2, zero_stage=1),
+                  root / "out", first_gradients=True),
+        run_entry("from_one", ep_cfg(gpt_data, root / "from_one", 2, tensor=2), root / "out"),
+        run_entry("fp16_skip", ep_cfg(gpt_data, root / "fp16", 2, tensor=2, **fp16),
+                  root / "out", poison_gradient_rank=3),
+        run_entry("sequence", sequence, root / "out", expect_error=True)],
+        ranks=4)
+    return results, output, root
+
+
+@pytest.mark.multiproc
+def test_experts_over_expert_groups_with_the_attention_split_equal_one_process(
+        ep2_tp2, gpt_data, shared, tmp_path_factory):
+    """--expert_parallel=2 --tensor_parallel=2 on 4 ranks (2 data replicas, each a tensor
+    group), stopped after 2 steps and resumed from its (tensor rank, expert rank) pieces: the
+    one process's losses, weights and first gradients of routers and experts; the pieces read
+    back as one model. The MoE model under --tensor_parallel=2 alone (with and without
+    ZeRO-1) equals it too."""
+    results, output, root = ep2_tp2
+    single, losses = shared(("moe", 2), lambda: reference(
+        gpt_data, tmp_path_factory.mktemp("moe_reference"), 2))
+    run = results["ep2_tp2"]
+    assert [int(r["restored_step"]) for r in run] == [2] * 4
+    check_equal_to_one_process(run, single, losses, 2, tensor=2)
+    check_equal_to_one_process(results["tp2"], single, losses, 1, tensor=2)
+    check_equal_to_one_process(results["tp2_zero1"], single, losses, 1, tensor=2)
+    assert "expert groups of 2: [(0, 2), (1, 3)]" in output
+    for result in run:  # the attention's q, k, v and proj halved; the experts' halved too
+        assert 0 < int(result["bytes_split_parameters"])
+        assert int(result["bytes_expert_parameters"]) == 2 * 3 * 2 * 32 * 64 * 4
+    assert sorted(os.listdir(root / "ep2_tp2" / "tensor" / "rank-1" / "expert")) == ["rank-1"]
+    model, _ = load_model(str(root / "ep2_tp2"))
+    for v, ours in zip(model.trainable_variables, listed(run[0], "w"), strict=True):
+        np.testing.assert_array_equal(v.numpy(), ours, err_msg=v.path)
+
+
+@pytest.mark.multiproc
+def test_expert_tensor_layout_starts_from_one_device_skips_overflows_and_refuses_sequence(
+        ep2_tp2, gpt_data, shared, tmp_path_factory):
+    """From the one process's step-2 checkpoint, each rank cuts its tensor slices and its
+    experts: steps 3-4 are the one process's. fp16: an overflow in rank 3's experts only
+    skips the step on all 4 ranks (nothing changes, the scale halves alike). The routers'
+    losses are over a replica's whole batch, so --sequence_parallel is refused by name."""
+    from test_zero import check_the_poisoned_step_is_skipped_on_all
+
+    results, _, root = ep2_tp2
+    single, losses = shared(("moe", 2), lambda: reference(
+        gpt_data, tmp_path_factory.mktemp("moe_reference"), 2))
+    first = results["from_one"][0]
+    assert list(first["loss_steps"]) == [3, 4]
+    np.testing.assert_allclose(first["losses"], losses[2:], rtol=1e-5)
+    for path, ours in zip(single.recorded.paths, listed(first, "w"), strict=True):
+        single.recorded.assert_equal_piece(path, ours, err_msg=path)
+    check_the_poisoned_step_is_skipped_on_all(root / "out", "fp16_skip")
+    for result in results["sequence"]:
+        assert "--sequence_parallel: no sequence-parallel plan for Llama" in str(
+            result["error"])
+        assert "an MoE Llama has none" in str(result["error"])
+        assert not result["model_dir_exists"]
 
 
 @pytest.mark.multiproc

@@ -151,8 +151,8 @@ def load_model(model_dir):
     model_class, config_class = DECODERS[family]
     model = model_class(config_class(**saved["model_config"]), name=family)
     model.build((None, None))
-    pieces = next((m for m in (tensor_layout, stage_checkpoint,  # per-rank pieces
-                               expert_checkpoint, zero_checkpoint)
+    pieces = next((m for m in (expert_checkpoint, tensor_layout,  # per-rank pieces
+                               stage_checkpoint, zero_checkpoint)
                    if m.read_layout(model_dir) is not None), None)
     if pieces is not None:
         weights = pieces.assembled_weights(model_dir, model, warn)

@@ -86,6 +86,7 @@ class ExpertParallelStrategy(HorovodStrategy):
         self.expert_replica_set = self.mesh.process_set("expert_replica")
         group = self.mesh.mesh.group("expert", self.mesh.rank)
         self.expert_rank = group.index(self.mesh.rank)
+        self.skip_set = self.expert_set  # fp16: the ranks a non-finite gradient must reach
         self.expert_paths = set()  # paths of the variables this rank holds E/N experts of
         self._optimizer = None
 
@@ -115,10 +116,13 @@ class ExpertParallelStrategy(HorovodStrategy):
 
     def describe(self, model):
         """The rank grid and which experts each rank holds (printed at the start of a run)."""
+        return f"{self.mesh.mesh.describe()}\n{self._describe_experts(model)}"
+
+    def _describe_experts(self, model):
         total = sum(math.prod(v.shape) for v in model.trainable_variables)
         experts = sum(math.prod(v.shape) for v in model.trainable_variables
                       if v.path in self.expert_paths)
-        return (f"{self.mesh.mesh.describe()}\nexpert parallel: each expert group of "
+        return (f"expert parallel: each expert group of "
                 f"{self.size} ranks splits the experts, expert rank r holding experts "
                 f"r*E/{self.size}..(r+1)*E/{self.size}-1 of every MoE layer ({experts:,} expert "
                 f"and {total - experts:,} replicated parameters on this rank)")
@@ -155,7 +159,7 @@ class ExpertParallelStrategy(HorovodStrategy):
         mine = iter([g / self.num_replicas for g in mine])
         grads = [next(mine) if e else next(dense) for e in expert]
         if self._loss_scale() is not None:
-            grads = skip_everywhere(grads, self.expert_set)
+            grads = skip_everywhere(grads, self.skip_set)
         return grads
 
     def _sum_expert_squares(self, squares):
@@ -214,11 +218,14 @@ class ExpertParallelStrategy(HorovodStrategy):
     # ---- checkpoints: each rank of the first expert group writes its experts ---------------
     @property
     def restores_checkpoint(self):
-        return self.rank < self.size  # the first expert group; the broadcast gives the rest
+        # the first expert group (of each tensor rank); the broadcast gives the rest
+        return self.mesh.coords["data"] < self.size
 
     def checkpoint_dir(self, model_dir):
-        return piece_dir(model_dir, "expert", self.expert_rank) if self.rank < self.size \
-            else None
+        return self._piece_dir(model_dir) if self.restores_checkpoint else None
+
+    def _piece_dir(self, model_dir):
+        return piece_dir(model_dir, "expert", self.expert_rank)
 
     def restore_dir(self, model_dir):
         """This rank's piece; `model_dir` itself for a single-device checkpoint (a converted

@@ -40,8 +40,10 @@ def restore_from_single_device(trainer, path, group, splits, own_rng=True):
     The full model and its optimizer are built on this process for the duration of the restore
     (P parameters and their slots, as one device of the single-device run held them), restored,
     and every variable's slice assigned; dropout states as `split_model` offsets them (none
-    without `own_rng`: expert parallelism's ranks share them). So a run consolidated from any
-    layout (tfbig.training.consolidate) resumes under any --tensor_parallel."""
+    without `own_rng`: expert parallelism's ranks share them). A split (axis, sections, group)
+    is cut for that group's rank instead (an expert's, under tensor and expert parallelism).
+    So a run consolidated from any layout (tfbig.training.consolidate) resumes under any
+    --tensor_parallel."""
     from types import SimpleNamespace
 
     from tfbig.checkpoints.checkpoint import model_variables, rng_variables
@@ -62,7 +64,9 @@ def restore_from_single_device(trainer, path, group, splits, own_rng=True):
             raise ValueError(f"{path}: no {name} to restore (a checkpoint of another model?)")
         value, piece = source[name]
         if piece is not None:
-            value = take_slice(value, *piece, group.rank, group.size)
+            axis, sections, *cut = piece
+            cut = cut[0] if cut else group
+            value = take_slice(value, axis, sections, cut.rank, cut.size)
         elif name in own_rng:
             value = value + np.asarray(group.rank, value.dtype)
         variable.assign(value)

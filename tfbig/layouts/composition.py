@@ -22,10 +22,11 @@ IN_USE = {
 }
 
 _WORLD = "an elastic run is plain data parallel (its world size changes)"
-_EXPERT = ("expert parallelism is built with data parallelism, ZeRO-1/2, activation "
-           "checkpointing and the MoE models only")
+_EXPERT = ("expert parallelism is built with data parallelism, ZeRO-1/2, tensor parallelism "
+           "of the attention, activation checkpointing and the MoE models only")
 # (flag, flag, why): refused when both are in use; the first flag leads the message. A flag
-# written `name>=N` is in use from the value N on (`--zero_stage>=2`: stages 2 and 3).
+# written `name>=N` is in use from the value N on (`--zero_stage>=2`: stages 2 and 3); flags
+# joined by `+` are in use when each is (a pair that composes, refused with a third flag).
 REFUSED = (
     ("context_parallel", "sequence_parallel", "both split the sequence; use one of them"),
     ("pipeline_stages", "zero_stage>=2",
@@ -33,7 +34,10 @@ REFUSED = (
      "holds its weights whole for them; use --zero_stage=1 (the optimizer state sharded "
      "over each stage's data ranks) with --pipeline_stages"),
     *(("expert_parallel", other, f"{_EXPERT}; drop one of them")
-      for other in ("pipeline_stages", "tensor_parallel", "context_parallel")),
+      for other in ("pipeline_stages", "context_parallel")),
+    ("expert_parallel", "tensor_parallel+zero_stage",
+     "expert parallelism composes with tensor parallelism and with ZeRO-1/2, not yet with "
+     "both at once; drop one of them"),
     ("expert_parallel", "zero_stage>=3",
      "ZeRO-3 gathers each layer's weights over the data ranks, and a rank's experts are its "
      "own; use --zero_stage=1 or 2 (the other weights' optimizer state sharded, the "
@@ -57,20 +61,24 @@ def values_of(cfg):
             "elastic": bool(getattr(getattr(cfg, "horovod", None), "elastic", False))}
 
 
-def flag_name(spec):
-    """The flag a REFUSED entry names ('zero_stage' of 'zero_stage>=2')."""
-    return spec.partition(">=")[0]
+def flag_names(spec):
+    """The flags a REFUSED entry names (['zero_stage'] of 'zero_stage>=2',
+    ['tensor_parallel', 'zero_stage'] of 'tensor_parallel+zero_stage')."""
+    return [part.partition(">=")[0] for part in spec.split("+")]
 
 
 def _in_use(spec, values):
-    name, _, least = spec.partition(">=")
-    return (name in values and IN_USE[name](values[name])
-            and (not least or values[name] >= int(least)))
+    for part in spec.split("+"):
+        name, _, least = part.partition(">=")
+        if not (name in values and IN_USE[name](values[name])
+                and (not least or values[name] >= int(least))):
+            return False
+    return True
 
 
 def _shown(spec, values):
-    name = flag_name(spec)
-    return f"--{name}" if isinstance(values[name], bool) else f"--{name}={values[name]}"
+    return " and ".join(f"--{name}" if isinstance(values[name], bool)
+                        else f"--{name}={values[name]}" for name in flag_names(spec))
 
 
 def pairs_in_use(values):

@@ -9,6 +9,7 @@ import tensorflow as tf
 
 from tfbig.checkpoints.checkpoint import piece_checkpoints, reader_key
 from tfbig.checkpoints.checkpoint import read_layout as checkpoint_layout
+from tfbig.layouts import tensor_layout
 
 LAYOUT_FILE = "expert.json"
 
@@ -25,11 +26,16 @@ def assembled_weights(model_dir, model, warn=print):
     readers = [tf.train.load_checkpoint(path) for path in piece_checkpoints(
         model_dir, "expert", saved["expert_parallel"], warn)]
     experts = set(saved["expert_variables"])
+    # with --tensor_parallel (tfbig.distribute.expert_tensor): the rest joined from the tensor
+    # ranks' pieces, the experts from tensor rank 0's expert pieces (each tensor rank's alike)
+    split = (tensor_layout.assembled_weights(model_dir, model, warn)
+             if tensor_layout.read_layout(model_dir) is not None else None)
     out = {}
     for v in model.variables:
         if "seed_generator" in v.path:
             continue
         key = reader_key(model, v)
         out[v.path] = (np.concatenate([r.get_tensor(key) for r in readers])
-                       if v.path in experts else readers[0].get_tensor(key))
+                       if v.path in experts else split[v.path] if split is not None
+                       else readers[0].get_tensor(key))
     return out

@@ -292,8 +292,10 @@ def _check_sequence_parallel(model, layers, seq_length, size):
     # positions applied on the gathered sequence, declares its chunk's dropout masks (Llama)
     if not any(split.kind in ("positions", "sequence_mask") for _, split in layers):
         raise ValueError(f"--sequence_parallel: no sequence-parallel plan for "
-                         f"{type(model).__name__}; GPT, ALBERT, BERT pretraining and Llama "
-                         f"have one. Run it without --sequence_parallel")
+                         f"{type(model).__name__}; GPT, ALBERT, BERT pretraining and the "
+                         f"dense Llama have one (an MoE Llama has none: its routers' losses "
+                         f"are over a replica's whole batch). Run it without "
+                         f"--sequence_parallel")
     if seq_length % size:
         raise ValueError(f"--sequence_parallel with --tensor_parallel={size}: the sequence "
                          f"length {seq_length} must be a multiple of {size} (each rank holds "

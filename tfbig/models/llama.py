@@ -317,10 +317,14 @@ class Llama(keras.Model):
         word table is read twice a step (embedding and logits), so ZeRO-3 gathers it per step.
         Context parallelism cuts the token ids, puts RoPE at each rank's own positions and
         attends over the group; the loss runs on each rank's own tokens. An MoE model declares
-        its MoE MLPs (--expert_parallel) and its blocks (--activation_checkpointing) only: its
+        its MoE MLPs (--expert_parallel), its blocks (--activation_checkpointing) and the
+        tensor split of its attention and vocabulary (its MoE MLPs replicated on the tensor
+        ranks; no sequence split: the router's losses are over a replica's whole batch): its
         other plans are refused by name until each is proven equal to one process."""
-        if self.config.num_experts:
-            return ModelLayout(experts=("blocks.*.mlp",), blocks="blocks")
+        if self.config.num_experts:  # the attention and vocabulary split, the MoE MLP whole
+            return ModelLayout(experts=("blocks.*.mlp",), blocks="blocks", tensor=tuple(
+                (path, split) for path, split in TENSOR_LAYOUT
+                if ".mlp" not in path and split.kind != "sequence_mask"))
         tied = self.config.tie_embeddings
         return ModelLayout(
             tensor=TENSOR_LAYOUT,

@@ -103,22 +103,24 @@ def stage_params(shape, layout, last=False, stage=None):
     """Weights one GPU holds before ZeRO: its layers (ALBERT: every shared block), plus, with
     stages, the embedding on the first stage and the final norm and output matrix on the last
     (a tied token table is held by both), over T; an MoE model's routed experts over
-    --expert_parallel. `stage`: its index (default: the first or, with `last`, the last)."""
+    --expert_parallel, whole on each tensor rank (tfbig splits an MoE model's attention, not
+    its experts). `stage`: its index (default: the first or, with `last`, the last)."""
     stage = (layout.pipeline - 1 if last else 0) if stage is None else stage
-    blocks = shape.block_params - shape.expert_params * (1 - 1 / layout.expert)
+    blocks = shape.block_params - shape.expert_params
     layers = blocks if shape.shared_layers else (
         blocks * layers_on(shape, layout, stage) / shape.num_layers)
     ends = shape.params - shape.block_params
     if layout.pipeline > 1:
         ends = (shape.first_params if stage == 0 else 0) + (
             shape.last_params if stage == layout.pipeline - 1 else 0)
-    return (layers + ends) / layout.tensor
+    return (layers + ends) / layout.tensor + expert_params_held(shape, layout, stage)
 
 
 def expert_params_held(shape, layout, stage=0):
-    """The routed experts' weights one GPU holds (in `stage_params`): its layers' E/N."""
+    """The routed experts' weights one GPU holds (in `stage_params`): its layers' E/N (the
+    same on every tensor rank)."""
     layers = 1 if shape.shared_layers else layers_on(shape, layout, stage) / shape.num_layers
-    return shape.expert_params * layers / layout.expert / layout.tensor
+    return shape.expert_params * layers / layout.expert
 
 
 def layer_activation_bytes(shape, layout, precision):

@@ -184,8 +184,8 @@ def candidates(shape, cluster, fixed, batch_size):
 def _allowed(layout, fixed):
     """Whether the search may plan `layout`: no pair tfbig-train refuses, unless the fixed
     flags hold that pair (then it is estimated as asked, and the report says it is refused)."""
-    return all(composition.flag_name(first) in fixed and composition.flag_name(second) in fixed
-               for first, second, _ in composition.pairs_in_use(layout.flags()))
+    return all(name in fixed for first, second, _ in composition.pairs_in_use(layout.flags())
+               for name in composition.flag_names(first) + composition.flag_names(second))
 
 
 def _context_options(shape, fixed, t):

@@ -81,8 +81,10 @@ def tick_time(shape, layout, micro_batch, precision, cluster, stage):
     device, t = cluster.device, layout.tensor
     tokens = micro_batch * shape.seq_length / layout.context  # this rank's
     recompute = layout.activation_checkpointing
-    flops = (shape.flops_per_token * flops_share(shape, layout, stage) * tokens / t
-             * (4 / 3 if recompute else 1))
+    experts = expert_flops_per_token(shape)  # an MoE model's experts: whole on each tensor rank
+    flops = (((shape.flops_per_token - experts) / t + experts)
+             * flops_share(shape, layout, stage) * tokens * (4 / 3 if recompute else 1))
+    pairs = 1 if shape.num_experts else 2  # a block's split pairs: attention (and the MLP)
     layers = layers_on(shape, layout, stage)
     last = stage == layout.pipeline - 1
     # blockwise attention's tiles are written and read as dense attention's scores are (Keras
@@ -112,10 +114,17 @@ def tick_time(shape, layout, micro_batch, precision, cluster, stage):
     fraction = matmul_fraction(shape, layout, micro_batch, device, precision)
     return {"compute": flops / (device.peak_flops * fraction),
             "elementwise": maps / bandwidth + normalised / row_bandwidth,
-            "tensor": layers * (6 if recompute else 4) * cluster.collective_time(boundary, t, 1,
-                                                                                 2),
+            "tensor": layers * pairs * (3 if recompute else 2) * cluster.collective_time(
+                boundary, t, 1, 2),
             "context": context,
             "expert": layers * expert_exchange_time(shape, layout, boundary, cluster)}
+
+
+def expert_flops_per_token(shape):
+    """Training FLOPs per token of an MoE model's routed experts (the k each token uses)."""
+    if not shape.num_experts:
+        return 0.0
+    return 6 * shape.expert_params * shape.experts_per_token / shape.num_experts
 
 
 def expert_exchange_bytes(shape, layout, micro_batch, precision):

@@ -28,7 +28,8 @@ def get_strategy(name, cfg=None):
 
 def horovod_backend(cfg=None):
     """--strategy=horovod: experts split over ranks with --expert_parallel > 1 (with ZeRO-1/2
-    over the other weights if --zero_stage), pipeline
+    over the other weights if --zero_stage, or the attention split with --tensor_parallel),
+    pipeline
     stages on ranks with --pipeline_stages > 1 (with ZeRO-1 if --zero_stage), elastic with
     --elastic, tensor-parallel with --tensor_parallel (with ZeRO-1/2/3 if --zero_stage),
     ZeRO-sharded with --zero_stage, else the fixed-world HorovodStrategy; with
@@ -41,6 +42,10 @@ def horovod_backend(cfg=None):
     zero_stage = getattr(parallel, "zero_stage", 0)
     if cfg is not None:
         composition.check(composition.values_of(cfg))  # the pairs that do not compose
+    if getattr(parallel, "expert_parallel", 1) > 1 and tensor > 1:  # no ZeRO: REFUSED
+        from tfbig.distribute.expert_tensor import ExpertTensorStrategy
+
+        return ExpertTensorStrategy(cfg)
     if getattr(parallel, "expert_parallel", 1) > 1 and zero_stage:
         from tfbig.distribute.expert_zero import ExpertZeroStrategy
 
