@@ -1,7 +1,11 @@
-"""Shared test set-up: quiet TensorFlow logs, fp32 policy restored after each test."""
+"""Shared test set-up: quiet TensorFlow logs, oneDNN on, fp32 policy restored after each test."""
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# oneDNN's CPU allocator keeps the byte counts the memory tests read
+# (tf.config.experimental.get_memory_info); TensorFlow turns oneDNN on by default on Intel
+# CPUs only, and on an AMD EPYC the counts are "not available" without this.
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
 import keras  # noqa: E402
 import pytest  # noqa: E402
