@@ -10,6 +10,7 @@ from keras import ops
 from tfbig.models.albert import AlbertForPretraining, AlbertForQuestionAnswering
 from tfbig.models.bert import BertClassifier, BertForPretraining, BertForQuestionAnswering
 from tfbig.models.gpt import GPT
+from tfbig.models.layout import layout_of
 from tfbig.models.llama import Llama
 
 
@@ -59,6 +60,53 @@ def _decoder_layers(model, table):
             + [PipeLayer(block.name, _keras_call(block), [block], random=random)
                for block in model.blocks]
             + [PipeLayer("head", head, head_modules, tied, random=False)])
+
+
+def _moe_decoder_layers(model, table):
+    """An MoE Llama's: the carry is (hidden states, routing sums): each block adds its
+    router's losses and, in its layer's row, its per-expert token counts and dropped tokens;
+    the head returns (logits, routing) as the model's call with return_routing does (the
+    losses' means over the layers), for the task's loss. The sums travel with the hidden
+    states, so the routers of every stage get their losses' gradients back through them."""
+    layers, last = _decoder_layers(model, table), None
+    num_layers, num_experts = model.config.num_layers, model.config.num_experts
+
+    def embed(inputs, training):
+        x = model.embedding(inputs, training=training)
+        # computed from the data: a constant would be folded out of the transport's collectives
+        zero = ops.sum(ops.cast(inputs[:1, :1], "float32")) * 0.0
+        return x, {"aux_loss": zero, "z_loss": zero,
+                   "tokens_per_expert": ops.zeros((num_layers, num_experts)) + zero,
+                   "dropped_tokens": ops.zeros((num_layers,)) + zero}
+
+    def block_call(block, index):
+        def call(carry, training):
+            x, sums = carry
+            x, routing = block(x, training=training)
+            row = ops.one_hot(index, num_layers)  # (L,): this layer's row of the counts
+            tokens, dropped = routing["tokens_per_expert"], routing["dropped_tokens"]
+            return x, {"aux_loss": sums["aux_loss"] + routing["aux_loss"],
+                       "z_loss": sums["z_loss"] + routing["z_loss"],
+                       "tokens_per_expert": sums["tokens_per_expert"]
+                       + row[:, None] * tokens[None, :],
+                       "dropped_tokens": sums["dropped_tokens"] + row * dropped}
+        return call
+
+    def head(carry, training):
+        x, sums = carry
+        return model.logits(x), {**sums, "aux_loss": sums["aux_loss"] / num_layers,
+                                 "z_loss": sums["z_loss"] / num_layers}
+
+    first, *blocks, last = layers
+    return ([dataclasses.replace(first, call=embed)]
+            + [dataclasses.replace(layer, call=block_call(block, i))
+               for i, (layer, block) in enumerate(zip(blocks, model.blocks, strict=True))]
+            + [dataclasses.replace(last, call=head)])
+
+
+def _llama_layers(model):
+    table = model.embedding.embeddings
+    return (_moe_decoder_layers if model.config.num_experts else _decoder_layers)(model, table)
 
 
 # ---- ALBERT and BERT --------------------------------------------------------------------------
@@ -158,7 +206,7 @@ def _bert_layers(model, heads):
 
 FAMILIES = {  # model class: its layer sequence
     GPT: lambda model: _decoder_layers(model, model.embedding.token.embeddings),
-    Llama: lambda model: _decoder_layers(model, model.embedding.embeddings),
+    Llama: _llama_layers,
     AlbertForPretraining: lambda model: _albert_layers(model, _pretraining_heads),
     AlbertForQuestionAnswering: lambda model: _albert_layers(model, _span_head),
     BertForPretraining: lambda model: _bert_layers(model, _pretraining_heads),
@@ -171,6 +219,11 @@ def layer_sequence(model, task=None):
     """The model as a list of PipeLayers, in the order activations flow: a family's (FAMILIES)
     or those the task declares (`task.pipe_layers(model)`: [(name, call, modules)], a user
     task's pipeline_layers, tfbig.tasks.user_pipeline)."""
+    if layout_of(model).experts and not isinstance(model, Llama):
+        raise ValueError(f"--pipeline_stages: the model declares MoE layers ("
+                         f"{', '.join(layout_of(model).experts)}), whose routers' losses the "
+                         f"pipeline carries between stages for tfbig's Llama only; train it "
+                         f"without --pipeline_stages")
     declared = getattr(task, "pipe_layers", None)
     if declared is not None:
         return [PipeLayer(name, call, modules) for name, call, modules in declared(model)]

@@ -82,8 +82,21 @@ class LlamaTask(GPTTask):
     def loss(self, model, batch, training=False):
         if not self.model_config.num_experts:
             return super().loss(model, batch, training)
-        logits, routing = model(self.model_inputs(batch), training=training, return_routing=True)
-        lm_loss, _ = self.loss_from_outputs(logits, batch)
+        return self.loss_from_outputs(
+            model(self.model_inputs(batch), training=training, return_routing=True), batch)
+
+    def validation_outputs(self, outputs, batch):
+        """GPTTask's, of the logits (an MoE model's routing left out: the lm loss only)."""
+        return super().validation_outputs(
+            outputs[0] if isinstance(outputs, (tuple, list)) else outputs, batch)
+
+    def loss_from_outputs(self, outputs, batch):
+        """GPTTask's of logits; of an MoE model's (logits, routing) (its call with
+        return_routing, or the pipeline's last stage) the router losses added."""
+        if not isinstance(outputs, (tuple, list)):
+            return super().loss_from_outputs(outputs, batch)
+        logits, routing = outputs
+        lm_loss, _ = super().loss_from_outputs(logits, batch)
         cfg = self.model_config
         loss = (lm_loss + cfg.router_aux_loss_coef * routing["aux_loss"]
                 + cfg.router_z_loss_coef * routing["z_loss"])
