@@ -15,9 +15,9 @@ are split over a tensor group and the experts over the expert groups of each ten
 
 Default run: EP2 on 2 ranks, EP2 with --activation_checkpointing (its blocks recomputed in
 the backward, the all-to-alls with them), EP2 x ZeRO-1 (resumed) and EP2 started from a
-single-device checkpoint, in one launch with the refusals; EP2 x TP2 on 4 ranks (resumed,
-from a single-device checkpoint, an fp16 overflow), TP2 and TP2 x ZeRO-1 of the MoE model, in
-another. Slow: the resumed run (a launch of
+single-device checkpoint, in one launch with the refusals; EP2 x TP2 on 4 ranks (resumed) in
+another. Slow: EP2 x TP2 from a single-device checkpoint and with an fp16 overflow, TP2 and
+TP2 x ZeRO-1 of the MoE model (a 4-rank launch), the resumed run (a launch of
 its own), EP2 x DP2 and EP4 on 4 ranks, EP2 x DP2 with ZeRO-1 over a partition group of 4 and
 ZeRO-2 over MiCS groups of 2."""
 import os
@@ -244,26 +244,34 @@ def test_zero_partition_groups_across_expert_groups_equal_one_process(
 
 @pytest.fixture(scope="module")
 def ep2_tp2(gpt_data, tmp_path_factory):
-    """One 4-rank launch: EP2 x TP2 (resumed from its pieces), TP2 of the MoE model alone (its
-    experts whole on both tensor ranks), EP2 x TP2 from a single-device checkpoint and with an
-    fp16 overflow in one rank's experts, and --sequence_parallel refused."""
+    """One 4-rank launch: EP2 x TP2 (resumed from its pieces) and --sequence_parallel
+    refused."""
     root = tmp_path_factory.mktemp("expert_tensor")
-    reference(gpt_data, root / "from_one", 2, max_steps=2)  # a single-device checkpoint
-    fp16 = dict(precision="mixed_float16", max_steps=2)
     sequence = ep_cfg(gpt_data, root / "sequence", 2, tensor=2)
     sequence.parallel.sequence_parallel = True
     results, output = launch(root, [
         run_entry("ep2_tp2", ep_cfg(gpt_data, root / "ep2_tp2", 2, tensor=2), root / "out",
                   first_gradients=True, interrupt_at=2),
+        run_entry("sequence", sequence, root / "out", expect_error=True)], ranks=4)
+    return results, output, root
+
+
+@pytest.fixture(scope="module")
+def ep2_tp2_slow(gpt_data, tmp_path_factory):
+    """A 4-rank launch of its own (slow): TP2 of the MoE model alone (its experts whole on
+    both tensor ranks) and with ZeRO-1, EP2 x TP2 from a single-device checkpoint and with an
+    fp16 overflow in one rank's experts."""
+    root = tmp_path_factory.mktemp("expert_tensor_slow")
+    reference(gpt_data, root / "from_one", 2, max_steps=2)  # a single-device checkpoint
+    fp16 = dict(precision="mixed_float16", max_steps=2)
+    results, output = launch(root, [
         run_entry("tp2", ep_cfg(gpt_data, root / "tp2", 1, tensor=2), root / "out",
                   first_gradients=True),
         run_entry("tp2_zero1", ep_cfg(gpt_data, root / "tp2_zero1", 1, tensor=2, zero_stage=1),
                   root / "out", first_gradients=True),
         run_entry("from_one", ep_cfg(gpt_data, root / "from_one", 2, tensor=2), root / "out"),
         run_entry("fp16_skip", ep_cfg(gpt_data, root / "fp16", 2, tensor=2, **fp16),
-                  root / "out", poison_gradient_rank=3),
-        run_entry("sequence", sequence, root / "out", expect_error=True)],
-        ranks=4)
+                  root / "out", poison_gradient_rank=3)], ranks=4)
     return results, output, root
 
 
@@ -273,16 +281,14 @@ def test_experts_over_expert_groups_with_the_attention_split_equal_one_process(
     """--expert_parallel=2 --tensor_parallel=2 on 4 ranks (2 data replicas, each a tensor
     group), stopped after 2 steps and resumed from its (tensor rank, expert rank) pieces: the
     one process's losses, weights and first gradients of routers and experts; the pieces read
-    back as one model. The MoE model under --tensor_parallel=2 alone (with and without
-    ZeRO-1) equals it too."""
+    back as one model. The routers' losses are over a replica's whole batch, so
+    --sequence_parallel is refused by name."""
     results, output, root = ep2_tp2
     single, losses = shared(("moe", 2), lambda: reference(
         gpt_data, tmp_path_factory.mktemp("moe_reference"), 2))
     run = results["ep2_tp2"]
     assert [int(r["restored_step"]) for r in run] == [2] * 4
     check_equal_to_one_process(run, single, losses, 2, tensor=2)
-    check_equal_to_one_process(results["tp2"], single, losses, 1, tensor=2)
-    check_equal_to_one_process(results["tp2_zero1"], single, losses, 1, tensor=2)
     assert "expert groups of 2: [(0, 2), (1, 3)]" in output
     for result in run:  # the attention's q, k, v and proj halved; the experts' halved too
         assert 0 < int(result["bytes_split_parameters"])
@@ -291,18 +297,36 @@ def test_experts_over_expert_groups_with_the_attention_split_equal_one_process(
     model, _ = load_model(str(root / "ep2_tp2"))
     for v, ours in zip(model.trainable_variables, listed(run[0], "w"), strict=True):
         np.testing.assert_array_equal(v.numpy(), ours, err_msg=v.path)
+    for result in results["sequence"]:
+        assert "--sequence_parallel: no sequence-parallel plan for Llama" in str(
+            result["error"])
+        assert "an MoE Llama has none" in str(result["error"])
+        assert not result["model_dir_exists"]
 
 
+@pytest.mark.slow
 @pytest.mark.multiproc
-def test_expert_tensor_layout_starts_from_one_device_skips_overflows_and_refuses_sequence(
-        ep2_tp2, gpt_data, shared, tmp_path_factory):
+def test_the_moe_model_under_tensor_parallelism_alone_equals_one_process(
+        ep2_tp2_slow, gpt_data, shared, tmp_path_factory):
+    """--tensor_parallel=2 of the MoE model without expert parallelism (every expert on both
+    tensor ranks), with and without ZeRO-1: the one process's losses, weights, gradients."""
+    results = ep2_tp2_slow[0]
+    single, losses = shared(("moe", 2), lambda: reference(
+        gpt_data, tmp_path_factory.mktemp("moe_reference"), 2))
+    check_equal_to_one_process(results["tp2"], single, losses, 1, tensor=2)
+    check_equal_to_one_process(results["tp2_zero1"], single, losses, 1, tensor=2)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_expert_tensor_layout_starts_from_one_device_and_skips_overflows_everywhere(
+        ep2_tp2_slow, gpt_data, shared, tmp_path_factory):
     """From the one process's step-2 checkpoint, each rank cuts its tensor slices and its
     experts: steps 3-4 are the one process's. fp16: an overflow in rank 3's experts only
-    skips the step on all 4 ranks (nothing changes, the scale halves alike). The routers'
-    losses are over a replica's whole batch, so --sequence_parallel is refused by name."""
+    skips the step on all 4 ranks (nothing changes, the scale halves alike)."""
     from test_zero import check_the_poisoned_step_is_skipped_on_all
 
-    results, _, root = ep2_tp2
+    results, _, root = ep2_tp2_slow
     single, losses = shared(("moe", 2), lambda: reference(
         gpt_data, tmp_path_factory.mktemp("moe_reference"), 2))
     first = results["from_one"][0]
@@ -311,11 +335,6 @@ def test_expert_tensor_layout_starts_from_one_device_skips_overflows_and_refuses
     for path, ours in zip(single.recorded.paths, listed(first, "w"), strict=True):
         single.recorded.assert_equal_piece(path, ours, err_msg=path)
     check_the_poisoned_step_is_skipped_on_all(root / "out", "fp16_skip")
-    for result in results["sequence"]:
-        assert "--sequence_parallel: no sequence-parallel plan for Llama" in str(
-            result["error"])
-        assert "an MoE Llama has none" in str(result["error"])
-        assert not result["model_dir_exists"]
 
 
 @pytest.mark.multiproc

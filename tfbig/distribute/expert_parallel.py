@@ -74,6 +74,29 @@ def all_to_all_dispatch(layer, process_set, size):
     return dispatch
 
 
+def split_experts(model, size, expert_rank, process_set, held=lambda layer: True):
+    """Cut each MoE layer of `model` (those `held(layer)` says this rank holds: a pipeline
+    stage's) to expert rank `expert_rank`'s E/size experts, dispatching through the expert
+    group `process_set`; the paths of the cut variables."""
+    flag, paths = f"--expert_parallel={size}", set()
+    for layer in moe_layers(model, flag):
+        if layer.num_experts % size:
+            raise ValueError(f"{flag}: the {layer.num_experts} experts of {layer.path} do "
+                             f"not split over {size} ranks; choose a divisor of "
+                             f"{layer.num_experts}")
+        if not held(layer):
+            continue
+        local = layer.num_experts // size
+        first = expert_rank * local
+        bank = layer.experts
+        for variable in (bank.gate, bank.up, bank.down):
+            replace_variable(bank, variable, variable.numpy()[first:first + local])
+        bank.num_experts = local
+        paths.update(v.path for v in (bank.gate, bank.up, bank.down))
+        layer.dispatch = all_to_all_dispatch(layer, process_set, size)
+    return paths
+
+
 class ExpertParallelStrategy(HorovodStrategy):
     """Horovod data parallelism whose MoE layers' experts are split over expert groups."""
 
@@ -94,21 +117,8 @@ class ExpertParallelStrategy(HorovodStrategy):
         """The task's model (with --activation_checkpointing its blocks recomputed, the
         all-to-alls included: every rank repeats them in the same order), each MoE layer
         holding this rank's experts and dispatching through the expert group."""
-        flag = f"--expert_parallel={self.size}"
         model = super().build_model(task)
-        for layer in moe_layers(model, flag):
-            if layer.num_experts % self.size:
-                raise ValueError(f"{flag}: the {layer.num_experts} experts of {layer.path} do "
-                                 f"not split over {self.size} ranks; choose a divisor of "
-                                 f"{layer.num_experts}")
-            local = layer.num_experts // self.size
-            first = self.expert_rank * local
-            bank = layer.experts
-            for variable in (bank.gate, bank.up, bank.down):
-                replace_variable(bank, variable, variable.numpy()[first:first + local])
-            bank.num_experts = local
-            self.expert_paths.update(v.path for v in (bank.gate, bank.up, bank.down))
-            layer.dispatch = all_to_all_dispatch(layer, self.expert_set, self.size)
+        self.expert_paths = split_experts(model, self.size, self.expert_rank, self.expert_set)
         self._model = model
         if self.is_chief:
             print(self.describe(model), flush=True)

@@ -2,24 +2,15 @@
 --tensor_parallel=T`.
 
 Each data replica is a tensor group of T ranks splitting the attention heads and the vocabulary
-(tfbig.distribute.tensor_parallel; an MoE model's layout keeps its MoE MLPs whole on the tensor
-ranks, tfbig.models.llama). The expert groups are N consecutive data ranks of one tensor rank
-(tfbig.distribute.mesh): rank (d, t) holds experts e*E/N.. of every MoE layer, e its place in
-its expert group, and exchanges tokens with the ranks (d', t) of that group. The T ranks of a
-tensor group hold the same tokens after each attention's row all-reduce, so each routes and
-sends the same rows to its own expert group: the experts' work is repeated on the tensor ranks,
-as the MoE MLP is replicated there (Megatron's expert-tensor-parallel size 1 without a
-sequence split), and each rank's expert gradients are those of the replica's whole batch.
+(tfbig.distribute.tensor_parallel); an MoE model's MoE MLPs stay whole on the tensor ranks. The
+expert groups are N data ranks of one tensor rank (tfbig.distribute.mesh): rank (d, t) holds
+experts e*E/N.. of every MoE layer, e its place in its group, and exchanges the replica's tokens
+with the ranks (d', t) of that group. Gradients: tensor slices and replicated weights as under
+tensor parallelism, experts as under expert parallelism; norms sum each kind over its own
+group; an fp16 overflow anywhere skips the step everywhere. Checkpoints: a piece per (tensor
+rank, expert rank); a run resumes with the same degrees or starts from a single-device one.
 
-Gradients: the attention slices and replicated weights as under tensor parallelism (averaged
-over data); the experts' summed over their expert-replica group and divided by the data size
-(expert parallelism). Clipping and LAMB sum each kind's squares over its own group: tensor
-slices over the tensor group, experts over the expert group, replicated weights not at all.
-fp16: a non-finite value on any rank skips the step on every rank (one scalar over the world).
-Checkpoints: a piece per (tensor rank t, expert rank e), written by the rank of the first
-expert group holding it (piece_dir(piece_dir(model_dir, "tensor", t), "expert", e), with the
-tensor.json and expert.json of the run); a run resumes with the same degrees, or starts from a
-single-device checkpoint, each rank cutting its tensor slices and its experts from it.
+Why it is built this way: docs/design/notes/distribute.md (tfbig.distribute.expert_tensor).
 """
 import math
 import types
