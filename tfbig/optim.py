@@ -155,8 +155,12 @@ def sharded_class(cls, sum_over_shards, replicated=None, sum_replicated=None, su
             kinds = {}  # the sum -> its variables' squares, in the order first met (each
             for i, g in enumerate(grads):  # rank meets them alike: collectives pair up)
                 kinds.setdefault(sum_of(i), []).append(ops.sum(ops.square(g)))
-            squares = [total(ops.sum(ops.stack(found))) for total, found in kinds.items()]
-            squares = squares[0] if len(squares) == 1 else ops.sum(ops.stack(squares))
+            if sum_for is None:  # the slices' sum first, then the replicated weights'
+                kinds = dict(sorted(kinds.items(), key=lambda kind: kind[0] is sum_replicated))
+            squares = None
+            for total, found in kinds.items():
+                part = total(ops.sum(ops.stack(found)))
+                squares = part if squares is None else squares + part
             norm = ops.sqrt(squares)  # the same formula as keras' clip_by_global_norm
             scale = self.global_clipnorm * ops.minimum(1.0 / norm, 1.0 / self.global_clipnorm)
             return [g * (scale + (norm - norm)) for g in grads]

@@ -242,6 +242,18 @@ def test_zero_partition_groups_across_expert_groups_equal_one_process(
     assert sorted(os.listdir(root / "ep" / "expert")) == [f"rank-{r}" for r in range(1, shards)]
 
 
+def check_steps_3_and_4_are_the_one_process(results, single, losses):
+    """A run started from the one process's step-2 checkpoint logs its steps 3-4 and ends with
+    its weights (every rank the same)."""
+    first = results[0]
+    assert list(first["loss_steps"]) == [3, 4]
+    np.testing.assert_allclose(first["losses"], losses[2:], rtol=1e-5)
+    for path, ours in zip(single.recorded.paths, listed(first, "w"), strict=True):
+        single.recorded.assert_equal_piece(path, ours, err_msg=path)
+    for other in results[1:]:
+        np.testing.assert_array_equal(listed(other, "w")[0], listed(first, "w")[0])
+
+
 @pytest.fixture(scope="module")
 def ep2_tp2(gpt_data, tmp_path_factory):
     """One 4-rank launch: EP2 x TP2 (resumed from its pieces) and --sequence_parallel
@@ -329,11 +341,7 @@ def test_expert_tensor_layout_starts_from_one_device_and_skips_overflows_everywh
     results, _, root = ep2_tp2_slow
     single, losses = shared(("moe", 2), lambda: reference(
         gpt_data, tmp_path_factory.mktemp("moe_reference"), 2))
-    first = results["from_one"][0]
-    assert list(first["loss_steps"]) == [3, 4]
-    np.testing.assert_allclose(first["losses"], losses[2:], rtol=1e-5)
-    for path, ours in zip(single.recorded.paths, listed(first, "w"), strict=True):
-        single.recorded.assert_equal_piece(path, ours, err_msg=path)
+    check_steps_3_and_4_are_the_one_process(results["from_one"], single, losses)
     check_the_poisoned_step_is_skipped_on_all(root / "out", "fp16_skip")
 
 
@@ -343,15 +351,9 @@ def test_a_single_device_checkpoint_starts_an_expert_parallel_run(ep2, gpt_data,
     """The one process's checkpoint after 2 steps (as a converted or consolidated checkpoint
     is: no expert.json), resumed under --expert_parallel=2: each rank cuts its experts and
     their Adam slots from it, and steps 3-4 are the one process's."""
-    results = ep2[0]
     single, losses = shared(("moe", 2), lambda: reference(
         gpt_data, tmp_path_factory.mktemp("moe_reference"), 2))
-    first = results["from_one"][0]
-    assert list(first["loss_steps"]) == [3, 4]
-    np.testing.assert_allclose(first["losses"], losses[2:], rtol=1e-5)
-    for path, ours in zip(single.recorded.paths, listed(first, "w"), strict=True):
-        single.recorded.assert_equal_piece(path, ours, err_msg=path)
-    np.testing.assert_array_equal(listed(results["from_one"][1], "w")[0], listed(first, "w")[0])
+    check_steps_3_and_4_are_the_one_process(ep2[0]["from_one"], single, losses)
 
 
 @pytest.mark.slow
