@@ -155,8 +155,6 @@ def sharded_class(cls, sum_over_shards, replicated=None, sum_replicated=None, su
             kinds = {}  # the sum -> its variables' squares, in the order first met (each
             for i, g in enumerate(grads):  # rank meets them alike: collectives pair up)
                 kinds.setdefault(sum_of(i), []).append(ops.sum(ops.square(g)))
-            if sum_for is None:  # the slices' sum first, then the replicated weights'
-                kinds = dict(sorted(kinds.items(), key=lambda kind: kind[0] is sum_replicated))
             squares = None
             for total, found in kinds.items():
                 part = total(ops.sum(ops.stack(found)))

@@ -111,11 +111,11 @@ class ExpertTensorStrategy(ExpertParallelStrategy, TensorParallelStrategy):
                 model_dir)
         experts = read_layout(model_dir, expert_checkpoint.LAYOUT_FILE)
         written = (saved["tensor_parallel"], experts["expert_parallel"] if experts else 1)
-        if written != (self.group.size, self.size) or zero_checkpoint.read_layout(model_dir):
+        sharded = zero_checkpoint.read_layout(model_dir) is not None
+        if written != (self.group.size, self.size) or sharded:
             raise ValueError(
                 f"--model_dir={model_dir} was written with --tensor_parallel={written[0]} "
-                f"--expert_parallel={written[1]}"
-                + (" --zero_stage" if zero_checkpoint.read_layout(model_dir) else "")
+                f"--expert_parallel={written[1]}" + (" --zero_stage" if sharded else "")
                 + f"; this run has --tensor_parallel={self.group.size} --expert_parallel="
                   f"{self.size}: resume with the flags it was written with")
         return self._piece_dir(model_dir)

@@ -68,13 +68,12 @@ def _moe_decoder_layers(model, table):
     the head returns (logits, routing) as the model's call with return_routing does (the
     losses' means over the layers), for the task's loss. The sums travel with the hidden
     states, so the routers of every stage get their losses' gradients back through them."""
-    layers, last = _decoder_layers(model, table), None
+    layers = _decoder_layers(model, table)
     num_layers, num_experts = model.config.num_layers, model.config.num_experts
 
     def embed(inputs, training):
         x = model.embedding(inputs, training=training)
-        # computed from the data: a constant would be folded out of the transport's collectives
-        zero = ops.sum(ops.cast(inputs[:1, :1], "float32")) * 0.0
+        zero = ops.zeros(())
         return x, {"aux_loss": zero, "z_loss": zero,
                    "tokens_per_expert": ops.zeros((num_layers, num_experts)) + zero,
                    "dropped_tokens": ops.zeros((num_layers,)) + zero}
