@@ -99,10 +99,6 @@ def test_disagreeing_flags_layouts_and_data_are_refused(gpt2_bpe, gpt_data, tmp_
     refused(r"--preset=tiny has no effect with --init_checkpoint", preset="tiny")
     refused(r"--data_dir=.* does not fit --init_checkpoint=.*run: the data's vocab_size=320 "
             r"differs .*tfbig-prep --tokenizer=.*run\)", data_dir=gpt_data)
-    refused(r"--init_checkpoint with --pipeline_stages=2 is not supported", strategy="horovod",
-            pipeline={"pipeline_stages": 2})  # in-process stages take it: tests/pipeline
-    refused(r"--init_checkpoint with --zero_stage=3 is not supported", strategy="horovod",
-            parallel={"zero_stage": 3})
     refused(r"m/config\.json: file not found; expected a tfbig run directory",
             init_checkpoint=str(tmp_path / "m"))
     scratch = tmp_path / "scratch"  # a run started without --init_checkpoint
@@ -149,3 +145,31 @@ def test_masked_lm_continues_from_a_converted_run(family, albert_data, bert_data
                            for k in missing)
     with open(os.path.join(backbone, "config.json")) as file:
         assert json.load(file)["model_format"] == family
+
+
+def test_a_rank_loads_its_pieces_after_every_name_and_shape_is_checked(gpt2_bpe):
+    """init_checkpoint.load with a backend's pieces (Strategy.weight_pieces): a shape that
+    disagrees with the checkpoint's index is refused before any weight is assigned; a piece
+    gets its cut of the weight, another rank's weight (holder None) is not assigned."""
+    run = gpt2_bpe["run"]
+    saved = run_dir.read_weights(run)
+    model, _ = load_model(run)
+    variables = model_variables(model)
+    for v in variables.values():
+        v.assign(tf.zeros_like(v))
+    table = next(k for k in saved if saved[k].ndim == 2 and saved[k].shape[0] % 2 == 0)
+    other = next(k for k in saved if k != table and np.any(saved[k]))
+    pieces = {k: [v, None, tuple(v.shape)] for k, v in variables.items()}
+    wrong = {**pieces, table: [variables[table], None, (3, 3)]}
+    with pytest.raises(UsageError, match=rf"{table} has shape \({saved[table].shape[0]}, "
+                                         rf"{saved[table].shape[1]}\), the model's is \(3, 3\)"):
+        init_checkpoint.load(model, run, wrong)
+    assert all(not np.any(v.numpy()) for v in variables.values())  # nothing assigned
+    half = tf.Variable(tf.zeros((saved[table].shape[0] // 2, saved[table].shape[1])))
+    pieces[table] = [half, lambda full: full[full.shape[0] // 2:], saved[table].shape]
+    pieces[other] = [None, None, None]
+    init_checkpoint.load(model, run, pieces)
+    np.testing.assert_array_equal(half.numpy(), saved[table][saved[table].shape[0] // 2:])
+    assert not np.any(variables[table].numpy()) and not np.any(variables[other].numpy())
+    assert all(np.array_equal(v.numpy(), saved[k]) for k, v in variables.items()
+               if k not in (table, other))

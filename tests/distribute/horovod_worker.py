@@ -294,7 +294,8 @@ def save(run, rank, trainer, logger, summary, extra):
     arrays["eval_mlm_accuracy"] = summary["eval"].get("mlm_accuracy", np.nan)  # ALBERT
     arrays["preempted"] = bool(summary.get("preempted"))
     arrays["recomputed_layers"] = sum(bool(getattr(layer, "_tfbig_recompute", False))
-                                      for layer in trainer.model._flatten_layers())
+                                      for layer in getattr(trainer.model, "model",  # a stage's
+                                                           trainer.model)._flatten_layers())
     arrays.update({k: np.asarray(v) for k, v in extra.items()})
     # Linux scheduling policy of the threads Horovod started (--hvd_thread_policy) and ours.
     arrays["background_policies"] = np.array([

@@ -11,30 +11,9 @@ from tfbig.errors import UsageError
 HEADS = ("mlm_head/", "nsp_head/", "sop_head/")  # a backbone-only source leaves them fresh
 
 
-def _split_layout(cfg):
-    """The flag that splits weights per rank, or None."""
-    from tfbig.config import pipeline_stages
-
-    t, p = cfg.train, cfg.parallel
-    if t.strategy == "horovod":
-        if pipeline_stages(cfg) > 1:
-            return f"--pipeline_stages={cfg.pipeline.pipeline_stages}"
-        if p.tensor_parallel > 1:
-            return f"--tensor_parallel={p.tensor_parallel}"
-        if p.zero_stage == 3:
-            return "--zero_stage=3"
-    return None
-
-
 def _check_flags(cfg, directory):
     from tfbig.config import TrainConfig
 
-    split = _split_layout(cfg)
-    if split:
-        raise UsageError(f"--init_checkpoint with {split} is not supported: it assigns whole "
-                         "weights before training; start with --strategy=single, horovod "
-                         "(--zero_stage 0-2), multiworker, mirrored or pipeline, or convert "
-                         "the weights into such a run first")
     if cfg.train.preset != TrainConfig.preset:
         raise UsageError(f"--preset={cfg.train.preset} has no effect with --init_checkpoint="
                          f"{directory}: the architecture is that directory's config.json; drop "
@@ -119,16 +98,24 @@ def apply(task, cfg):
     task.model_config = config
 
 
-def load(model, directory):
+def load(model, directory, pieces=None):
     """Assign the weights of run directory `directory` to the built `model`; returns the keys
-    left at their fresh initialisation (pretraining heads a backbone-only source lacks)."""
+    left at their fresh initialisation (pretraining heads a backbone-only source lacks).
+
+    `pieces` (a backend's Strategy.weight_pieces of `model`; default: every weight whole) says
+    which piece of each weight this rank holds: the weights are read one at a time, each cut
+    to its piece and the whole array dropped, so a rank never holds more than its own pieces
+    and one whole weight. Every name and shape is checked before the first weight is read."""
+    import tensorflow as tf
+
     from tfbig.checkpoints.checkpoint import model_variables
     from tfbig.convert import run_dir
 
-    weights = run_dir.read_weights(directory)
-    variables = model_variables(model)
-    unknown = sorted(set(weights) - set(variables))
-    missing = sorted(set(variables) - set(weights))
+    if pieces is None:
+        pieces = {key: [v, None, tuple(v.shape)] for key, v in model_variables(model).items()}
+    shapes, read = run_dir.weight_reader(directory)
+    unknown = sorted(set(shapes) - set(pieces))
+    missing = sorted(set(pieces) - set(shapes))
     lacking = [key for key in missing if not key.startswith(HEADS)]
     if unknown or lacking:
         raise UsageError(
@@ -136,12 +123,15 @@ def load(model, directory):
             f"model of its config.json: {len(unknown)} weights the model lacks "
             f"{unknown[:3]}, {len(lacking)} it has not {lacking[:3]} (a run saved in per-rank "
             "pieces, --zero_stage=3/--tensor_parallel/pipeline, must be consolidated first)")
-    for key, value in weights.items():
-        variable = variables[key]
-        if tuple(variable.shape) != tuple(value.shape):
-            raise UsageError(f"--init_checkpoint={directory}: {key} has shape "
-                             f"{tuple(value.shape)}, the model's is {tuple(variable.shape)}")
-        variable.assign(value.astype(variable.dtype.name))
+    for key, (_, _, shape) in sorted(pieces.items()):
+        if key in shapes and shape is not None and shapes[key] != tuple(shape):
+            raise UsageError(f"--init_checkpoint={directory}: {key} has shape {shapes[key]}, "
+                             f"the model's is {tuple(shape)}")
+    for key in sorted(set(pieces) & set(shapes)):
+        holder, cut, _ = pieces[key]
+        if holder is not None:
+            value = read(key)
+            holder.assign(tf.cast(value if cut is None else cut(value), holder.dtype))
     return missing
 
 
@@ -157,6 +147,7 @@ def initialise(trainer):
         return
     if not trainer.strategy.restores_checkpoint:  # it receives the chief's weights
         return
-    fresh = load(trainer.model, t.init_checkpoint)
+    fresh = load(trainer.model, t.init_checkpoint,
+                 trainer.strategy.weight_pieces(trainer.model))
     trainer.logger.info(f"weights from --init_checkpoint={t.init_checkpoint} (optimizer fresh, "
                         f"step 0)" + (f"; freshly initialised: {fresh}" if fresh else ""))

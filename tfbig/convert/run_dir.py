@@ -74,18 +74,27 @@ def read_config(run_dir, families=("bert",)):
     return config_class(**saved["model_config"]), saved
 
 
-def read_weights(run_dir):
-    """{tfbig key: np.ndarray} of the latest checkpoint in `run_dir` (or of the checkpoint
-    path `run_dir`)."""
+def weight_reader(run_dir):
+    """({tfbig key: shape}, read) of the latest checkpoint in `run_dir` (or of the checkpoint
+    path `run_dir`): the shapes from its index, `read(key)` the np.ndarray of one weight."""
     path = tf.train.latest_checkpoint(run_dir) if os.path.isdir(run_dir) else run_dir
     if not path or not tf.io.gfile.glob(path + ".index"):
         raise UsageError(f"{run_dir}: no checkpoint in it (expected a tfbig run directory "
                          "or a checkpoint path)")
     reader = tf.train.load_checkpoint(path)
     suffix = "/.ATTRIBUTES/VARIABLE_VALUE"
-    return {name[len("model/"):-len(suffix)].replace(".S", "/"): reader.get_tensor(name)
-            for name in reader.get_variable_to_shape_map()
-            if name.startswith("model/") and name.endswith(suffix)}
+    shapes = reader.get_variable_to_shape_map()
+    names = {name[len("model/"):-len(suffix)].replace(".S", "/"): name for name in shapes
+             if name.startswith("model/") and name.endswith(suffix)}
+    return ({key: tuple(shapes[name]) for key, name in names.items()},
+            lambda key: reader.get_tensor(names[key]))
+
+
+def read_weights(run_dir):
+    """{tfbig key: np.ndarray} of the latest checkpoint in `run_dir` (or of the checkpoint
+    path `run_dir`)."""
+    shapes, read = weight_reader(run_dir)
+    return {key: read(key) for key in shapes}
 
 
 def restore_backbone(model, run_dir):

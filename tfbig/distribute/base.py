@@ -233,6 +233,17 @@ class Strategy:
 
         return model_variables(model)
 
+    def weight_pieces(self, model):
+        """{single-device checkpoint key: [holder, cut, full shape]} of every weight of the
+        model: this rank holds `cut(full array)` (cut None: the whole array) in variable
+        `holder` (None: another rank holds it, a pipeline stage's). --init_checkpoint reads a
+        layout's weights through it, one whole weight at a time; a split backend adds its cut
+        to those of the backends it builds on."""
+        from tfbig.checkpoints.checkpoint import model_key
+
+        return {model_key(model, v): [v, None, tuple(v.shape)] for v in model.variables
+                if "seed_generator" not in v.path}
+
     def restore_dir(self, model_dir):
         """Where this process finds the checkpoint it restores (when `restores_checkpoint`)."""
         return model_dir

@@ -30,7 +30,7 @@ from tfbig.distribute.horovod import HorovodStrategy
 from tfbig.distribute.horovod_keras import hvd
 from tfbig.distribute.tensor_collectives import all_reduce_sum
 from tfbig.distribute.tensor_parallel import restore_from_single_device, skip_everywhere
-from tfbig.layouts.tensor_layout import replace_variable
+from tfbig.layouts.tensor_layout import cut_pieces, replace_variable
 from tfbig.layouts.tensor_plan import resolve_plan_layers
 from tfbig.models.layout import layout_of
 
@@ -226,6 +226,11 @@ class ExpertParallelStrategy(HorovodStrategy):
         return out
 
     # ---- checkpoints: each rank of the first expert group writes its experts ---------------
+    def weight_pieces(self, model):
+        experts = types.SimpleNamespace(rank=self.expert_rank, size=self.size)
+        return cut_pieces(super().weight_pieces(model), model,
+                          {p: (0, 1) for p in self.expert_paths}, experts)
+
     @property
     def restores_checkpoint(self):
         # the first expert group (of each tensor rank); the broadcast gives the rest

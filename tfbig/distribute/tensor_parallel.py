@@ -17,8 +17,9 @@ from tfbig.distribute.horovod_keras import hvd
 from tfbig.distribute.tensor_collectives import (all_reduce_sum, vocab_parallel_argmax,
                                                  vocab_parallel_cross_entropy)
 from tfbig.distribute.tensor_layers import wrap
-from tfbig.layouts.tensor_layout import (LAYOUT_FILE, join_slices, own_mask_states, split_model,
-                                         state_arrays, state_variables, take_slice)
+from tfbig.layouts.tensor_layout import (LAYOUT_FILE, cut_pieces, join_slices, own_mask_states,
+                                         split_model, state_arrays, state_variables,
+                                         take_slice)
 from tfbig.layouts.tensor_plan import TensorGroup, whole_sequence_paths
 
 
@@ -224,6 +225,9 @@ class TensorParallelStrategy(HorovodStrategy):
         return out
 
     # ---- checkpoints: each rank of the first replica writes its slices ---------------------
+    def weight_pieces(self, model):
+        return cut_pieces(super().weight_pieces(model), model, self.splits, self.group)
+
     @property
     def restores_checkpoint(self):
         return self.rank == 0  # the first replica's ranks; the broadcast gives it to the rest

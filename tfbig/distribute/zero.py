@@ -15,6 +15,7 @@ from tfbig.distribute.horovod import HorovodStrategy
 from tfbig.distribute.horovod_keras import average_gradients, hvd
 from tfbig.distribute.zero3 import Partition
 from tfbig.layouts import zero_checkpoint
+from tfbig.layouts.tensor_layout import then_cut
 from tfbig.optim import build_optimizer, no_decay_variables
 
 LAYOUT_FILE = zero_checkpoint.LAYOUT_FILE
@@ -232,6 +233,15 @@ class ZeroStrategy(HorovodStrategy):
             return super().checkpoint_model(model)
         return {model_key(model, v): (self._shard_of[id(v)] if v.trainable else v).value
                 for v in model.variables if "seed_generator" not in v.path}
+
+    def weight_pieces(self, model):
+        """Stage 3: each trainable weight's flat slice, held by its shard."""
+        pieces = super().weight_pieces(model)
+        for v in self.model_variables if self.stage == 3 else ():
+            entry = pieces[model_key(model, v)]
+            entry[0] = self._shard_of[id(v)]
+            entry[1] = then_cut(entry[1], lambda full, v=v: self.partition.own(full, v.shape))
+        return pieces
 
     @property
     def restores_checkpoint(self):

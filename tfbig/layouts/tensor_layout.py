@@ -96,6 +96,28 @@ def take_slice(full, axis, sections, rank, size):
     return np.concatenate([np.split(b, size, axis=axis)[rank] for b in blocks], axis=axis)
 
 
+def then_cut(first, second):
+    """The cut applying `first` (None: none) and then `second` (Strategy.weight_pieces)."""
+    return second if first is None else (lambda full: second(first(full)))
+
+
+def cut_pieces(pieces, model, splits, group):
+    """`pieces` (Strategy.weight_pieces of `model`) with each split weight cut to rank
+    `group.rank`'s slice (a split (axis, sections, group) to that group's rank's) and its full
+    shape `group.size` times the slice's along the axis."""
+    for v in model.variables:
+        entry = pieces.get(model_key(model, v))
+        if v.path not in splits or entry is None or entry[0] is None:
+            continue
+        axis, sections, *cut = splits[v.path]
+        g = cut[0] if cut else group
+        entry[1] = then_cut(entry[1], lambda full, a=axis, s=sections, g=g: take_slice(
+            full, a, s, g.rank, g.size))
+        axis %= len(entry[2])
+        entry[2] = tuple(d * g.size if i == axis else d for i, d in enumerate(entry[2]))
+    return pieces
+
+
 def join_slices(pieces, axis, sections):
     """The inverse of take_slice over all ranks' pieces (in rank order)."""
     per_rank = [np.split(np.asarray(p), sections, axis=axis) for p in pieces]

@@ -14,7 +14,7 @@ from tfbig.distribute.mesh import HorovodMesh, Mesh, launcher_world_size
 from tfbig.layouts import composition, stage_checkpoint
 from tfbig.layouts import partition as partition_lib
 from tfbig.pipeline import schedules
-from tfbig.pipeline.stage_model import build_stage_model
+from tfbig.pipeline.stage_model import build_stage_model, every_weight
 from tfbig.pipeline.stages import Stage
 from tfbig.pipeline.strategy import (microbatch_size, split_microbatches, stage_memory,
                                      task_layer_specs)
@@ -347,9 +347,7 @@ class CrossRankPipeline(HorovodStrategy):
         self._norm = tf.sqrt(total[0]) + poison
         return [g + poison for g in grads]
 
-    def counts(self, variable):
-        """Whether this rank counts `variable`'s gradient in global norms: on its owner stage
-        only (a tied copy on another stage is not counted twice)."""
+    def counts(self, variable):  # in global norms: on its owner stage only (no tied copies)
         return id(variable) in self.built.owned
 
     def global_norm(self, grads):
@@ -372,15 +370,16 @@ class CrossRankPipeline(HorovodStrategy):
 
         return lambda cls: clipping_class(cls, sum_over_stages, counted)
 
-    def norm_options(self, variables):
-        """More build_optimizer options for LAMB's per-variable norms (none: every weight a
-        rank holds is whole; a tensor-parallel stage sums its slices')."""
-        return {}
+    def norm_options(self, variables):  # LAMB's per-variable norms: whole weights here
+        return {}  # (a tensor-parallel stage sums its slices')
 
     # ---- checkpoints: each stage rank of data replica 0 writes its stage -------------------
     @property
     def restores_checkpoint(self):
         return self.rank == 0  # replica 0's stage ranks; the broadcast gives it to the rest
+
+    def weight_pieces(self, model):  # and the other stages' weights, held by other ranks
+        return every_weight(super().weight_pieces(model), model)
 
     def _stage_dir(self, model_dir):
         return piece_dir(model_dir, "pipeline", self.stage_index)

@@ -9,6 +9,7 @@ import dataclasses
 
 import tensorflow as tf
 
+from tfbig.checkpoints.checkpoint import model_key
 from tfbig.models.layout import layout_of
 from tfbig.pipeline.layers import layer_sequence
 
@@ -32,6 +33,16 @@ class StageModel:
     @property
     def non_trainable_variables(self):
         return [v for v in self.variables if not v.trainable]
+
+
+def every_weight(pieces, stage):
+    """`pieces` (Strategy.weight_pieces of StageModel `stage`) with the weights of the other
+    stages, which no variable of this rank holds."""
+    held = {id(v) for v in stage.variables}
+    for v in stage.model.variables:
+        if id(v) not in held and "seed_generator" not in v.path:
+            pieces.setdefault(model_key(stage.model, v), [None, None, None])
+    return pieces
 
 
 def _contains(parts, path):

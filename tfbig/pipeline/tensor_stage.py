@@ -13,7 +13,7 @@ from tfbig.distribute.tensor_collectives import (all_reduce_sum, gather_whole_se
                                                  vocab_parallel_cross_entropy)
 from tfbig.distribute.tensor_layers import wrap
 from tfbig.layouts import stage_checkpoint
-from tfbig.layouts.tensor_layout import split_model
+from tfbig.layouts.tensor_layout import cut_pieces, split_model
 from tfbig.layouts.tensor_plan import TensorGroup, whole_sequence_paths
 from tfbig.pipeline.cross_rank import CrossRankPipeline
 from tfbig.pipeline.stage_model import build_stage_model
@@ -71,6 +71,9 @@ class TensorPipeline(CrossRankPipeline):
         task.vocab_argmax = lambda logits, output_type: vocab_parallel_argmax(
             logits, self.group, output_type)
         return built
+
+    def weight_pieces(self, model):
+        return cut_pieces(super().weight_pieces(model), model, self.splits, self.group)
 
     def describe(self, micro_batch_tokens):
         size, config = self.group.size, self.task.model_config

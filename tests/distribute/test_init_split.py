@@ -1,0 +1,131 @@
+"""tfbig-train --init_checkpoint into layouts that split the weights over ranks, through real
+`horovodrun --gloo` launches, against one process started from the same checkpoint on the same
+global batch: losses over 4 steps at rtol 1e-5 and final weights by tests/equality.py's rule.
+
+The sources are tfbig-train --model_dir runs of a tiny Llama (hidden 32, 2 layers, 4 query / 2
+key-value heads) and of a tiny MoE Llama (--preset=tiny-moe: 4 experts, top-2), trained one
+step from another seed, so their weights are neither run's fresh initialisation. Each rank
+reads its pieces through its backend's Strategy.weight_pieces (tfbig.convert.init_checkpoint):
+a tensor rank its heads and columns, a ZeRO-3 rank its flat slice of every weight, a pipeline
+stage only its own layers' weights, an expert rank its experts. Default run: TP2, ZeRO-3 over 2
+ranks, PP2 and EP2, in one 2-rank launch. Slow: EP2 x TP2 and TP2 x ZeRO-3 on 4 ranks.
+"""
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from equality import RecordedGradients  # noqa: E402
+from test_horovod import WORKER, horovodrun, listed, load, read, run_entry  # noqa: E402
+from test_trainer import ReplicasTask, make_cfg  # noqa: E402
+from horovod_worker import RecordingLogger  # noqa: E402
+from tfbig.config import TrainConfig  # noqa: E402
+from tfbig.convert import init_checkpoint, run_dir  # noqa: E402
+from tfbig.checkpoints.checkpoint import model_variables  # noqa: E402
+from tfbig.tasks import get_task  # noqa: E402
+from tfbig.training.trainer import Trainer  # noqa: E402
+
+TRAIN = dict(model="llama", max_steps=4, batch_size=8, grad_clip_norm=0.5, dropout=0.0,
+             eval_steps=0)
+SOURCES = {"dense": dict(model="llama"),
+           "moe": dict(model="llama", preset="tiny-moe", num_layers=0, hidden_size=0,
+                       num_heads=0)}
+# the architecture is the checkpoint's: no preset, no sizes
+FROM = dict(preset=TrainConfig.preset, num_layers=0, hidden_size=0, num_heads=0)
+# name: (ranks, source, data replicas, parallel flags, pipeline flags)
+SCENARIOS = {"tp2": (2, "dense", 1, {"tensor_parallel": 2}, {}),
+             "zero3": (2, "dense", 2, {"zero_stage": 3}, {}),
+             "pp2": (2, "dense", 1, {}, {"pipeline_stages": 2, "num_microbatches": 2}),
+             "ep2": (2, "moe", 2, {"expert_parallel": 2}, {})}
+SLOW_SCENARIOS = {"ep2_tp2": (4, "moe", 2, {"expert_parallel": 2, "tensor_parallel": 2}, {}),
+                  "tp2_zero3": (4, "dense", 2, {"tensor_parallel": 2, "zero_stage": 3}, {})}
+
+
+@pytest.fixture(scope="module")
+def sources(gpt_data, tmp_path_factory):
+    """{kind: a tfbig-train --model_dir of one step from seed 5}."""
+    root = tmp_path_factory.mktemp("init_sources")
+    for kind, train in SOURCES.items():
+        Trainer(make_cfg(gpt_data, root / kind, **{**train, "max_steps": 1, "seed": 5})).fit()
+    return {kind: str(root / kind) for kind in SOURCES}
+
+
+def scenario_cfg(gpt_data, model_dir, source, parallel, pipeline, **train):
+    cfg = make_cfg(gpt_data, model_dir, **{**TRAIN, **FROM, "init_checkpoint": source, **train})
+    for key, value in parallel.items():
+        setattr(cfg.parallel, key, value)
+    for key, value in pipeline.items():
+        setattr(cfg.pipeline, key, value)
+    return cfg
+
+
+def launch(root, scenarios, ranks, gpt_data, sources):
+    plan = [run_entry(name, scenario_cfg(gpt_data, root / name, sources[source], parallel,
+                                         pipeline, strategy="horovod"), root / "out")
+            for name, (_, source, _, parallel, pipeline) in scenarios.items()]
+    os.makedirs(root / "out")
+    with open(root / "plan.json", "w") as f:
+        json.dump(plan, f)
+    code = horovodrun([WORKER, str(root / "plan.json")], root / "log.txt", timeout=1800,
+                      env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"},
+                      ranks=("-np", str(ranks), "-H", f"localhost:{ranks}"))
+    assert code == 0, read(root / "log.txt")[-6000:]
+    return root
+
+
+@pytest.fixture(scope="module")
+def runs(gpt_data, sources, tmp_path_factory):
+    return launch(tmp_path_factory.mktemp("init_split"), SCENARIOS, 2, gpt_data, sources)
+
+
+@pytest.fixture(scope="module")
+def slow_runs(gpt_data, sources, tmp_path_factory):
+    return launch(tmp_path_factory.mktemp("init_split_4"), SLOW_SCENARIOS, 4, gpt_data, sources)
+
+
+def reference(gpt_data, model_dir, source, replicas, moe):
+    """One process from `source` reading every replica's batch (an MoE model's as one
+    micro-batch each); (trainer, losses). Its first weights are the source's."""
+    # an MoE model's router losses are each replica's micro-batch's (tfbig.tasks.llama)
+    cfg = scenario_cfg(gpt_data, model_dir, source, {}, {},
+                       grad_accum_steps=replicas if moe else 1)
+    inner = get_task(*init_checkpoint.task_inputs(cfg.train, cfg))
+    init_checkpoint.apply(inner, cfg)
+    logger = RecordingLogger(cfg.train.model_dir, True, cfg.train.max_steps)
+    trainer = Trainer(cfg, task=ReplicasTask(cfg.train, replicas, inner), logger=logger)
+    saved = run_dir.read_weights(source)
+    ours = {k: v.numpy() for k, v in model_variables(trainer.model).items()}
+    assert sorted(ours) == sorted(saved)
+    assert all(np.array_equal(ours[k], saved[k]) for k in saved)
+    trainer.recorded = RecordedGradients(trainer)
+    trainer.fit()
+    return trainer, np.array([logger.losses[s][0] for s in sorted(logger.losses)])
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", list(SCENARIOS) + [
+    pytest.param(name, marks=pytest.mark.slow) for name in SLOW_SCENARIOS])
+def test_a_split_layout_starts_from_the_checkpoints_weights_as_one_process(
+        request, gpt_data, sources, shared, tmp_path_factory, name):
+    slow = name in SLOW_SCENARIOS
+    ranks, source, replicas, parallel, pipeline = (SLOW_SCENARIOS if slow else SCENARIOS)[name]
+    root = request.getfixturevalue("slow_runs" if slow else "runs")
+    key = ("init_split", source, replicas)
+    single, losses = shared(key, lambda: reference(
+        gpt_data, tmp_path_factory.mktemp("reference"), sources[source], replicas,
+        source == "moe"))
+    first = load(root / "out", name, 0)
+    assert list(first["loss_steps"]) == [1, 2, 3, 4]
+    np.testing.assert_allclose(first["losses"], losses, rtol=1e-5)
+    if pipeline:  # a stage's rank holds its own weights: the stages' checkpoints, assembled
+        model, _ = run_dir.load_model(str(root / name))
+        single.recorded.assert_equal({v.path: v.numpy() for v in model.trainable_variables},
+                                     err_msg=name)
+    else:
+        single.recorded.assert_equal(listed(first, "w"), err_msg=name)
+    log = read(root / "log.txt")
+    assert f"weights from --init_checkpoint={sources[source]}" in log
