@@ -147,13 +147,21 @@ def test_masked_lm_continues_from_a_converted_run(family, albert_data, bert_data
         assert json.load(file)["model_format"] == family
 
 
-def test_a_rank_loads_its_pieces_after_every_name_and_shape_is_checked(gpt2_bpe):
+def test_a_rank_loads_its_pieces_after_every_name_and_shape_is_checked(gpt2_bpe, monkeypatch):
     """init_checkpoint.load with a backend's pieces (Strategy.weight_pieces): a shape that
-    disagrees with the checkpoint's index is refused before any weight is assigned; a piece
-    gets its cut of the weight, another rank's weight (holder None) is not assigned."""
+    disagrees with the checkpoint's index is refused before any weight is read; a piece gets
+    its cut of the weight; another rank's weight (holder None) is neither read nor assigned;
+    no weight is read twice."""
     run = gpt2_bpe["run"]
+    reads, weight_reader = [], run_dir.weight_reader
+
+    def counted(directory):
+        shapes, read = weight_reader(directory)
+        return shapes, lambda key: reads.append(key) or read(key)
+
     saved = run_dir.read_weights(run)
     model, _ = load_model(run)
+    monkeypatch.setattr(run_dir, "weight_reader", counted)
     variables = model_variables(model)
     for v in variables.values():
         v.assign(tf.zeros_like(v))
@@ -164,11 +172,12 @@ def test_a_rank_loads_its_pieces_after_every_name_and_shape_is_checked(gpt2_bpe)
     with pytest.raises(UsageError, match=rf"{table} has shape \({saved[table].shape[0]}, "
                                          rf"{saved[table].shape[1]}\), the model's is \(3, 3\)"):
         init_checkpoint.load(model, run, wrong)
-    assert all(not np.any(v.numpy()) for v in variables.values())  # nothing assigned
+    assert all(not np.any(v.numpy()) for v in variables.values()) and not reads
     half = tf.Variable(tf.zeros((saved[table].shape[0] // 2, saved[table].shape[1])))
     pieces[table] = [half, lambda full: full[full.shape[0] // 2:], saved[table].shape]
     pieces[other] = [None, None, None]
     init_checkpoint.load(model, run, pieces)
+    assert sorted(reads) == sorted(set(saved) - {other})
     np.testing.assert_array_equal(half.numpy(), saved[table][saved[table].shape[0] // 2:])
     assert not np.any(variables[table].numpy()) and not np.any(variables[other].numpy())
     assert all(np.array_equal(v.numpy(), saved[k]) for k, v in variables.items()

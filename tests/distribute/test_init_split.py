@@ -1,14 +1,16 @@
 """tfbig-train --init_checkpoint into layouts that split the weights over ranks, through real
 `horovodrun --gloo` launches, against one process started from the same checkpoint on the same
-global batch: losses over 4 steps at rtol 1e-5 and final weights by tests/equality.py's rule.
+global batch: losses over 4 steps at rtol 1e-5, final weights by tests/equality.py's rule and
+(but for the pipeline, whose stages hold parts) first-batch gradients.
 
 The sources are tfbig-train --model_dir runs of a tiny Llama (hidden 32, 2 layers, 4 query / 2
 key-value heads) and of a tiny MoE Llama (--preset=tiny-moe: 4 experts, top-2), trained one
 step from another seed, so their weights are neither run's fresh initialisation. Each rank
 reads its pieces through its backend's Strategy.weight_pieces (tfbig.convert.init_checkpoint):
 a tensor rank its heads and columns, a ZeRO-3 rank its flat slice of every weight, a pipeline
-stage only its own layers' weights, an expert rank its experts. Default run: TP2, ZeRO-3 over 2
-ranks, PP2 and EP2, in one 2-rank launch. Slow: EP2 x TP2 and TP2 x ZeRO-3 on 4 ranks.
+stage only its own layers' weights, an expert rank its experts. Default run: TP2 (the default
+run's Llama TP2: tests/distribute/test_tensor_parallel_llama.py's is slow), ZeRO-3 over 2 ranks,
+PP2 and EP2, in one 2-rank launch. Slow: EP2 x TP2 and TP2 x ZeRO-3 on 4 ranks.
 """
 import json
 import os
@@ -65,7 +67,8 @@ def scenario_cfg(gpt_data, model_dir, source, parallel, pipeline, **train):
 
 def launch(root, scenarios, ranks, gpt_data, sources):
     plan = [run_entry(name, scenario_cfg(gpt_data, root / name, sources[source], parallel,
-                                         pipeline, strategy="horovod"), root / "out")
+                                         pipeline, strategy="horovod"), root / "out",
+                      first_gradients=not pipeline)
             for name, (_, source, _, parallel, pipeline) in scenarios.items()]
     os.makedirs(root / "out")
     with open(root / "plan.json", "w") as f:
@@ -89,7 +92,8 @@ def slow_runs(gpt_data, sources, tmp_path_factory):
 
 def reference(gpt_data, model_dir, source, replicas, moe):
     """One process from `source` reading every replica's batch (an MoE model's as one
-    micro-batch each); (trainer, losses). Its first weights are the source's."""
+    micro-batch each); (trainer, losses, first-batch gradients). Its first weights are the
+    source's."""
     # an MoE model's router losses are each replica's micro-batch's (tfbig.tasks.llama)
     cfg = scenario_cfg(gpt_data, model_dir, source, {}, {},
                        grad_accum_steps=replicas if moe else 1)
@@ -101,9 +105,11 @@ def reference(gpt_data, model_dir, source, replicas, moe):
     ours = {k: v.numpy() for k, v in model_variables(trainer.model).items()}
     assert sorted(ours) == sorted(saved)
     assert all(np.array_equal(ours[k], saved[k]) for k in saved)
+    _, grads, _ = trainer.forward_backward(next(trainer._train_iterator()))
     trainer.recorded = RecordedGradients(trainer)
     trainer.fit()
-    return trainer, np.array([logger.losses[s][0] for s in sorted(logger.losses)])
+    return (trainer, np.array([logger.losses[s][0] for s in sorted(logger.losses)]),
+            [g.numpy() for g in grads])
 
 
 @pytest.mark.multiproc
@@ -115,7 +121,7 @@ def test_a_split_layout_starts_from_the_checkpoints_weights_as_one_process(
     ranks, source, replicas, parallel, pipeline = (SLOW_SCENARIOS if slow else SCENARIOS)[name]
     root = request.getfixturevalue("slow_runs" if slow else "runs")
     key = ("init_split", source, replicas)
-    single, losses = shared(key, lambda: reference(
+    single, losses, grads = shared(key, lambda: reference(
         gpt_data, tmp_path_factory.mktemp("reference"), sources[source], replicas,
         source == "moe"))
     first = load(root / "out", name, 0)
@@ -127,5 +133,8 @@ def test_a_split_layout_starts_from_the_checkpoints_weights_as_one_process(
                                      err_msg=name)
     else:
         single.recorded.assert_equal(listed(first, "w"), err_msg=name)
+        assert len(listed(first, "gradients")) == len(grads) > 10
+        for ours, theirs in zip(listed(first, "gradients"), grads):
+            np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-7)
     log = read(root / "log.txt")
     assert f"weights from --init_checkpoint={sources[source]}" in log

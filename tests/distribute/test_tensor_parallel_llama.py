@@ -3,9 +3,10 @@ process on the same global batch (test_tensor_parallel's reference and recording
 
 Tiny Llama: hidden 32, 2 layers, 4 query / 2 key-value heads (grouped-query attention: each
 tensor rank holds 2 query heads and the 1 key/value head they read), SwiGLU width 256, untied
-head; clipping active, 2 accumulated micro-batches. Default run: TP2 on 2 ranks (losses over 4
-steps at rtol 1e-5, final weights by tests/equality.py's rule, first-step gradients assembled
-from the slices). Slow: TP2 x DP2 on 4 ranks, alone and with ZeRO-1 and ZeRO-3, and TP2 with
+head; clipping active, 2 accumulated micro-batches. Slow (the default run's Llama TP2 starts
+from a checkpoint: tests/distribute/test_init_split.py): TP2 on 2 ranks (losses over 4 steps at
+rtol 1e-5, final weights by tests/equality.py's rule, first-step gradients assembled from the
+slices), TP2 x DP2 on 4 ranks, alone and with ZeRO-1 and ZeRO-3, and TP2 with
 the tied word table, alone and with --sequence_parallel (each RMSNorm and the residual stream
 on the rank's half of the positions, gathered into the split regions and reduce-scattered out).
 In-process: each rank's slice of the single-device initialisation, and the refusals.
@@ -25,8 +26,10 @@ from tfbig.layouts.tensor_layout import split_model, take_slice  # noqa: E402
 from tfbig.layouts.tensor_plan import TensorGroup  # noqa: E402
 
 LLAMA = dict(model="llama")
-SCENARIOS = {"llama_tp2": (2, 2, {})}  # name: (ranks, tensor_parallel, train options)
-SLOW_SCENARIOS = {"llama_tp2_dp2": (4, 2, {}),
+# name: (ranks, tensor_parallel, train options), all slow: the default run's Llama TP2 starts
+# from a checkpoint (tests/distribute/test_init_split.py: losses, final weights, gradients)
+SLOW_SCENARIOS = {"llama_tp2": (2, 2, {}),
+                  "llama_tp2_dp2": (4, 2, {}),
                   # each tensor rank's optimizer slots (ZeRO-1) or its whole state (ZeRO-3)
                   # sharded over its 2 data ranks
                   "llama_tp2_dp2_zero1": (4, 2, {"zero_stage": 1}),
@@ -53,11 +56,6 @@ def launch(root, scenarios, ranks, data_dir):
 
 
 @pytest.fixture(scope="module")
-def runs(gpt_data, tmp_path_factory):
-    return launch(tmp_path_factory.mktemp("tp_llama"), SCENARIOS, 2, gpt_data)
-
-
-@pytest.fixture(scope="module")
 def slow_runs(gpt_data, tmp_path_factory):
     out = {}
     for ranks in (4, 2):  # one launch per world size
@@ -68,14 +66,12 @@ def slow_runs(gpt_data, tmp_path_factory):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name", list(SCENARIOS) + [
-    pytest.param(name, marks=pytest.mark.slow) for name in SLOW_SCENARIOS])
-def test_llama_tensor_parallel_equals_one_process(request, gpt_data, shared, tmp_path_factory,
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SLOW_SCENARIOS))
+def test_llama_tensor_parallel_equals_one_process(slow_runs, gpt_data, shared, tmp_path_factory,
                                                   name):
-    slow = name in SLOW_SCENARIOS
-    ranks, tensor, train = (SLOW_SCENARIOS if slow else SCENARIOS)[name]
-    results = request.getfixturevalue("slow_runs")[ranks] if slow else \
-        request.getfixturevalue("runs")
+    ranks, tensor, train = SLOW_SCENARIOS[name]
+    results = slow_runs[ranks]
     per_rank = [load(results, name, r) for r in range(ranks)]
     single, losses, grads = shared_reference(shared, tmp_path_factory, gpt_data,
                                              ranks // tensor, **LLAMA, **train)
