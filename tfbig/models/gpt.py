@@ -84,6 +84,7 @@ class GPT(keras.Model):
         word table is read twice a step (embedding and logits), so ZeRO-3 gathers it per step."""
         tied = self.config.tie_embeddings
         return ModelLayout(
+            pipeline=("decoder", "embedding.token.embeddings"),
             tensor=TENSOR_LAYOUT,
             gather_per_call=("blocks.*", "final_norm", "head") + (() if tied else ("embedding",)),
             gather_per_step=("embedding",) if tied else (),

@@ -47,6 +47,10 @@ class ModelLayout:
     #                      rope_positions, attention, whole_sequence, first_row)
     local_loss: bool = False  # the loss runs on each context rank's own tokens (a causal LM)
     experts: tuple = ()  # paths of the MoE layers (tfbig.models.moe.SparseMoE): --expert_parallel
+    # (sequence, argument): the layers --pipeline_stages cuts (tfbig.pipeline.layers.SEQUENCES):
+    # ("decoder", path of the word table a tied head reads), ("albert" | "bert", the heads:
+    # "pretraining_heads:sop" | "pretraining_heads:nsp" | "span_head" | "classifier_head")
+    pipeline: tuple = ()
 
 
 def masked_lm_tensor(blocks, pair_head):
@@ -79,6 +83,8 @@ def masked_lm_tensor(blocks, pair_head):
 def masked_lm_layout(blocks, pair_head, projection=False):
     """Pretraining BERT (`blocks`) or ALBERT (`groups`, with its embedding projection)."""
     return ModelLayout(
+        pipeline=("albert" if projection else "bert",
+                  f"pretraining_heads:{pair_head.split('_')[0]}"),
         tensor=masked_lm_tensor(blocks, pair_head),
         gather_per_call=(("backbone.projection",) if projection else ()) + (
             f"backbone.{blocks}.*", "backbone.pooler", pair_head),
@@ -97,6 +103,7 @@ def fine_tune_layout(blocks, head, projection=False):
     backbone = tuple(entry for entry in masked_lm_tensor(blocks, head)
                      if entry[0].startswith("backbone"))
     return ModelLayout(
+        pipeline=("albert" if projection else "bert", head),
         tensor=backbone + ((head, Split("whole_sequence", sequence=False)),),
         gather_per_call=("backbone.embedding",) + (
             ("backbone.projection",) if projection else ()) + (

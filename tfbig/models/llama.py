@@ -322,11 +322,13 @@ class Llama(keras.Model):
         ranks; no sequence split: the router's losses are over a replica's whole batch): its
         other plans are refused by name until each is proven equal to one process."""
         if self.config.num_experts:  # the attention and vocabulary split, the MoE MLP whole
-            return ModelLayout(experts=("blocks.*.mlp",), blocks="blocks", tensor=tuple(
+            return ModelLayout(experts=("blocks.*.mlp",), blocks="blocks",
+                               pipeline=("decoder", "embedding.embeddings"), tensor=tuple(
                 (path, split) for path, split in TENSOR_LAYOUT
                 if ".mlp" not in path and split.kind != "sequence_mask"))
         tied = self.config.tie_embeddings
         return ModelLayout(
+            pipeline=("decoder", "embedding.embeddings"),
             tensor=TENSOR_LAYOUT,
             gather_per_call=("blocks.*", "final_norm", "head") + (() if tied else ("embedding",)),
             gather_per_step=("embedding",) if tied else (),

@@ -3,15 +3,12 @@
 Why it is built this way: docs/design/notes/pipeline.md (tfbig.pipeline.layers).
 """
 import dataclasses
+import functools
 from typing import Callable
 
 from keras import ops
 
-from tfbig.models.albert import AlbertForPretraining, AlbertForQuestionAnswering
-from tfbig.models.bert import BertClassifier, BertForPretraining, BertForQuestionAnswering
-from tfbig.models.gpt import GPT
 from tfbig.models.layout import layout_of
-from tfbig.models.llama import Llama
 
 
 @dataclasses.dataclass
@@ -103,9 +100,10 @@ def _moe_decoder_layers(model, table):
             + [dataclasses.replace(last, call=head)])
 
 
-def _llama_layers(model):
-    table = model.embedding.embeddings
-    return (_moe_decoder_layers if model.config.num_experts else _decoder_layers)(model, table)
+def _decoders(model, table):
+    """GPT's and Llama's (an MoE model's: its routing sums travel with the hidden states)."""
+    table = functools.reduce(getattr, table.split("."), model)
+    return (_moe_decoder_layers if layout_of(model).experts else _decoder_layers)(model, table)
 
 
 # ---- ALBERT and BERT --------------------------------------------------------------------------
@@ -114,7 +112,7 @@ def _pretraining_heads(model, random):
     for BERT): the model's call after the backbone, on the carry (hidden states, model
     inputs); reads the word table."""
     backbone = model.backbone
-    pair = "sop" if isinstance(model, AlbertForPretraining) else "nsp"
+    pair = model.layout().pipeline[1].split(":")[1]  # "sop" (ALBERT) or "nsp" (BERT)
     pair_head, pair_dropout = getattr(model, f"{pair}_head"), getattr(model, f"{pair}_dropout")
 
     def heads(carry, training):
@@ -203,31 +201,32 @@ def _bert_layers(model, heads):
             + [heads(model, random)])
 
 
-FAMILIES = {  # model class: its layer sequence
-    GPT: lambda model: _decoder_layers(model, model.embedding.token.embeddings),
-    Llama: _llama_layers,
-    AlbertForPretraining: lambda model: _albert_layers(model, _pretraining_heads),
-    AlbertForQuestionAnswering: lambda model: _albert_layers(model, _span_head),
-    BertForPretraining: lambda model: _bert_layers(model, _pretraining_heads),
-    BertForQuestionAnswering: lambda model: _bert_layers(model, _span_head),
-    BertClassifier: lambda model: _bert_layers(model, _classifier_head),
+HEADS = {"pretraining_heads": _pretraining_heads, "span_head": _span_head,
+         "classifier_head": _classifier_head}
+SEQUENCES = {  # a model's layout().pipeline[0]: its layer sequence, given the argument
+    "decoder": _decoders,
+    "albert": lambda model, heads: _albert_layers(model, HEADS[heads.split(":")[0]]),
+    "bert": lambda model, heads: _bert_layers(model, HEADS[heads.split(":")[0]]),
 }
 
 
 def layer_sequence(model, task=None):
-    """The model as a list of PipeLayers, in the order activations flow: a family's (FAMILIES)
-    or those the task declares (`task.pipe_layers(model)`: [(name, call, modules)], a user
-    task's pipeline_layers, tfbig.tasks.user_pipeline)."""
-    if layout_of(model).experts and not isinstance(model, Llama):
-        raise ValueError(f"--pipeline_stages: the model declares MoE layers ("
-                         f"{', '.join(layout_of(model).experts)}), whose routers' losses the "
-                         f"pipeline carries between stages for tfbig's Llama only; train it "
-                         f"without --pipeline_stages")
+    """The model as a list of PipeLayers, in the order activations flow: those the task
+    declares (`task.pipe_layers(model)`: [(name, call, modules)], a user task's
+    pipeline_layers, tfbig.tasks.user_pipeline), or the sequence the model's layout() declares
+    (`pipeline`: SEQUENCES)."""
+    layout = layout_of(model)
     declared = getattr(task, "pipe_layers", None)
+    if layout.experts and (declared is not None or layout.pipeline[:1] != ("decoder",)):
+        raise ValueError(f"--pipeline_stages: the model declares MoE layers ("
+                         f"{', '.join(layout.experts)}), whose routers' losses the pipeline "
+                         f"carries between stages for tfbig's Llama only; train it without "
+                         f"--pipeline_stages")
     if declared is not None:
         return [PipeLayer(name, call, modules) for name, call, modules in declared(model)]
-    for cls, layers in FAMILIES.items():
-        if isinstance(model, cls):
-            return layers(model)
-    raise ValueError(f"--strategy=pipeline does not know how to cut a {type(model).__name__}; "
-                     f"it knows {sorted(c.__name__ for c in FAMILIES)} (tfbig/pipeline/layers.py)")
+    if layout.pipeline[:1] and layout.pipeline[0] in SEQUENCES:
+        return SEQUENCES[layout.pipeline[0]](model, *layout.pipeline[1:])
+    raise ValueError(f"--strategy=pipeline does not know how to cut a {type(model).__name__}: "
+                     f"its layout() declares no pipeline sequence (tfbig.models.layout."
+                     f"ModelLayout.pipeline, one of {sorted(SEQUENCES)}) and its task no "
+                     f"pipe_layers")
