@@ -84,6 +84,17 @@ def horovodrun(args, log_path, timeout=TIMEOUT, env=None, wait=True,
     return proc.returncode
 
 
+def run_plan(root, plan, ranks, timeout=1800):
+    """WORKER over `plan` (run_entry dicts) on `ranks` localhost processes with dynamic
+    process sets, ROOT/plan.json and ROOT/log.txt beside; asserts it exited cleanly."""
+    with open(root / "plan.json", "w") as f:
+        json.dump(plan, f)
+    code = horovodrun([WORKER, str(root / "plan.json")], root / "log.txt", timeout=timeout,
+                      env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"},
+                      ranks=("-np", str(ranks), "-H", f"localhost:{ranks}"))
+    assert code == 0, read(root / "log.txt")[-6000:]
+
+
 def read(path):
     with open(path) as f:
         return f.read()

@@ -12,7 +12,6 @@ stage only its own layers' weights, an expert rank its experts. Default run: TP2
 run's Llama TP2: tests/distribute/test_tensor_parallel_llama.py's is slow), ZeRO-3 over 2 ranks,
 PP2 and EP2, in one 2-rank launch. Slow: EP2 x TP2 and TP2 x ZeRO-3 on 4 ranks.
 """
-import json
 import os
 import sys
 
@@ -22,7 +21,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from equality import RecordedGradients  # noqa: E402
-from test_horovod import WORKER, horovodrun, listed, load, read, run_entry  # noqa: E402
+from test_horovod import listed, load, read, run_entry, run_plan  # noqa: E402
 from test_trainer import ReplicasTask, make_cfg  # noqa: E402
 from horovod_worker import RecordingLogger  # noqa: E402
 from tfbig.config import TrainConfig  # noqa: E402
@@ -71,12 +70,7 @@ def launch(root, scenarios, ranks, gpt_data, sources):
                       first_gradients=not pipeline)
             for name, (_, source, _, parallel, pipeline) in scenarios.items()]
     os.makedirs(root / "out")
-    with open(root / "plan.json", "w") as f:
-        json.dump(plan, f)
-    code = horovodrun([WORKER, str(root / "plan.json")], root / "log.txt", timeout=1800,
-                      env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"},
-                      ranks=("-np", str(ranks), "-H", f"localhost:{ranks}"))
-    assert code == 0, read(root / "log.txt")[-6000:]
+    run_plan(root, plan, ranks)
     return root
 
 

@@ -11,7 +11,6 @@ the tied word table, alone and with --sequence_parallel (each RMSNorm and the re
 on the rank's half of the positions, gathered into the split regions and reduce-scattered out).
 In-process: each rank's slice of the single-device initialisation, and the refusals.
 """
-import json
 import os
 import sys
 
@@ -19,7 +18,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_horovod import WORKER, horovodrun, listed, load, read, run_entry  # noqa: E402
+from test_horovod import listed, load, read, run_entry, run_plan  # noqa: E402
 from test_tensor_parallel import TRAIN, shared_reference, tp_cfg  # noqa: E402
 
 from tfbig.layouts.tensor_layout import split_model, take_slice  # noqa: E402
@@ -46,12 +45,7 @@ def launch(root, scenarios, ranks, data_dir):
                       first_gradients=True)
             for name, (_, tensor, train) in scenarios.items()]
     os.makedirs(out)
-    with open(root / "plan.json", "w") as f:
-        json.dump(plan, f)
-    code = horovodrun([WORKER, str(root / "plan.json")], root / "log.txt", timeout=1800,
-                      env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"},
-                      ranks=("-np", str(ranks), "-H", f"localhost:{ranks}"))
-    assert code == 0, read(root / "log.txt")[-6000:]
+    run_plan(root, plan, ranks)
     return out
 
 
