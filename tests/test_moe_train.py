@@ -63,8 +63,8 @@ EP2 = {"expert_parallel": 2}
     (HOROVOD, {}, {**EP2, "zero_stage": 3}, "--expert_parallel=2 with --zero_stage=3"),
     (HOROVOD, {}, {**EP2, "tensor_parallel": 2, "zero_stage": 1},
      "--expert_parallel=2 with --tensor_parallel=2 and --zero_stage=1"),
-    (dict(HOROVOD, pipeline_stages=2), {}, EP2,
-     "--expert_parallel=2 with --pipeline_stages=2"),
+    (dict(HOROVOD, pipeline_stages=2), {}, {**EP2, "zero_stage": 1},
+     "--expert_parallel=2 with --pipeline_stages=2 and --zero_stage=1"),
 ])
 def test_moe_settings_that_cannot_run_are_refused_before_anything_is_written(
         gpt_data, tmp_path, train, moe, parallel, message):

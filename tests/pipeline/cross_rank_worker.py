@@ -10,7 +10,8 @@ PLAN_JSON is a list of runs {"name", "config" (tfbig.config.to_dict), "out"} wit
                      rank of the last data and tensor index): saves the held weights before
                      (initial0..) and after it (after_poison0..), the loss scale after it
 Each rank writes OUT/NAME.rank{R}.npz: the paths of the weights it holds (`paths`), whether it
-owns each (`owned`), their final values w0.. and first-batch gradients g0.., the per-step train
+owns each (`owned`), their final values w0.. and first-batch gradients g0.. (experts gathered
+from the expert group under --expert_parallel), the per-step train
 losses and grad norms, its stage, data and tensor index and the tensor degree, the tensor
 splits of the weights it holds (JSON {path: [axis, sections]}, empty without
 --tensor_parallel), the bytes of weights it holds and the full model's, of its optimizer
@@ -79,6 +80,8 @@ def train(run):
         grads = strategy.all_reduce_gradients(grads)
         if isinstance(strategy, ZeroStrategy):  # ZeRO-1 stages: the slices, gathered whole
             grads = strategy.partition.gather(grads, [v.shape for v in strategy.model_variables])
+        if getattr(strategy, "expert_paths", None):  # the stage's experts, gathered whole
+            grads = strategy.gather_full(trainer.model.trainable_variables, grads)
         arrays.update({f"g{i}": np.asarray(g) for i, g in enumerate(grads)})
     if run.get("poison"):
         arrays.update({f"initial{i}": v.numpy()
@@ -96,7 +99,9 @@ def train(run):
         arrays["restored_step"] = int(trainer.step.numpy())
     summary = trainer.fit()
     held = trainer.model.trainable_variables
-    arrays.update({f"w{i}": v.numpy() for i, v in enumerate(held)})
+    values = (strategy.gather_full(held) if getattr(strategy, "expert_paths", None)
+              else [v.numpy() for v in held])  # expert parallelism: the experts whole
+    arrays.update({f"w{i}": value for i, value in enumerate(values)})
     arrays["paths"] = np.array([v.path for v in held])
     arrays["owned"] = np.array([id(v) in strategy.built.owned for v in held])
     steps = sorted(logger.losses)

@@ -7,7 +7,8 @@ with ZeRO-1 inside the stages (PP2 x DP2, stopped and resumed) and with each sta
 split over 2 context ranks (CP2 x PP2); plain PP2 x DP2 (resumed), ALBERT (its shared block used
 by both stages, its word table tied to the MLM head, the model inputs riding with the activation
 to the last stage) and BERT (1F1B with recompute) in the slow launch; Llama (untied 1F1B, tied
-GPipe) in a slow launch of its own.
+GPipe) and an MoE Llama (stages alone, and with each stage's experts split over its data ranks:
+--expert_parallel=2) in a slow launch of its own.
 """
 import json
 import os
@@ -77,6 +78,8 @@ SLOW_SCENARIOS = {
 # untied head on the last stage, 1F1B; its tied word table read by both stages, GPipe; each
 # stage's optimizer state sharded over its data ranks (ZeRO-1); and each stage's sequences
 # split over 2 context ranks (RoPE at each rank's own positions on both stages).
+MOE = dict(model="llama", preset="tiny-moe", num_layers=0, hidden_size=0, num_heads=0,
+           grad_accum_steps=1)
 LLAMA_SCENARIOS = {
     "llama_pp2_dp2_zero1": (2, dict(schedule="1f1b", num_microbatches=2, zero_stage=1),
                             dict(model="llama", num_heads=4), {"first_gradients": True}),
@@ -87,6 +90,15 @@ LLAMA_SCENARIOS = {
     "llama_tied_pp2_dp2_gpipe": (2, dict(schedule="gpipe", num_microbatches=2),
                                  dict(model="llama", num_heads=4, preset="small"),
                                  {"first_gradients": True}),
+    # an MoE Llama (4 experts, top-2): its routers' losses and token counts travel with the
+    # hidden states; stages alone, and each stage's experts split over its 2 data ranks
+    # (--expert_parallel=2, stopped and resumed from its (stage, expert rank) pieces). The
+    # routers' losses are each micro-batch's: the reference accumulates micro-batches alike.
+    "moe_pp2_dp2": (2, dict(schedule="1f1b", num_microbatches=2), MOE,
+                    {"first_gradients": True, "micro_batch_reference": True}),
+    "moe_ep2_pp2": (2, dict(schedule="1f1b", num_microbatches=2, expert_parallel=2), MOE,
+                    {"first_gradients": True, "micro_batch_reference": True,
+                     "interrupt_at": 1}),
 }
 
 
@@ -178,6 +190,11 @@ def check_scenario(data_dir, out, tmp_path, name, scenario):
     stages, pipeline, train, opts = scenario
     data = RANKS // (stages * pipeline.get("context_parallel", 1))  # data-parallel replicas
     ranks = [load(out, name, r) for r in range(RANKS)]
+    if opts.get("micro_batch_reference"):  # one micro-batch per replica's pipeline micro-batch
+        # and as many validation batches of that size as the ranks' one batch holds
+        train = {**train, "grad_accum_steps": data * pipeline["num_microbatches"]
+                 * train.get("grad_accum_steps", TRAIN["grad_accum_steps"]),
+                 "eval_steps": TRAIN["eval_steps"] * data * pipeline["num_microbatches"]}
     single, losses, grads = reference(data_dir, tmp_path, data, **train)
     expected = {v.path: v.numpy() for v in single.model.trainable_variables}
     covered = set()
@@ -204,6 +221,20 @@ def check_scenario(data_dir, out, tmp_path, name, scenario):
         assert int(ranks[0]["restored_step"]) == opts["interrupt_at"]
     eval_loss = single.summary["eval"]["loss"]
     assert float(ranks[0]["eval_loss"]) == pytest.approx(eval_loss, rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_expert_stage_pieces_read_back_as_one_model(llama_runs):
+    """moe_ep2_pp2's (stage, expert rank) pieces joined: the weights its ranks ended with."""
+    root, out = llama_runs
+    model, _ = load_model(str(root / "moe_ep2_pp2"))
+    found = {}
+    for rank in range(RANKS):
+        found.update(held(load(out, "moe_ep2_pp2", rank), "w"))
+    assert {v.path for v in model.trainable_variables} == set(found)
+    for v in model.trainable_variables:
+        np.testing.assert_array_equal(v.numpy(), found[v.path], err_msg=v.path)
 
 
 @pytest.mark.multiproc

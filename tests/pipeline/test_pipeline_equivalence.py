@@ -252,21 +252,3 @@ def test_an_moe_models_router_losses_travel_with_the_stages(gpt_data, tmp_path):
     routed = [v.path for v in model.trainable_variables if "/mlp/" in v.path]
     assert len(routed) == 2 * 4  # router, gate, up, down of each block
     assert_gradients_equal(model, grads, reference)
-
-
-def test_an_moe_models_stages_on_different_ranks_are_refused_by_name(gpt_data, tmp_path):
-    """What a cross-rank stage rank builds (tfbig.pipeline.stage_model) refuses an MoE model
-    by name: --strategy=pipeline trains it (the test above), stages on ranks do not yet."""
-    from tfbig.pipeline.cross_rank import stage_plan
-    from tfbig.pipeline.stage_model import build_stage_model
-    from tfbig.tasks import get_task
-
-    cfg = make_cfg(gpt_data, tmp_path, model="llama", preset="tiny-moe", num_layers=0,
-                   hidden_size=0, num_heads=0)
-    cfg.pipeline.pipeline_stages = 2
-    task = get_task(cfg.train, cfg)
-    specs, plan = stage_plan(task, cfg.pipeline, 2)
-    with pytest.raises(ValueError, match="an MoE model's stages on different ranks are not "
-                                         "built yet; train it with --strategy=pipeline"):
-        build_stage_model(task, plan, specs, 0, "/device:CPU:0")
-    assert not os.path.exists(tmp_path / "checkpoint")

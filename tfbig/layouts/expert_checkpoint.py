@@ -7,9 +7,9 @@ tfbig-convert --to=huggingface read a run this way)."""
 import numpy as np
 import tensorflow as tf
 
-from tfbig.checkpoints.checkpoint import piece_checkpoints, reader_key
+from tfbig.checkpoints.checkpoint import piece_checkpoints, piece_dir, reader_key
 from tfbig.checkpoints.checkpoint import read_layout as checkpoint_layout
-from tfbig.layouts import tensor_layout
+from tfbig.layouts import stage_checkpoint, tensor_layout
 
 LAYOUT_FILE = "expert.json"
 
@@ -23,6 +23,9 @@ def assembled_weights(model_dir, model, warn=print):
     """{variable path: array} of `model`'s (the single-device model's) weights from the newest
     checkpoint of an expert-parallel run."""
     saved = read_layout(model_dir)
+    stages = stage_checkpoint.read_layout(model_dir)
+    if stages is not None:
+        return _staged_weights(model_dir, model, saved, stages, warn)
     readers = [tf.train.load_checkpoint(path) for path in piece_checkpoints(
         model_dir, "expert", saved["expert_parallel"], warn)]
     experts = set(saved["expert_variables"])
@@ -38,4 +41,23 @@ def assembled_weights(model_dir, model, warn=print):
         out[v.path] = (np.concatenate([r.get_tensor(key) for r in readers])
                        if v.path in experts else split[v.path] if split is not None
                        else readers[0].get_tensor(key))
+    return out
+
+
+def _staged_weights(model_dir, model, saved, stages, warn):
+    """assembled_weights of --pipeline_stages with --expert_parallel
+    (tfbig.pipeline.expert_stage): the stages' pieces joined as a pipeline run's, each expert
+    variable from its owner stage's expert pieces (pipeline/stage-k/expert/rank-e)."""
+    out = stage_checkpoint.assembled_weights(model_dir, model, warn)
+    owner, readers = stage_checkpoint.weight_owners(stages), {}
+    for v in model.variables:
+        if v.path not in saved["expert_variables"]:
+            continue
+        stage = owner[v.path]
+        if stage not in readers:
+            readers[stage] = [tf.train.load_checkpoint(path) for path in piece_checkpoints(
+                piece_dir(model_dir, "pipeline", stage), "expert", saved["expert_parallel"],
+                warn)]
+        key = reader_key(model, v)
+        out[v.path] = np.concatenate([r.get_tensor(key) for r in readers[stage]])
     return out

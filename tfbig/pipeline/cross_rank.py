@@ -14,6 +14,7 @@ from tfbig.distribute.mesh import HorovodMesh, Mesh, launcher_world_size
 from tfbig.layouts import composition, stage_checkpoint
 from tfbig.layouts import partition as partition_lib
 from tfbig.pipeline import schedules
+from tfbig.pipeline.schedules import run_stage
 from tfbig.pipeline.stage_model import build_stage_model, every_weight
 from tfbig.pipeline.stages import Stage
 from tfbig.pipeline.strategy import (microbatch_size, split_microbatches, stage_memory,
@@ -45,7 +46,7 @@ def pipeline_mesh(cfg, world_size):
                          f"size of the groups sharding a stage's optimizer state)")
     return Mesh.build(world_size, tensor=parallel.tensor_parallel, pipeline=stages,
                       shard_degree=parallel.shard_degree, placement=parallel.placement,
-                      context=parallel.context_parallel)
+                      context=parallel.context_parallel, expert=parallel.expert_parallel)
 
 
 def stage_plan(task, pipeline, num_stages):
@@ -55,68 +56,25 @@ def stage_plan(task, pipeline, num_stages):
                                           pipeline.pipeline_balance)
 
 
-def clipping_class(cls, sum_over_stages, counted):
+def clipping_class(cls, sum_over_stages, counted, more_squares=None):
     """`cls` whose global-norm clipping sums the squares of the weights each stage owns
-    (`counted`, in the optimizer's variable order) over the stages."""
+    (`counted`, in the optimizer's variable order) over the stages; `more_squares(grads)`
+    adds those of the weights counted another way (an expert-parallel stage's experts, summed
+    over their expert group)."""
     class PipelineStage(cls):
         def _clip_gradients(self, grads):
             if not (self.global_clipnorm and self.global_clipnorm > 0):
                 return super()._clip_gradients(grads)
             squares = [tf.reduce_sum(tf.square(g)) for g, c in zip(grads, counted) if c]
             local = tf.add_n(squares) if squares else tf.constant(0.0)
+            if more_squares is not None:
+                local = local + more_squares(grads)
             norm = tf.sqrt(sum_over_stages(local))  # keras' clip_by_global_norm formula
             scale = self.global_clipnorm * tf.minimum(1.0 / norm, 1.0 / self.global_clipnorm)
             return [g * (scale + (norm - norm)) for g in grads]
 
     PipelineStage.__name__ = f"PipelineStage{cls.__name__}"
     return PipelineStage
-
-
-def _stamped(run, inputs, stamps, stage):
-    """run(inputs), with [start, end] wall-clock stamps around it appended to `stamps` (the
-    start waits for the inputs and the previous op's end, the end for everything the op
-    produced, weight-gradient sums included; the benchmark's bubble)."""
-    if stamps is None:
-        return run(inputs)
-    deps = [t for t in tf.nest.flatten(inputs) if t is not None] + stamps[-1:]
-    with tf.control_dependencies(deps):
-        start = tf.timestamp()
-    with tf.control_dependencies([start]):
-        inputs = tf.nest.map_structure(lambda t: t if t is None else tf.identity(t), inputs)
-    out = run(inputs)
-    # A control dependency on a function call's output waits, once Grappler inlines the call,
-    # only for the function's stateful ops, not its math (the forwards then measured ~0 ms):
-    # the end waits for a value read from every output instead.
-    produced = [t for t in tf.nest.flatten(out) if t is not None] + list(
-        stage.gradient_sums.values())
-    ready = tf.add_n([tf.constant(0.0)] + [
-        tf.reduce_sum(tf.cast(tf.reshape(t, [-1])[:1], tf.float32)) for t in produced])
-    with tf.control_dependencies([ready]):
-        stamps.append(tf.stack([start, tf.timestamp()]))
-    return out
-
-
-def run_stage(ops, stage, link, micro_batches, specs, stamps=None):
-    """This rank's column of the schedule: {microbatch: (loss, metrics)} on the last stage.
-    `stamps` (a list) collects each op's [start, end] wall-clock times."""
-    results = {}
-    for op in ops:
-        m = op.microbatch
-        if op.kind == "F":
-            x = micro_batches[m] if stage.is_first else link.receive_forward(
-                m, specs[stage.index - 1])
-            out = _stamped(lambda i, m=m: stage.forward(m, *i), (x, micro_batches[m]), stamps,
-                           stage)
-            if stage.is_last:
-                results[m] = out
-            else:
-                link.send_forward(m, out)
-        else:
-            dy = None if stage.is_last else link.receive_backward(m, specs[stage.index])
-            dx = _stamped(lambda d, m=m: stage.backward(m, d), dy, stamps, stage)
-            if not stage.is_first:
-                link.send_backward(m, dx)
-    return results
 
 
 class CrossRankPipeline(HorovodStrategy):
@@ -334,12 +292,16 @@ class CrossRankPipeline(HorovodStrategy):
     def _over_slices(self, x):  # ZeRO-1: summed over the partition group's slices
         return x
 
-    def _agree_over_stages(self, grads):
+    def _local_norm(self, grads):
+        """[squares of the counted gradients, non-finite values, stop request] of this rank."""
         squares = [tf.reduce_sum(tf.square(g)) for g, c in zip(grads, self._counted) if c]
         bad = [tf.reduce_sum(tf.cast(~tf.math.is_finite(g), tf.float32)) for g in grads]
-        local = self._over_slices(tf.stack([
-            tf.add_n(squares) if squares else tf.constant(0.0),
-            tf.add_n(bad) if bad else tf.constant(0.0), self._stop_agreed.read_value()]))
+        return tf.stack([tf.add_n(squares) if squares else tf.constant(0.0),
+                         tf.add_n(bad) if bad else tf.constant(0.0),
+                         self._stop_agreed.read_value()])
+
+    def _agree_over_stages(self, grads):
+        local = self._over_slices(self._local_norm(grads))
         total = hvd.allreduce(local, op=hvd.Sum, process_set=self.model_set,
                               name="pipeline.train.norm", ignore_name_scope=True)
         self._stop_agreed.assign(total[2])
@@ -359,16 +321,16 @@ class CrossRankPipeline(HorovodStrategy):
         return self.prepare_optimizer(build_optimizer(
             train, variables, adapt=self.clipping(variables), **self.norm_options(variables)))
 
-    def clipping(self, variables):
+    def clipping(self, variables, more_squares=None):
         """build_optimizer's `adapt`: global-norm clipping over the weights each stage owns
-        (`variables` in the optimizer's order), their squares summed over the stages."""
+        (`variables` in the optimizer's order), their squares summed over the stages
+        (`more_squares`: clipping_class's)."""
         counted = [self.counts(v) for v in variables]
+        return lambda cls: clipping_class(cls, self._sum_over_stages, counted, more_squares)
 
-        def sum_over_stages(x):  # Horovod: the clipping norm's squares over the stages
-            return hvd.allreduce(self._over_slices(x), op=hvd.Sum, process_set=self.model_set,
-                                 name="pipeline.train.clip", ignore_name_scope=True)
-
-        return lambda cls: clipping_class(cls, sum_over_stages, counted)
+    def _sum_over_stages(self, x):  # Horovod: the clipping norm's squares over the stages
+        return hvd.allreduce(self._over_slices(x), op=hvd.Sum, process_set=self.model_set,
+                             name="pipeline.train.clip", ignore_name_scope=True)
 
     def norm_options(self, variables):  # LAMB's per-variable norms: whole weights here
         return {}  # (a tensor-parallel stage sums its slices')

@@ -147,3 +147,51 @@ def _mean(values):
     loss = tf.add_n([loss for loss, _ in values]) * scale
     metrics = {k: tf.add_n([m[k] for _, m in values]) * scale for k in values[0][1]}
     return loss, metrics
+
+
+# ---- one rank's column of the schedule (tfbig.pipeline.cross_rank) ------------------------
+def _stamped(run, inputs, stamps, stage):
+    """run(inputs), with [start, end] wall-clock stamps around it appended to `stamps` (the
+    start waits for the inputs and the previous op's end, the end for everything the op
+    produced, weight-gradient sums included; the benchmark's bubble)."""
+    if stamps is None:
+        return run(inputs)
+    deps = [t for t in tf.nest.flatten(inputs) if t is not None] + stamps[-1:]
+    with tf.control_dependencies(deps):
+        start = tf.timestamp()
+    with tf.control_dependencies([start]):
+        inputs = tf.nest.map_structure(lambda t: t if t is None else tf.identity(t), inputs)
+    out = run(inputs)
+    # A control dependency on a function call's output waits, once Grappler inlines the call,
+    # only for the function's stateful ops, not its math (the forwards then measured ~0 ms):
+    # the end waits for a value read from every output instead.
+    produced = [t for t in tf.nest.flatten(out) if t is not None] + list(
+        stage.gradient_sums.values())
+    ready = tf.add_n([tf.constant(0.0)] + [
+        tf.reduce_sum(tf.cast(tf.reshape(t, [-1])[:1], tf.float32)) for t in produced])
+    with tf.control_dependencies([ready]):
+        stamps.append(tf.stack([start, tf.timestamp()]))
+    return out
+
+
+def run_stage(ops, stage, link, micro_batches, specs, stamps=None):
+    """This rank's column of the schedule: {microbatch: (loss, metrics)} on the last stage.
+    `stamps` (a list) collects each op's [start, end] wall-clock times."""
+    results = {}
+    for op in ops:
+        m = op.microbatch
+        if op.kind == "F":
+            x = micro_batches[m] if stage.is_first else link.receive_forward(
+                m, specs[stage.index - 1])
+            out = _stamped(lambda i, m=m: stage.forward(m, *i), (x, micro_batches[m]), stamps,
+                           stage)
+            if stage.is_last:
+                results[m] = out
+            else:
+                link.send_forward(m, out)
+        else:
+            dy = None if stage.is_last else link.receive_backward(m, specs[stage.index])
+            dx = _stamped(lambda d, m=m: stage.backward(m, d), dy, stamps, stage)
+            if not stage.is_first:
+                link.send_backward(m, dx)
+    return results

@@ -10,7 +10,6 @@ import dataclasses
 import tensorflow as tf
 
 from tfbig.checkpoints.checkpoint import model_key
-from tfbig.models.layout import layout_of
 from tfbig.pipeline.layers import layer_sequence
 
 
@@ -102,10 +101,6 @@ def build_stage_model(task, plan, specs, stage_index, device, build=None):
         every, mine = set(every), set(mine)
         placeholders = {id(v.value) for v in model.variables
                         if v.path in every and v.path not in mine}
-    if layout_of(model).experts:
-        raise ValueError("--strategy=horovod --pipeline_stages: an MoE model's stages on "
-                         "different ranks are not built yet; train it with --strategy=pipeline "
-                         "(its stages on one process's devices) or without --pipeline_stages")
     layers = layer_sequence(model, task)
     names = [layer.name for layer in layers]
     if names != [spec.name for spec in specs]:

@@ -107,6 +107,12 @@ class StageLink:
     def _send(self, pair, tensors, names):
         process_set, peer = pair
         for tensor, name in zip(tensors, names):
+            tensor = tf.convert_to_tensor(tensor)
+            if tensor.dtype.is_floating or tensor.dtype.is_integer:
+                # a constant (a gradient of a loss term, which is coefficient x loss weight,
+                # or a zero one) would be folded by Grappler, its send run out of order
+                self._count += 1
+                tensor = unfoldable(tensor, self.zero, self._count)
             # Horovod: all rows to the peer, none to this rank (a send on a two-rank set).
             row = tf.reshape(_to_wire(tensor), [1, -1])
             splits = tf.constant([0, 0], tf.int32) + tf.one_hot(peer, 2, dtype=tf.int32)
@@ -120,12 +126,17 @@ class StageLink:
         for spec, name in zip(specs, names):
             size = spec.shape.num_elements()
             self._count += 1  # each receive's input differs: no two are merged
-            empty = unfoldable(tf.zeros([0, size], _wire_dtype(spec.dtype)), self.zero,
-                               self._count)
+            # rows = 0 known only at run time: an empty tensor of a known shape is made a
+            # constant by Grappler, and the receive of a constant run while it optimises
+            rows = tf.cast(self.zero, tf.int32)
+            empty = unfoldable(tf.zeros(tf.stack([rows, size]), _wire_dtype(spec.dtype)),
+                               self.zero, self._count)
             # Horovod: nothing sent; the peer's rows arrive (the matching send, by name).
             row, _ = hvd.alltoall(empty, splits=tf.constant([0, 0], tf.int32), name=name,
                                   ignore_name_scope=True, process_set=process_set)
-            self.exchanged.append(tf.cast(tf.size(row) - size, tf.float32))  # 0 at run time
+            # a zero read from the received values: Grappler may know the size statically
+            # (it is), fold it, and drop a receive whose tensor the stage does not read
+            self.exchanged.append(runtime_zero(row))
             if spec.dtype == tf.bfloat16:
                 row = tf.bitcast(row, tf.bfloat16)
             out.append(tf.reshape(row, spec.shape))

@@ -42,6 +42,11 @@ def horovod_backend(cfg=None):
     zero_stage = getattr(parallel, "zero_stage", 0)
     if cfg is not None:
         composition.check(composition.values_of(cfg))  # the pairs that do not compose
+    if getattr(parallel, "expert_parallel", 1) > 1 and cfg is not None and \
+            pipeline_stages(cfg) > 1:  # neither TP nor ZeRO: REFUSED
+        from tfbig.pipeline.expert_stage import ExpertPipeline
+
+        return ExpertPipeline(cfg)
     if getattr(parallel, "expert_parallel", 1) > 1 and tensor > 1:  # no ZeRO: REFUSED
         from tfbig.distribute.expert_tensor import ExpertTensorStrategy
 
