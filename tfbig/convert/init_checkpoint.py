@@ -104,8 +104,8 @@ def load(model, directory, pieces=None):
 
     `pieces` (a backend's Strategy.weight_pieces of `model`; default: every weight whole) says
     which piece of each weight this rank holds: the weights are read one at a time, each cut
-    to its piece and the whole array dropped, so a rank never holds more than its own pieces
-    and one whole weight. Every name and shape is checked before the first weight is read."""
+    to its piece and the whole array dropped; another rank's weights are not read. Every name
+    and shape is checked before the first weight is read."""
     import tensorflow as tf
 
     from tfbig.checkpoints.checkpoint import model_variables
