@@ -11,7 +11,8 @@ Why it is built this way: docs/design/notes/pipeline.md (tfbig.pipeline.expert_s
 import tensorflow as tf
 
 from tfbig.checkpoints.checkpoint import piece_dir, read_layout, write_layout
-from tfbig.distribute.expert_parallel import ExpertParallelStrategy, split_experts
+from tfbig.distribute.expert_parallel import (ExpertParallelStrategy, moe_layers,
+                                              split_experts)
 from tfbig.distribute.horovod import HorovodStrategy
 from tfbig.layouts import expert_checkpoint, stage_checkpoint
 from tfbig.layouts.tensor_layout import _held
@@ -34,6 +35,10 @@ class ExpertPipeline(ExpertParallelStrategy, CrossRankPipeline):
         """This stage's model, its MoE layers holding this rank's experts."""
         def build():
             model = task.build_model()
+            # every stage's expert variables (expert.json lists them for the readers)
+            self.every_expert_path = {v.path for layer in moe_layers(model, "--expert_parallel")
+                                      for v in (layer.experts.gate, layer.experts.up,
+                                                layer.experts.down)}
             self.expert_paths = split_experts(
                 model, self.size, self.expert_rank, self.expert_set,
                 held=lambda layer: _held(layer.experts.gate))
@@ -114,4 +119,5 @@ class ExpertPipeline(ExpertParallelStrategy, CrossRankPipeline):
         CrossRankPipeline.after_checkpoint(self, directory)
         if self.is_chief:
             write_layout(directory, expert_checkpoint.LAYOUT_FILE, {
-                "expert_parallel": self.size, "expert_variables": sorted(self.expert_paths)})
+                "expert_parallel": self.size,
+                "expert_variables": sorted(self.every_expert_path)})
