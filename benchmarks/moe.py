@@ -7,12 +7,13 @@ Three runs: one process (`--strategy=single`, every expert), EP2 (`horovodrun -n
 --expert_parallel=2: each rank half the experts and half the batch) and EP2 with the
 all-to-alls replaced by local identities (wrong routing, the same expert compute: the "dry" run).
 all-to-all share = 1 - dry / EP2 (wall seconds). Each also reports its CPU seconds per step
-(rank 0's for EP2), less sensitive to other load than wall time. Bytes: the expert and replicated parameter bytes rank 0
-holds, against the planner's per-rank figure (tfbig.plan.estimate, parameters of
-Layout(data=2, expert=2)). A fourth run, EP2 with --zero_stage=1, reports its step time against
+(rank 0's for EP2), less sensitive to other load than wall time. Bytes: the expert and
+replicated parameter bytes rank 0 holds, against the planner's per-rank figure
+(tfbig.plan.estimate, parameters of Layout(data=2, expert=2)). A fourth run, EP2 with --zero_stage=1, reports its step time against
 EP2's and the parameter and optimizer-state bytes rank 0 holds (parameters, the replicated
 weights' master slices, every Adam slot) against the planner's (tfbig.plan.estimate.memory:
-parameters + optimizer). One-thread processes, no XLA (MoE layers run without it). One JSON
+parameters + optimizer); a fifth, EP2 with --zero_stage=3, the same (its replicated weights held
+only as their slices). One-thread processes, no XLA (MoE layers run without it). One JSON
 line with the load average; on a 2-core machine the two ranks share the cores with anything
 else running.
 """
@@ -118,10 +119,10 @@ def planned_parameter_bytes(cfg, seq_length):
     return 4 * estimate.stage_params(shape, estimate.Layout(data=2, expert=2))
 
 
-def planned_zero_state_bytes(cfg, seq_length):
-    """The planner's parameter and optimizer-state bytes per rank of EP2 x ZeRO-1 on 2 ranks
-    (the optimizer's: the replicated weights' master slices and moments over 2, the experts'
-    moments whole)."""
+def planned_zero_state_bytes(cfg, seq_length, stage):
+    """The planner's parameter and optimizer-state bytes per rank of EP2 x ZeRO-`stage` on 2
+    ranks (stage 1: the replicated weights' master slices and moments over 2; stage 3: their
+    weights and moments over 2, no master copy; the experts' weights and moments whole)."""
     from tfbig.models import shapes
     from tfbig.models.llama_config import LlamaConfig
     from tfbig.plan import estimate, hardware
@@ -133,7 +134,7 @@ def planned_zero_state_bytes(cfg, seq_length):
                                      vocab_size=DEFAULT_VOCAB_SIZE)
     shape = shapes.shape_of(config, "llama", seq_length)
     device = hardware.Device("memory", 1.0, 0.0, 1.0, 1.0, 1.0, 0.0)
-    held = estimate.memory(shape, estimate.Layout(data=2, expert=2, zero_stage=1),
+    held = estimate.memory(shape, estimate.Layout(data=2, expert=2, zero_stage=stage),
                            t.batch_size // 2, "fp32", device)
     return held["parameters"] + held["optimizer"]
 
@@ -155,12 +156,14 @@ def main():
         ep2, cfg = launch(args, root, 2)
         dry, _ = launch(args, root, 2, dry=True)
         zero1, _ = launch(args, root, 2, zero_stage=1)
+        zero3, _ = launch(args, root, 2, zero_stage=3)
     held = ep2["parameter_bytes"]
     planned = planned_parameter_bytes(cfg, args.seq_length)
-    zero_held = zero1["parameter_bytes"]
-    zero_state = (zero_held["parameters"] + zero_held["master_slices"]
-                  + zero_held["optimizer_slots"])
-    zero_planned = planned_zero_state_bytes(cfg, args.seq_length)
+    zero = {}
+    for stage, run in ((1, zero1), (3, zero3)):
+        state = run["parameter_bytes"]  # stage 3's master slices are its weights' only copy
+        zero[stage] = (state["parameters"] + state["master_slices"] + state["optimizer_slots"],
+                       planned_zero_state_bytes(cfg, args.seq_length, stage))
     _record.emit({
         "benchmark": "moe", "hidden_size": args.hidden_size, "num_layers": 2, "num_experts": 4,
         "experts_per_token": 2, "seq_length": args.seq_length, "batch_size": args.batch_size,
@@ -181,8 +184,16 @@ def main():
         "ep2_zero1_step_seconds": round(zero1["step_seconds"], 4),
         "ep2_zero1_step_time_vs_ep2": round(zero1["step_seconds"] / ep2["step_seconds"], 3),
         "ep2_zero1_rank0_cpu_seconds": round(zero1["cpu_seconds"], 4),
-        "ep2_zero1_state_bytes": zero_held, "ep2_zero1_planned_state_bytes": int(zero_planned),
-        "ep2_zero1_state_vs_plan": round(zero_state / zero_planned, 4),
+        "ep2_zero1_state_bytes": zero1["parameter_bytes"],
+        "ep2_zero1_planned_state_bytes": int(zero[1][1]),
+        "ep2_zero1_state_vs_plan": round(zero[1][0] / zero[1][1], 4),
+        # EP2 x ZeRO-3: the replicated weights themselves sliced, gathered block by block
+        "ep2_zero3_step_seconds": round(zero3["step_seconds"], 4),
+        "ep2_zero3_step_time_vs_ep2": round(zero3["step_seconds"] / ep2["step_seconds"], 3),
+        "ep2_zero3_rank0_cpu_seconds": round(zero3["cpu_seconds"], 4),
+        "ep2_zero3_state_bytes": zero3["parameter_bytes"],
+        "ep2_zero3_planned_state_bytes": int(zero[3][1]),
+        "ep2_zero3_state_vs_plan": round(zero[3][0] / zero[3][1], 4),
         "load_average": [round(x, 2) for x in os.getloadavg()]})
 
 

@@ -8,18 +8,20 @@ half (EP2) or a quarter (EP4) of the experts and the replicated rest bit-identic
 ranks; the per-expert token counts reach the progress line; a run resumed from its per-rank
 expert checkpoints continues exactly.
 
-With --zero_stage=1|2 (tfbig.distribute.expert_zero) the optimizer state of every weight but
-the experts is sliced over the partition group, the experts' kept whole on their ranks. With
+With --zero_stage=1|2|3 (tfbig.distribute.expert_zero) the optimizer state (stage 3: and the
+weights) of every weight but the experts is sliced over the partition group, the experts' kept
+whole on their ranks. With
 --tensor_parallel=2 (tfbig.distribute.expert_tensor) each replica's attention and vocabulary
 are split over a tensor group and the experts over the expert groups of each tensor rank.
 
 Default run: EP2 on 2 ranks, EP2 with --activation_checkpointing (its blocks recomputed in
-the backward, the all-to-alls with them), EP2 x ZeRO-1 (resumed) and EP2 started from a
+the backward, the all-to-alls with them), EP2 x ZeRO-3 (resumed) and EP2 started from a
 single-device checkpoint, in one launch with the refusals; EP2 x TP2 on 4 ranks (resumed) in
 another. Slow: EP2 x TP2 from a single-device checkpoint and with an fp16 overflow, TP2 and
 TP2 x ZeRO-1 of the MoE model (a 4-rank launch), the resumed run (a launch of
-its own), EP2 x DP2 and EP4 on 4 ranks, EP2 x DP2 with ZeRO-1 over a partition group of 4 and
-ZeRO-2 over MiCS groups of 2."""
+its own), EP2 x DP2 and EP4 on 4 ranks, EP2 x DP2 with ZeRO-1 and -3 over a partition group of
+4 and ZeRO-2 over MiCS groups of 2, ZeRO-3 of the MoE model without expert parallelism, the
+MoE model under --context_parallel=2 alone and with EP2 (resumed)."""
 import os
 import sys
 
@@ -138,11 +140,14 @@ def ep2(gpt_data, tmp_path_factory):
         run_entry("ep2", ep_cfg(gpt_data, root / "ep2", 2), root / "out", first_gradients=True),
         run_entry("ep2_recompute", ep_cfg(gpt_data, root / "ep2_recompute", 2, recompute=True),
                   root / "out", first_gradients=True),
-        run_entry("ep2_zero1", ep_cfg(gpt_data, root / "ep2_zero1", 2, zero_stage=1),
+        run_entry("ep2_zero3", ep_cfg(gpt_data, root / "ep2_zero3", 2, zero_stage=3),
                   root / "out", first_gradients=True, interrupt_at=2),
-        # the ZeRO pieces resumed without --zero_stage: refused before anything is restored
-        run_entry("ep2_zero1_as_ep2", ep_cfg(gpt_data, root / "ep2_zero1", 2), root / "out",
+        # the ZeRO pieces resumed without --zero_stage or with another stage: refused before
+        # anything is restored
+        run_entry("ep2_zero3_as_ep2", ep_cfg(gpt_data, root / "ep2_zero3", 2), root / "out",
                   expect_error=True),
+        run_entry("ep2_zero3_as_zero1", ep_cfg(gpt_data, root / "ep2_zero3", 2, zero_stage=1),
+                  root / "out", expect_error=True),
         run_entry("from_one", ep_cfg(gpt_data, root / "from_one", 2), root / "out")],
         ranks=2)
     return results, output, root
@@ -183,63 +188,108 @@ def test_recomputed_blocks_with_their_all_to_alls_equal_one_process(ep2, gpt_dat
     assert [int(r["recomputed_layers"]) for r in ep2[0]["ep2"]] == [0, 0]
 
 
-def check_zero_over_the_other_weights(results, single, shards):
+def check_zero_over_the_other_weights(results, single, shards, stage):
     """Each rank's master slices are its partition position's of the replicated weights (1/
-    `shards` of each, padded), its Adam moments those slices' and its own experts' whole."""
+    `shards` of each, padded), its Adam moments those slices' and its own experts' whole;
+    with stage 3 those slices are the replicated weights' only copy on the rank."""
     ceil = lambda n: -(-n // shards)  # noqa: E731
     replicated = [v for v in single.model.trainable_variables
                   if not v.path.endswith(EXPERT_WEIGHTS)]
     master = sum(4 * ceil(int(np.prod(v.shape))) for v in replicated)
+    whole = 4 * sum(int(np.prod(v.shape)) for v in replicated)
     for result in results:
         assert int(result["bytes_master_slices"]) == master
         assert int(result["bytes_optimizer_slots"]) == 2 * (
             master + int(result["bytes_expert_parameters"]))
-        assert int(result["bytes_replicated_parameters"]) == 4 * sum(
-            int(np.prod(v.shape)) for v in replicated)
+        assert int(result["bytes_replicated_parameters"]) == (0 if stage == 3 else whole)
+        assert int(result["bytes_parameters"]) == int(result["bytes_expert_parameters"]) + (
+            0 if stage == 3 else whole)
 
 
 @pytest.mark.multiproc
-def test_zero1_over_the_replicated_weights_of_two_expert_ranks_equals_one_process(
+def test_zero3_over_the_replicated_weights_of_two_expert_ranks_equals_one_process(
         ep2, gpt_data, shared, tmp_path_factory):
-    """--expert_parallel=2 --zero_stage=1, stopped after 2 steps and resumed from its pieces:
-    the one process's losses, weights and first gradients; the optimizer state of everything
-    but the experts halved on each rank; the pieces read back as one model; resuming them
-    without --zero_stage and consolidating them are refused by name."""
+    """--expert_parallel=2 --zero_stage=3, stopped after 2 steps and resumed from its pieces:
+    the one process's losses, weights and first gradients; every weight but the experts held
+    as a half slice on each rank, gathered per block (the experts whole, the all-to-alls
+    recomputed with the block); the pieces read back as one model; resuming them without
+    --zero_stage or with stage 1, and consolidating them, are refused by name."""
     results, _, root = ep2
     single, losses = shared(("moe", 2), lambda: reference(
         gpt_data, tmp_path_factory.mktemp("moe_reference"), 2))
-    run = results["ep2_zero1"]
+    run = results["ep2_zero3"]
     assert int(run[0]["restored_step"]) == 2
     check_equal_to_one_process(run, single, losses, 2)
-    check_zero_over_the_other_weights(run, single, 2)
-    model, _ = load_model(str(root / "ep2_zero1"))
+    check_zero_over_the_other_weights(run, single, 2, 3)
+    model, _ = load_model(str(root / "ep2_zero3"))
     for v, ours in zip(model.trainable_variables, listed(run[0], "w"), strict=True):
         np.testing.assert_array_equal(v.numpy(), ours, err_msg=v.path)
-    for result in results["ep2_zero1_as_ep2"]:
+    for result in results["ep2_zero3_as_ep2"]:
         assert "was written with --expert_parallel and --zero_stage" in str(result["error"])
+    for result in results["ep2_zero3_as_zero1"]:
+        assert "holds a checkpoint of --expert_parallel=2 --zero_stage=3 --shard_degree=2" in \
+            str(result["error"])
     with pytest.raises(ValueError, match="was written with --expert_parallel"):
-        consolidate(str(root / "ep2_zero1"), str(tmp_path_factory.mktemp("consolidated")))
+        consolidate(str(root / "ep2_zero3"), str(tmp_path_factory.mktemp("consolidated")))
 
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-@pytest.mark.parametrize("stage, shards", [(1, 4), (2, 2)])
+@pytest.mark.parametrize("stage, shards, expert", [(1, 4, 2), (2, 2, 2), (3, 4, 2), (3, 2, 1)])
 def test_zero_partition_groups_across_expert_groups_equal_one_process(
-        stage, shards, gpt_data, shared, tmp_path_factory):
-    """4 ranks, EP2 x DP2, resumed from their pieces: ZeRO-1 over one partition group of 4
-    (spanning both expert groups: lcm(4, 2) = 4 pieces) and ZeRO-2 over MiCS groups of 2
-    (each an expert group; their replicas hold the same slices and experts: 2 pieces)."""
+        stage, shards, expert, gpt_data, shared, tmp_path_factory):
+    """4 ranks, EP2 x DP2, resumed from their pieces: ZeRO-1 and -3 over one partition group
+    of 4 (spanning both expert groups: lcm(4, 2) = 4 pieces) and ZeRO-2 over MiCS groups of 2
+    (each an expert group; their replicas hold the same slices and experts: 2 pieces); and
+    ZeRO-3 of the MoE model without expert parallelism (every expert sliced and gathered)
+    over MiCS groups of 2."""
     root = tmp_path_factory.mktemp(f"expert_zero{stage}")
     results, output = launch(root, [run_entry(
-        "ep", ep_cfg(gpt_data, root / "ep", 2, zero_stage=stage, shard_degree=shards),
+        "ep", ep_cfg(gpt_data, root / "ep", expert, zero_stage=stage, shard_degree=shards),
         root / "out", first_gradients=True, interrupt_at=2)], ranks=4)
     single, losses = shared(("moe", 4), lambda: reference(
         gpt_data, tmp_path_factory.mktemp("moe_reference4"), 4))
     assert [int(r["restored_step"]) for r in results["ep"]] == [2] * 4
-    check_equal_to_one_process(results["ep"], single, losses, 2)
-    check_zero_over_the_other_weights(results["ep"], single, shards)
+    check_equal_to_one_process(results["ep"], single, losses, expert)
+    model, _ = load_model(str(root / "ep"))
+    for v, ours in zip(model.trainable_variables, listed(results["ep"][0], "w"), strict=True):
+        np.testing.assert_array_equal(v.numpy(), ours, err_msg=v.path)
+    if expert == 1:
+        return
+    check_zero_over_the_other_weights(results["ep"], single, shards, stage)
     assert "expert groups of 2" in output
     assert sorted(os.listdir(root / "ep" / "expert")) == [f"rank-{r}" for r in range(1, shards)]
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_sequences_split_over_context_ranks_equal_one_process(gpt_data, shared,
+                                                              tmp_path_factory):
+    """4 ranks = data 2 x context 2: the MoE model under --context_parallel=2 alone and with
+    --expert_parallel=2 (an expert group: the 2 data ranks of one context position). Each
+    router's statistics are summed over the context group, so the load-balancing loss is the
+    replica's whole batch's as on one process; a capacity factor is refused by name."""
+    root = tmp_path_factory.mktemp("expert_context")
+    runs = {name: ep_cfg(gpt_data, root / name, expert) for name, expert in
+            (("cp2", 1), ("ep2_cp2", 2), ("capacity", 2))}
+    for cfg in runs.values():
+        cfg.parallel.context_parallel = 2
+    runs["capacity"].moe.capacity_factor = 1.0
+    results, output = launch(root, [run_entry(name, cfg, root / "out", first_gradients=True,
+                                              interrupt_at=2 if name == "ep2_cp2" else 0,
+                                              expect_error=name == "capacity", norm_rows=True)
+                                    for name, cfg in runs.items()], ranks=4)
+    single, losses = shared(("moe", 2), lambda: reference(
+        gpt_data, tmp_path_factory.mktemp("moe_reference"), 2))
+    for name, expert in (("cp2", 1), ("ep2_cp2", 2)):  # 2 context ranks per data replica
+        check_equal_to_one_process(results[name], single, losses, expert, tensor=2)
+        # each rank's norms see its 2 chunks of 4 of the 16 positions
+        assert [int(r["norm_rows"]) for r in results[name]] == [8] * 4
+    assert int(results["ep2_cp2"][0]["restored_step"]) == 2
+    assert "expert groups of 2: [(0, 2), (1, 3)]" in output
+    for result in results["capacity"]:
+        assert str(result["error"]).startswith("--context_parallel with --capacity_factor=1")
+        assert not result["model_dir_exists"]
 
 
 def check_steps_3_and_4_are_the_one_process(results, single, losses):

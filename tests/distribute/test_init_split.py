@@ -10,7 +10,9 @@ reads its pieces through its backend's Strategy.weight_pieces (tfbig.convert.ini
 a tensor rank its heads and columns, a ZeRO-3 rank its flat slice of every weight, a pipeline
 stage only its own layers' weights, an expert rank its experts. Default run: TP2 (the default
 run's Llama TP2: tests/distribute/test_tensor_parallel_llama.py's is slow), ZeRO-3 over 2 ranks,
-PP2 and EP2, in one 2-rank launch. Slow: EP2 x TP2 and TP2 x ZeRO-3 on 4 ranks.
+PP2 and EP2, in one 2-rank launch. Slow: EP2 x TP2, TP2 x ZeRO-3, EP2 x DP2 with ZeRO-3 (an
+expert rank's experts whole, the other weights' slices over the 4 ranks) and EP2 x PP2 (a stage's
+rank its stage's share of the experts) on 4 ranks.
 """
 import os
 import sys
@@ -43,7 +45,12 @@ SCENARIOS = {"tp2": (2, "dense", 1, {"tensor_parallel": 2}, {}),
              "pp2": (2, "dense", 1, {}, {"pipeline_stages": 2, "num_microbatches": 2}),
              "ep2": (2, "moe", 2, {"expert_parallel": 2}, {})}
 SLOW_SCENARIOS = {"ep2_tp2": (4, "moe", 2, {"expert_parallel": 2, "tensor_parallel": 2}, {}),
-                  "tp2_zero3": (4, "dense", 2, {"tensor_parallel": 2, "zero_stage": 3}, {})}
+                  "tp2_zero3": (4, "dense", 2, {"tensor_parallel": 2, "zero_stage": 3}, {}),
+                  "ep2_zero3": (4, "moe", 4, {"expert_parallel": 2, "zero_stage": 3}, {}),
+                  # 2 data replicas x 2 micro-batches, each with its own router losses: the
+                  # reference's 4 micro-batches in the same order
+                  "ep2_pp2": (4, "moe", 4, {"expert_parallel": 2},
+                              {"pipeline_stages": 2, "num_microbatches": 2})}
 
 
 @pytest.fixture(scope="module")

@@ -48,6 +48,24 @@ def fixed_logits(n=40, e=4, seed=0):
         "float32")  # a skewed router: expert 0 over-subscribed
 
 
+def test_token_sums_make_a_part_of_the_batch_route_with_the_whole_batchs_statistics():
+    """Context parallelism's hook (SparseMoE.token_sums): a call seeing half the tokens, given
+    the other half's counts, probability sums and token count, has the whole batch's
+    load-balancing loss and counts, where its own half's alone differ."""
+    logits = tf.constant(fixed_logits())
+    half = logits.shape[0] // 2
+    whole = route(logits, 2, "after_topk")
+    other = route(logits[half:], 2, "after_topk")
+    other_sums = (other["tokens_per_expert"], tf.reduce_sum(tf.nn.softmax(logits[half:]), 0),
+                  tf.constant(float(logits.shape[0] - half)))
+    joined = route(logits[:half], 2, "after_topk",
+                   token_sums=lambda *mine: [a + b for a, b in zip(mine, other_sums)])
+    np.testing.assert_allclose(joined["aux_loss"], whole["aux_loss"], rtol=1e-6)
+    np.testing.assert_array_equal(joined["tokens_per_expert"], whole["tokens_per_expert"])
+    alone = route(logits[:half], 2, "after_topk")
+    assert abs(float(alone["aux_loss"]) - float(whole["aux_loss"])) > 1e-3
+
+
 @pytest.mark.parametrize("k,softmax", [(1, "after_topk"), (2, "after_topk"),
                                        (2, "before_topk")])
 def test_routing_statistics_equal_the_numpy_reference(k, softmax):

@@ -208,6 +208,15 @@ def _sum_groups(dx, groups):
     return tf.reduce_sum(tf.reshape(dx, [batch, length, heads // groups, groups, hs]), axis=3)
 
 
+def summed_over(group, values):
+    """Each of `values` summed over the context group, in one all-reduce (Horovod's gradient:
+    the ranks' gradients summed)."""
+    sizes = [int(np.prod(v.shape)) for v in values]  # static: (E,), (E,), ()
+    flat = tf.concat([tf.reshape(v, [-1]) for v in values], 0)
+    summed = hvd.allreduce(flat, op=hvd.Sum, process_set=group.process_set)
+    return [tf.reshape(part, v.shape) for part, v in zip(tf.split(summed, sizes), values)]
+
+
 def wrap(layer, kind, group):
     call = layer.call
     if kind == "tokens":  # an Embedding(token_ids): this rank's rows
@@ -237,6 +246,14 @@ def wrap(layer, kind, group):
             return (gather_whole_sequence(sequence, group), *rest)
 
         layer.call = whole_call
+    elif kind == "routing_sums":  # an MoE layer: its router's statistics over whole sequences
+        if layer.capacity_factor > 0:
+            raise ValueError(f"--context_parallel with --capacity_factor="
+                             f"{layer.capacity_factor:g}: an expert's capacity is filled in "
+                             f"token order over the whole batch, and each context rank holds "
+                             f"part of every sequence; use dropless routing "
+                             f"(--capacity_factor=0) or --context_parallel=1")
+        layer.token_sums = lambda *values: summed_over(group, values)
     elif kind == "first_row":
         layer.call = lambda x, *args, **kwargs: call(first_row_everywhere(x, group), *args,
                                                      **kwargs)

@@ -1,14 +1,16 @@
-"""Expert parallelism with ZeRO over the other weights: `--expert_parallel=N --zero_stage=1|2
-[--shard_degree=G]`.
+"""Expert parallelism with ZeRO over the other weights: `--expert_parallel=N
+--zero_stage=1|2|3 [--shard_degree=G]`.
 
 Each MoE layer's experts are split over the expert groups as tfbig.distribute.expert_parallel
 does; every other weight (attention, norms, routers, embeddings) is replicated over the data
 axis and its optimizer state (stage 1: the float32 master copy and Adam/LAMB's moments; stage
-2: the accumulated gradients too) sliced over the ZeRO partition groups as
-tfbig.distribute.zero does. A rank's own experts keep their state whole and are updated in
-place. The clipping norm and LAMB's trust ratios sum the slices' squares over the partition
-group and the experts' over the expert group. Ranks 0..lcm(G, N)-1 write one checkpoint piece
-each; rank r restores piece r mod lcm(G, N); a run resumes only its own layout.
+2: the accumulated gradients too; stage 3: the weights themselves, gathered per layer by
+tfbig.distribute.zero3) sliced over the ZeRO partition groups as tfbig.distribute.zero does.
+A rank's own experts keep their state whole and are updated in place (stage 3 reads them as
+they are inside the gathered layer, the all-to-alls recomputed with it). The clipping norm and
+LAMB's trust ratios sum the slices' squares over the partition group and the experts' over the
+expert group. Ranks 0..lcm(G, N)-1 write one checkpoint piece each; rank r restores piece
+r mod lcm(G, N); a run resumes only its own layout.
 
 Why it is built this way: docs/design/notes/distribute.md (tfbig.distribute.expert_zero).
 """
@@ -17,13 +19,14 @@ import math
 import tensorflow as tf
 
 from tfbig.checkpoints.checkpoint import piece_dir, read_layout, write_layout
+from tfbig.distribute import zero3
 from tfbig.distribute.expert_parallel import ExpertParallelStrategy
 from tfbig.distribute.zero import ZeroStrategy
 from tfbig.layouts import expert_checkpoint, zero_checkpoint
 
 
 class ExpertZeroStrategy(ZeroStrategy, ExpertParallelStrategy):
-    """ZeRO-1/2 over the non-expert weights of an expert-parallel run (module docstring).
+    """ZeRO-1/2/3 over the non-expert weights of an expert-parallel run (module docstring).
 
     Method order: ZeroStrategy's, which reach ExpertParallelStrategy's through super() (the
     model with its experts split, the broadcast of each rank's experts); what needs both is
@@ -33,9 +36,17 @@ class ExpertZeroStrategy(ZeroStrategy, ExpertParallelStrategy):
 
     def __init__(self, cfg=None, mesh=None):
         super().__init__(cfg, mesh)
-        if self.stage == 3:  # composition.REFUSED names it before a rank starts
-            raise ValueError("--expert_parallel with --zero_stage=3 is not supported")
         self.pieces = math.lcm(self.num_shards, self.size)  # ranks writing a piece each
+
+    # ---- stage 3: the replicated weights' slices gathered per layer, the experts whole ------
+    def _unmaterialised_model(self, task):
+        """Stage 3: the model with this rank's experts (held, whole), the other weights'
+        values kept only to cut the slices."""
+        model = ExpertParallelStrategy.build_model(self, task)
+        return zero3.release_values(model, keep=lambda v: v.path in self.expert_paths)
+
+    def _sliced(self, variable):
+        return variable.path not in self.expert_paths
 
     # ---- the optimizer's variables: slices of the replicated weights, the experts whole ----
     def _new_shard(self, variable):
@@ -79,22 +90,31 @@ class ExpertZeroStrategy(ZeroStrategy, ExpertParallelStrategy):
 
     def apply_gradients(self, optimizer, grads, variables):
         optimizer.apply(grads, self.shards)  # an expert's shard is the expert variable
+        if self.stage == 3:
+            return  # the parameters are the slices (and the experts): gathered per layer
         expert = self._is_expert()
         self._assign_gathered([s for s, e in zip(self.shards, expert) if not e],
                               [v for v, e in zip(variables, expert) if not e])
 
     # ---- what a rank holds -----------------------------------------------------------------
     def state_bytes(self):
-        """Bytes this rank holds: its parameters (experts and the replicated rest), the master
-        slices of the replicated weights and the optimizer slots (the experts' whole)."""
+        """Bytes this rank holds: its parameters (experts and the replicated rest; stage 3: the
+        experts only), the master slices of the replicated weights (stage 3: the weights) and
+        the optimizer slots (the experts' whole)."""
         expert = self._is_expert()
         master = sum(math.prod(s.shape) * 4 for s, e in zip(self.shards, expert) if not e)
-        return {**ExpertParallelStrategy.state_bytes(self), **super().state_bytes(),
+        held = {**ExpertParallelStrategy.state_bytes(self), **super().state_bytes(),
                 "master_slices": master}
+        if self.stage == 3:  # the replicated weights are held as their slices only
+            held["replicated_parameters"] = 0
+        return held
 
     def gather_full(self, variables, values=None):
         """Full arrays of the model's variables (or of `values`: the non-expert ones' slices
-        gathered over the partition group, the experts' over the expert group)."""
+        gathered over the partition group, the experts' over the expert group); stage 3's
+        model variables hold no values: their slices are gathered."""
+        if values is None and self.stage == 3:
+            values = [self._shard_of[id(v)] for v in variables]
         if values is not None:
             expert = [v.path in self.expert_paths for v in variables]
             dense = iter(self.partition.gather(
@@ -129,7 +149,8 @@ class ExpertZeroStrategy(ZeroStrategy, ExpertParallelStrategy):
             return  # a fresh run
         saved = (experts["expert_parallel"] if experts else 1,
                  zero["shard_degree"] if zero else 1, zero["zero_stage"] if zero else 0)
-        if saved[:2] != (self.size, self.num_shards) or saved[2] not in (1, 2):
+        if saved[:2] != (self.size, self.num_shards) or (saved[2] == 3) != (self.stage == 3) \
+                or saved[2] not in (1, 2, 3):
             raise ValueError(
                 f"--model_dir={model_dir} holds a checkpoint of --expert_parallel={saved[0]} "
                 f"--zero_stage={saved[2]} --shard_degree={saved[1]}; --expert_parallel="

@@ -77,13 +77,19 @@ class ZeroStrategy(HorovodStrategy):
         # implied, --offload_activations keeps the saved layer inputs on the host.
         model, self._initialisers = self._unmaterialised_model(task)
         blocks = task.blocks(model) if hasattr(task, "blocks") else None  # a user task's
-        zero3.Gatherer(self.partition, self._shard_of, offload).install(model, blocks)
+        whole = frozenset(id(v) for v in model.trainable_variables if not self._sliced(v))
+        zero3.Gatherer(self.partition, self._shard_of, offload, whole).install(model, blocks)
         self._model = model
         return model
 
     def _unmaterialised_model(self, task):
         """(the task's model, its trainable variables holding no value; {id: initialiser})."""
         return zero3.build_unmaterialised(task)
+
+    def _sliced(self, variable):
+        """Whether `variable` is sliced over the partition group (expert_zero keeps a rank's
+        experts whole: stage 3 reads them as they are)."""
+        return True
 
     # ---- optimizer over the slices -------------------------------------------------------
     def build_optimizer(self, train, variables):
@@ -238,6 +244,8 @@ class ZeroStrategy(HorovodStrategy):
         """Stage 3: each trainable weight's flat slice, held by its shard."""
         pieces = super().weight_pieces(model)
         for v in self.model_variables if self.stage == 3 else ():
+            if not self._sliced(v):
+                continue
             entry = pieces[model_key(model, v)]
             entry[0] = self._shard_of[id(v)]
             entry[1] = then_cut(entry[1], lambda full, v=v: self.partition.own(full, v.shape))

@@ -39,9 +39,9 @@ def plan_layers(model, blocks=None):
         per_call, per_step = user_plan(model, blocks)
     elif not declared.gather_per_call:
         raise ValueError(f"--zero_stage=3: no gather plan for {type(model).__name__} (GPT, "
-                         f"ALBERT and BERT pretraining, BERT classification and BERT/ALBERT "
-                         f"span fine-tuning declare one in their layout(), tfbig.models.layout); "
-                         f"use --zero_stage=2")
+                         f"Llama, ALBERT and BERT pretraining, BERT classification and "
+                         f"BERT/ALBERT span fine-tuning declare one in their layout(), "
+                         f"tfbig.models.layout); use --zero_stage=2")
     else:
         per_call = [layer for p in declared.gather_per_call
                     for layer in resolve_plan_layers(model, p)]
@@ -133,12 +133,15 @@ def build_unmaterialised(task):
     return model, initialisers
 
 
-def release_values(model):
+def release_values(model, keep=lambda variable: False):
     """`build_unmaterialised`'s (model, {id(variable): initialiser}) of a model built whole
     (a tensor rank's split model): each trainable variable's value becomes its initialiser (a
-    host copy, cut into slices and dropped by the strategy) and the variable holds none."""
+    host copy, cut into slices and dropped by the strategy) and the variable holds none; but
+    those `keep` names (an expert rank's experts: held whole, never sliced)."""
     initialisers = {}
     for v in model.trainable_variables:
+        if keep(v):
+            continue
         initialisers[id(v)] = _loaded(v.numpy())
         v._value = None  # Keras: a variable without a value (as made in a StatelessScope)
         v._initializer = _not_gathered(v.path)
@@ -167,8 +170,35 @@ def _shapes(variables):
     return [tuple(v.shape) for v in variables]
 
 
-def differentiable_gather(partition, shards, variables):
-    """Full parameters from the slice variables; the gradient is reduce-scattered back."""
+def _raw(variable):
+    """A variable's stored float32 value (not cast to a layer's compute dtype)."""
+    with AutocastScope(None):
+        return tf.convert_to_tensor(variable.value)
+
+
+def _split_whole(variables, whole):
+    return [id(v) in whole for v in variables]
+
+
+def gather_values(partition, shards, variables, whole=frozenset()):
+    """Full parameters from the slice variables (not differentiable); a variable whose id is
+    in `whole` is its own shard (an expert rank's experts), read as it is."""
+    kept = _split_whole(variables, whole)
+    gathered = iter(partition.gather(
+        [tf.convert_to_tensor(s.value) for s, k in zip(shards, kept) if not k],
+        [tuple(v.shape) for v, k in zip(variables, kept) if not k]))
+    return [_raw(s) if k else next(gathered) for s, k in zip(shards, kept)]
+
+
+def differentiable_gather(partition, shards, variables, whole=frozenset()):
+    """Full parameters from the slice variables; the gradient is reduce-scattered back. A
+    variable whose id is in `whole` is its own shard, read as it is (its gradient whole)."""
+    kept = _split_whole(variables, whole)
+    if any(kept):
+        gathered = iter(differentiable_gather(
+            partition, [s for s, k in zip(shards, kept) if not k],
+            [v for v, k in zip(variables, kept) if not k]))
+        return [_raw(s) if k else next(gathered) for s, k in zip(shards, kept)]
     shapes = _shapes(variables)
     if not variables:
         return []
@@ -200,10 +230,11 @@ def run_with(variables, values, states, state_values, fn):
 class Gatherer:
     """Installs the gathers of a model's plan and keeps the per-trace prefetch order."""
 
-    def __init__(self, partition, shard_of, offload=False):
+    def __init__(self, partition, shard_of, offload=False, whole=frozenset()):
         self.partition = partition
         self.shard_of = shard_of  # id(model variable) -> its slice variable
         self.offload = offload
+        self.whole = whole  # ids of the model variables held whole (their own shard)
         self.reset()
 
     def reset(self):
@@ -229,7 +260,8 @@ class Gatherer:
 
         def wrapped(*args, **kwargs):
             self.reset()
-            full = differentiable_gather(self.partition, self._shards(variables), variables)
+            full = differentiable_gather(self.partition, self._shards(variables), variables,
+                                         self.whole)
             start = _read_states(states)
             out, after = run_with(variables, full, states, start,
                                   lambda: call(*args, **kwargs))
@@ -246,7 +278,7 @@ class Gatherer:
         if id(layer) not in self.forward_full:
             with self._after(self.previous_input):
                 self.forward_full[id(layer)] = differentiable_gather(
-                    self.partition, self._shards(variables), variables)
+                    self.partition, self._shards(variables), variables, self.whole)
         self.previous_input = x
         return self.forward_full[id(layer)]
 
@@ -263,11 +295,15 @@ class Gatherer:
         return wrapped
 
     def _run(self, layer, call, states, x, full, args, kwargs):
+        """The layer's call on its gathered parameters, recomputed in the backward. The call
+        may return a nest of tensors (an MoE block: its output and the router's statistics,
+        which reach the loss): each gets its gradient."""
         variables = layer.trainable_variables
         floating = x.dtype.is_floating
         start = _read_states(states)  # the enclosing scope's (a shared layer's second call)
         device = x.device
         autocast = get_autocast_scope()  # the layer's compute dtype, for the recompute too
+        structure = []  # the nest `call` returns, known once the forward has run
 
         @tf.custom_gradient
         def gathered_layer(x, *full):
@@ -277,14 +313,15 @@ class Gatherer:
                                     lambda: call(x, *args, **kwargs))
             for v, value in zip(states, after):
                 v.assign(value)
+            structure.append(y)
 
-            def grad(dy, variables=None):
+            def grad(*dys, variables=None):
+                dy = dys[0]  # the layer's output (an MoE block's hidden states)
                 # prefetch: after the later layer's backward started (its output gradient),
                 # not after it ended (this layer's `dy`); the last layer waits for its `dy`
                 with self._after(dy if self.previous_grad is None else self.previous_grad):
-                    again = self.partition.gather(
-                        [tf.convert_to_tensor(s.value) for s in self._shards(layer_variables)],
-                        _shapes(layer_variables))
+                    again = gather_values(self.partition, self._shards(layer_variables),
+                                          layer_variables, self.whole)
                 self.previous_grad = dy  # the next (earlier) layer's gather may start now
                 with tf.GradientTape() as tape:
                     x_again = recompute._from_host(saved, device, self.offload)
@@ -293,7 +330,9 @@ class Gatherer:
                     with AutocastScope(autocast.dtype if autocast else None):
                         y_again, _ = run_with(layer_variables, again, states, start,
                                               lambda: call(x_again, *args, **kwargs))
-                grads = tape.gradient(y_again, watched, output_gradients=dy,
+                y_again = tf.nest.flatten(y_again)
+                dys = [tf.zeros_like(y) if d is None else d for y, d in zip(y_again, dys)]
+                grads = tape.gradient(y_again, watched, output_gradients=dys,
                                       unconnected_gradients=tf.UnconnectedGradients.ZERO)
                 grads = [tf.convert_to_tensor(g) for g in grads]
                 inputs = grads if floating else [None] + grads
@@ -301,7 +340,8 @@ class Gatherer:
                     return inputs
                 return inputs, [tf.zeros_like(v) for v in variables]
 
-            return y, grad
+            return tf.nest.flatten(y), grad
 
         layer_variables = variables
-        return gathered_layer(x, *full)
+        flat = gathered_layer(x, *full)
+        return tf.nest.pack_sequence_as(structure[-1], flat)

@@ -22,9 +22,6 @@ IN_USE = {
 }
 
 _WORLD = "an elastic run is plain data parallel (its world size changes)"
-_EXPERT = ("expert parallelism is built with data parallelism, ZeRO-1/2, tensor parallelism "
-           "of the attention, pipeline stages, activation checkpointing and the MoE models "
-           "only")
 # (flag, flag, why): refused when both are in use; the first flag leads the message. A flag
 # written `name>=N` is in use from the value N on (`--zero_stage>=2`: stages 2 and 3); flags
 # joined by `+` are in use when each is (a pair that composes, refused with a third flag).
@@ -34,16 +31,10 @@ REFUSED = (
      "each stage accumulates its gradients whole over the schedule's micro-batches and "
      "holds its weights whole for them; use --zero_stage=1 (the optimizer state sharded "
      "over each stage's data ranks) with --pipeline_stages"),
-    *(("expert_parallel", other, f"{_EXPERT}; drop one of them")
-      for other in ("context_parallel",)),
     *(("expert_parallel", pair, "expert parallelism composes with each of these, not yet "
        "with both at once; drop one of them")
       for pair in ("tensor_parallel+zero_stage", "pipeline_stages+tensor_parallel",
                    "pipeline_stages+zero_stage")),
-    ("expert_parallel", "zero_stage>=3",
-     "ZeRO-3 gathers each layer's weights over the data ranks, and a rank's experts are its "
-     "own; use --zero_stage=1 or 2 (the other weights' optimizer state sharded, the "
-     "experts' kept whole on their ranks) with --expert_parallel"),
     *(("elastic", other, f"{_WORLD}; drop one of the two")
       for other in ("zero_stage", "shard_degree", "tensor_parallel", "sequence_parallel",
                     "pipeline_stages", "context_parallel", "expert_parallel")),

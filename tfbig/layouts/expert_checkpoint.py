@@ -2,14 +2,15 @@
 wrote its E/N experts of every MoE layer (piece 0 in MODEL_DIR, piece r in
 MODEL_DIR/expert/rank-r; tfbig.distribute.expert_parallel) and the rest whole; MODEL_DIR/
 expert.json names the degree and the expert variables. `assembled_weights` joins each expert
-variable's pieces along the expert axis, in expert rank order (tfbig-generate,
-tfbig-convert --to=huggingface read a run this way)."""
+variable's pieces along the expert axis, in expert rank order, and with --zero_stage=3 the other
+weights' flat slices of the first G pieces (tfbig-generate, tfbig-convert --to=huggingface read a
+run this way)."""
 import numpy as np
 import tensorflow as tf
 
 from tfbig.checkpoints.checkpoint import piece_checkpoints, piece_dir, reader_key
 from tfbig.checkpoints.checkpoint import read_layout as checkpoint_layout
-from tfbig.layouts import stage_checkpoint, tensor_layout
+from tfbig.layouts import stage_checkpoint, tensor_layout, zero_checkpoint
 
 LAYOUT_FILE = "expert.json"
 
@@ -26,8 +27,13 @@ def assembled_weights(model_dir, model, warn=print):
     stages = stage_checkpoint.read_layout(model_dir)
     if stages is not None:
         return _staged_weights(model_dir, model, saved, stages, warn)
+    # with --zero_stage=3 (tfbig.distribute.expert_zero) piece r holds partition position
+    # r mod G's flat slices of the other weights (groups of consecutive data ranks, as the
+    # expert groups): the first G pieces joined
+    zero = zero_checkpoint.read_layout(model_dir)
+    slices = zero["shard_degree"] if zero is not None and zero["zero_stage"] == 3 else 0
     readers = [tf.train.load_checkpoint(path) for path in piece_checkpoints(
-        model_dir, "expert", saved["expert_parallel"], warn)]
+        model_dir, "expert", max(saved["expert_parallel"], slices), warn)]
     experts = set(saved["expert_variables"])
     # with --tensor_parallel (tfbig.distribute.expert_tensor): the rest joined from the tensor
     # ranks' pieces, the experts from tensor rank 0's expert pieces (each tensor rank's alike)
@@ -38,9 +44,14 @@ def assembled_weights(model_dir, model, warn=print):
         if "seed_generator" in v.path:
             continue
         key = reader_key(model, v)
-        out[v.path] = (np.concatenate([r.get_tensor(key) for r in readers])
-                       if v.path in experts else split[v.path] if split is not None
-                       else readers[0].get_tensor(key))
+        if v.path in experts:
+            out[v.path] = np.concatenate([r.get_tensor(key)
+                                          for r in readers[:saved["expert_parallel"]]])
+        elif slices and v.trainable:
+            flat = np.concatenate([r.get_tensor(key) for r in readers[:slices]])
+            out[v.path] = flat[:int(np.prod(v.shape))].reshape(v.shape)
+        else:
+            out[v.path] = split[v.path] if split is not None else readers[0].get_tensor(key)
     return out
 
 

@@ -44,7 +44,8 @@ class ModelLayout:
     gather_per_step: tuple = ()  # paths gathered once per step (a tied table read twice)
     blocks: str = ""  # path of the list of transformer blocks: --activation_checkpointing
     context: tuple = ()  # ((path, what), ...): --context_parallel (inputs, tokens, positions,
-    #                      rope_positions, attention, whole_sequence, first_row)
+    #                      rope_positions, attention, whole_sequence, first_row,
+    #                      routing_sums: an MoE layer's router statistics over the group)
     local_loss: bool = False  # the loss runs on each context rank's own tokens (a causal LM)
     experts: tuple = ()  # paths of the MoE layers (tfbig.models.moe.SparseMoE): --expert_parallel
     # (sequence, argument): the layers --pipeline_stages cuts (tfbig.pipeline.layers.SEQUENCES):

@@ -317,24 +317,31 @@ class Llama(keras.Model):
         word table is read twice a step (embedding and logits), so ZeRO-3 gathers it per step.
         Context parallelism cuts the token ids, puts RoPE at each rank's own positions and
         attends over the group; the loss runs on each rank's own tokens. An MoE model declares
-        its MoE MLPs (--expert_parallel), its blocks (--activation_checkpointing) and the
-        tensor split of its attention and vocabulary (its MoE MLPs replicated on the tensor
-        ranks; no sequence split: the router's losses are over a replica's whole batch): its
-        other plans are refused by name until each is proven equal to one process."""
+        its MoE MLPs (--expert_parallel), its blocks (--activation_checkpointing), its ZeRO-3
+        gathers, its context plan (the routers' statistics summed over the context group: the
+        load-balancing loss is over a replica's whole batch) and the tensor split of its
+        attention and vocabulary (its MoE MLPs replicated on the tensor ranks; no sequence
+        split, for the same reason): its other plans are refused by name until each is proven
+        equal to one process."""
+        tied = self.config.tie_embeddings
+        gathers = dict(
+            gather_per_call=("blocks.*", "final_norm", "head") + (() if tied else ("embedding",)),
+            gather_per_step=("embedding",) if tied else ())
+        context = (("embedding", "tokens"), ("blocks.*.attn", "rope_positions"),
+                   ("blocks.*.attn", "attention"))
         if self.config.num_experts:  # the attention and vocabulary split, the MoE MLP whole
-            return ModelLayout(experts=("blocks.*.mlp",), blocks="blocks",
+            return ModelLayout(experts=("blocks.*.mlp",), blocks="blocks", **gathers,
+                               context=context + (("blocks.*.mlp", "routing_sums"),),
+                               local_loss=True,
                                pipeline=("decoder", "embedding.embeddings"), tensor=tuple(
                 (path, split) for path, split in TENSOR_LAYOUT
                 if ".mlp" not in path and split.kind != "sequence_mask"))
-        tied = self.config.tie_embeddings
         return ModelLayout(
             pipeline=("decoder", "embedding.embeddings"),
             tensor=TENSOR_LAYOUT,
-            gather_per_call=("blocks.*", "final_norm", "head") + (() if tied else ("embedding",)),
-            gather_per_step=("embedding",) if tied else (),
+            **gathers,
             blocks="blocks",
-            context=(("embedding", "tokens"), ("blocks.*.attn", "rope_positions"),
-                     ("blocks.*.attn", "attention")),
+            context=context,
             local_loss=True)
 
     def logits(self, x):

@@ -35,8 +35,12 @@ from tfbig.models.layers import make_initializer
 ROUTER_SOFTMAX = ("after_topk", "before_topk")
 
 
-def route(logits, experts_per_token, router_softmax="after_topk", capacity_factor=0.0):
-    """Token-choice top-k routing of float32 router `logits` (N, E).
+def route(logits, experts_per_token, router_softmax="after_topk", capacity_factor=0.0,
+          token_sums=None):
+    """Token-choice top-k routing of float32 router `logits` (N, E). `token_sums`: a function
+    of (assignments per expert (E,), router probabilities summed per expert (E,), token count
+    ()) giving those sums over every token of the batch where this call sees only part of it
+    (SparseMoE.token_sums); the load-balancing loss and the counts are over those.
 
     Returns a dict of tensors:
       experts (k, N) int32: the chosen experts, slot-major (slot 0 = each token's first choice);
@@ -66,8 +70,11 @@ def route(logits, experts_per_token, router_softmax="after_topk", capacity_facto
         position = ops.sum((ops.cumsum(chosen, axis=0) - 1.0) * chosen, axis=-1)  # (k*N,)
         kept = ops.reshape(position < capacity, (k, -1))
         weights = ops.where(kept, weights, 0.0)
-    share = tokens_per_expert / ops.cast(num_tokens * k, "float32")
-    aux_loss = num_experts * ops.sum(share * ops.mean(probs, axis=0))
+    prob_sums, count = ops.sum(probs, axis=0), ops.cast(num_tokens, "float32")
+    if token_sums is not None:
+        tokens_per_expert, prob_sums, count = token_sums(tokens_per_expert, prob_sums, count)
+    share = tokens_per_expert / (count * k)
+    aux_loss = num_experts * ops.sum(share * prob_sums / count)
     z_loss = ops.mean(ops.square(ops.logsumexp(logits, axis=-1)))
     dropped = ops.sum(1.0 - ops.cast(kept, "float32"))
     return {"experts": experts, "weights": weights, "kept": kept,
@@ -168,12 +175,20 @@ class SparseMoE(keras.layers.Layer):
         expert-parallel backend replaces this method on the instance."""
         return self.experts(rows, counts)
 
+    def token_sums(self, tokens_per_expert, prob_sums, count):
+        """The router's per-expert assignments and probability sums and the token count over
+        the whole batch (`route`). Here: this call's own tokens are the batch; a backend that
+        splits the sequences over ranks (context parallelism) replaces this method on the
+        instance."""
+        return tokens_per_expert, prob_sums, count
+
     def call(self, x):
         batch, length = ops.shape(x)[0], ops.shape(x)[1]
         tokens = ops.reshape(x, (-1, self.hidden_size))  # (N, C)
         kernel = ops.cast(self.router.kernel, "float32")
         routing = route(ops.matmul(ops.cast(tokens, "float32"), kernel),
-                        self.experts_per_token, self.router_softmax, self.capacity_factor)
+                        self.experts_per_token, self.router_softmax, self.capacity_factor,
+                        self.token_sums)
         y = self._through_experts(tokens, routing)
         if self.shared is not None:
             shared = self.shared(tokens, tf.shape(tokens)[:1])

@@ -258,11 +258,14 @@ def memory(shape, layout, micro_batch, precision, device, stage=0):
     z = layout.zero_stage
     boundary = (micro_batch * shape.seq_length * shape.hidden_size
                 * activation_byte_size(precision) / layout.context)  # a rank's chunks
+    # ZeRO-3 gathers a layer's weights (and the next one's, prefetched); a rank's own experts
+    # are not gathered (tfbig/distribute/expert_zero.py)
+    gathered = shape.layer_params - (shape.expert_params / shape.num_layers if experts else 0)
     comm = ((hardware.FUSION_BUFFER_BYTES if layout.data > 1 else 0)
             + (2 * boundary if layout.pipeline > 1 else 0)
-            + (2 * 4 * shape.layer_params / layout.tensor if z == 3 else 0))
+            + (2 * 4 * gathered / layout.tensor if z == 3 else 0))
     state = state_memory(params - experts, layout)
-    if experts:  # a rank's own experts: whole under ZeRO-1/2 (tfbig/distribute/expert_zero.py)
+    if experts:  # a rank's own experts: whole under every ZeRO stage (expert_zero.py)
         whole = state_memory(experts, dataclasses.replace(layout, zero_stage=0))
         state = {kind: state[kind] + whole[kind] for kind in state}
     return {**state,

@@ -27,39 +27,31 @@ def get_strategy(name, cfg=None):
 
 
 def horovod_backend(cfg=None):
-    """--strategy=horovod: experts split over ranks with --expert_parallel > 1 (with ZeRO-1/2
+    """--strategy=horovod: experts split over ranks with --expert_parallel > 1 (with ZeRO-1/2/3
     over the other weights if --zero_stage, or the attention split with --tensor_parallel),
     pipeline
     stages on ranks with --pipeline_stages > 1 (with ZeRO-1 if --zero_stage), elastic with
     --elastic, tensor-parallel with --tensor_parallel (with ZeRO-1/2/3 if --zero_stage),
     ZeRO-sharded with --zero_stage, else the fixed-world HorovodStrategy; with
-    --context_parallel the chosen backend (a data backend or the pipeline) gets the context
-    axis mixed in. The pairs that do not compose (tfbig.layouts.composition) are refused
-    first, by name."""
+    --context_parallel the chosen backend (a data backend, an expert backend or the pipeline)
+    gets the context axis mixed in. The pairs that do not compose (tfbig.layouts.composition)
+    are refused first, by name."""
     horovod = getattr(cfg, "horovod", None)
     parallel = getattr(cfg, "parallel", None)
     tensor = getattr(parallel, "tensor_parallel", 1)
     zero_stage = getattr(parallel, "zero_stage", 0)
     if cfg is not None:
         composition.check(composition.values_of(cfg))  # the pairs that do not compose
-    if getattr(parallel, "expert_parallel", 1) > 1 and cfg is not None and \
-            pipeline_stages(cfg) > 1:  # neither TP nor ZeRO: REFUSED
-        from tfbig.pipeline.expert_stage import ExpertPipeline
-
-        return ExpertPipeline(cfg)
-    if getattr(parallel, "expert_parallel", 1) > 1 and tensor > 1:  # no ZeRO: REFUSED
-        from tfbig.distribute.expert_tensor import ExpertTensorStrategy
-
-        return ExpertTensorStrategy(cfg)
-    if getattr(parallel, "expert_parallel", 1) > 1 and zero_stage:
-        from tfbig.distribute.expert_zero import ExpertZeroStrategy
-
-        return ExpertZeroStrategy(cfg)
-    if getattr(parallel, "expert_parallel", 1) > 1:
-        from tfbig.distribute.expert_parallel import ExpertParallelStrategy
-
-        return ExpertParallelStrategy(cfg)
-    if cfg is not None and pipeline_stages(cfg) > 1:
+    expert = getattr(parallel, "expert_parallel", 1) > 1
+    if expert and cfg is not None and pipeline_stages(cfg) > 1:  # no TP, no ZeRO: REFUSED
+        from tfbig.pipeline.expert_stage import ExpertPipeline as backend
+    elif expert and tensor > 1:  # no ZeRO: REFUSED
+        from tfbig.distribute.expert_tensor import ExpertTensorStrategy as backend
+    elif expert and zero_stage:
+        from tfbig.distribute.expert_zero import ExpertZeroStrategy as backend
+    elif expert:
+        from tfbig.distribute.expert_parallel import ExpertParallelStrategy as backend
+    elif cfg is not None and pipeline_stages(cfg) > 1:
         backend = _pipeline_backend(tensor, zero_stage)
     elif horovod is not None and horovod.elastic:
         from tfbig.distribute.elastic import ElasticHorovodStrategy
