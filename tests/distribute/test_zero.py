@@ -79,12 +79,18 @@ SLOW_SCENARIOS = {"z2_d4_lamb": (2, 4, "gpt_data", LAMB, {}),
                   # to the MLM head)
                   "z3_d2_bert": (3, 2, "bert_data", BERT, {"first_gradients": True}),
 }
+# A launch of its own (slow): Llama (RMSNorm, RoPE, SwiGLU, 4 query / 2 key-value heads) under
+# MiCS: 2 partition groups of 2 ranks, stage 2 and stage 3 (a gather per block), resumed
+LLAMA_SCENARIOS = {"llama_z2_d2": (2, 2, "gpt_data", {"model": "llama"}, {}),
+                   "llama_z3_d2_resumed": (3, 2, "gpt_data", {"model": "llama"},
+                                           {"first_gradients": True, "interrupt_at": 2})}
 OWN_TESTS = ("z3_d2_fp16_skip",)  # trained as the single-device mixed run: tests of its own
 SLOW = [pytest.param(name, marks=pytest.mark.slow) for name in SLOW_SCENARIOS
         if name not in OWN_TESTS]
 SLOW_STAGE_3 = [pytest.param(name, marks=pytest.mark.slow) for name, scenario
                 in SLOW_SCENARIOS.items() if scenario[0] == 3 and name not in OWN_TESTS]
-EQUAL_TO_ONE_DEVICE = ["z3_d4_lamb_resumed"] + SLOW
+EQUAL_TO_ONE_DEVICE = ["z3_d4_lamb_resumed"] + SLOW + [
+    pytest.param(name, marks=pytest.mark.slow) for name in LLAMA_SCENARIOS]
 # Tolerances against the single-device run: fp32 tight; bf16 compute rounds the activations
 # of a micro-batch of 2 (here) vs 8 (single device) sequences and sums the gradients in a
 # different order, each to 8 bits of mantissa: (losses rtol, weights and gradients atol).
@@ -119,9 +125,15 @@ def runs(gpt_data, albert_data, bert_data, tmp_path_factory):
                   {"gpt_data": gpt_data, "albert_data": albert_data, "bert_data": bert_data})
 
 
+@pytest.fixture(scope="module")
+def llama_runs(gpt_data, tmp_path_factory):
+    return launch(tmp_path_factory.mktemp("zero_llama"), LLAMA_SCENARIOS, {"gpt_data": gpt_data})
+
+
 def launch_of(request, scenario):
-    """(root, out) of the launch that ran `scenario` (the default or the slow one)."""
-    return request.getfixturevalue("slow_runs" if scenario in SLOW_SCENARIOS else "runs")
+    """(root, out) of the launch that ran `scenario` (the default, the slow or Llama's)."""
+    return request.getfixturevalue("slow_runs" if scenario in SLOW_SCENARIOS else
+                                   "llama_runs" if scenario in LLAMA_SCENARIOS else "runs")
 
 
 def reference(data_dir, model_dir, task=None, **train):
@@ -153,7 +165,7 @@ def shared_reference(shared, tmp_path_factory, data_dir, task=None, **train):
 def test_sharded_ranks_equal_one_process_on_the_same_data(request, shared, tmp_path_factory,
                                                           name):
     _, out = launch_of(request, name)
-    _, _, data, train, opts = {**SCENARIOS, **SLOW_SCENARIOS}[name]
+    _, _, data, train, opts = {**SCENARIOS, **SLOW_SCENARIOS, **LLAMA_SCENARIOS}[name]
     ranks = [load(out, name, r) for r in range(RANKS)]
     single, losses, grads = shared_reference(
         shared, tmp_path_factory, request.getfixturevalue(data),
@@ -301,8 +313,11 @@ MIXED = {"z2_d2_fp16_skip": "hvd_fp16_skip",  # sharded run: its unsharded Horov
 # groups vs one all-reduce; stage 2 also averages each micro-batch before summing them) and
 # in the clipping norm (summed over slices): float32 rounding, which fp16/bf16 activations
 # then carry on. (losses rtol, weights atol); measured: the losses of all 4 steps equal to the
-# last bit, the weights within 1.2e-7 (fp16), 6e-8 (bf16, stage 2), 7.5e-9 (bf16, stage 1).
-MIXED_TOLERANCE = {"mixed_float16": (1e-6, 1e-6), "mixed_bfloat16": (1e-6, 1e-6)}
+# last bit, the weights within 1.2e-7 (fp16), 6e-8 (bf16, stage 2), 7.5e-9 (bf16, stage 1);
+# with oneDNN on (tests/conftest.py; AMD EPYC) 2 of the word table's 10,240 entries ended
+# 1.25e-6 (fp16, stages 1 and 2) and 1.12e-6 (bf16, stage 1) apart: Adam's step on a
+# near-zero gradient turns the rounding into up to a learning-rate-sized difference.
+MIXED_TOLERANCE = {"mixed_float16": (1e-6, 3e-6), "mixed_bfloat16": (1e-6, 3e-6)}
 
 
 @pytest.fixture(scope="module")
