@@ -1,7 +1,7 @@
 """Elastic Horovod (--elastic): a rank killed with SIGKILL mid-run, training goes on with one,
 a new rank joins when the discovery script reports a slot again; the run consumes exactly the
 records of an uninterrupted run and matches its losses (real horovodrun, localhost, Gloo), for
-tfbig's GPT and for a user task (tfbig.Task)."""
+tfbig's GPT and Llama and for a user task (tfbig.Task)."""
 import glob
 import json
 import os
@@ -33,8 +33,8 @@ TRAIN = dict(max_steps=MAX_STEPS, batch_size=8, grad_accum_steps=2, grad_clip_no
              dropout=0.0, checkpoint_every=10, eval_steps=1)
 
 
-def elastic_cfg(data_dir, model_dir):
-    cfg = make_cfg(data_dir, model_dir, strategy="horovod", **TRAIN)
+def elastic_cfg(data_dir, model_dir, **train):
+    cfg = make_cfg(data_dir, model_dir, strategy="horovod", **TRAIN, **train)
     cfg.horovod.elastic = True
     cfg.horovod.elastic_commit_every = 2
     return cfg
@@ -189,10 +189,12 @@ def assert_matches_the_uninterrupted_run(out, steps, reference_cfg, task=None, k
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_rank_killed_and_replaced_run_matches_the_uninterrupted_one(gpt_data, tmp_path):
-    out, steps = killed_and_rejoined(tmp_path, elastic_cfg(gpt_data, tmp_path / "run"))
-    assert_matches_the_uninterrupted_run(out, steps,
-                                         make_cfg(gpt_data, tmp_path / "reference", **TRAIN))
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_rank_killed_and_replaced_run_matches_the_uninterrupted_one(gpt_data, tmp_path, model):
+    out, steps = killed_and_rejoined(tmp_path, elastic_cfg(gpt_data, tmp_path / "run",
+                                                           model=model))
+    assert_matches_the_uninterrupted_run(out, steps, make_cfg(
+        gpt_data, tmp_path / "reference", **TRAIN, model=model))
 
 
 @pytest.mark.multiproc
