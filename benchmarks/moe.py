@@ -9,13 +9,13 @@ all-to-alls replaced by local identities (wrong routing, the same expert compute
 all-to-all share = 1 - dry / EP2 (wall seconds). Each also reports its CPU seconds per step
 (rank 0's for EP2), less sensitive to other load than wall time. Bytes: the expert and
 replicated parameter bytes rank 0 holds, against the planner's per-rank figure
-(tfbig.plan.estimate, parameters of Layout(data=2, expert=2)). A fourth run, EP2 with --zero_stage=1, reports its step time against
-EP2's and the parameter and optimizer-state bytes rank 0 holds (parameters, the replicated
-weights' master slices, every Adam slot) against the planner's (tfbig.plan.estimate.memory:
-parameters + optimizer); a fifth, EP2 with --zero_stage=3, the same (its replicated weights held
-only as their slices). One-thread processes, no XLA (MoE layers run without it). One JSON
-line with the load average; on a 2-core machine the two ranks share the cores with anything
-else running.
+(tfbig.plan.estimate, parameters of Layout(data=2, expert=2)). A fourth run, EP2 with
+--zero_stage=1, reports its step time against EP2's and the parameter and optimizer-state bytes
+rank 0 holds (parameters, the replicated weights' master slices, every Adam slot) against the
+planner's (tfbig.plan.estimate.memory: parameters + optimizer); a fifth, EP2 with
+--zero_stage=3, the same (its replicated weights held only as their slices). One-thread
+processes, no XLA (MoE layers run without it). One JSON line with the load average; on a 2-core
+machine the two ranks share the cores with anything else running.
 """
 import _record  # --record: append the result to benchmarks/results (strips the flag from sys.argv)
 import argparse
@@ -159,11 +159,21 @@ def main():
         zero3, _ = launch(args, root, 2, zero_stage=3)
     held = ep2["parameter_bytes"]
     planned = planned_parameter_bytes(cfg, args.seq_length)
+    # EP2 x ZeRO-1: the replicated weights' optimizer state sliced over the 2 ranks; ZeRO-3:
+    # the replicated weights themselves sliced (their only copy), gathered block by block
     zero = {}
     for stage, run in ((1, zero1), (3, zero3)):
-        state = run["parameter_bytes"]  # stage 3's master slices are its weights' only copy
-        zero[stage] = (state["parameters"] + state["master_slices"] + state["optimizer_slots"],
-                       planned_zero_state_bytes(cfg, args.seq_length, stage))
+        state = run["parameter_bytes"]
+        held_state = state["parameters"] + state["master_slices"] + state["optimizer_slots"]
+        plan = planned_zero_state_bytes(cfg, args.seq_length, stage)
+        zero.update({
+            f"ep2_zero{stage}_step_seconds": round(run["step_seconds"], 4),
+            f"ep2_zero{stage}_step_time_vs_ep2": round(run["step_seconds"]
+                                                       / ep2["step_seconds"], 3),
+            f"ep2_zero{stage}_rank0_cpu_seconds": round(run["cpu_seconds"], 4),
+            f"ep2_zero{stage}_state_bytes": state,
+            f"ep2_zero{stage}_planned_state_bytes": int(plan),
+            f"ep2_zero{stage}_state_vs_plan": round(held_state / plan, 4)})
     _record.emit({
         "benchmark": "moe", "hidden_size": args.hidden_size, "num_layers": 2, "num_experts": 4,
         "experts_per_token": 2, "seq_length": args.seq_length, "batch_size": args.batch_size,
@@ -180,20 +190,7 @@ def main():
         "single_parameter_bytes": single["parameter_bytes"]["parameters"],
         "ep2_parameter_bytes": held, "ep2_planned_parameter_bytes": int(planned),
         "ep2_bytes_vs_plan": round(held["parameters"] / planned, 4),
-        # EP2 x ZeRO-1: the replicated weights' optimizer state sliced over the 2 ranks
-        "ep2_zero1_step_seconds": round(zero1["step_seconds"], 4),
-        "ep2_zero1_step_time_vs_ep2": round(zero1["step_seconds"] / ep2["step_seconds"], 3),
-        "ep2_zero1_rank0_cpu_seconds": round(zero1["cpu_seconds"], 4),
-        "ep2_zero1_state_bytes": zero1["parameter_bytes"],
-        "ep2_zero1_planned_state_bytes": int(zero[1][1]),
-        "ep2_zero1_state_vs_plan": round(zero[1][0] / zero[1][1], 4),
-        # EP2 x ZeRO-3: the replicated weights themselves sliced, gathered block by block
-        "ep2_zero3_step_seconds": round(zero3["step_seconds"], 4),
-        "ep2_zero3_step_time_vs_ep2": round(zero3["step_seconds"] / ep2["step_seconds"], 3),
-        "ep2_zero3_rank0_cpu_seconds": round(zero3["cpu_seconds"], 4),
-        "ep2_zero3_state_bytes": zero3["parameter_bytes"],
-        "ep2_zero3_planned_state_bytes": int(zero[3][1]),
-        "ep2_zero3_state_vs_plan": round(zero[3][0] / zero[3][1], 4),
+        **zero,
         "load_average": [round(x, 2) for x in os.getloadavg()]})
 
 
