@@ -4,6 +4,7 @@ import math
 import keras
 import tensorflow as tf
 from keras import ops
+from keras.src.utils import tracking
 
 SCHEDULES = ("linear", "cosine", "polynomial")
 OPTIMIZERS = ("adamw", "lamb")
@@ -133,6 +134,32 @@ def build_optimizer(train, variables, no_decay=None, sum_over_shards=None, repli
         optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
     optimizer.build(variables)
     return optimizer
+
+
+def rebuild_optimizer(optimizer, variables, no_decay):
+    """`optimizer` (built by build_optimizer) made to update `variables` instead, with new,
+    zero slots and weight decay skipping `no_decay`; its step count, schedule and loss scale
+    are kept (elastic ZeRO: the same model variables' slices, of another size, in a new world).
+    """
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    kept = {id(inner._iterations), id(getattr(inner, "_learning_rate", None))}
+    # Keras: the slots are what `build` added after the step count and the learning rate. A
+    # new list: TensorFlow saves only a tracked list that was never cut; Keras' tracker adds
+    # the new slots to it.
+    with tracking.DotNotTrackScope():  # a list Keras' tracker only appends to
+        inner._variables = [v for v in inner._variables if id(v) in kept]
+    is_variable, _ = inner._tracker.config["variables"]
+    inner._tracker.config["variables"] = (is_variable, inner._variables)
+    inner._tracker.stored_ids["variables"] = {id(v) for v in inner._variables}
+    inner._trainable_variables_indices = {}
+    inner.built = False
+    inner.exclude_from_weight_decay(var_list=no_decay)
+    inner.build(variables)
+    if optimizer is not inner:  # a LossScaleOptimizer tracks (and saves) what it updates
+        with tracking.DotNotTrackScope():
+            optimizer._trainable_variables = variables[:]
+        optimizer._trainable_variables_indices = {
+            optimizer._var_key(v): i for i, v in enumerate(variables)}
 
 
 def sharded_class(cls, sum_over_shards, replicated=None, sum_replicated=None, sum_for=None):

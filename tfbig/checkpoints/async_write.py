@@ -96,10 +96,11 @@ def write_snapshot(snapshot, prefix):
     return prefix
 
 
-def host_copier(checkpoint):
+def host_copier(checkpoint, again=False):
     """The HostCopier of `checkpoint`, made and traced once (a few seconds: a Trainer makes it
-    at start, so its first save takes as long as the next ones, which a time budget times)."""
-    if checkpoint not in _COPIERS:
+    at start, so its first save takes as long as the next ones, which a time budget times);
+    `again`: made anew (the checkpoint's variables changed: elastic ZeRO in a new world)."""
+    if again or checkpoint not in _COPIERS:
         checkpoint.save_counter  # noqa: B018 - made on first use: before the graph is fixed
         copier = _COPIERS[checkpoint] = HostCopier(checkpoint)
         copier._read_all.get_concrete_function()  # noqa: SLF001 - trace, read nothing

@@ -4,16 +4,18 @@ Why it is built this way: docs/design/notes/distribute.md (tfbig.distribute.elas
 """
 import contextlib
 
+import numpy as np
 import tensorflow as tf
 from horovod.common.elastic import State, run_fn
 from horovod.common.exceptions import HorovodInternalError
 
 from tfbig.distribute import horovod_keras
-from tfbig.distribute.horovod import HorovodStrategy
+from tfbig.distribute.horovod import HorovodStrategy, build_mesh
 from tfbig.distribute.horovod_keras import hvd
-from tfbig.distribute.mesh import HorovodMesh, Mesh
+from tfbig.distribute.mesh import HorovodMesh
 from tfbig.errors import UsageError
 from tfbig.layouts import composition
+
 
 def check_elastic(cfg):
     """Refuse --elastic with a layout or option that depends on the world size."""
@@ -28,22 +30,30 @@ def check_elastic(cfg):
 
 
 class VariablesState(State):
-    """Horovod elastic state kept on plain `tf.Variable`s (Keras 3 safe).
+    """Horovod elastic state kept on plain `tf.Variable`s (Keras 3 safe), as one device holds
+    it: a ZeRO backend's optimizer slots whole (`whole_slots`), gathered at each commit.
 
-    save: copy every variable to host memory; restore: assign the copies back (roll back to
-    the last commit); sync: broadcast rank 0's values to every rank, then save.
+    save: copy every variable (and the whole slots) to host memory; restore: assign the copies
+    back (roll back to the last commit); sync: broadcast rank 0's values to every rank, lay the
+    whole slots out over this world (`lay_out_slices`), then save.
     """
 
-    def __init__(self, variables):
-        self.variables = horovod_keras.tf_variables(variables)
+    def __init__(self, strategy, variables):
+        self.strategy = strategy
+        self._sliced = hasattr(strategy, "whole_slots")  # ZeRO: slots laid out in each world
+        skip = strategy._slot_ids if self._sliced else set()
+        self.variables = horovod_keras.tf_variables([v for v in variables if id(v) not in skip])
         super().__init__(bcast_object=hvd.broadcast_object, get_rank=hvd.rank)
-        self.save()
+        self._saved = self._slots = None
+        if not self._sliced:
+            self.save()  # no collective: a joining rank would deadlock before the first sync
 
     def save(self):
-        self._saved = [v.numpy() for v in self.variables]
+        slots = self.strategy.whole_slots() if self._sliced else None  # a collective
+        self._saved, self._slots = [v.numpy() for v in self.variables], slots
 
     def restore(self):
-        for variable, value in zip(self.variables, self._saved):
+        for variable, value in zip(self.variables, self._saved or ()):
             variable.assign(value)
 
     def sync(self):
@@ -53,7 +63,20 @@ class VariablesState(State):
         with _as_reset():
             horovod_keras.broadcast_variables(self.variables, root_rank=0,
                                               process_set=hvd.global_process_set)
+            if self._sliced:
+                self.strategy.lay_out_slices(self._rank0_slots())
         self.save()
+
+    def _rank0_slots(self):
+        """Rank 0's committed whole slots (None at the run's start: each rank's slices are
+        its own, fresh or restored, already laid out)."""
+        if not hvd.broadcast_object(self._slots is not None, root_rank=0):
+            return None
+        shapes = [v.shape for v in self.strategy.model_variables]
+        slots = self._slots or [[np.zeros(s, np.float32) for s in shapes]
+                                for _ in self.strategy._slot_kinds()]
+        return [[hvd.broadcast(tf.constant(x), root_rank=0).numpy()
+                 for x in kind] for kind in slots]
 
 
 def _horovod_failure(error):
@@ -74,51 +97,61 @@ def _as_reset():
         raise
 
 
-class ElasticHorovodStrategy(HorovodStrategy):
-    """Horovod data parallelism over a world that may shrink and grow (see module doc)."""
+def with_elastic(backend):
+    """`backend` (HorovodStrategy or ZeroStrategy at stages 1-2) over a world that may shrink
+    and grow (see module doc); a ZeRO backend's slices are laid out again in each world."""
 
-    name = "horovod"
+    class Elastic(backend):
+        name = "horovod"
 
-    def __init__(self, cfg):
-        check_elastic(cfg)
-        # Horovod: the world size comes from the elastic rendezvous
-        horovod_keras.init(thread_policy=cfg.horovod.hvd_thread_policy)
-        super().__init__(cfg, mesh=HorovodMesh(Mesh.build(hvd.size())))
-        self.commit_every = cfg.horovod.elastic_commit_every
-        self.process_set = hvd.global_process_set  # also for one rank: the same ops in every trace
-        self.state = None
-        self.resets = []  # (world size before, after) of each reset, for logs and tests
+        def __init__(self, cfg):
+            check_elastic(cfg)
+            # Horovod: the world size comes from the elastic rendezvous
+            horovod_keras.init(thread_policy=cfg.horovod.hvd_thread_policy)
+            super().__init__(cfg, mesh=HorovodMesh(build_mesh(cfg.parallel, hvd.size())))
+            self.commit_every = cfg.horovod.elastic_commit_every
+            # also for one rank: the same ops in every trace
+            self.process_set = hvd.global_process_set
+            self.state = None
+            self.resets = []  # (world size before, after) of each reset, for logs and tests
 
-    def broadcast_variables(self, variables):
-        # Horovod elastic: no collective before the run starts (a joining rank would deadlock);
-        # the state is broadcast by its first sync, inside run_training.
-        self.state = VariablesState(variables)
+        def broadcast_variables(self, variables):
+            # Horovod elastic: no collective before the run starts (a joining rank would
+            # deadlock); the state is broadcast by its first sync, inside run_training.
+            self.state = VariablesState(self, variables)
 
-    def run_training(self, loop):
-        """Run `loop()` to completion across resets (rank lost: roll back; ranks added: sync)."""
-        def attempt(state):
-            with _as_reset():
-                return loop()
+        def run_training(self, loop):
+            """Run `loop()` to completion across resets (rank lost: roll back; ranks added:
+            sync); it runs again after each reset, in the new world."""
+            def attempt(state):
+                with _as_reset():
+                    return loop()
 
-        return run_fn(attempt, self._reset)(self.state)
+            return run_fn(attempt, self._reset)(self.state)
 
-    def _reset(self):
-        before = self.num_replicas
-        hvd.shutdown()
-        # Horovod: the new world (smaller after a loss, larger after an addition), whose new
-        # background threads get the policy again
-        horovod_keras.init(pin_gpu=False, thread_policy=self.options.hvd_thread_policy)
-        self.mesh = HorovodMesh(Mesh.build(hvd.size()), pin_gpu=False)
-        self.resets.append((before, self.num_replicas))
-        if self.is_chief:
-            print(f"elastic: world {before} -> {self.num_replicas} ranks; resuming from the last "
-                  f"commit", flush=True)
+        def _reset(self):
+            before = self.num_replicas
+            hvd.shutdown()
+            # Horovod: the new world (smaller after a loss, larger after an addition), whose
+            # new background threads get the policy again
+            horovod_keras.init(pin_gpu=False, thread_policy=self.options.hvd_thread_policy)
+            self.mesh = HorovodMesh(build_mesh(self.parallel, hvd.size()), pin_gpu=False)
+            self.process_set = hvd.global_process_set
+            self.resets.append((before, self.num_replicas))
+            if self.is_chief:
+                print(f"elastic: world {before} -> {self.num_replicas} ranks; resuming from the "
+                      f"last commit", flush=True)
 
-    def after_step(self, step):
-        if step % self.commit_every == 0:
-            self.state.commit()  # may raise HostsUpdatedInterrupt: ranks are joining
+        def after_step(self, step):
+            if step % self.commit_every == 0:
+                self.state.commit()  # may raise HostsUpdatedInterrupt: ranks are joining
 
-    def checkpoint_dir(self, model_dir):
-        self.state.commit()  # every rank, always before a checkpoint
-        return super().checkpoint_dir(model_dir)
+        def checkpoint_dir(self, model_dir):
+            self.state.commit()  # every rank, always before a checkpoint
+            return super().checkpoint_dir(model_dir)
 
+    Elastic.__name__ = Elastic.__qualname__ = f"Elastic{backend.__name__}"
+    return Elastic
+
+
+ElasticHorovodStrategy = with_elastic(HorovodStrategy)

@@ -16,7 +16,7 @@ from tfbig.distribute.horovod_keras import average_gradients, hvd
 from tfbig.distribute.zero3 import Partition
 from tfbig.layouts import zero_checkpoint
 from tfbig.layouts.tensor_layout import then_cut
-from tfbig.optim import build_optimizer, no_decay_variables
+from tfbig.optim import build_optimizer, no_decay_variables, rebuild_optimizer
 
 LAYOUT_FILE = zero_checkpoint.LAYOUT_FILE
 
@@ -33,6 +33,13 @@ class ZeroStrategy(HorovodStrategy):
             raise ValueError("--hvd_fp16_allreduce is not supported with --zero_stage: the "
                              "sharded path reduce-scatters float32 gradients")
         self.stage = self.parallel.zero_stage
+        self._lay_out_partition()
+        self._shard_of = {}  # stage 3: id(model variable) -> its slice variable
+
+    # ---- the layout ----------------------------------------------------------------------
+    def _lay_out_partition(self):
+        """This rank's partition and replica groups on `self.mesh` (again after elastic
+        Horovod changed the world)."""
         self.partition_set = self.mesh.process_set("partition")
         self.replica_set = self.mesh.process_set("replica")
         self.num_shards = self.mesh.mesh.shard_degree
@@ -40,9 +47,7 @@ class ZeroStrategy(HorovodStrategy):
         replicas = self.mesh.mesh.group("replica", self.mesh.rank)
         self.replica_index = replicas.index(self.mesh.rank)
         self.partition = Partition(self.partition_set, self.num_shards, self.shard_index)
-        self._shard_of = {}  # stage 3: id(model variable) -> its slice variable
 
-    # ---- the layout ----------------------------------------------------------------------
     def _own_slice(self, variable):
         return self.partition.own(variable, variable.shape)
 
@@ -52,8 +57,7 @@ class ZeroStrategy(HorovodStrategy):
         nbytes = lambda vs: sum(  # noqa: E731
             0 if getattr(v, "_value", True) is None  # Keras: never given a value
             else math.prod(v.shape) * tf.as_dtype(v.dtype).size for v in vs)
-        inner = getattr(self.optimizer, "inner_optimizer", self.optimizer)
-        slots = list(inner._momentums) + list(inner._velocities)  # Keras Adam/LAMB slots
+        slots = [v for kind in self._slot_kinds() for v in kind]
         return {"parameters": nbytes(self.model_variables), "master_slices": nbytes(self.shards),
                 "optimizer_slots": nbytes(slots)}
 
@@ -103,9 +107,41 @@ class ZeroStrategy(HorovodStrategy):
             train, self.shards, no_decay=[s for s, v in zip(self.shards, variables)
                                           if id(v) in excluded],
             **self._norm_options(variables))
-        inner = getattr(self.optimizer, "inner_optimizer", self.optimizer)
-        self._slot_ids = {id(v) for v in list(inner._momentums) + list(inner._velocities)}
+        self._slot_ids = {id(v) for kind in self._slot_kinds() for v in kind}
         return self.optimizer
+
+    def _slot_kinds(self):
+        """The optimizer's slots, one list per kind (Adam's and LAMB's m and v), each in the
+        order of the slices."""
+        inner = getattr(self.optimizer, "inner_optimizer", self.optimizer)
+        return [inner._momentums, inner._velocities]  # Keras Adam/LAMB slots
+
+    # ---- a new world (elastic Horovod, stages 1-2) ---------------------------------------
+    def whole_slots(self):
+        """Each slot kind's [full float32 numpy value per model variable]: the optimizer
+        state as one device holds it (a collective of the partition group)."""
+        shapes = [v.shape for v in self.model_variables]
+        return [[t.numpy() for t in self.partition.gather(list(kind), shapes)]
+                for kind in self._slot_kinds()]
+
+    def lay_out_slices(self, whole_slots=None):
+        """This rank's slices on `self.mesh` (elastic Horovod: a new world): master slices of
+        the model variables' values and, given `whole_slots` (`whole_slots()` of any world),
+        the optimizer slots'. Slices of another size are new variables, with new slots."""
+        self._lay_out_partition()
+        shapes = [v.shape for v in self.model_variables]
+        if any(s.shape[0] != self.partition.slice_size(shape)
+               for s, shape in zip(self.shards, shapes)):
+            self.shards = [self._new_shard(v) for v in self.model_variables]
+            excluded = {id(v) for v in no_decay_variables(self.model_variables)}
+            rebuild_optimizer(self.optimizer, self.shards, [
+                s for s, v in zip(self.shards, self.model_variables) if id(v) in excluded])
+            self._slot_ids = {id(v) for kind in self._slot_kinds() for v in kind}
+        for shard, variable in zip(self.shards, self.model_variables):
+            shard.assign(self._own_slice(variable))
+        for kind, values in zip(self._slot_kinds(), whole_slots or ()):
+            for slot, value, shape in zip(kind, values, shapes):
+                slot.assign(self.partition.own(value, shape))
 
     def _new_shard(self, variable):
         """The float32 variable the optimizer updates for model variable `variable`: its

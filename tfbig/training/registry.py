@@ -30,7 +30,8 @@ def horovod_backend(cfg=None):
     """--strategy=horovod: experts split over ranks with --expert_parallel > 1 (with ZeRO-1/2/3
     over the other weights if --zero_stage, the attention split with --tensor_parallel, or
     inside pipeline stages with --pipeline_stages), pipeline stages on ranks with
-    --pipeline_stages > 1 (with ZeRO-1 if --zero_stage), elastic with --elastic,
+    --pipeline_stages > 1 (with ZeRO-1 if --zero_stage), elastic with --elastic (with
+    ZeRO-1/2 if --zero_stage),
     tensor-parallel with --tensor_parallel (with ZeRO-1/2/3 if --zero_stage), ZeRO-sharded
     with --zero_stage, else the fixed-world HorovodStrategy; with
     --context_parallel the chosen backend (a data backend, an expert backend or the pipeline)
@@ -53,10 +54,10 @@ def horovod_backend(cfg=None):
         from tfbig.distribute.expert_parallel import ExpertParallelStrategy as backend
     elif cfg is not None and pipeline_stages(cfg) > 1:
         backend = _pipeline_backend(tensor, zero_stage)
-    elif horovod is not None and horovod.elastic:
-        from tfbig.distribute.elastic import ElasticHorovodStrategy
+    elif horovod is not None and horovod.elastic:  # no other layout but ZeRO-1/2: REFUSED
+        from tfbig.distribute.elastic import with_elastic
 
-        return ElasticHorovodStrategy(cfg)
+        return with_elastic(_data_backend(1, zero_stage))(cfg)
     else:
         backend = _data_backend(tensor, zero_stage)
     if getattr(parallel, "context_parallel", 1) > 1:

@@ -129,15 +129,24 @@ class Trainer(BudgetedLoop):
         self.strategy.broadcast_variables(self.model.variables + self.optimizer.variables + [
             self.step, self.batches_consumed, self.nonfinite_steps])
         self.goodput.resumed(int(self.step.numpy()))  # steps after it are trained again
-        self.forward_backward = self.strategy.make_forward_backward(
-            self._loss_fn, self.model.trainable_variables, self._scale_loss, t.xla)
-        self.replica_step = self.make_replica_step()
+        self._build_step()
         self.validation_step = self.strategy.make_validation_step(self.task, self.model, t.xla)
         self.eval_batches = preflight.validation_batches(  # 0: no validation split
             self.task, self.micro_batch, self.strategy.num_replicas, t.eval_steps,
             self.logger.info)
 
     # ---- single-replica pieces -------------------------------------------------------------
+    def _build_step(self, again=False):
+        """The step's functions, traced on first use (`again`: in a new elastic world)."""
+        self.forward_backward = self.strategy.make_forward_backward(
+            self._loss_fn, self.model.trainable_variables, self._scale_loss, self.cfg.train.xla)
+        self.replica_step = self.make_replica_step()
+        # No autograph (as Keras 3's fit, and every tf.function of tfbig): plain Python over
+        # tensors; converting took about a quarter of a tiny run's wall time.
+        self._train_step = tf.function(self._global_step, autograph=False)
+        if again and self.async_checkpoint:  # its copy reads the variables too
+            host_copier(self.checkpoint, again=True)
+
     def make_replica_step(self):
         """One optimizer step of this replica around `self.forward_backward` (built again by
         whoever replaces that), one XLA program where it can be (tfbig.training.step)."""
@@ -153,11 +162,7 @@ class Trainer(BudgetedLoop):
         scale = getattr(self.optimizer, "scale_loss", None)
         return scale(loss) if scale else loss
 
-    # No tf.function of tfbig converts with autograph: as Keras 3's own fit (do_not_convert),
-    # the traced code is plain Python over tensors (control flow is tf.cond / tf.while_loop),
-    # and converting it took about a quarter of a tiny run's wall time.
-    @tf.function(autograph=False)
-    def _train_step(self, batch):
+    def _global_step(self, batch):  # self._train_step: this, traced
         out = self.strategy.local_result(self.strategy.run(self.replica_step, (batch,)))
         finite = tf.math.is_finite(out["loss"]) & tf.math.is_finite(out["grad_norm"])
         self.nonfinite_steps.assign_add(tf.cast(tf.logical_not(finite), tf.int64))
@@ -184,12 +189,12 @@ class Trainer(BudgetedLoop):
 
     # ---- checkpoints -------------------------------------------------------------------------
     def _restore(self):
-        """Restore the newest intact checkpoint (tfbig.checkpoints.integrity); damaged ones are named."""
+        """Restore the newest intact checkpoint (tfbig.checkpoints.integrity); damaged ones
+        are named."""
         if not self.strategy.restores_checkpoint:  # it follows the chief's broadcast
             return None
         latest, _ = integrity.newest_intact(self.strategy.restore_dir(self.cfg.train.model_dir),
-                                            self.logger.info,
-                                            keep_damaged=self.strategy.is_chief)
+                                            self.logger.info, keep_damaged=self.strategy.is_chief)
         if latest:
             self.strategy.restore(self, latest)
             self.logger.info(f"resumed from {latest} at step {int(self.step.numpy())}")
@@ -264,10 +269,10 @@ class Trainer(BudgetedLoop):
 
     def _log_train(self, step, out, perf):
         values = {k: float(v) for k, v in out.items()}
-        values["learning_rate"] = float(learning_rate(self.optimizer, step - 1))
-        values.update(perf)  # tokens/s, MFU, step-time breakdown (tfbig.profiling)
-        values["skipped_steps"] = float(self.nonfinite_steps.numpy())
-        values.update(data.source_tokens(  # per-source tokens of a --data_dir mixture ({} otherwise)
+        values.update(learning_rate=float(learning_rate(self.optimizer, step - 1)),
+                      **perf,  # tokens/s, MFU, step-time breakdown (tfbig.profiling)
+                      skipped_steps=float(self.nonfinite_steps.numpy()))
+        values.update(data.source_tokens(  # per-source tokens of a --data_dir mixture, or {}
             getattr(self.task, "data_dir", ""), self.cfg.train.seed,
             int(self.batches_consumed.numpy()) * self.cfg.train.batch_size))
         if self.cfg.train.precision != "mixed_float16":
@@ -286,8 +291,16 @@ class Trainer(BudgetedLoop):
         A SIGTERM (preemption) saves a checkpoint after the current step and returns with
         summary["preempted"] True; the next start resumes there.
         """
+        runs = []
+
+        def loop():  # again after elastic Horovod changed the world (new ZeRO slices)
+            if runs:
+                self._build_step(again=True)
+            runs.append(1)
+            return self._fit(steps)
+
         with self.strategy.watch_preemption(), self.profiler.session(int(self.step.numpy())):
-            return self.strategy.run_training(lambda: self._fit(steps))
+            return self.strategy.run_training(loop)
 
     def _fit(self, steps):
         t = self.cfg.train
