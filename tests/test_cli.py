@@ -109,7 +109,7 @@ def test_user_errors_are_tfbigs_own_checks_and_bugs_keep_their_traceback():
         except Exception as error:  # noqa: BLE001
             return cli.user_message(error)
 
-    from tfbig.training.trainer import micro_batch_size
+    from tfbig.training.step import micro_batch_size
 
     assert caught(micro_batch_size, 6, 1, 4).startswith("--batch_size=6 must be")
     assert caught(_raise, UsageError("--x=1: bad")) == "--x=1: bad"

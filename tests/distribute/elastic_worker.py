@@ -98,9 +98,11 @@ def main(plan_path):
         f.write(str(strategy.rank))
     trainer = Recorded(cfg, strategy, plan["out"], plan["step_seconds"], task)
     summary = trainer.fit()
+    variables = trainer.model.trainable_variables
+    weights = (strategy.gather_full(variables) if hasattr(strategy, "gather_full")  # ZeRO-3
+               else [v.numpy() for v in variables])  # (a collective: every rank)
     if strategy.is_chief:
-        np.savez(os.path.join(plan["out"], "final.npz"),
-                 *[v.numpy() for v in trainer.model.trainable_variables])
+        np.savez(os.path.join(plan["out"], "final.npz"), *weights)
         with open(os.path.join(plan["out"], "final.json"), "w") as f:
             json.dump({"step": summary["step"], "resets": strategy.resets,
                        "world": strategy.num_replicas}, f)

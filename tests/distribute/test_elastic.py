@@ -191,11 +191,12 @@ def assert_matches_the_uninterrupted_run(out, steps, reference_cfg, task=None, k
 @pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.parametrize("model,zero_stage", [("gpt", 0), ("llama", 0), ("gpt", 1),
-                                              ("llama", 2)])
+                                              ("llama", 2), ("gpt", 3)])
 def test_rank_killed_and_replaced_run_matches_the_uninterrupted_one(gpt_data, tmp_path, model,
                                                                     zero_stage):
-    """With --zero_stage=1/2 the optimizer slots are gathered whole at each commit and sliced
-    again over each world (2 -> 1 -> 2 ranks: slices of another size, new slot variables)."""
+    """With --zero_stage the optimizer slots (stage 3: and the parameters) are gathered whole
+    at each commit and sliced again over each world (2 -> 1 -> 2 ranks: slices of another
+    size, new variables)."""
     out, steps = killed_and_rejoined(tmp_path, elastic_cfg(
         gpt_data, tmp_path / "run", model=model, zero_stage=zero_stage))
     assert_matches_the_uninterrupted_run(out, steps, make_cfg(
@@ -203,13 +204,13 @@ def test_rank_killed_and_replaced_run_matches_the_uninterrupted_one(gpt_data, tm
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("zero_stage", [0, 1])
+@pytest.mark.parametrize("zero_stage", [0, pytest.param(1, marks=pytest.mark.slow), 3])
 def test_a_rank_lost_before_step_one_leaves_the_other_training_alone(gpt_data, tmp_path,
                                                                      zero_stage):
     """Rank 1 dies as the ranks' first collective begins (the sync of the state, while the
     other one may still build and compile): rank 0's broadcast fails, which is a reset like a
     loss mid-run, not the end of the job. Rank 0 trains every step alone, equal to one process
-    (with ZeRO-1: its slices, made for 2 ranks, made again whole for 1)."""
+    (with ZeRO-1/3: its slices, made for 2 ranks, made again whole for 1)."""
     cfg = elastic_cfg(gpt_data, tmp_path / "run", zero_stage=zero_stage)
     proc, out, log, _ = start(tmp_path, cfg, die_before_first_sync=1, step_seconds=0.0)
     try:
@@ -262,14 +263,13 @@ class Losses(RunLogger):
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("zero_stage", 3, "--elastic with --zero_stage=3 is not supported: each parameter exists "
-                      "only as slices over the ranks, which an elastic run does not yet lay "
-                      "out again when its world changes; use --zero_stage=1 or 2 (the "
-                      "optimizer state is gathered at each commit and sliced again over the "
-                      "new world)"),
-    ("tensor_parallel", 2, "--elastic with --tensor_parallel=2 is not supported: an elastic "
-                           "run is data parallel, ZeRO-1/2 sharded at most (its world size "
-                           "changes); drop one of the two")])
+    ("shard_degree", 2, "--elastic with --shard_degree=2 is not supported: a partition "
+                        "group of fixed size needs a world that stays a multiple of it; an "
+                        "elastic run shards its state over its whole world"),
+    ("tensor_parallel", 2, "--elastic with --tensor_parallel=2 is not supported: its groups "
+                           "have a fixed number of ranks, which a world that loses or gains "
+                           "any one rank does not keep; an elastic run is data parallel, "
+                           "ZeRO-sharded over its whole world at most")])
 def test_elastic_refuses_layouts_that_depend_on_the_world_size(field, value, message):
     from tfbig.distribute.elastic import check_elastic
 

@@ -31,26 +31,27 @@ def check_elastic(cfg):
 
 class VariablesState(State):
     """Horovod elastic state kept on plain `tf.Variable`s (Keras 3 safe), as one device holds
-    it: a ZeRO backend's optimizer slots whole (`whole_slots`), gathered at each commit.
+    it: a ZeRO backend's slices (the optimizer slots; stage 3's parameters) whole
+    (`whole_slices`), gathered at each commit.
 
-    save: copy every variable (and the whole slots) to host memory; restore: assign the copies
-    back (roll back to the last commit); sync: broadcast rank 0's values to every rank, lay the
-    whole slots out over this world (`lay_out_slices`), then save.
+    save: copy every variable (and the whole slices) to host memory; restore: assign the copies
+    back (roll back to the last commit); sync: broadcast rank 0's values to every rank, cut the
+    whole slices for this world (`lay_out_slices`), then save.
     """
 
     def __init__(self, strategy, variables):
         self.strategy = strategy
-        self._sliced = hasattr(strategy, "whole_slots")  # ZeRO: slots laid out in each world
-        skip = strategy._slot_ids if self._sliced else set()
+        self._sliced = hasattr(strategy, "whole_slices")  # ZeRO: laid out in each world
+        skip = strategy.sliced_ids() if self._sliced else set()
         self.variables = horovod_keras.tf_variables([v for v in variables if id(v) not in skip])
         super().__init__(bcast_object=hvd.broadcast_object, get_rank=hvd.rank)
-        self._saved = self._slots = None
+        self._saved = self._whole = None
         if not self._sliced:
             self.save()  # no collective: a joining rank would deadlock before the first sync
 
     def save(self):
-        slots = self.strategy.whole_slots() if self._sliced else None  # a collective
-        self._saved, self._slots = [v.numpy() for v in self.variables], slots
+        whole = self.strategy.whole_slices() if self._sliced else None  # a collective
+        self._saved, self._whole = [v.numpy() for v in self.variables], whole
 
     def restore(self):
         for variable, value in zip(self.variables, self._saved or ()):
@@ -64,19 +65,19 @@ class VariablesState(State):
             horovod_keras.broadcast_variables(self.variables, root_rank=0,
                                               process_set=hvd.global_process_set)
             if self._sliced:
-                self.strategy.lay_out_slices(self._rank0_slots())
-        self.save()
+                self.strategy.lay_out_slices(self._rank0_whole())
+            self.save()  # ZeRO: a collective too
 
-    def _rank0_slots(self):
-        """Rank 0's committed whole slots (None at the run's start: each rank's slices are
+    def _rank0_whole(self):
+        """Rank 0's committed whole slices (None at the run's start: each rank's slices are
         its own, fresh or restored, already laid out)."""
-        if not hvd.broadcast_object(self._slots is not None, root_rank=0):
+        if not hvd.broadcast_object(self._whole is not None, root_rank=0):
             return None
         shapes = [v.shape for v in self.strategy.model_variables]
-        slots = self._slots or [[np.zeros(s, np.float32) for s in shapes]
-                                for _ in self.strategy._slot_kinds()]
-        return [[hvd.broadcast(tf.constant(x), root_rank=0).numpy()
-                 for x in kind] for kind in slots]
+        whole = self._whole or [[np.zeros(s, np.float32) for s in shapes]
+                                for _ in self.strategy._sliced_kinds()]
+        return [[hvd.broadcast(tf.constant(x), root_rank=0).numpy() for x in kind]
+                for kind in whole]
 
 
 def _horovod_failure(error):
@@ -98,11 +99,13 @@ def _as_reset():
 
 
 def with_elastic(backend):
-    """`backend` (HorovodStrategy or ZeroStrategy at stages 1-2) over a world that may shrink
-    and grow (see module doc); a ZeRO backend's slices are laid out again in each world."""
+    """`backend` (HorovodStrategy or ZeroStrategy) over a world that may shrink and grow (see
+    module doc); a ZeRO backend's slices are laid out again in each world."""
 
     class Elastic(backend):
         name = "horovod"
+        # ZeRO-3: a world changed before the first commit cuts the new run's slices again
+        keeps_initial_values = True
 
         def __init__(self, cfg):
             check_elastic(cfg)

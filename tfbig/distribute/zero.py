@@ -26,6 +26,8 @@ class ZeroStrategy(HorovodStrategy):
 
     name = "horovod"
     compiled_step = None  # the update sums norms over the slices' ranks (Horovod ops)
+    keeps_initial_values = False  # stage 3: each variable's initialiser, after its slice is cut
+    restored_from = None  # the checkpoint this rank's slices were restored from
 
     def __init__(self, cfg=None, mesh=None):
         super().__init__(cfg, mesh)
@@ -46,7 +48,11 @@ class ZeroStrategy(HorovodStrategy):
         self.shard_index = self.partition_set.rank() if self.partition_set else 0
         replicas = self.mesh.mesh.group("replica", self.mesh.rank)
         self.replica_index = replicas.index(self.mesh.rank)
-        self.partition = Partition(self.partition_set, self.num_shards, self.shard_index)
+        place = (self.partition_set, self.num_shards, self.shard_index)
+        if getattr(self, "partition", None) is None:
+            self.partition = Partition(*place)
+        else:  # stage 3: the model's gathers hold this one
+            self.partition.__init__(*place)
 
     def _own_slice(self, variable):
         return self.partition.own(variable, variable.shape)
@@ -100,8 +106,8 @@ class ZeroStrategy(HorovodStrategy):
         self.model_variables = list(variables)
         self.shards = [self._new_shard(v) for v in variables]
         self._shard_of.update({id(v): s for v, s in zip(variables, self.shards)})
-        for v in variables if self.stage == 3 else ():  # sliced: a loaded value is freed
-            self._initialisers.pop(id(v), None)
+        for v in variables if self.stage == 3 and not self.keeps_initial_values else ():
+            self._initialisers.pop(id(v), None)  # sliced: a loaded value is freed
         excluded = {id(v) for v in no_decay_variables(variables)}
         self.optimizer = build_optimizer(
             train, self.shards, no_decay=[s for s, v in zip(self.shards, variables)
@@ -116,37 +122,58 @@ class ZeroStrategy(HorovodStrategy):
         inner = getattr(self.optimizer, "inner_optimizer", self.optimizer)
         return [inner._momentums, inner._velocities]  # Keras Adam/LAMB slots
 
-    # ---- a new world (elastic Horovod, stages 1-2) ---------------------------------------
-    def whole_slots(self):
-        """Each slot kind's [full float32 numpy value per model variable]: the optimizer
-        state as one device holds it (a collective of the partition group)."""
-        shapes = [v.shape for v in self.model_variables]
-        return [[t.numpy() for t in self.partition.gather(list(kind), shapes)]
-                for kind in self._slot_kinds()]
+    # ---- a new world (elastic Horovod) ---------------------------------------------------
+    def sliced_ids(self):
+        """ids of the variables this rank holds slices in (the optimizer slots; with stage 3
+        the model's trainable variables, which hold no value): laid out in each world."""
+        return self._slot_ids | {id(v) for v in self.model_variables if self.stage == 3}
 
-    def lay_out_slices(self, whole_slots=None):
-        """This rank's slices on `self.mesh` (elastic Horovod: a new world): master slices of
-        the model variables' values and, given `whole_slots` (`whole_slots()` of any world),
-        the optimizer slots'. Slices of another size are new variables, with new slots."""
+    def _sliced_kinds(self):
+        return ([self.shards] if self.stage == 3 else []) + self._slot_kinds()
+
+    def whole_slices(self):
+        """[full float32 numpy value per model variable] of each kind of slice (stage 3: the
+        parameters; the optimizer slots): the state as one device holds it (a collective of
+        the partition group). From then on, no initial value is needed again."""
+        shapes = [v.shape for v in self.model_variables]
+        whole = [[t.numpy() for t in self.partition.gather(list(kind), shapes)]
+                 for kind in self._sliced_kinds()]
+        self._initialisers = {}
+        return whole
+
+    def lay_out_slices(self, whole=None):
+        """This rank's slices on `self.mesh` (elastic Horovod: a new world): stages 1-2's
+        master slices of the model variables' values and, given `whole` (`whole_slices()` of
+        any world), the slices of its values. Slices of another size are new variables."""
         self._lay_out_partition()
         shapes = [v.shape for v in self.model_variables]
         if any(s.shape[0] != self.partition.slice_size(shape)
                for s, shape in zip(self.shards, shapes)):
-            self.shards = [self._new_shard(v) for v in self.model_variables]
+            if whole is None and self.restored_from:
+                raise RuntimeError(
+                    f"the world changed to {self.mesh.mesh.size} ranks before its first "
+                    f"elastic commit: the lost ranks' slices exist only in "
+                    f"{self.restored_from}; start the job again (tfbig-launch --max_restarts "
+                    f"does) to resume from it")
+            fresh = whole is None and self.stage == 3  # a new run: its initialisers again
+            self.shards = [self._new_shard(v, None if fresh else np.zeros(
+                self.partition.slice_size(v.shape), np.float32)) for v in self.model_variables]
+            self._shard_of.update({id(v): s for v, s in zip(self.model_variables, self.shards)})
             excluded = {id(v) for v in no_decay_variables(self.model_variables)}
             rebuild_optimizer(self.optimizer, self.shards, [
                 s for s, v in zip(self.shards, self.model_variables) if id(v) in excluded])
             self._slot_ids = {id(v) for kind in self._slot_kinds() for v in kind}
-        for shard, variable in zip(self.shards, self.model_variables):
+        for shard, variable in zip(self.shards, self.model_variables if self.stage < 3 else ()):
             shard.assign(self._own_slice(variable))
-        for kind, values in zip(self._slot_kinds(), whole_slots or ()):
-            for slot, value, shape in zip(kind, values, shapes):
-                slot.assign(self.partition.own(value, shape))
+        for kind, values in zip(self._sliced_kinds(), whole or ()):
+            for piece, value, shape in zip(kind, values, shapes):
+                piece.assign(self.partition.own(value, shape))
 
-    def _new_shard(self, variable):
+    def _new_shard(self, variable, value=None):
         """The float32 variable the optimizer updates for model variable `variable`: its
         slice (stages 1-2: the master copy; stage 3: the parameter itself)."""
-        return keras.Variable(self._initial_slice(variable), dtype="float32", trainable=True,
+        value = self._initial_slice(variable) if value is None else value
+        return keras.Variable(value, dtype="float32", trainable=True,
                               autocast=self.stage < 3,  # gathered in float32
                               name=variable.path.replace("/", "__") + "__zero_slice")
 
@@ -307,6 +334,7 @@ class ZeroStrategy(HorovodStrategy):
         return self._shard_dir(model_dir)
 
     def restore(self, trainer, path):
+        self.restored_from = path
         if not getattr(self, "_resharding", None):
             return trainer.checkpoint.restore(path).assert_existing_objects_matched()
         model_dir, saved = self._resharding

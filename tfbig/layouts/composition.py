@@ -21,8 +21,9 @@ IN_USE = {
     "elastic": bool,
 }
 
-_WORLD = ("an elastic run is data parallel, ZeRO-1/2 sharded at most (its world size "
-          "changes)")
+_WORLD = ("its groups have a fixed number of ranks, which a world that loses or gains any "
+          "one rank does not keep; an elastic run is data parallel, ZeRO-sharded over its "
+          "whole world at most")
 # (flag, flag, why): refused when both are in use; the first flag leads the message. A flag
 # written `name>=N` is in use from the value N on (`--zero_stage>=2`: stages 2 and 3); flags
 # joined by `+` are in use when each is (a pair that composes, refused with a third flag).
@@ -36,15 +37,11 @@ REFUSED = (
        "with both at once; drop one of them")
       for pair in ("tensor_parallel+zero_stage", "pipeline_stages+tensor_parallel",
                    "pipeline_stages+zero_stage")),
-    ("elastic", "zero_stage>=3", "each parameter exists only as slices over the ranks, "
-     "which an elastic run does not yet lay out again when its world changes; use "
-     "--zero_stage=1 or 2 (the optimizer state is gathered at each commit and sliced "
-     "again over the new world)"),
     ("elastic", "shard_degree", "a partition group of fixed size needs a world that stays "
-     "a multiple of it; an elastic run shards over its whole world"),
-    *(("elastic", other, f"{_WORLD}; drop one of the two")
-      for other in ("tensor_parallel", "sequence_parallel", "pipeline_stages",
-                    "context_parallel", "expert_parallel")),
+     "a multiple of it; an elastic run shards its state over its whole world"),
+    # --sequence_parallel needs --tensor_parallel: refused with it, as below
+    *(("elastic", other, _WORLD) for other in ("tensor_parallel", "pipeline_stages",
+                                               "context_parallel", "expert_parallel")),
 )
 
 

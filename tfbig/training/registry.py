@@ -30,10 +30,9 @@ def horovod_backend(cfg=None):
     """--strategy=horovod: experts split over ranks with --expert_parallel > 1 (with ZeRO-1/2/3
     over the other weights if --zero_stage, the attention split with --tensor_parallel, or
     inside pipeline stages with --pipeline_stages), pipeline stages on ranks with
-    --pipeline_stages > 1 (with ZeRO-1 if --zero_stage), elastic with --elastic (with
-    ZeRO-1/2 if --zero_stage),
-    tensor-parallel with --tensor_parallel (with ZeRO-1/2/3 if --zero_stage), ZeRO-sharded
-    with --zero_stage, else the fixed-world HorovodStrategy; with
+    --pipeline_stages > 1 (with ZeRO-1 if --zero_stage), elastic with --elastic (ZeRO-sharded
+    if --zero_stage), tensor-parallel with --tensor_parallel (with ZeRO-1/2/3 if
+    --zero_stage), ZeRO-sharded with --zero_stage, else the fixed-world HorovodStrategy; with
     --context_parallel the chosen backend (a data backend, an expert backend or the pipeline)
     gets the context axis mixed in. The pairs that do not compose (tfbig.layouts.composition)
     are refused first, by name."""
@@ -54,7 +53,7 @@ def horovod_backend(cfg=None):
         from tfbig.distribute.expert_parallel import ExpertParallelStrategy as backend
     elif cfg is not None and pipeline_stages(cfg) > 1:
         backend = _pipeline_backend(tensor, zero_stage)
-    elif horovod is not None and horovod.elastic:  # no other layout but ZeRO-1/2: REFUSED
+    elif horovod is not None and horovod.elastic:  # no other layout but ZeRO: REFUSED
         from tfbig.distribute.elastic import with_elastic
 
         return with_elastic(_data_backend(1, zero_stage))(cfg)

@@ -22,6 +22,15 @@ from tfbig.optim import loss_scale
 WHOLE, UPDATE = "whole", "update"
 
 
+def micro_batch_size(batch_size, num_replicas, grad_accum_steps):
+    """Per-replica micro-batch size; the global batch must split evenly."""
+    parts = num_replicas * grad_accum_steps
+    if grad_accum_steps < 1 or batch_size % parts or batch_size < parts:
+        raise ValueError(f"--batch_size={batch_size} must be a positive multiple of "
+                         f"replicas ({num_replicas}) x --grad_accum_steps ({grad_accum_steps})")
+    return batch_size // parts
+
+
 def compiled_parts(strategy, xla, compile_update):
     """What is one XLA program besides the forward/backward (--xla): "whole" (all of the
     step), "update" or None (--xla=false compiles nothing, --compile_update=false only the

@@ -39,15 +39,6 @@ class NonFiniteLossError(TrainingStoppedError):
     """Training produced a NaN/inf loss where no loss scaling can explain it."""
 
 
-def micro_batch_size(batch_size, num_replicas, grad_accum_steps):
-    """Per-replica micro-batch size; the global batch must split evenly."""
-    parts = num_replicas * grad_accum_steps
-    if grad_accum_steps < 1 or batch_size % parts or batch_size < parts:
-        raise ValueError(f"--batch_size={batch_size} must be a positive multiple of "
-                         f"replicas ({num_replicas}) x --grad_accum_steps ({grad_accum_steps})")
-    return batch_size // parts
-
-
 class Trainer(BudgetedLoop):
     """Builds model, optimizer, data and checkpoint for an ExperimentConfig and trains it.
 
@@ -84,7 +75,7 @@ class Trainer(BudgetedLoop):
         # with the family's section (e.g. --num_groups); --init_checkpoint: sizes its own
         self.task = task or get_task(*init_checkpoint.task_inputs(t, cfg))
         init_checkpoint.apply(self.task, cfg)  # --init_checkpoint: its architecture, checked
-        self.micro_batch = micro_batch_size(t.batch_size, self.strategy.num_replicas,
+        self.micro_batch = step_lib.micro_batch_size(t.batch_size, self.strategy.num_replicas,
                                             t.grad_accum_steps)
         self.logger = logger or RunLogger(t.model_dir, self.strategy.is_chief, t.max_steps)
         self.profiler = RunProfiler(  # throughput, MFU, step-time breakdown, system monitor
@@ -130,20 +121,31 @@ class Trainer(BudgetedLoop):
             self.step, self.batches_consumed, self.nonfinite_steps])
         self.goodput.resumed(int(self.step.numpy()))  # steps after it are trained again
         self._build_step()
-        self.validation_step = self.strategy.make_validation_step(self.task, self.model, t.xla)
         self.eval_batches = preflight.validation_batches(  # 0: no validation split
             self.task, self.micro_batch, self.strategy.num_replicas, t.eval_steps,
             self.logger.info)
 
     # ---- single-replica pieces -------------------------------------------------------------
+    def _updated_ids(self):
+        """ids of the variables the step updates (elastic ZeRO makes new slices in a new
+        world, which a step traced before does not update)."""
+        held = list(self.strategy.checkpoint_model(self.model).values())  # ZeRO-3: slices
+        return [id(v) for v in held + self.optimizer.variables]
+
     def _build_step(self, again=False):
-        """The step's functions, traced on first use (`again`: in a new elastic world)."""
+        """The step's functions, traced on first use (`again`: for new variables)."""
+        self._built_for = self._updated_ids()
         self.forward_backward = self.strategy.make_forward_backward(
             self._loss_fn, self.model.trainable_variables, self._scale_loss, self.cfg.train.xla)
         self.replica_step = self.make_replica_step()
         # No autograph (as Keras 3's fit, and every tf.function of tfbig): plain Python over
         # tensors; converting took about a quarter of a tiny run's wall time.
         self._train_step = tf.function(self._global_step, autograph=False)
+        self.validation_step = self.strategy.make_validation_step(
+            self.task, self.model, self.cfg.train.xla)
+        self._eval_step = tf.function(self._gathered_validation, autograph=False)
+        if again:  # ZeRO-3: the checkpoint's model entries are the new slices
+            self.checkpoint.model.update(self.strategy.checkpoint_model(self.model))
         if again and self.async_checkpoint:  # its copy reads the variables too
             host_copier(self.checkpoint, again=True)
 
@@ -175,8 +177,7 @@ class Trainer(BudgetedLoop):
         return self.strategy.all_gather({**self.validation_step(rows),
                                          evaluation.VALID: batch[evaluation.VALID]})
 
-    @tf.function(autograph=False)
-    def _eval_step(self, batch):
+    def _gathered_validation(self, batch):  # self._eval_step: this, traced
         """This replica's validation outputs, gathered from every replica in dataset order."""
         return self.strategy.local_result(self.strategy.run(self._replica_validation, (batch,)))
 
@@ -291,12 +292,9 @@ class Trainer(BudgetedLoop):
         A SIGTERM (preemption) saves a checkpoint after the current step and returns with
         summary["preempted"] True; the next start resumes there.
         """
-        runs = []
-
-        def loop():  # again after elastic Horovod changed the world (new ZeRO slices)
-            if runs:
+        def loop():  # again after elastic Horovod changed the world: new ZeRO slices?
+            if self._updated_ids() != self._built_for:
                 self._build_step(again=True)
-            runs.append(1)
             return self._fit(steps)
 
         with self.strategy.watch_preemption(), self.profiler.session(int(self.step.numpy())):
@@ -305,7 +303,7 @@ class Trainer(BudgetedLoop):
     def _fit(self, steps):
         t = self.cfg.train
         # The world may have changed since __init__ (elastic Horovod); the global batch did not.
-        self.micro_batch = micro_batch_size(t.batch_size, self.strategy.num_replicas,
+        self.micro_batch = step_lib.micro_batch_size(t.batch_size, self.strategy.num_replicas,
                                             t.grad_accum_steps)
         iterator = self._train_iterator()
         step = int(self.step.numpy())
