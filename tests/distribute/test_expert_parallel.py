@@ -265,13 +265,15 @@ def test_zero_partition_groups_across_expert_groups_equal_one_process(
 @pytest.mark.multiproc
 def test_sequences_split_over_context_ranks_equal_one_process(gpt_data, shared,
                                                               tmp_path_factory):
-    """4 ranks = data 2 x context 2: the MoE model under --context_parallel=2 alone and with
-    --expert_parallel=2 (an expert group: the 2 data ranks of one context position). Each
-    router's statistics are summed over the context group, so the load-balancing loss is the
-    replica's whole batch's as on one process; a capacity factor is refused by name."""
+    """4 ranks = data 2 x context 2: the MoE model under --context_parallel=2 alone, with
+    --expert_parallel=2 (an expert group: the 2 data ranks of one context position) and with
+    ZeRO-1 too. Each router's statistics are summed over the context group, so the
+    load-balancing loss is the replica's whole batch's as on one process; a capacity factor is
+    refused by name."""
     root = tmp_path_factory.mktemp("expert_context")
-    runs = {name: ep_cfg(gpt_data, root / name, expert) for name, expert in
-            (("cp2", 1), ("ep2_cp2", 2), ("capacity", 2))}
+    runs = {name: ep_cfg(gpt_data, root / name, expert, zero_stage=stage)
+            for name, expert, stage in (("cp2", 1, 0), ("ep2_cp2", 2, 0),
+                                        ("ep2_cp2_zero1", 2, 1), ("capacity", 2, 0))}
     for cfg in runs.values():
         cfg.parallel.context_parallel = 2
     runs["capacity"].moe.capacity_factor = 1.0
@@ -281,7 +283,8 @@ def test_sequences_split_over_context_ranks_equal_one_process(gpt_data, shared,
                                     for name, cfg in runs.items()], ranks=4)
     single, losses = shared(("moe", 2), lambda: reference(
         gpt_data, tmp_path_factory.mktemp("moe_reference"), 2))
-    for name, expert in (("cp2", 1), ("ep2_cp2", 2)):  # 2 context ranks per data replica
+    # 2 context ranks per data replica
+    for name, expert in (("cp2", 1), ("ep2_cp2", 2), ("ep2_cp2_zero1", 2)):
         check_equal_to_one_process(results[name], single, losses, expert, tensor=2)
         # each rank's norms see its 2 chunks of 4 of the 16 positions
         assert [int(r["norm_rows"]) for r in results[name]] == [8] * 4
