@@ -204,7 +204,8 @@ def test_rank_killed_and_replaced_run_matches_the_uninterrupted_one(gpt_data, tm
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("zero_stage", [0, pytest.param(1, marks=pytest.mark.slow), 3])
+@pytest.mark.parametrize("zero_stage", [pytest.param(0, marks=pytest.mark.slow),
+                                        pytest.param(1, marks=pytest.mark.slow), 3])
 def test_a_rank_lost_before_step_one_leaves_the_other_training_alone(gpt_data, tmp_path,
                                                                      zero_stage):
     """Rank 1 dies as the ranks' first collective begins (the sync of the state, while the
@@ -235,7 +236,9 @@ def user_cfg(model_dir, **flags):
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_a_user_task_rank_killed_and_replaced_matches_the_uninterrupted_one(tmp_path):
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_a_user_task_rank_killed_and_replaced_matches_the_uninterrupted_one(tmp_path,
+                                                                            zero_stage):
     """The same for a user model (tfbig.Task: examples/own_model.py's MyModel, its loss and
     its DataShard-sharded tf.data pipeline): its model and optimizer are committed and
     restored, its dataset made again for each world from the global position. Its pipeline
@@ -243,7 +246,7 @@ def test_a_user_task_rank_killed_and_replaced_matches_the_uninterrupted_one(tmp_
     contiguous slices as tfbig's data layer does: each step reads the same examples, in
     another order between ranks."""
     cfg = user_cfg(tmp_path / "run", strategy="horovod", elastic=True,
-                   elastic_commit_every=2)
+                   elastic_commit_every=2, zero_stage=zero_stage)
     out, steps = killed_and_rejoined(tmp_path, cfg, user_task=True)
     reference_cfg = user_cfg(tmp_path / "reference")
     assert_matches_the_uninterrupted_run(out, steps, reference_cfg,
