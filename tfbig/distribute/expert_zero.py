@@ -49,8 +49,10 @@ class ExpertZeroStrategy(ZeroStrategy, ExpertParallelStrategy):
         return variable.path not in self.expert_paths
 
     # ---- the optimizer's variables: slices of the replicated weights, the experts whole ----
-    def _new_shard(self, variable):
-        return variable if variable.path in self.expert_paths else super()._new_shard(variable)
+    def _new_shard(self, variable, value=None):
+        if variable.path in self.expert_paths:
+            return variable
+        return super()._new_shard(variable, value)
 
     def _own_slice(self, variable):
         if variable.path in self.expert_paths:
