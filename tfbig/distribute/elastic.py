@@ -62,10 +62,13 @@ class VariablesState(State):
         # the attempt: a peer lost during the broadcast (the first one: while the others still
         # build and compile) is a reset too, not the end of this rank.
         with _as_reset():
+            whole = self._rank0_whole() if self._sliced else None
+            if self._sliced and whole is None:  # the run's start: each rank's own slices
+                self.strategy.check_one_step()
             horovod_keras.broadcast_variables(self.variables, root_rank=0,
                                               process_set=hvd.global_process_set)
             if self._sliced:
-                self.strategy.lay_out_slices(self._rank0_whole())
+                self.strategy.lay_out_slices(whole)
             self.save()  # ZeRO: a collective too
 
     def _rank0_whole(self):

@@ -275,6 +275,17 @@ class ZeroStrategy(HorovodStrategy):
     # ---- state: broadcast, checkpoints ---------------------------------------------------
     def broadcast_variables(self, variables):
         """Rank 0's parameters and counters to all; optimizer slots stay per slice."""
+        self.check_one_step()
+        if self.stage == 3:  # every rank made or restored its own slices: counters, RNG only
+            held = self._slot_ids | {id(v) for v in self.model_variables}
+            super().broadcast_variables([v for v in variables if id(v) not in held])
+            return
+        super().broadcast_variables([v for v in variables if id(v) not in self._slot_ids])
+        for shard, variable in zip(self.shards, self.model_variables):
+            shard.assign(self._own_slice(variable))  # master slices of the final parameters
+
+    def check_one_step(self):
+        """Raise unless every rank's slices are of one optimizer step (a collective)."""
         inner = getattr(self.optimizer, "inner_optimizer", self.optimizer)
         if self.process_set is not None:  # every slice must come from the same step
             steps = hvd.allgather(tf.reshape(tf.cast(inner.iterations, tf.int64), [1]),
@@ -284,13 +295,6 @@ class ZeroStrategy(HorovodStrategy):
                                  f"optimizer steps {steps.tolist()} (a save was cut short?); "
                                  f"remove the newer checkpoints so every shard directory's "
                                  f"newest one is of the same step")
-        if self.stage == 3:  # every rank made or restored its own slices: counters, RNG only
-            held = self._slot_ids | {id(v) for v in self.model_variables}
-            super().broadcast_variables([v for v in variables if id(v) not in held])
-            return
-        super().broadcast_variables([v for v in variables if id(v) not in self._slot_ids])
-        for shard, variable in zip(self.shards, self.model_variables):
-            shard.assign(self._own_slice(variable))  # master slices of the final parameters
 
     def held(self, variables):
         """Stage 3: each model variable's slice in its place (the model's hold no values)."""
