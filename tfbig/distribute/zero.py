@@ -104,17 +104,25 @@ class ZeroStrategy(HorovodStrategy):
     # ---- optimizer over the slices -------------------------------------------------------
     def build_optimizer(self, train, variables):
         self.model_variables = list(variables)
-        self.shards = [self._new_shard(v) for v in variables]
-        self._shard_of.update({id(v): s for v, s in zip(variables, self.shards)})
+        self._set_shards([self._new_shard(v) for v in variables])
         for v in variables if self.stage == 3 and not self.keeps_initial_values else ():
             self._initialisers.pop(id(v), None)  # sliced: a loaded value is freed
-        excluded = {id(v) for v in no_decay_variables(variables)}
-        self.optimizer = build_optimizer(
-            train, self.shards, no_decay=[s for s, v in zip(self.shards, variables)
-                                          if id(v) in excluded],
-            **self._norm_options(variables))
-        self._slot_ids = {id(v) for kind in self._slot_kinds() for v in kind}
+        self.optimizer = build_optimizer(train, self.shards, no_decay=self._no_decay_shards(),
+                                         **self._norm_options(variables))
         return self.optimizer
+
+    def _set_shards(self, shards):
+        """`shards` (one per model variable, in order) as the slices the optimizer updates."""
+        self.shards = shards
+        self._shard_of.update({id(v): s for v, s in zip(self.model_variables, shards)})
+
+    def _no_decay_shards(self):
+        excluded = {id(v) for v in no_decay_variables(self.model_variables)}
+        return [s for s, v in zip(self.shards, self.model_variables) if id(v) in excluded]
+
+    @property
+    def _slot_ids(self):
+        return {id(v) for kind in self._slot_kinds() for v in kind}
 
     def _slot_kinds(self):
         """The optimizer's slots, one list per kind (Adam's and LAMB's m and v), each in the
@@ -156,15 +164,10 @@ class ZeroStrategy(HorovodStrategy):
                     f"{self.restored_from}; start the job again (tfbig-launch --max_restarts "
                     f"does) to resume from it")
             fresh = whole is None and self.stage == 3  # a new run: its initialisers again
-            self.shards = [self._new_shard(v, None if fresh else np.zeros(
-                self.partition.slice_size(v.shape), np.float32)) for v in self.model_variables]
-            self._shard_of.update({id(v): s for v, s in zip(self.model_variables, self.shards)})
-            excluded = {id(v) for v in no_decay_variables(self.model_variables)}
-            rebuild_optimizer(self.optimizer, self.shards, [
-                s for s, v in zip(self.shards, self.model_variables) if id(v) in excluded])
-            self._slot_ids = {id(v) for kind in self._slot_kinds() for v in kind}
-        for shard, variable in zip(self.shards, self.model_variables if self.stage < 3 else ()):
-            shard.assign(self._own_slice(variable))
+            self._set_shards([self._new_shard(v, None if fresh else np.zeros(
+                self.partition.slice_size(v.shape), np.float32)) for v in self.model_variables])
+            rebuild_optimizer(self.optimizer, self.shards, self._no_decay_shards())
+        self._assign_master_slices()
         for kind, values in zip(self._sliced_kinds(), whole or ()):
             for piece, value, shape in zip(kind, values, shapes):
                 piece.assign(self.partition.own(value, shape))
@@ -276,13 +279,14 @@ class ZeroStrategy(HorovodStrategy):
     def broadcast_variables(self, variables):
         """Rank 0's parameters and counters to all; optimizer slots stay per slice."""
         self.check_one_step()
-        if self.stage == 3:  # every rank made or restored its own slices: counters, RNG only
-            held = self._slot_ids | {id(v) for v in self.model_variables}
-            super().broadcast_variables([v for v in variables if id(v) not in held])
-            return
-        super().broadcast_variables([v for v in variables if id(v) not in self._slot_ids])
-        for shard, variable in zip(self.shards, self.model_variables):
-            shard.assign(self._own_slice(variable))  # master slices of the final parameters
+        held = self.sliced_ids()  # every rank made or restored its own slices
+        super().broadcast_variables([v for v in variables if id(v) not in held])
+        self._assign_master_slices()
+
+    def _assign_master_slices(self):
+        """Stages 1-2: each master slice from the model variable's (broadcast) value."""
+        for shard, variable in zip(self.shards, self.model_variables if self.stage < 3 else ()):
+            shard.assign(self._own_slice(variable))
 
     def check_one_step(self):
         """Raise unless every rank's slices are of one optimizer step (a collective)."""

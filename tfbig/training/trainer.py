@@ -75,8 +75,8 @@ class Trainer(BudgetedLoop):
         # with the family's section (e.g. --num_groups); --init_checkpoint: sizes its own
         self.task = task or get_task(*init_checkpoint.task_inputs(t, cfg))
         init_checkpoint.apply(self.task, cfg)  # --init_checkpoint: its architecture, checked
-        self.micro_batch = step_lib.micro_batch_size(t.batch_size, self.strategy.num_replicas,
-                                            t.grad_accum_steps)
+        self.micro_batch = step_lib.micro_batch_size(
+            t.batch_size, self.strategy.num_replicas, t.grad_accum_steps)
         self.logger = logger or RunLogger(t.model_dir, self.strategy.is_chief, t.max_steps)
         self.profiler = RunProfiler(  # throughput, MFU, step-time breakdown, system monitor
             cfg.profile, t.model_dir, enabled=self.strategy.is_chief,
@@ -303,8 +303,8 @@ class Trainer(BudgetedLoop):
     def _fit(self, steps):
         t = self.cfg.train
         # The world may have changed since __init__ (elastic Horovod); the global batch did not.
-        self.micro_batch = step_lib.micro_batch_size(t.batch_size, self.strategy.num_replicas,
-                                            t.grad_accum_steps)
+        self.micro_batch = step_lib.micro_batch_size(
+            t.batch_size, self.strategy.num_replicas, t.grad_accum_steps)
         iterator = self._train_iterator()
         step = int(self.step.numpy())
         limit = math.inf if steps is None else step + steps
