@@ -56,6 +56,23 @@ def test_train_help_lists_its_own_flags_by_section():
     assert out.index("\ntrain:\n") < out.index("  --max_steps=int") < out.index("\npipeline:\n")
 
 
+def test_no_command_imports_tensorflow_before_it_runs():
+    """Every console script's module (and so its --help and flag errors) loads without
+    TensorFlow, whose import alone takes seconds; a run imports it when it starts."""
+    sys.path.insert(0, os.path.join(ROOT, "docs", "hooks"))
+    from generate import console_scripts
+
+    modules = sorted({entry.split(":")[0] for _, entry in console_scripts()})
+    assert len(modules) > 8
+    probe = (f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\n"
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+             "('tensorflow', 'keras', 'horovod')))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]", done.stdout[:2000]
+
+
 @pytest.mark.parametrize("name,flag", [("tfbig-prep", "--vocab_size=int"),
                                        ("tfbig-generate", "--top_p=float"),
                                        ("tfbig-export", "--export_dir=string"),

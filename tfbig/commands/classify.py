@@ -35,7 +35,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from absl import flags  # noqa: E402
 
 from tfbig.errors import UsageError  # noqa: E402
-from tfbig.tasks.classify import ClassifyData  # noqa: E402
+from tfbig.tasks.options import ClassifyData  # noqa: E402
 from tfbig.training import finetune  # noqa: E402
 
 

@@ -16,28 +16,32 @@ import shutil
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # console script: no C++ INFO lines
 
-import tensorflow as tf  # noqa: E402
 from absl import flags  # noqa: E402
 
 from tfbig.commands import cli  # noqa: E402
-from tfbig.convert.run_dir import load_model  # noqa: E402
 from tfbig.errors import UsageError  # noqa: E402
 
 
-class _Exported(tf.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
+def _exported(model):
+    """A tf.Module serving `model` through the two signatures of the module docstring."""
+    import tensorflow as tf  # not imported for --help
 
-    @tf.function(input_signature=[tf.TensorSpec((None, None), tf.int32, name="token_ids")],
-                 autograph=False)
-    def serve(self, token_ids):
-        return {"logits": self.model(token_ids, training=False)}
+    class Exported(tf.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
 
-    @tf.function(input_signature=[tf.TensorSpec((None, None), tf.int32, name="token_ids")],
-                 autograph=False)
-    def next_token_logits(self, token_ids):
-        return {"logits": self.model(token_ids, training=False)[:, -1]}
+        @tf.function(input_signature=[tf.TensorSpec((None, None), tf.int32, name="token_ids")],
+                     autograph=False)
+        def serve(self, token_ids):
+            return {"logits": self.model(token_ids, training=False)}
+
+        @tf.function(input_signature=[tf.TensorSpec((None, None), tf.int32, name="token_ids")],
+                     autograph=False)
+        def next_token_logits(self, token_ids):
+            return {"logits": self.model(token_ids, training=False)[:, -1]}
+
+    return Exported(model)
 
 
 def export(model_dir, export_dir):
@@ -45,10 +49,13 @@ def export(model_dir, export_dir):
     if os.path.exists(export_dir):
         raise FileExistsError(f"--export_dir={export_dir} exists; choose a new directory "
                               f"(nothing is overwritten)")
+    import tensorflow as tf
+
+    from tfbig.convert.run_dir import load_model
     from tfbig.data.tokenizer import for_run
 
     model, _ = load_model(model_dir)
-    module = _Exported(model)
+    module = _exported(model)
     tmp = export_dir.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tf.saved_model.save(module, tmp, signatures={

@@ -10,9 +10,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # console script: no C++ INF
 
 from absl import flags  # noqa: E402
 
-from tfbig.convert.run_dir import load_model  # noqa: E402
 from tfbig.errors import UsageError  # noqa: E402
-from tfbig.models.generation import sample_text  # noqa: E402
 
 FLAGS = flags.FLAGS
 
@@ -31,7 +29,9 @@ def define_flags():
 def main(argv):
     if len(argv) > 1:
         raise UsageError(f"unexpected arguments {argv[1:]}; the prompt goes in --prompt")
+    from tfbig.convert.run_dir import load_model  # TensorFlow: not for --help
     from tfbig.data.tokenizer import for_run
+    from tfbig.models.generation import sample_text
 
     model, _ = load_model(FLAGS.model_dir)
     text = sample_text(model, for_run(FLAGS.model_dir), FLAGS.prompt,

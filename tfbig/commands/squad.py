@@ -34,7 +34,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from absl import flags  # noqa: E402
 
 from tfbig.errors import UsageError  # noqa: E402
-from tfbig.tasks.squad import SquadData  # noqa: E402
+from tfbig.tasks.options import SquadData  # noqa: E402
 from tfbig.training import finetune  # noqa: E402
 
 OUTPUTS = {"predictions": "predictions.json", "nbest": "nbest_predictions.json",

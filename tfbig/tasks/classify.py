@@ -11,42 +11,19 @@ Features: [CLS] a [SEP] b [SEP], the longer text cut first to fit --max_seq_leng
 inputs, training order and steps around the loss are every fine-tuning task's
 (tasks.fine_tuning).
 
+    # ClassifyData: tfbig.tasks.options
     task = ClassifyTask(train_config, ClassifyData(init_checkpoint="runs/bert",
                                                    train_file="train.tsv", eval_file="dev.tsv"))
 """
 import csv
-import dataclasses
 import json
 import os
 
 import numpy as np
 import tensorflow as tf
 
-from tfbig.config import field
 from tfbig.errors import UsageError
 from tfbig.tasks.fine_tuning import INPUTS, Examples, FineTuningTask
-
-
-@dataclasses.dataclass
-class ClassifyData:
-    """What to fine-tune and on which examples (tfbig-classify's flags)."""
-
-    init_checkpoint: str = field("", "A tfbig-convert --output_dir holding a BERT.")
-    train_file: str = field("", "Training examples: .tsv (header row) or .jsonl.")
-    eval_file: str = field("", "Examples to score (same columns).")
-    text_a: str = field("sentence1", "Column (JSON key, TFDS feature) of the first text; "
-                                     "with --tfds_name=glue/* the default is the task's own.")
-    text_b: str = field("sentence2", "Column of the second text; empty for single sentences.")
-    label: str = field("label", "Column of the label (TFDS: a ClassLabel feature).")
-    max_seq_length: int = field(128, "Tokens per example: [CLS] a [SEP] b [SEP].")
-    tfds_name: str = field("", "A TFDS dataset prepared in --tfds_data_dir, e.g. glue/mnli "
-                               "(instead of --train_file/--eval_file; never downloaded).")
-    tfds_data_dir: str = field("", "TFDS data directory holding --tfds_name (empty: TFDS's "
-                                   "default, ~/tensorflow_datasets).")
-    tfds_split: str = field("train", "The TFDS split to train on.")
-    tfds_eval_splits: str = field("", "Comma-separated TFDS splits to score (empty: validation, "
-                                      "or every validation_* split: glue/mnli's matched and "
-                                      "mismatched).")
 
 
 class ClassifyTask(FineTuningTask):

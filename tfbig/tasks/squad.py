@@ -12,47 +12,21 @@ Splits: "train" (--train_file's features) and "validation" (--predict_file's, wi
 feature's index). The inputs, training order and steps around the loss are every fine-tuning
 task's (tasks.fine_tuning).
 
+    # SquadData: tfbig.tasks.options
     task = SquadTask(train_config, SquadData(init_checkpoint="runs/albert",
                                              train_file="train-v2.0.json",
                                              predict_file="dev-v2.0.json"))
 """
-import dataclasses
 import json
 import math
 
 import numpy as np
 import tensorflow as tf
 
-from tfbig.config import field
 from tfbig.errors import UsageError
 from tfbig.tasks.fine_tuning import INPUTS, Examples, FineTuningTask
 
 LABELS = ("start_positions", "end_positions")
-
-
-@dataclasses.dataclass
-class SquadData:
-    """What to fine-tune and on which SQuAD files (tfbig-squad's own flags)."""
-
-    train_file: str = field("", "SQuAD JSON (v1.1 or v2.0) to fine-tune on; empty: predict only, "
-                                "with the model fine-tuned earlier in --output_dir.")
-    predict_file: str = field("", "SQuAD JSON to predict (and score, if it has answers).")
-    init_checkpoint: str = field("", "A tfbig-train --model=albert --model_dir or a "
-                                     "tfbig-convert --output_dir (BERT or ALBERT): its config, "
-                                     "tokenizer and latest checkpoint initialise the backbone.")
-    random_init: bool = field(False, "Take --init_checkpoint's config and tokenizer but start "
-                                     "from random weights (the no-pretraining baseline).")
-    tokenizer: str = field("", "Without --init_checkpoint: the SentencePiece .model to use.")
-    version: str = field("auto", "SQuAD version: auto (from the files) | 1.1 | 2.0.")
-    max_seq_length: int = field(384, "Tokens per feature: [CLS] question [SEP] context [SEP].")
-    doc_stride: int = field(128, "Tokens between the starts of a long context's windows.")
-    max_query_length: int = field(64, "Question tokens kept.")
-    max_answer_length: int = field(30, "Longest answer, in tokens.")
-    n_best_size: int = field(20, "Start and end candidates per window; answers kept per "
-                                 "question in nbest_predictions.json.")
-    null_score_diff_threshold: float = field(float("nan"), "v2.0: answer '' when the null score "
-                                             "minus the best span score is above this; unset: "
-                                             "tuned for F1 on --predict_file.")
 
 
 class SquadTask(FineTuningTask):

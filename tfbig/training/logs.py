@@ -2,8 +2,6 @@
 import os
 import sys
 
-import tensorflow as tf
-
 # Step-time shares that are usually zero (one device, no checkpoint in the interval).
 _SHOWN_IF_NONZERO = ("time_fraction/communication", "time_fraction/checkpoint")
 
@@ -26,6 +24,8 @@ class RunLogger:
         self.model_dir = model_dir
 
     def _writer(self, name):
+        import tensorflow as tf  # not at import: the fine-tuning commands' --help needs none
+
         if name not in self.writers:
             self.writers[name] = tf.summary.create_file_writer(os.path.join(self.model_dir, name))
         return self.writers[name]
@@ -34,12 +34,16 @@ class RunLogger:
         """Write each value as a TensorBoard scalar under `split` (train, validation, system)."""
         if not self.enabled:
             return
+        import tensorflow as tf
+
         with self._writer(split).as_default(step=step):
             for key, value in values.items():
                 tf.summary.scalar(key, value)
 
     def text(self, split, step, tag, value):
         if self.enabled:
+            import tensorflow as tf
+
             with self._writer(split).as_default(step=step):
                 tf.summary.text(tag, value)
 
