@@ -14,10 +14,10 @@ whole on their ranks. With
 --tensor_parallel=2 (tfbig.distribute.expert_tensor) each replica's attention and vocabulary
 are split over a tensor group and the experts over the expert groups of each tensor rank.
 
-Default run: EP2 on 2 ranks, EP2 with --activation_checkpointing (its blocks recomputed in
-the backward, the all-to-alls with them), EP2 x ZeRO-3 (resumed) and EP2 started from a
-single-device checkpoint, in one launch with the refusals; EP2 x TP2 on 4 ranks (resumed) in
-another. Slow: EP2 x TP2 from a single-device checkpoint and with an fp16 overflow, TP2 and
+Default run: EP2 on 2 ranks and EP2 started from a single-device checkpoint, in one launch
+with the refusals; EP2 x TP2 on 4 ranks (resumed) in another. Slow: EP2 with
+--activation_checkpointing (its blocks recomputed in the backward, the all-to-alls with them)
+and EP2 x ZeRO-3 (resumed) in a 2-rank launch, EP2 x TP2 from a single-device checkpoint and with an fp16 overflow, TP2 and
 TP2 x ZeRO-1 of the MoE model (a 4-rank launch), the resumed run (a launch of
 its own), EP2 x DP2 and EP4 on 4 ranks, EP2 x DP2 with ZeRO-1 and -3 over a partition group of
 4 and ZeRO-2 over MiCS groups of 2, ZeRO-3 of the MoE model without expert parallelism, the
@@ -138,6 +138,17 @@ def ep2(gpt_data, tmp_path_factory):
         refused(gpt_data, root, "indivisible", moe={"num_experts": 3}),
         refused(gpt_data, root, "dense", preset="tiny"),
         run_entry("ep2", ep_cfg(gpt_data, root / "ep2", 2), root / "out", first_gradients=True),
+        run_entry("from_one", ep_cfg(gpt_data, root / "from_one", 2), root / "out")],
+        ranks=2)
+    return results, output, root
+
+
+@pytest.fixture(scope="module")
+def ep2_slow(gpt_data, tmp_path_factory):
+    """A 2-rank launch of its own (slow): EP2 with --activation_checkpointing and EP2 x ZeRO-3
+    (resumed), with the refused resumes of its pieces."""
+    root = tmp_path_factory.mktemp("expert_parallel_slow")
+    results, output = launch(root, [
         run_entry("ep2_recompute", ep_cfg(gpt_data, root / "ep2_recompute", 2, recompute=True),
                   root / "out", first_gradients=True),
         run_entry("ep2_zero3", ep_cfg(gpt_data, root / "ep2_zero3", 2, zero_stage=3),
@@ -147,8 +158,7 @@ def ep2(gpt_data, tmp_path_factory):
         run_entry("ep2_zero3_as_ep2", ep_cfg(gpt_data, root / "ep2_zero3", 2), root / "out",
                   expect_error=True),
         run_entry("ep2_zero3_as_zero1", ep_cfg(gpt_data, root / "ep2_zero3", 2, zero_stage=1),
-                  root / "out", expect_error=True),
-        run_entry("from_one", ep_cfg(gpt_data, root / "from_one", 2), root / "out")],
+                  root / "out", expect_error=True)],
         ranks=2)
     return results, output, root
 
@@ -175,16 +185,17 @@ def test_two_expert_ranks_equal_one_process(ep2, gpt_data, shared, tmp_path_fact
         np.testing.assert_array_equal(v.numpy(), ours, err_msg=v.path)
 
 
+@pytest.mark.slow  # EP alone and recompute alone (test_recompute's MoE case): default
 @pytest.mark.multiproc
-def test_recomputed_blocks_with_their_all_to_alls_equal_one_process(ep2, gpt_data, shared,
-                                                                    tmp_path_factory):
+def test_recomputed_blocks_with_their_all_to_alls_equal_one_process(ep2, ep2_slow, gpt_data,
+                                                                    shared, tmp_path_factory):
     """--activation_checkpointing: every rank recomputes its blocks in the backward, the
     MoE layers' all-to-alls again with them (in the same order on every rank): the same
     result as one process (which does not recompute)."""
     single, losses = shared(("moe", 2), lambda: reference(
         gpt_data, tmp_path_factory.mktemp("moe_reference"), 2))
-    check_equal_to_one_process(ep2[0]["ep2_recompute"], single, losses, 2)
-    assert [int(r["recomputed_layers"]) for r in ep2[0]["ep2_recompute"]] == [2, 2]  # blocks
+    check_equal_to_one_process(ep2_slow[0]["ep2_recompute"], single, losses, 2)
+    assert [int(r["recomputed_layers"]) for r in ep2_slow[0]["ep2_recompute"]] == [2, 2]
     assert [int(r["recomputed_layers"]) for r in ep2[0]["ep2"]] == [0, 0]
 
 
@@ -206,15 +217,16 @@ def check_zero_over_the_other_weights(results, single, shards, stage):
             0 if stage == 3 else whole)
 
 
+@pytest.mark.slow  # EP alone and ZeRO-3 alone: default
 @pytest.mark.multiproc
 def test_zero3_over_the_replicated_weights_of_two_expert_ranks_equals_one_process(
-        ep2, gpt_data, shared, tmp_path_factory):
+        ep2_slow, gpt_data, shared, tmp_path_factory):
     """--expert_parallel=2 --zero_stage=3, stopped after 2 steps and resumed from its pieces:
     the one process's losses, weights and first gradients; every weight but the experts held
     as a half slice on each rank, gathered per block (the experts whole, the all-to-alls
     recomputed with the block); the pieces read back as one model; resuming them without
     --zero_stage or with stage 1, and consolidating them, are refused by name."""
-    results, _, root = ep2
+    results, _, root = ep2_slow
     single, losses = shared(("moe", 2), lambda: reference(
         gpt_data, tmp_path_factory.mktemp("moe_reference"), 2))
     run = results["ep2_zero3"]
