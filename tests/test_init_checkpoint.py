@@ -155,8 +155,8 @@ def test_a_rank_loads_its_pieces_after_every_name_and_shape_is_checked(gpt2_bpe,
     run = gpt2_bpe["run"]
     reads, weight_reader = [], run_dir.weight_reader
 
-    def counted(directory):
-        shapes, read = weight_reader(directory)
+    def counted(directory, mapped=False):
+        shapes, read = weight_reader(directory, mapped)
         return shapes, lambda key: reads.append(key) or read(key)
 
     saved = run_dir.read_weights(run)
@@ -182,3 +182,71 @@ def test_a_rank_loads_its_pieces_after_every_name_and_shape_is_checked(gpt2_bpe,
     assert not np.any(variables[table].numpy()) and not np.any(variables[other].numpy())
     assert all(np.array_equal(v.numpy(), saved[k]) for k, v in variables.items()
                if k not in (table, other))
+
+
+def _saved(directory, **values):
+    """A checkpoint of tf.Variables `values` under model/ (a run directory's key layout)."""
+    tf.train.Checkpoint(model=tf.train.Checkpoint(**{
+        k: tf.Variable(v) for k, v in values.items()})).save(os.path.join(directory, "ckpt"))
+    return tf.train.latest_checkpoint(directory)
+
+
+def test_every_tensor_maps_to_the_bytes_tensorflow_reads(gpt2_bpe, tmp_path):
+    """tfbig.checkpoints.bundle reads a checkpoint's index itself: each tensor stored whole,
+    memory-mapped where it lies in its data file, equals TensorFlow's reader's value (a
+    converted GPT-2 run; float32, float16, bfloat16, int64, a scalar, an empty tensor; 3000
+    variables, an index of several blocks); a string is left to TensorFlow's reader."""
+    from tfbig.checkpoints import bundle
+
+    rng = np.random.default_rng(0)
+    many = {f"layer_{i:04d}_{'of_a_long_name_' * 8}": rng.normal(size=(i % 5 + 1, 3)).astype(
+        np.float32) for i in range(3000)}
+    made = _saved(tmp_path / "made", half=rng.normal(size=(7, 5)).astype(np.float16),
+                  brain=tf.cast(rng.normal(size=(6,)), tf.bfloat16), steps=np.int64(5),
+                  scalar=np.float32(2.5), empty=np.zeros((0, 4), np.float32), name="text",
+                  **many)
+    assert os.path.getsize(made + ".index") > 2 * 262_144  # TensorFlow's table block size
+    for prefix in (tf.train.latest_checkpoint(gpt2_bpe["run"]), made):
+        places, reader = bundle.tensors(prefix), tf.train.load_checkpoint(prefix)
+        stored = reader.get_variable_to_dtype_map()
+        assert set(stored) - set(places) == {
+            k for k, dtype in stored.items() if dtype == tf.string}
+        assert len(places) > 10
+        for key, place in places.items():
+            value = bundle.mapped(place)
+            assert value.dtype == reader.get_tensor(key).dtype, key
+            np.testing.assert_array_equal(value, reader.get_tensor(key), err_msg=key)
+    assert "model/name/.ATTRIBUTES/VARIABLE_VALUE" not in bundle.tensors(made)
+
+
+@pytest.mark.parametrize("kind", ["column", "flat", "rows"])
+def test_a_rank_holds_only_its_piece_of_a_weight_it_reads(kind, tmp_path):
+    """init_checkpoint.load hands each cut the memory-mapped weight: a tensor rank's quarter of
+    the columns, a ZeRO-3 rank's flat quarter and an expert rank's quarter of the rows are read
+    from the mapping, and the process never allocates the whole weight (8 MB here): traced
+    allocations peak at the piece and TensorFlow's copy of it (plus 1 MB)."""
+    import tracemalloc
+    import types
+
+    from tfbig.distribute.zero3 import Partition
+    from tfbig.layouts.tensor_layout import take_slice
+
+    full = np.random.default_rng(1).normal(size=(1024, 2048)).astype(np.float32)
+    _saved(tmp_path, w=full)
+    cut, expected = {
+        "column": (lambda w: take_slice(w, -1, 1, 1, 4), full[:, 512:1024]),
+        "flat": (lambda w: Partition(None, 4, 2).own(w, w.shape),
+                 full.reshape(-1)[2 * full.size // 4:3 * full.size // 4]),
+        "rows": (lambda w: take_slice(w, 0, 1, 3, 4), full[768:])}[kind]
+    handed = []
+    holder = tf.Variable(tf.zeros(expected.shape))
+    pieces = {"w": [holder, lambda w: handed.append(type(w)) or cut(w), full.shape]}
+    tracemalloc.start()
+    try:
+        init_checkpoint.load(types.SimpleNamespace(name="m"), str(tmp_path), pieces)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert handed == [np.memmap]
+    np.testing.assert_array_equal(holder.numpy(), expected)
+    assert peak < 2 * expected.nbytes + 2**20 < full.nbytes, (peak, expected.nbytes)

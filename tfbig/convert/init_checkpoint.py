@@ -103,9 +103,10 @@ def load(model, directory, pieces=None):
     left at their fresh initialisation (pretraining heads a backbone-only source lacks).
 
     `pieces` (a backend's Strategy.weight_pieces of `model`; default: every weight whole) says
-    which piece of each weight this rank holds: the weights are read one at a time, each cut
-    to its piece and the whole array dropped; another rank's weights are not read. Every name
-    and shape is checked before the first weight is read."""
+    which piece of each weight this rank holds: the weights are read one at a time, each
+    memory-mapped and cut to its piece, so that a rank reads its slices' bytes of the file
+    (tfbig.checkpoints.bundle); another rank's weights are not read. Every name and shape is
+    checked before the first weight is read."""
     import tensorflow as tf
 
     from tfbig.checkpoints.checkpoint import model_variables
@@ -113,7 +114,7 @@ def load(model, directory, pieces=None):
 
     if pieces is None:
         pieces = {key: [v, None, tuple(v.shape)] for key, v in model_variables(model).items()}
-    shapes, read = run_dir.weight_reader(directory)
+    shapes, read = run_dir.weight_reader(directory, mapped=True)
     unknown = sorted(set(shapes) - set(pieces))
     missing = sorted(set(pieces) - set(shapes))
     lacking = [key for key in missing if not key.startswith(HEADS)]

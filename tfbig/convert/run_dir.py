@@ -20,7 +20,7 @@ import sys
 import numpy as np
 import tensorflow as tf
 
-from tfbig.checkpoints import integrity
+from tfbig.checkpoints import bundle, integrity
 from tfbig.checkpoints.checkpoint import model_key, model_variables
 from tfbig.errors import UsageError
 from tfbig.layouts import expert_checkpoint, stage_checkpoint, tensor_layout, zero_checkpoint
@@ -74,9 +74,11 @@ def read_config(run_dir, families=("bert",)):
     return config_class(**saved["model_config"]), saved
 
 
-def weight_reader(run_dir):
+def weight_reader(run_dir, mapped=False):
     """({tfbig key: shape}, read) of the latest checkpoint in `run_dir` (or of the checkpoint
-    path `run_dir`): the shapes from its index, `read(key)` the np.ndarray of one weight."""
+    path `run_dir`): the shapes from its index, `read(key)` the np.ndarray of one weight.
+    `mapped`: the array is memory-mapped where the checkpoint allows
+    (tfbig.checkpoints.bundle), so that slicing it reads only the slice's bytes."""
     path = tf.train.latest_checkpoint(run_dir) if os.path.isdir(run_dir) else run_dir
     if not path or not tf.io.gfile.glob(path + ".index"):
         raise UsageError(f"{run_dir}: no checkpoint in it (expected a tfbig run directory "
@@ -86,8 +88,13 @@ def weight_reader(run_dir):
     shapes = reader.get_variable_to_shape_map()
     names = {name[len("model/"):-len(suffix)].replace(".S", "/"): name for name in shapes
              if name.startswith("model/") and name.endswith(suffix)}
-    return ({key: tuple(shapes[name]) for key, name in names.items()},
-            lambda key: reader.get_tensor(names[key]))
+    places = (bundle.tensors(path) if mapped else None) or {}
+
+    def read(key):
+        name = names[key]
+        return bundle.mapped(places[name]) if name in places else reader.get_tensor(name)
+
+    return {key: tuple(shapes[name]) for key, name in names.items()}, read
 
 
 def read_weights(run_dir):

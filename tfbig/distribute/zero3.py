@@ -84,6 +84,9 @@ class Partition:
         size, count = self.slice_size(shape), math.prod(shape)
         start = min(self.index * size, count)
         end = min(start + size, count)
+        if isinstance(tensor, np.ndarray):  # numpy's view: a memory-mapped weight reads its part
+            part = np.array(np.asarray(tensor).reshape(-1)[start:end], np.float32)
+            return tf.pad(part, [[0, size - (end - start)]])
         flat = tf.reshape(tf.cast(tf.convert_to_tensor(tensor), tf.float32), [-1])
         piece = tf.pad(flat[start:end], [[0, size - (end - start)]])
         # A slice along the first axis shares the full tensor's buffer (so would a variable

@@ -1,0 +1,101 @@
+"""A TensorFlow checkpoint's tensors as memory-mapped arrays: a rank that needs a slice of a
+weight reads that slice's bytes, not the whole weight.
+
+TensorFlow's own reader (tf.train.load_checkpoint, RestoreV2 with a slice spec) reads every
+stored tensor whole, also when a slice is asked for. A checkpoint (the V2 "tensor bundle") is an
+index (a LevelDB-format table: key -> BundleEntryProto with the data shard, offset, size, dtype
+and shape of each tensor) beside data files holding each tensor's raw bytes in C order, so a
+tensor can be mapped where it lies: numpy slicing of the map touches only the pages the slice
+covers (the OS reads those, with its read-around), and the consumer copies the slice out.
+
+`tensors(prefix)` parses the index (uncompressed blocks, as TensorFlow writes them; a
+compressed block, or a tensor stored in slices, is left to TensorFlow's reader: None).
+The format: tensorflow/core/util/tensor_bundle/tensor_bundle.h and table_builder.cc.
+"""
+import struct
+
+import numpy as np
+
+FOOTER = 48  # metaindex handle, index handle (varints, padded), 8-byte magic
+MAGIC = 0xDB4775248B80FB57
+UNCOMPRESSED = 0
+
+
+def _varint(data, at):
+    value = shift = 0
+    while True:
+        byte = data[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, at
+        shift += 7
+
+
+def _block(data, handle, at=0):
+    """The contents of the block of `data` whose handle (offset, size varints) starts at
+    `handle[at]`; None when the block is compressed."""
+    offset, at = _varint(handle, at)
+    size, _ = _varint(handle, at)
+    if data[offset + size] != UNCOMPRESSED:  # the 5-byte trailer: type, crc32c
+        return None
+    return data[offset:offset + size]
+
+
+def _entries(block):
+    """(key, value) of every entry of a table block (keys prefix-compressed)."""
+    restarts = struct.unpack_from("<I", block, len(block) - 4)[0]
+    end, at, key = len(block) - 4 - 4 * restarts, 0, b""
+    while at < end:
+        shared, at = _varint(block, at)
+        unshared, at = _varint(block, at)
+        size, at = _varint(block, at)
+        key = key[:shared] + bytes(block[at:at + unshared])
+        at += unshared
+        yield key, block[at:at + size]
+        at += size
+
+
+def tensors(prefix):
+    """{checkpoint key: (data file, offset, numpy dtype, shape)} of every tensor of the
+    checkpoint `prefix` (its `.index` beside it) stored whole; None when the index cannot be
+    read here (a compressed block)."""
+    import tensorflow as tf
+    from tensorflow.core.protobuf import tensor_bundle_pb2
+
+    with open(prefix + ".index", "rb") as file:
+        data = memoryview(file.read())
+    if len(data) < FOOTER or struct.unpack_from("<Q", data, len(data) - 8)[0] != MAGIC:
+        raise ValueError(f"{prefix}.index is not a TensorFlow checkpoint index")
+    _, at = _varint(data, len(data) - FOOTER)  # skip the metaindex handle
+    _, at = _varint(data, at)
+    index = _block(data, data, at)
+    if index is None:
+        return None
+    header, found = tensor_bundle_pb2.BundleHeaderProto(), {}
+    for _, handle in _entries(index):
+        block = _block(data, handle)
+        if block is None:
+            return None
+        for key, value in _entries(block):
+            if not key:  # the empty key holds the header
+                header.ParseFromString(bytes(value))
+                continue
+            entry = tensor_bundle_pb2.BundleEntryProto.FromString(bytes(value))
+            dtype = tf.dtypes.as_dtype(entry.dtype)
+            if entry.slices or dtype == tf.string:
+                continue
+            shape = tuple(d.size for d in entry.shape.dim)
+            found[key.decode()] = (entry.shard_id, entry.offset, dtype.as_numpy_dtype, shape)
+    shards = header.num_shards or 1
+    return {key: (f"{prefix}.data-{shard:05d}-of-{shards:05d}", offset, dtype, shape)
+            for key, (shard, offset, dtype, shape) in found.items()}
+
+
+def mapped(location):
+    """The tensor at `location` (a `tensors` value), memory-mapped read-only: nothing is read
+    until it is used, and then the pages used and the kernel's read-around of them."""
+    path, offset, dtype, shape = location
+    if not int(np.prod(shape)):
+        return np.zeros(shape, dtype)
+    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape)
