@@ -153,7 +153,7 @@ def test_tf_distribute_agrees_through_its_all_workers_collective():
     cfg = ExperimentConfig()
     cfg.train.strategy = "mirrored"
     strategy = get_strategy("mirrored", cfg)
-    assert strategy.max_over_processes([0.25, 41.5]) == [0.25, 41.5]
+    assert strategy.gather_over_processes([0.25, 41.5]) == [[0.25, 41.5]]
 
 
 def test_a_record_written_before_pauses_were_measured_still_resumes(tmp_path):

@@ -137,7 +137,7 @@ def test_xla_compiled_stages_equal_the_unsplit_model(gpt_data, tmp_path, batch):
     assert_gradients_equal(model, grads, ref_grads)
 
 
-def test_outputs_merge_and_eval_metrics_average_across_microbatches(gpt_data, tmp_path, batch):
+def test_outputs_merge_and_the_loss_averages_across_microbatches(gpt_data, tmp_path, batch):
     cfg = pipeline_cfg(gpt_data, tmp_path, pipeline_stages=4, num_microbatches=4)
     strategy, task, model = build(cfg)
     flat = tf.nest.map_structure(lambda t: t[0], batch)
@@ -145,9 +145,7 @@ def test_outputs_merge_and_eval_metrics_average_across_microbatches(gpt_data, tm
     expected = model(task.model_inputs(flat))
     np.testing.assert_allclose(logits.numpy(), expected.numpy(), rtol=1e-5, atol=1e-6)
     ref_loss, _ = task.loss(model, flat)
-    metrics = strategy.make_forward(None, jit_compile=False)(flat)
     assert float(loss) == pytest.approx(float(ref_loss), rel=1e-5)
-    assert float(metrics["loss"]) == pytest.approx(float(ref_loss), rel=1e-5)
 
 
 def test_each_stage_owns_its_variables_and_their_optimizer_slots(gpt_data, tmp_path):

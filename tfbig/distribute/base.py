@@ -152,11 +152,6 @@ class Strategy:
             lambda batch: accumulate_gradients(loss_fn, variables, batch, scale_loss),
             jit_compile=jit_compile, autograph=False)
 
-    def make_forward(self, loss_fn, jit_compile):
-        """A function batch -> metrics for evaluation (no gradients)."""
-        return tf.function(lambda batch: loss_fn(batch, training=False)[1],
-                           jit_compile=jit_compile, autograph=False)
-
     def make_validation_step(self, task, model, jit_compile):
         """A function batch -> the task's per-example validation outputs ({name: (rows, ...)}:
         `task.validation_step`); a backend that splits the model (the pipeline) runs its own
@@ -191,7 +186,7 @@ class Strategy:
         """Average a nest of scalars over data-parallel replicas."""
         return values
 
-    def prepare_optimizer(self, optimizer):
+    def _prepare_optimizer(self, optimizer):
         """The optimizer adapted to this backend (default: unchanged), before training."""
         return optimizer
 
@@ -200,7 +195,7 @@ class Strategy:
         sharded backend builds it over the slices this process owns instead)."""
         from tfbig.optim import build_optimizer
 
-        return self.prepare_optimizer(build_optimizer(train, variables))
+        return self._prepare_optimizer(build_optimizer(train, variables))
 
     def global_norm(self, grads):
         """The global norm of what `all_reduce_gradients` returned (all of the model's)."""
@@ -209,10 +204,6 @@ class Strategy:
     def apply_gradients(self, optimizer, grads, variables):
         """One optimizer update of the model's `variables` with the averaged `grads`."""
         optimizer.apply(grads, variables)
-
-    def max_over_processes(self, values):
-        """The largest of each float over all processes (a collective: all must call it)."""
-        return [float(v) for v in values]
 
     def gather_over_processes(self, values):
         """[the floats `values` of process 0, of process 1, ...] (a collective)."""

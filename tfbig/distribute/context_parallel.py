@@ -108,9 +108,6 @@ class ContextParallel:
         # Horovod ops have no XLA kernels: the collectives sit inside the forward/backward.
         return super().make_forward_backward(loss_fn, variables, scale_loss, False)
 
-    def make_forward(self, loss_fn, jit_compile):
-        return super().make_forward(loss_fn, False)
-
     def make_validation_step(self, task, model, jit_compile):
         return super().make_validation_step(task, model, False)
 

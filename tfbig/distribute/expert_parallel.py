@@ -142,9 +142,6 @@ class ExpertParallelStrategy(HorovodStrategy):
         # Horovod ops have no XLA kernels: the all-to-alls sit inside the forward/backward.
         return super().make_forward_backward(loss_fn, variables, scale_loss, False)
 
-    def make_forward(self, loss_fn, jit_compile):
-        return super().make_forward(loss_fn, False)
-
     def make_validation_step(self, task, model, jit_compile):
         return super().make_validation_step(task, model, False)
 
@@ -179,7 +176,7 @@ class ExpertParallelStrategy(HorovodStrategy):
         from tfbig.optim import build_optimizer
 
         replicated = [v.path not in self.expert_paths for v in variables]
-        self._optimizer = self.prepare_optimizer(build_optimizer(
+        self._optimizer = self._prepare_optimizer(build_optimizer(
             train, variables, sum_over_shards=self._sum_expert_squares, replicated=replicated))
         return self._optimizer
 

@@ -57,7 +57,7 @@ class ExpertTensorStrategy(ExpertParallelStrategy, TensorParallelStrategy):
         from tfbig.optim import build_optimizer
 
         sums = self._sums()
-        self._optimizer = self.prepare_optimizer(build_optimizer(
+        self._optimizer = self._prepare_optimizer(build_optimizer(
             train, variables, sum_for=[sums[k] for k in self._kinds(variables)]))
         return self._optimizer
 

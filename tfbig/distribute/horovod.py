@@ -160,10 +160,6 @@ class HorovodStrategy(Strategy):
         # Horovod: the data-parallel group's rows, in data rank order.
         return horovod_keras.gather_values(values, self.process_set)
 
-    def max_over_processes(self, values):
-        # Every rank of the job, whatever its place in the grid.
-        return [float(v) for v in hvd.allreduce(tf.constant(values, tf.float64), op=hvd.Max)]
-
     def gather_over_processes(self, values):
         # Horovod: one row per rank of the job, in rank order.
         return hvd.allgather(tf.constant([values], tf.float64)).numpy().tolist()

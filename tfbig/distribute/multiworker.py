@@ -9,7 +9,7 @@ Both keep the trainer's single-replica step: `run` calls it on every local repli
 comes through `distribute_datasets_from_function` (tfbig.data shards by the InputContext), and
 gradients are averaged over all replicas in exactly one place, `all_reduce_gradients`, before
 the optimizer clips them by global norm. Keras' TF optimizer would sum gradients over replicas
-again inside `apply`; `prepare_optimizer` turns that second reduction off.
+again inside `apply`; `_prepare_optimizer` turns that second reduction off.
 
 Example (two local workers):
     tfbig-launch --workers=2 -- tfbig-train --strategy=multiworker --preset=tiny
@@ -175,7 +175,7 @@ class MultiWorker(Strategy):
 
     def all_reduce_gradients(self, grads):
         # tf.distribute: the one average of gradients over all replicas (the optimizer then
-        # clips the averaged gradients; see prepare_optimizer).
+        # clips the averaged gradients; see _prepare_optimizer).
         return tf.distribute.get_replica_context().all_reduce(MEAN, grads, self.communication)
 
     def all_reduce_mean(self, values):
@@ -189,7 +189,7 @@ class MultiWorker(Strategy):
         values = tf.nest.map_structure(tf.identity, values)
         return tf.distribute.get_replica_context().all_gather(values, axis=0)
 
-    def prepare_optimizer(self, optimizer):
+    def _prepare_optimizer(self, optimizer):
         """Stop Keras from summing the already averaged gradients over replicas again.
 
         Keras 3's TF optimizer all-reduce-sums gradients inside `apply` when it runs in a
@@ -243,9 +243,6 @@ class MultiWorker(Strategy):
         """True on every worker as soon as any one of them got SIGTERM."""
         local = tf.constant(1.0 if super().should_stop() else 0.0)
         return self._all_workers_min_max(local)[1] > 0
-
-    def max_over_processes(self, values):
-        return [self._all_workers_min_max(value)[1] for value in values]
 
     def gather_over_processes(self, values):
         if self._gather is None:  # one row per replica, worker by worker: a worker's first

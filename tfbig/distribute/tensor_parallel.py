@@ -171,9 +171,6 @@ class TensorParallelStrategy(HorovodStrategy):
         # Horovod ops have no XLA kernels: the collectives sit inside the forward/backward.
         return super().make_forward_backward(loss_fn, variables, scale_loss, False)
 
-    def make_forward(self, loss_fn, jit_compile):
-        return super().make_forward(loss_fn, False)
-
     def make_validation_step(self, task, model, jit_compile):
         return super().make_validation_step(task, model, False)  # collectives inside
 
@@ -184,7 +181,7 @@ class TensorParallelStrategy(HorovodStrategy):
         from tfbig.optim import build_optimizer
 
         replicated = [v.path not in self.splits for v in variables]
-        return self.prepare_optimizer(build_optimizer(
+        return self._prepare_optimizer(build_optimizer(
             train, variables, sum_over_shards=self._sum_split_squares, replicated=replicated))
 
     def global_norm(self, grads):

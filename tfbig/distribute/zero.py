@@ -225,11 +225,8 @@ class ZeroStrategy(HorovodStrategy):
 
         return tf.function(forward_backward, autograph=False)
 
-    def make_forward(self, loss_fn, jit_compile):
-        # Stage 3 gathers inside the forward: Horovod ops have no XLA kernels.
-        return super().make_forward(loss_fn, jit_compile and self.stage < 3)
-
     def make_validation_step(self, task, model, jit_compile):
+        # Stage 3 gathers inside the forward: Horovod ops have no XLA kernels.
         return super().make_validation_step(task, model, jit_compile and self.stage < 3)
 
     def _reduce_scatter(self, grads):

@@ -219,30 +219,6 @@ class CrossRankPipeline(HorovodStrategy):
                          for g in summed])
         return [by_id.get(id(v), g) for v, g in zip(variables, grads)], used
 
-    def make_forward(self, loss_fn, jit_compile):
-        """batch -> mean metrics, micro-batches flowing forward through the stage ranks."""
-        stage, link = self.make_stage(jit_compile), StageLink(
-            self.mesh, self.stage_index, self.num_stages, "eval")
-
-        def forward(batch):
-            size = tf.nest.flatten(batch)[0].shape[0]
-            num_micro = math.gcd(self.pipeline.num_microbatches, size) if size else 1
-            micro_batches = split_microbatches(batch, num_micro)
-            stage.begin_step(None, num_micro)
-            link.begin(runtime_zero(micro_batches[0]))
-            specs, metric_spec = self._specs(micro_batches[0])
-            results = {}
-            for m, micro in enumerate(micro_batches):
-                x = micro if stage.is_first else link.receive_forward(m, specs[stage.index - 1])
-                out = stage.infer(x, micro)
-                if stage.is_last:
-                    results[m] = out[1:]
-                else:
-                    link.send_forward(m, out)
-            return self._share_metrics(results, metric_spec, "eval", link)[1]
-
-        return tf.function(forward, autograph=False)
-
     def make_validation_step(self, task, model, jit_compile):
         """batch -> per-example validation outputs, computed on the last stage and summed
         over the pipeline group (the other stages add zeros), so every stage holds them."""
@@ -318,7 +294,7 @@ class CrossRankPipeline(HorovodStrategy):
     def build_optimizer(self, train, variables):
         from tfbig.optim import build_optimizer
 
-        return self.prepare_optimizer(build_optimizer(
+        return self._prepare_optimizer(build_optimizer(
             train, variables, adapt=self.clipping(variables), **self.norm_options(variables)))
 
     def clipping(self, variables, more_squares=None):

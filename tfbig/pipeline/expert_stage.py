@@ -89,7 +89,7 @@ class ExpertPipeline(ExpertParallelStrategy, CrossRankPipeline):
         from tfbig.optim import build_optimizer
 
         replicated = [v.path not in self.expert_paths for v in variables]
-        self._optimizer = self.prepare_optimizer(build_optimizer(
+        self._optimizer = self._prepare_optimizer(build_optimizer(
             train, variables, sum_over_shards=self._sum_expert_squares, replicated=replicated,
             adapt=self.clipping(variables, more_squares=lambda grads: self._sum_expert_squares(
                 self._expert_squares(grads)))))

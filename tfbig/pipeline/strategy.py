@@ -253,18 +253,6 @@ class PipelineStrategy(Strategy):
                              f"tfbig/pipeline/layers.py must list their modules")
         return [owner[id(v)] for v in variables]
 
-    def make_forward(self, loss_fn, jit_compile):
-        """batch -> mean metrics, the micro-batches flowing through the stages forward only."""
-        stages = self.make_stages(jit_compile)
-
-        def forward(batch):
-            size = tf.nest.flatten(batch)[0].shape[0]
-            num_micro = math.gcd(self.options.num_microbatches, size) if size else 1
-            _, metrics = schedules.run_forward(stages, split_microbatches(batch, num_micro))
-            return metrics
-
-        return tf.function(forward, autograph=False)
-
     def make_validation_step(self, task, model, jit_compile):
         """batch -> the task's per-example validation outputs of the last stage's outputs."""
         stages = self.make_stages(jit_compile)

@@ -30,9 +30,10 @@ class BudgetedLoop:
         first = self.budget is None  # this process's first estimate
         if first:
             self._measure_pauses(step)
-        per_step, save_seconds, validation, elapsed = self.strategy.max_over_processes(
+        rows = self.strategy.gather_over_processes(  # every process decides alike: the slowest
             [timed[0], self.timer.seconds["checkpoint"], self.timer.seconds["validation"],
              time.monotonic() - self.started])
+        per_step, save_seconds, validation, elapsed = (max(column) for column in zip(*rows))
         self.budget = budget_lib.estimate(self.cfg.train, step, per_step, timed[1], elapsed,
                                           save_seconds, validation, first)
         self.logger.max_steps, self.logger.estimated = self.budget.max_steps, True
