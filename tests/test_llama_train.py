@@ -80,3 +80,47 @@ def test_training_starts_from_a_converted_keras_hub_llama(gpt_data, tmp_path):
     hidden = backbone({"token_ids": tokens, "padding_mask": np.ones_like(tokens)})
     theirs = np.asarray(backbone.token_embedding(hidden, reverse=True))
     np.testing.assert_allclose(trainer.model(tokens).numpy(), theirs, atol=1e-5, rtol=0)
+
+
+def test_training_starts_from_a_hugging_face_directory_read_in_place(gpt_data, tmp_path):
+    """--init_checkpoint=a Hugging Face directory (sharded safetensors with its index): the
+    weights are read from the safetensors files themselves, memory-mapped (a kernel as the
+    transposed view), and equal the run it was exported from; the first step's loss is the
+    one of a run started from that run directory. A mixture-of-experts directory is refused
+    by name (tfbig-convert stacks its experts first) before --model_dir is written."""
+    from tfbig.checkpoints.checkpoint import model_variables
+    from tfbig.convert import llama
+    from tfbig.errors import UsageError
+
+    source = tmp_path / "source"
+    Trainer(llama_cfg(gpt_data, source, max_steps=1, seed=5)).fit()
+    llama.export(str(source), str(tmp_path / "hf"), max_shard_bytes=20_000)
+    assert os.path.isfile(tmp_path / "hf" / "model.safetensors.index.json")
+    assert len([n for n in os.listdir(tmp_path / "hf") if n.endswith(".safetensors")]) > 2
+    _, _, read = llama.huggingface_weight_reader(str(tmp_path / "hf"))
+    kernel = read("block_0/mlp/gate/kernel")
+    assert isinstance(kernel.base, np.memmap) and not kernel.flags["C_CONTIGUOUS"]
+
+    starts = {}
+    for name, directory in (("hf", tmp_path / "hf"), ("run", source)):
+        cfg = llama_cfg(gpt_data, tmp_path / f"from_{name}", init_checkpoint=str(directory),
+                        preset="small", num_layers=0, hidden_size=0, num_heads=0, max_steps=1)
+        trainer = Trainer(cfg)
+        starts[name] = ({k: v.numpy() for k, v in model_variables(trainer.model).items()},
+                        trainer.fit()["train"]["loss"])
+    saved = load_model(str(source))[0]
+    assert sorted(starts["hf"][0]) == sorted(model_variables(saved))
+    for key, value in model_variables(saved).items():
+        np.testing.assert_array_equal(starts["hf"][0][key], value.numpy(), err_msg=key)
+    assert starts["hf"][1] == starts["run"][1]
+
+    moe = tmp_path / "moe"
+    Trainer(llama_cfg(gpt_data, moe, max_steps=1, preset="tiny-moe", num_layers=0,
+                      hidden_size=0, num_heads=0)).fit()
+    llama.export(str(moe), str(tmp_path / "moe_hf"))
+    cfg = llama_cfg(gpt_data, tmp_path / "from_moe", init_checkpoint=str(tmp_path / "moe_hf"),
+                    preset="small", num_layers=0, hidden_size=0, num_heads=0, max_steps=1)
+    with pytest.raises(UsageError, match=r"moe_hf is a mixture-of-experts checkpoint, which is "
+                                         r"read through a tfbig run directory: tfbig-convert"):
+        Trainer(cfg)
+    assert not os.path.exists(tmp_path / "from_moe")

@@ -35,10 +35,11 @@ class TrainConfig:
                               "Empty: prepare the embedded Shakespeare corpus once (cached).")
     model_dir: str = field("runs/gpt-small", "Run directory: checkpoints, config.json, "
                                              "TensorBoard events. An existing checkpoint resumes.")
-    init_checkpoint: str = field("", "Start from the weights of this tfbig-convert output or "
-                                     "tfbig-train run (fresh optimizer, step 0; its config.json "
-                                     "fixes the architecture). A checkpoint in --model_dir of a "
-                                     "run started from it resumes instead.")
+    init_checkpoint: str = field("", "Start from the weights of this tfbig-convert output, "
+                                     "tfbig-train run or Hugging Face Llama-family directory "
+                                     "(fresh optimizer, step 0; its config.json fixes the "
+                                     "architecture). A checkpoint in --model_dir of a run "
+                                     "started from it resumes instead.")
     max_steps: int = field(0, "Optimizer steps to train for, in total across resumes (0: as "
                               "many as fit in --time_budget_minutes).")
     time_budget_minutes: float = field(9.0, "With --max_steps=0: wall minutes for the whole "

@@ -9,10 +9,11 @@ step from another seed, so their weights are neither run's fresh initialisation.
 reads its pieces through its backend's Strategy.weight_pieces (tfbig.convert.init_checkpoint):
 a tensor rank its heads and columns, a ZeRO-3 rank its flat slice of every weight, a pipeline
 stage only its own layers' weights, an expert rank its experts. Default run: TP2 (the default
-run's Llama TP2: tests/distribute/test_tensor_parallel_llama.py's is slow), ZeRO-3 over 2 ranks,
-PP2 and EP2, in one 2-rank launch. Slow: EP2 x TP2, TP2 x ZeRO-3, EP2 x DP2 with ZeRO-3 (an
-expert rank's experts whole, the other weights' slices over the 4 ranks) and EP2 x PP2 (a stage's
-rank its stage's share of the experts) on 4 ranks.
+run's Llama TP2: tests/distribute/test_tensor_parallel_llama.py's is slow), TP2 from the dense
+source's Hugging Face export (sharded safetensors read in place, tfbig.convert.llama), ZeRO-3
+over 2 ranks, PP2 and EP2, in one 2-rank launch. Slow: EP2 x TP2, TP2 x ZeRO-3, EP2 x DP2
+with ZeRO-3 (an expert rank's experts whole, the other weights' slices over the 4 ranks) and
+EP2 x PP2 (a stage's rank its stage's share of the experts) on 4 ranks.
 """
 import os
 import sys
@@ -27,7 +28,7 @@ from test_horovod import listed, load, read, run_entry, run_plan  # noqa: E402
 from test_trainer import ReplicasTask, make_cfg  # noqa: E402
 from horovod_worker import RecordingLogger  # noqa: E402
 from tfbig.config import TrainConfig  # noqa: E402
-from tfbig.convert import init_checkpoint, run_dir  # noqa: E402
+from tfbig.convert import init_checkpoint, llama, run_dir  # noqa: E402
 from tfbig.checkpoints.checkpoint import model_variables  # noqa: E402
 from tfbig.tasks import get_task  # noqa: E402
 from tfbig.training.trainer import Trainer  # noqa: E402
@@ -41,6 +42,8 @@ SOURCES = {"dense": dict(model="llama"),
 FROM = dict(preset=TrainConfig.preset, num_layers=0, hidden_size=0, num_heads=0)
 # name: (ranks, source, data replicas, parallel flags, pipeline flags)
 SCENARIOS = {"tp2": (2, "dense", 1, {"tensor_parallel": 2}, {}),
+             # the dense source exported to Hugging Face safetensors, read in place
+             "tp2_hf": (2, "hf", 1, {"tensor_parallel": 2}, {}),
              "zero3": (2, "dense", 2, {"zero_stage": 3}, {}),
              "pp2": (2, "dense", 1, {}, {"pipeline_stages": 2, "num_microbatches": 2}),
              "ep2": (2, "moe", 2, {"expert_parallel": 2}, {})}
@@ -59,7 +62,8 @@ def sources(gpt_data, tmp_path_factory):
     root = tmp_path_factory.mktemp("init_sources")
     for kind, train in SOURCES.items():
         Trainer(make_cfg(gpt_data, root / kind, **{**train, "max_steps": 1, "seed": 5})).fit()
-    return {kind: str(root / kind) for kind in SOURCES}
+    llama.export(str(root / "dense"), str(root / "hf"), max_shard_bytes=20_000)
+    return {**{kind: str(root / kind) for kind in SOURCES}, "hf": str(root / "hf")}
 
 
 def scenario_cfg(gpt_data, model_dir, source, parallel, pipeline, **train):
@@ -121,9 +125,10 @@ def test_a_split_layout_starts_from_the_checkpoints_weights_as_one_process(
     slow = name in SLOW_SCENARIOS
     ranks, source, replicas, parallel, pipeline = (SLOW_SCENARIOS if slow else SCENARIOS)[name]
     root = request.getfixturevalue("slow_runs" if slow else "runs")
-    key = ("init_split", source, replicas)
+    origin = "dense" if source == "hf" else source  # the same float32 weights
+    key = ("init_split", origin, replicas)
     single, losses, grads = shared(key, lambda: reference(
-        gpt_data, tmp_path_factory.mktemp("reference"), sources[source], replicas,
+        gpt_data, tmp_path_factory.mktemp("reference"), sources[origin], replicas,
         source == "moe"))
     first = load(root / "out", name, 0)
     assert list(first["loss_steps"]) == [1, 2, 3, 4]

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 
+from tfbig.convert import llama
 from tfbig.errors import UsageError
 
 HEADS = ("mlm_head/", "nsp_head/", "sop_head/")  # a backbone-only source leaves them fresh
@@ -52,28 +53,39 @@ def task_inputs(train, cfg):
     return train, dataclasses.replace(cfg, train=train, albert=albert)
 
 
+def _source(directory):
+    """(model config, family) of --init_checkpoint DIR: a tfbig run directory (tfbig-convert's
+    output or a --model_dir) or a Hugging Face Llama-family directory, read in place (its names
+    and shapes checked here, before anything is written)."""
+    import tensorflow as tf
+
+    from tfbig.convert import run_dir
+
+    if llama.is_huggingface(directory):
+        return llama.huggingface_weight_reader(directory)[0], "llama"
+    config, saved = run_dir.read_config(directory,
+                                         families=("gpt", "albert", "bert", "llama"))
+    if not tf.train.latest_checkpoint(directory):
+        raise UsageError(f"--init_checkpoint={directory}: no checkpoint in it (expected the "
+                         "output of tfbig-convert, a tfbig-train --model_dir or a Hugging Face "
+                         "Llama-family directory)")
+    return config, saved["model_format"]
+
+
 def apply(task, cfg):
     """Give `task` the model config of --init_checkpoint, after checking that the flags and the
     data agree with it; nothing without --init_checkpoint."""
-    from tfbig.convert import run_dir
-
     directory = cfg.train.init_checkpoint
     if not directory:
         return
     _check_flags(cfg, directory)
     _check_resume(cfg, directory)
-    import tensorflow as tf
-
-    config, saved = run_dir.read_config(directory,
-                                         families=("gpt", "albert", "bert", "llama"))
+    config, family = _source(directory)
     path = os.path.join(directory, "config.json")
-    if not tf.train.latest_checkpoint(directory):
-        raise UsageError(f"--init_checkpoint={directory}: no checkpoint in it (expected the "
-                         "output of tfbig-convert or a tfbig-train --model_dir)")
-    if saved["model_format"] != cfg.train.model:
-        raise UsageError(f"--init_checkpoint={directory} holds a {saved['model_format']} model "
-                         f"({path}: model_format) but --model={cfg.train.model}; give "
-                         f"--model={saved['model_format']}")
+    if family != cfg.train.model:
+        key = "model_type" if llama.is_huggingface(directory) else "model_format"
+        raise UsageError(f"--init_checkpoint={directory} holds a {family} model ({path}: "
+                         f"{key}) but --model={cfg.train.model}; give --model={family}")
     t = cfg.train
     given = {"num_layers": t.num_layers, "hidden_size": t.hidden_size, "num_heads": t.num_heads}
     if t.model == "albert":
@@ -114,7 +126,10 @@ def load(model, directory, pieces=None):
 
     if pieces is None:
         pieces = {key: [v, None, tuple(v.shape)] for key, v in model_variables(model).items()}
-    shapes, read = run_dir.weight_reader(directory, mapped=True)
+    if llama.is_huggingface(directory):
+        _, shapes, read = llama.huggingface_weight_reader(directory)
+    else:
+        shapes, read = run_dir.weight_reader(directory, mapped=True)
     unknown = sorted(set(shapes) - set(pieces))
     missing = sorted(set(pieces) - set(shapes))
     lacking = [key for key in missing if not key.startswith(HEADS)]

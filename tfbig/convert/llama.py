@@ -21,6 +21,8 @@ Example:
 import json
 import os
 import shutil
+import struct
+import types
 
 import numpy as np
 
@@ -41,29 +43,80 @@ def _json(path):
         return json.load(file)
 
 
+def _files(directory, flag="--source"):
+    """(the index or file that lists the tensors, [safetensors file paths]) of a directory."""
+    index = os.path.join(directory, INDEX)
+    if os.path.isfile(index):
+        names, where = sorted(set(_json(index).get("weight_map", {}).values())), index
+    elif os.path.isfile(os.path.join(directory, SINGLE)):
+        names, where = [SINGLE], os.path.join(directory, SINGLE)
+    else:
+        raise UsageError(f"{flag}={directory}: no {SINGLE} or {INDEX}; found "
+                         f"{sorted(os.listdir(directory))}")
+    for name in names:
+        if not os.path.isfile(os.path.join(directory, name)):
+            raise UsageError(f"{where} names {name}, which is not in {directory}")
+    return where, [os.path.join(directory, name) for name in names]
+
+
 def load_safetensors(directory):
     """(the file or index read, {name: np.ndarray}) of a single or sharded safetensors
     checkpoint; a shard the index names but the directory lacks is an error naming both."""
     from safetensors import safe_open
 
-    index = os.path.join(directory, INDEX)
-    if os.path.isfile(index):
-        weight_map = _json(index).get("weight_map", {})
-        files, where = sorted(set(weight_map.values())), index
-    elif os.path.isfile(os.path.join(directory, SINGLE)):
-        files, where = [SINGLE], os.path.join(directory, SINGLE)
-    else:
-        raise UsageError(f"--source={directory}: no {SINGLE} or {INDEX}; found "
-                         f"{sorted(os.listdir(directory))}")
+    where, paths = _files(directory)
     tensors = {}
-    for name in files:
-        path = os.path.join(directory, name)
-        if not os.path.isfile(path):
-            raise UsageError(f"{where} names {name}, which is not in {directory}")
+    for path in paths:
         with safe_open(path, framework="np") as file:
             for key in file.keys():
                 tensors[key] = file.get_tensor(key)
     return where, tensors
+
+
+def _safetensors_places(path):
+    """{name: (path, offset, numpy dtype, shape)} of a safetensors file, from its header (an
+    8-byte length, then JSON: dtype, shape and the data's [start, end) after the header)."""
+    import ml_dtypes
+
+    dtypes = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+              "F64": np.float64}
+    with open(path, "rb") as file:
+        (size,) = struct.unpack("<Q", file.read(8))
+        header = json.loads(file.read(size))
+    places = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        if entry["dtype"] not in dtypes:
+            raise UsageError(f"{path}: {name} is {entry['dtype']}; expected one of "
+                             f"{sorted(dtypes)}")
+        places[name] = (path, 8 + size + entry["data_offsets"][0], dtypes[entry["dtype"]],
+                        tuple(entry["shape"]))
+    return places
+
+
+def huggingface_weight_reader(directory, flag="--init_checkpoint"):
+    """(LlamaConfig, {tfbig key: shape}, read) of a Hugging Face directory, read in place:
+    `read(key)` is the weight memory-mapped from its safetensors file in tfbig's layout (a
+    kernel the transposed view), so a rank's cut reads its pieces' bytes. Names and shapes are
+    checked first; a mixture-of-experts checkpoint (its experts stored one tensor each) is
+    refused: tfbig-convert stacks them into a run directory to start from."""
+    from tfbig.checkpoints import bundle
+
+    config_file = os.path.join(directory, "config.json")
+    config = llama_names.config_from_hf(_json(config_file), config_file)
+    if config.num_experts:
+        raise UsageError(f"{flag}={directory} is a mixture-of-experts checkpoint, which is read "
+                         "through a tfbig run directory: tfbig-convert --source="
+                         f"{directory} --output_dir=RUN, then {flag}=RUN")
+    where, paths = _files(directory, flag)
+    places = {name: place for path in paths for name, place in _safetensors_places(path).items()}
+    llama_names.check_hf({n: types.SimpleNamespace(shape=p[3]) for n, p in places.items()},
+                         config, where)
+    names = {key: hf for key, hf, _ in llama_names.rows(config)}
+    expected = llama_names.shapes(config)
+    return (config, {key: tuple(expected[key]) for key in names},
+            lambda key: llama_names.hf_layout(key, bundle.mapped(places[names[key]])))
 
 
 def read_huggingface(directory, raw=None):
@@ -211,6 +264,11 @@ def _source_kind(directory):
     if raw.get("registered_name") in llama_names.KERAS_HUB:
         return "keras_hub"
     return None
+
+
+def is_huggingface(directory):
+    """Whether `directory` is a Hugging Face Llama-family directory (config.json model_type)."""
+    return os.path.isdir(directory) and _source_kind(directory) == "huggingface"
 
 
 def is_source(directory, source_format="auto", lowercase=None):

@@ -116,7 +116,7 @@ def keras_hub_shape(key, config):
     return shapes(config)[key]
 
 
-def _hf_layout(key, value):
+def hf_layout(key, value):
     """A Hugging Face tensor in tfbig's layout, or back (a 2-D kernel is transposed)."""
     return value.T if key.endswith("/kernel") else value
 
@@ -130,10 +130,9 @@ def _check(found, expected, where, name, config):
                          f"{config.vocab_size}) implies {tuple(expected)}")
 
 
-def hf_to_tfbig(tensors, config, where):
-    """{Hugging Face name: array} -> {tfbig key: float32 array}. Every tensor is checked
-    (present, shape) before any is converted; an error names `where`, the tensor and both
-    shapes."""
+def check_hf(tensors, config, where):
+    """Every tensor of a model with `config` in `tensors` ({Hugging Face name: anything with a
+    shape}) with its shape; an error names `where`, the tensor and both shapes."""
     expected = shapes(config)
     table = rows(config)
     missing = [hf for _, hf, _ in table if hf not in tensors]
@@ -145,8 +144,15 @@ def hf_to_tfbig(tensors, config, where):
         shape = tuple(tensors[hf].shape)
         _check(shape, expected[key][::-1] if key.endswith("/kernel") else expected[key], where,
                hf, config)
+
+
+def hf_to_tfbig(tensors, config, where):
+    """{Hugging Face name: array} -> {tfbig key: float32 array}. Every tensor is checked
+    (present, shape) before any is converted (check_hf)."""
+    check_hf(tensors, config, where)
+    table = rows(config)
     experts = moe_names.hf_to_tfbig(tensors, config, where) if config.num_experts else {}
-    return {**{key: np.asarray(_hf_layout(key, tensors[hf]), np.float32)
+    return {**{key: np.asarray(hf_layout(key, tensors[hf]), np.float32)
                for key, hf, _ in table}, **experts}
 
 
@@ -156,7 +162,7 @@ def tfbig_to_hf(weights, config):
     for key, _, _ in rows(config):
         _check(weights[key].shape, expected[key], "the tfbig run", key, config)
     experts = moe_names.tfbig_to_hf(weights, config) if config.num_experts else {}
-    return {**{hf: np.ascontiguousarray(_hf_layout(key, np.asarray(weights[key], np.float32)))
+    return {**{hf: np.ascontiguousarray(hf_layout(key, np.asarray(weights[key], np.float32)))
                for key, hf, _ in rows(config)}, **experts}
 
 
