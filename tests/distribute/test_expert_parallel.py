@@ -307,6 +307,25 @@ def test_sequences_split_over_context_ranks_equal_one_process(gpt_data, shared,
         assert not result["model_dir_exists"]
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_experts_with_the_sequence_and_the_attention_split_equal_one_process(
+        gpt_data, shared, tmp_path_factory):
+    """8 ranks = data 2 x context 2 x tensor 2 with --expert_parallel=2: each replica's
+    sequences split over a context group, its attention over a tensor group, and the experts
+    over the expert groups of the data ranks of one (context, tensor) place; the one process's
+    losses, weights and first gradients of the routers and experts."""
+    root = tmp_path_factory.mktemp("expert_context_tensor")
+    cfg = ep_cfg(gpt_data, root / "ep2_cp2_tp2", 2, tensor=2)
+    cfg.parallel.context_parallel = 2
+    results, output = launch(root, [run_entry("ep2_cp2_tp2", cfg, root / "out",
+                                              first_gradients=True)], ranks=8)
+    single, losses = shared(("moe", 2), lambda: reference(
+        gpt_data, tmp_path_factory.mktemp("moe_reference"), 2))
+    check_equal_to_one_process(results["ep2_cp2_tp2"], single, losses, 2, tensor=4)
+    assert "expert groups of 2" in output
+
+
 def check_steps_3_and_4_are_the_one_process(results, single, losses):
     """A run started from the one process's step-2 checkpoint logs its steps 3-4 and ends with
     its weights (every rank the same)."""
