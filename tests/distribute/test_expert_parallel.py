@@ -17,11 +17,12 @@ are split over a tensor group and the experts over the expert groups of each ten
 Default run: EP2 on 2 ranks and EP2 started from a single-device checkpoint, in one launch
 with the refusals; EP2 x TP2 on 4 ranks (resumed) in another. Slow: EP2 with
 --activation_checkpointing (its blocks recomputed in the backward, the all-to-alls with them)
-and EP2 x ZeRO-3 (resumed) in a 2-rank launch, EP2 x TP2 from a single-device checkpoint and with an fp16 overflow, TP2 and
-TP2 x ZeRO-1 of the MoE model (a 4-rank launch), the resumed run (a launch of
-its own), EP2 x DP2 and EP4 on 4 ranks, EP2 x DP2 with ZeRO-1 and -3 over a partition group of
-4 and ZeRO-2 over MiCS groups of 2, ZeRO-3 of the MoE model without expert parallelism, the
-MoE model under --context_parallel=2 alone and with EP2 (resumed)."""
+and EP2 x ZeRO-3 (resumed) in a 2-rank launch, EP2 x TP2 from a single-device checkpoint and
+with an fp16 overflow, TP2 and TP2 x ZeRO-1 of the MoE model (a 4-rank launch), the resumed
+run (a launch of its own), EP2 x DP2 and EP4 on 4 ranks, EP2 x DP2 with ZeRO-1 and -3 over a
+partition group of 4 and ZeRO-2 over MiCS groups of 2, ZeRO-3 of the MoE model without expert
+parallelism, the MoE model under --context_parallel=2 alone and with EP2 (resumed), and
+EP2 x CP2 x TP2 on 8 ranks."""
 import os
 import sys
 
