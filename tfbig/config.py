@@ -37,9 +37,8 @@ class TrainConfig:
                                              "TensorBoard events. An existing checkpoint resumes.")
     init_checkpoint: str = field("", "Start from the weights of this tfbig-convert output, "
                                      "tfbig-train run or Hugging Face Llama-family directory "
-                                     "(fresh optimizer, step 0; its config.json fixes the "
-                                     "architecture). A checkpoint in --model_dir of a run "
-                                     "started from it resumes instead.")
+                                     "(fresh optimizer, step 0; its config.json fixes the model)."
+                                     " A --model_dir checkpoint of a run from it resumes instead.")
     max_steps: int = field(0, "Optimizer steps to train for, in total across resumes (0: as "
                               "many as fit in --time_budget_minutes).")
     time_budget_minutes: float = field(9.0, "With --max_steps=0: wall minutes for the whole "
