@@ -195,7 +195,8 @@ def test_every_tensor_maps_to_the_bytes_tensorflow_reads(gpt2_bpe, tmp_path):
     """tfbig.checkpoints.bundle reads a checkpoint's index itself: each tensor stored whole,
     memory-mapped where it lies in its data file, equals TensorFlow's reader's value (a
     converted GPT-2 run; float32, float16, bfloat16, int64, a scalar, an empty tensor; 3000
-    variables, an index of several blocks); a string is left to TensorFlow's reader."""
+    variables, an index of several blocks); a string is left to TensorFlow's reader; a data
+    file cut short is refused naming it."""
     from tfbig.checkpoints import bundle
 
     rng = np.random.default_rng(0)
@@ -217,6 +218,14 @@ def test_every_tensor_maps_to_the_bytes_tensorflow_reads(gpt2_bpe, tmp_path):
             assert value.dtype == reader.get_tensor(key).dtype, key
             np.testing.assert_array_equal(value, reader.get_tensor(key), err_msg=key)
     assert "model/name/.ATTRIBUTES/VARIABLE_VALUE" not in bundle.tensors(made)
+    short = _saved(tmp_path / "short", w=np.ones((100, 100), np.float32))
+    (data,) = [p for p in (tmp_path / "short").iterdir() if ".data-" in p.name]
+    with open(data, "r+b") as file:  # cut short: refused by name, not a fault when mapped
+        file.truncate(os.path.getsize(data) // 2)
+    with pytest.raises(UsageError, match=rf"{data}: model/w/.* ends at byte \d+, the file has "
+                                         rf"{os.path.getsize(data)}: the checkpoint is "
+                                         "truncated"):
+        bundle.tensors(short)
 
 
 @pytest.mark.parametrize("kind", ["column", "flat", "rows"])

@@ -9,12 +9,18 @@ tensor can be mapped where it lies: numpy slicing of the map touches only the pa
 covers (the OS reads those, with its read-around), and the consumer copies the slice out.
 
 `tensors(prefix)` parses the index (uncompressed blocks, as TensorFlow writes them; a
-compressed block, or a tensor stored in slices, is left to TensorFlow's reader: None).
+compressed block, a big-endian bundle or a tensor stored in slices is left to TensorFlow's
+reader). A data file shorter than its index says is refused by name. The per-tensor CRC32C
+TensorFlow's reader checks covers a whole tensor, so a mapped slice is not checked against it
+(tfbig's own checkpoints carry file sums: tfbig.checkpoints.integrity).
 The format: tensorflow/core/util/tensor_bundle/tensor_bundle.h and table_builder.cc.
 """
+import os
 import struct
 
 import numpy as np
+
+from tfbig.errors import UsageError
 
 FOOTER = 48  # metaindex handle, index handle (varints, padded), 8-byte magic
 MAGIC = 0xDB4775248B80FB57
@@ -83,13 +89,24 @@ def tensors(prefix):
                 continue
             entry = tensor_bundle_pb2.BundleEntryProto.FromString(bytes(value))
             dtype = tf.dtypes.as_dtype(entry.dtype)
-            if entry.slices or dtype == tf.string:
+            if entry.slices or dtype == tf.string or not dtype.is_numpy_compatible:
                 continue
             shape = tuple(d.size for d in entry.shape.dim)
-            found[key.decode()] = (entry.shard_id, entry.offset, dtype.as_numpy_dtype, shape)
-    shards = header.num_shards or 1
-    return {key: (f"{prefix}.data-{shard:05d}-of-{shards:05d}", offset, dtype, shape)
-            for key, (shard, offset, dtype, shape) in found.items()}
+            found[key.decode()] = (entry.shard_id, entry.offset, entry.size,
+                                   dtype.as_numpy_dtype, shape)
+    if header.endianness != tensor_bundle_pb2.BundleHeaderProto.LITTLE:
+        return None
+    shards, sizes, places = header.num_shards or 1, {}, {}
+    for key, (shard, offset, size, dtype, shape) in found.items():
+        path = f"{prefix}.data-{shard:05d}-of-{shards:05d}"
+        if path not in sizes:
+            sizes[path] = os.path.getsize(path) if os.path.exists(path) else -1
+        if offset + size > sizes[path]:  # a map past the end would fault when read
+            raise UsageError(f"{path}: {key} ends at byte {offset + size}, the file has "
+                             f"{max(sizes[path], 0)}: the checkpoint is truncated or missing "
+                             "a file")
+        places[key] = (path, offset, dtype, shape)
+    return places
 
 
 def mapped(location):
