@@ -88,7 +88,8 @@ def weight_reader(run_dir, mapped=False):
     shapes = reader.get_variable_to_shape_map()
     names = {name[len("model/"):-len(suffix)].replace(".S", "/"): name for name in shapes
              if name.startswith("model/") and name.endswith(suffix)}
-    places = (bundle.tensors(path) if mapped else None) or {}
+    local = os.path.isfile(path + ".index")  # a gs:// or hdfs:// checkpoint: TF's reader
+    places = (bundle.tensors(path) if mapped and local else None) or {}
 
     def read(key):
         name = names[key]
