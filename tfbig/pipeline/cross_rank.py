@@ -174,13 +174,13 @@ class CrossRankPipeline(HorovodStrategy):
             grads = [stage.gradient_sums.get(id(v), tf.zeros(v.shape, tf.float32))
                      for v in variables]
             grads, summed = self._sum_shared(stage, variables, grads, link.zero)
-            loss, metrics = self._share_metrics(results, metric_spec, "train", link, summed)
+            loss, metrics = self._share_metrics(results, metric_spec, link, summed)
             out = loss, grads, metrics
             return out + (tf.stack(stamps),) if timed else out
 
         return tf.function(forward_backward, autograph=False)
 
-    def _share_metrics(self, results, metric_spec, tag, link, summed=0.0):
+    def _share_metrics(self, results, metric_spec, link, summed):
         """The last stage's mean (loss, metrics) on every stage of the replica. The metrics,
         which the trainer reads, carry the zeros (`link.exchanges_done()`, `summed`) that make
         every exchange and the shared-gradient sum run on every rank."""
@@ -199,7 +199,7 @@ class CrossRankPipeline(HorovodStrategy):
         # Horovod: the last stage's values to every stage (the others add zeros).
         total = hvd.allreduce(unfoldable(flat, link.zero), op=hvd.Sum,
                               process_set=self.pipeline_set,
-                              name=f"pipeline.{tag}.metrics", ignore_name_scope=True)
+                              name="pipeline.train.metrics", ignore_name_scope=True)
         return total[0], {k: total[i + 1] for i, k in enumerate(keys)}
 
     def _sum_shared(self, stage, variables, grads, zero):

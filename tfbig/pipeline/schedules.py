@@ -117,9 +117,9 @@ def run(ops, stages, micro_batches):
     return _mean([losses[m] for m in sorted(losses)])
 
 
-def run_forward(stages, micro_batches, with_outputs=False):
-    """Inference: micro-batches flow forward only; returns (mean loss, mean metrics), preceded
-    by the last stage's outputs concatenated over micro-batches if `with_outputs`."""
+def run_forward(stages, micro_batches):
+    """Inference: micro-batches flow forward only; returns (the last stage's outputs
+    concatenated over micro-batches, (mean loss, mean metrics))."""
     for stage in stages:
         stage.begin_step(None, len(micro_batches))
     forwards = [[Op("F", m) for m in range(len(micro_batches))] for _ in stages]
@@ -134,8 +134,6 @@ def run_forward(stages, micro_batches, with_outputs=False):
             outputs[(s, m)] = out
     ordered = [results[m] for m in sorted(results)]
     mean = _mean([(loss, metrics) for _, loss, metrics in ordered])
-    if not with_outputs:
-        return mean
     merged = tf.nest.map_structure(lambda *parts: tf.concat(parts, 0),
                                    *[outputs for outputs, _, _ in ordered])
     return merged, mean

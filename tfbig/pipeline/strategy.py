@@ -260,8 +260,7 @@ class PipelineStrategy(Strategy):
         def validation_step(batch):
             size = tf.nest.flatten(batch)[0].shape[0]
             num_micro = math.gcd(self.options.num_microbatches, size) if size else 1
-            outputs, _ = schedules.run_forward(stages, split_microbatches(batch, num_micro),
-                                               with_outputs=True)
+            outputs, _ = schedules.run_forward(stages, split_microbatches(batch, num_micro))
             with tf.device(self.devices[-1]):
                 return task.validation_outputs(outputs, batch)
 
@@ -273,7 +272,7 @@ class PipelineStrategy(Strategy):
         size = tf.nest.flatten(inputs_batch)[0].shape[0]
         num_micro = math.gcd(self.options.num_microbatches, size)
         outputs, (loss, metrics) = schedules.run_forward(
-            stages, split_microbatches(inputs_batch, num_micro), with_outputs=True)
+            stages, split_microbatches(inputs_batch, num_micro))
         return outputs, loss, metrics
 
     # ---- data parallel -----------------------------------------------------------------------
