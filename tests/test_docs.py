@@ -22,9 +22,9 @@ sys.path.insert(0, os.path.join(DOCS, "hooks"))
 import generate  # noqa: E402  (docs/hooks/generate.py: what the build generates)
 
 THE_THREE_COMMANDS = """\
-./install.sh                      # install: .venv with the pinned set, tfbig, Horovod (built once, cached)
-.venv/bin/tfbig-train             # main job: prepare Shakespeare, train a small GPT on the CPU, sample
-.venv/bin/pytest -m "not slow"    # tests
+./install.sh                        # install: .venv with the pinned set, tfbig, Horovod (built once, cached)
+.venv/bin/tfbig-train               # main job: prepare Shakespeare, train a small GPT on the CPU, sample
+.venv/bin/pytest -m "not slow" -n 2 # tests
 """
 MARKERS = {"test: run", "test: slow", "test: ci", "needs: cluster", "needs: gpu", "needs: download"}
 GUIDE_PAGES = ["get-started.md"] + sorted(
@@ -72,7 +72,7 @@ def test_the_readme_fits_two_screens_and_keeps_the_three_commands_ci_runs():
     assert len(readme.splitlines()) <= 150
     assert readme.startswith("# tfbig\n\n```bash\n" + THE_THREE_COMMANDS + "```\n")
     ci = open(os.path.join(ROOT, ".ci", "run")).read().splitlines()
-    assert "./install.sh" in ci and '.venv/bin/pytest -m "not slow"' in ci
+    assert "./install.sh" in ci and '.venv/bin/pytest -m "not slow" -n 2' in ci
 
 
 # ---- the flag reference ------------------------------------------------------------------------

@@ -14,15 +14,15 @@ whole on their ranks. With
 --tensor_parallel=2 (tfbig.distribute.expert_tensor) each replica's attention and vocabulary
 are split over a tensor group and the experts over the expert groups of each tensor rank.
 
-Default run: EP2 on 2 ranks and EP2 started from a single-device checkpoint, in one launch
-with the refusals; EP2 x TP2 on 4 ranks (resumed) in another. Slow: EP2 with
---activation_checkpointing (its blocks recomputed in the backward, the all-to-alls with them)
-and EP2 x ZeRO-3 (resumed) in a 2-rank launch, EP2 x TP2 from a single-device checkpoint and
-with an fp16 overflow, TP2 and TP2 x ZeRO-1 of the MoE model (a 4-rank launch), the resumed
-run (a launch of its own), EP2 x DP2 and EP4 on 4 ranks, EP2 x DP2 with ZeRO-1 and -3 over a
-partition group of 4 and ZeRO-2 over MiCS groups of 2, ZeRO-3 of the MoE model without expert
-parallelism, the MoE model under --context_parallel=2 alone and with EP2 (resumed), and
-EP2 x CP2 x TP2 on 8 ranks."""
+Default run: EP2 on 2 ranks and EP2 started from a single-device checkpoint, in one launch with
+the refusals (--sequence_parallel of the MoE model: in-process). Slow: EP2 x TP2 on 4 ranks
+(resumed), EP2 with --activation_checkpointing (its blocks recomputed in the backward, the
+all-to-alls with them) and EP2 x ZeRO-3 (resumed) in a 2-rank launch, EP2 x TP2 from a
+single-device checkpoint and with an fp16 overflow, TP2 and TP2 x ZeRO-1 of the MoE model (a
+4-rank launch), the resumed run (a launch of its own), EP2 x DP2 and EP4 on 4 ranks, EP2 x DP2
+with ZeRO-1 and -3 over a partition group of 4 and ZeRO-2 over MiCS groups of 2, ZeRO-3 of the
+MoE model without expert parallelism, the MoE model under --context_parallel=2 alone and with
+EP2 (resumed), and EP2 x CP2 x TP2 on 8 ranks."""
 import os
 import sys
 
@@ -341,8 +341,8 @@ def check_steps_3_and_4_are_the_one_process(results, single, losses):
 
 @pytest.fixture(scope="module")
 def ep2_tp2(gpt_data, tmp_path_factory):
-    """One 4-rank launch: EP2 x TP2 (resumed from its pieces) and --sequence_parallel
-    refused."""
+    """One 4-rank launch (slow): EP2 x TP2 (resumed from its pieces) and --sequence_parallel
+    refused on every rank."""
     root = tmp_path_factory.mktemp("expert_tensor")
     sequence = ep_cfg(gpt_data, root / "sequence", 2, tensor=2)
     sequence.parallel.sequence_parallel = True
@@ -372,6 +372,29 @@ def ep2_tp2_slow(gpt_data, tmp_path_factory):
     return results, output, root
 
 
+def test_sequence_parallelism_of_an_moe_model_is_refused_by_name():
+    """The routers' losses are over a replica's whole batch: the tensor layout refuses
+    --sequence_parallel for the MoE Llama when it splits the model (on every rank, before
+    anything is written: the slow EP2 x TP2 launch)."""
+    from tfbig.layouts.tensor_layout import split_model
+    from tfbig.layouts.tensor_plan import TensorGroup
+    from tfbig.models.llama import Llama
+    from tfbig.models.llama_config import LlamaConfig
+
+    class MoETask:
+        seq_length = 16
+
+        def build_model(self):
+            model = Llama(LlamaConfig.from_preset("tiny-moe", vocab_size=320))
+            model.build((None, self.seq_length))
+            return model
+
+    with pytest.raises(ValueError, match="no sequence-parallel plan for Llama.*"
+                                         "an MoE Llama has none"):
+        split_model(MoETask(), TensorGroup(None, 0, 2, True))
+
+
+@pytest.mark.slow  # EP2 alone (a launch of 2 ranks) and TP2 alone: default
 @pytest.mark.multiproc
 def test_experts_over_expert_groups_with_the_attention_split_equal_one_process(
         ep2_tp2, gpt_data, shared, tmp_path_factory):
