@@ -4,6 +4,7 @@ by keras-hub with the trained model's logits. (Two Horovod ranks against one pro
 tests/distribute/test_horovod_llama.py.)"""
 import json
 import os
+import shutil
 import sys
 
 import numpy as np
@@ -86,8 +87,9 @@ def test_training_starts_from_a_hugging_face_directory_read_in_place(gpt_data, t
     """--init_checkpoint=a Hugging Face directory (sharded safetensors with its index): the
     weights are read from the safetensors files themselves, memory-mapped (a kernel as the
     transposed view), and equal the run it was exported from; the first step's loss is the
-    one of a run started from that run directory. A mixture-of-experts directory is refused
-    by name (tfbig-convert stacks its experts first) before --model_dir is written."""
+    one of a run started from that run directory. So does a mixture-of-experts directory,
+    whose experts (one tensor each there, one stacked weight per matrix in tfbig) are read one
+    expert at a time: an expert rank's cut reads its own experts' tensors and no other's."""
     from tfbig.checkpoints.checkpoint import model_variables
     from tfbig.convert import llama
     from tfbig.errors import UsageError
@@ -116,11 +118,39 @@ def test_training_starts_from_a_hugging_face_directory_read_in_place(gpt_data, t
 
     moe = tmp_path / "moe"
     Trainer(llama_cfg(gpt_data, moe, max_steps=1, preset="tiny-moe", num_layers=0,
-                      hidden_size=0, num_heads=0)).fit()
+                      hidden_size=0, num_heads=0, seed=5)).fit()
     llama.export(str(moe), str(tmp_path / "moe_hf"))
     cfg = llama_cfg(gpt_data, tmp_path / "from_moe", init_checkpoint=str(tmp_path / "moe_hf"),
                     preset="small", num_layers=0, hidden_size=0, num_heads=0, max_steps=1)
-    with pytest.raises(UsageError, match=r"moe_hf is a mixture-of-experts checkpoint, which is "
-                                         r"read through a tfbig run directory: tfbig-convert"):
+    started = model_variables(Trainer(cfg).model)
+    saved = model_variables(load_model(str(moe))[0])
+    assert sorted(started) == sorted(saved)
+    for key, value in saved.items():
+        np.testing.assert_array_equal(started[key].numpy(), value.numpy(), err_msg=key)
+
+    from tfbig.layouts.tensor_layout import take_slice
+
+    _, shapes, read = llama.huggingface_weight_reader(str(tmp_path / "moe_hf"))
+    stacked = read("block_1/mlp/experts/down")
+    assert shapes["block_1/mlp/experts/down"] == stacked.shape == (4, 64, 32)
+    whole = saved["block_1/mlp/experts/down"].numpy()
+    for j in (0, 1):  # expert rank 1 of 2 holds experts 2 and 3: the others are never read
+        stacked.parts[j] = lambda j=j: pytest.fail(f"expert {j} was read")
+    np.testing.assert_array_equal(take_slice(stacked, 0, 1, 1, 2), whole[2:])
+    # a ZeRO-3 rank's flat range (tfbig.distribute.zero3.Partition.own) over experts 2-3
+    np.testing.assert_array_equal(stacked.flat(2 * 2048 + 100, 4 * 2048 - 5),
+                                  whole.reshape(-1)[2 * 2048 + 100:4 * 2048 - 5])
+
+    from safetensors.numpy import load_file, save_file
+
+    lacking = tmp_path / "moe_hf_lacking"
+    shutil.copytree(tmp_path / "moe_hf", lacking)
+    tensors = load_file(str(lacking / "model.safetensors"))
+    del tensors["model.layers.1.block_sparse_moe.experts.3.w2.weight"]
+    save_file(tensors, str(lacking / "model.safetensors"))
+    cfg = llama_cfg(gpt_data, tmp_path / "from_lacking", init_checkpoint=str(lacking),
+                    preset="small", num_layers=0, hidden_size=0, num_heads=0, max_steps=1)
+    with pytest.raises(UsageError, match=r"1 expert tensors missing for num_experts=4, e\.g\. "
+                                         r"\['model.layers.1.block_sparse_moe.experts.3.w2"):
         Trainer(cfg)
-    assert not os.path.exists(tmp_path / "from_moe")
+    assert not os.path.exists(tmp_path / "from_lacking")

@@ -4,16 +4,17 @@ global batch: losses over 4 steps at rtol 1e-5, final weights by tests/equality.
 (but for the pipeline, whose stages hold parts) first-batch gradients.
 
 The sources are tfbig-train --model_dir runs of a tiny Llama (hidden 32, 2 layers, 4 query / 2
-key-value heads) and of a tiny MoE Llama (--preset=tiny-moe: 4 experts, top-2), trained one
-step from another seed, so their weights are neither run's fresh initialisation. Each rank
-reads its pieces through its backend's Strategy.weight_pieces (tfbig.convert.init_checkpoint):
-a tensor rank its heads and columns, a ZeRO-3 rank its flat slice of every weight, a pipeline
-stage only its own layers' weights, an expert rank its experts. Default run: TP2 (the default
-run's Llama TP2: tests/distribute/test_tensor_parallel_llama.py's is slow), TP2 from the dense
-source's Hugging Face export (sharded safetensors read in place, tfbig.convert.llama), ZeRO-3
-over 2 ranks, PP2 and EP2, in one 2-rank launch. Slow: EP2 x TP2, TP2 x ZeRO-3, EP2 x DP2
-with ZeRO-3 (an expert rank's experts whole, the other weights' slices over the 4 ranks) and
-EP2 x PP2 (a stage's rank its stage's share of the experts) on 4 ranks.
+key-value heads) and of a tiny MoE Llama (--preset=tiny-moe: 4 experts, top-2), trained one step
+from another seed, so their weights are neither run's fresh initialisation. Each rank reads its
+pieces through its backend's Strategy.weight_pieces (tfbig.convert.init_checkpoint): a tensor
+rank its heads and columns, a ZeRO-3 rank its flat slice of every weight, a pipeline stage only
+its own layers' weights, an expert rank its experts. Default run: TP2 (the default run's Llama
+TP2: tests/distribute/test_tensor_parallel_llama.py's is slow), TP2 from the dense source's
+Hugging Face export (sharded safetensors read in place, tfbig.convert.llama), ZeRO-3 over 2
+ranks, PP2, EP2 and EP2 from the MoE source's Hugging Face export (its experts one tensor each,
+an expert rank reading its own), in one 2-rank launch. Slow: EP2 x TP2, TP2 x ZeRO-3, EP2 x DP2
+with ZeRO-3 (an expert rank's experts whole, the other weights' slices over the 4 ranks) and EP2
+x PP2 (a stage's rank its stage's share of the experts) on 4 ranks.
 """
 import os
 import sys
@@ -46,7 +47,10 @@ SCENARIOS = {"tp2": (2, "dense", 1, {"tensor_parallel": 2}, {}),
              "tp2_hf": (2, "hf", 1, {"tensor_parallel": 2}, {}),
              "zero3": (2, "dense", 2, {"zero_stage": 3}, {}),
              "pp2": (2, "dense", 1, {}, {"pipeline_stages": 2, "num_microbatches": 2}),
-             "ep2": (2, "moe", 2, {"expert_parallel": 2}, {})}
+             "ep2": (2, "moe", 2, {"expert_parallel": 2}, {}),
+             # the MoE source's Hugging Face export (Mixtral names: one tensor per expert),
+             # read in place: each expert rank reads its own experts' tensors
+             "ep2_hf": (2, "hf_moe", 2, {"expert_parallel": 2}, {})}
 SLOW_SCENARIOS = {"ep2_tp2": (4, "moe", 2, {"expert_parallel": 2, "tensor_parallel": 2}, {}),
                   "tp2_zero3": (4, "dense", 2, {"tensor_parallel": 2, "zero_stage": 3}, {}),
                   "ep2_zero3": (4, "moe", 4, {"expert_parallel": 2, "zero_stage": 3}, {}),
@@ -63,7 +67,9 @@ def sources(gpt_data, tmp_path_factory):
     for kind, train in SOURCES.items():
         Trainer(make_cfg(gpt_data, root / kind, **{**train, "max_steps": 1, "seed": 5})).fit()
     llama.export(str(root / "dense"), str(root / "hf"), max_shard_bytes=20_000)
-    return {**{kind: str(root / kind) for kind in SOURCES}, "hf": str(root / "hf")}
+    llama.export(str(root / "moe"), str(root / "hf_moe"), max_shard_bytes=20_000)
+    return {**{kind: str(root / kind) for kind in SOURCES}, "hf": str(root / "hf"),
+            "hf_moe": str(root / "hf_moe")}
 
 
 def scenario_cfg(gpt_data, model_dir, source, parallel, pipeline, **train):
@@ -125,11 +131,11 @@ def test_a_split_layout_starts_from_the_checkpoints_weights_as_one_process(
     slow = name in SLOW_SCENARIOS
     ranks, source, replicas, parallel, pipeline = (SLOW_SCENARIOS if slow else SCENARIOS)[name]
     root = request.getfixturevalue("slow_runs" if slow else "runs")
-    origin = "dense" if source == "hf" else source  # the same float32 weights
+    origin = {"hf": "dense", "hf_moe": "moe"}.get(source, source)  # the same float32 weights
     key = ("init_split", origin, replicas)
     single, losses, grads = shared(key, lambda: reference(
         gpt_data, tmp_path_factory.mktemp("reference"), sources[origin], replicas,
-        source == "moe"))
+        origin == "moe"))
     first = load(root / "out", name, 0)
     assert list(first["loss_steps"]) == [1, 2, 3, 4]
     np.testing.assert_allclose(first["losses"], losses, rtol=1e-5)

@@ -6,6 +6,8 @@ import dataclasses
 import json
 import os
 
+import numpy as np
+
 from tfbig.convert import llama
 from tfbig.errors import UsageError
 
@@ -146,8 +148,9 @@ def load(model, directory, pieces=None):
     for key in sorted(set(pieces) & set(shapes)):
         holder, cut, _ = pieces[key]
         if holder is not None:
-            value = read(key)
-            holder.assign(tf.cast(value if cut is None else cut(value), holder.dtype))
+            value = read(key)  # a numpy map or (stacked experts) bundle.Stacked
+            holder.assign(tf.cast(np.asarray(value) if cut is None else cut(value),
+                                  holder.dtype))
     return missing
 
 

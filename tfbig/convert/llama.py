@@ -98,25 +98,31 @@ def _safetensors_places(path):
 def huggingface_weight_reader(directory, flag="--init_checkpoint"):
     """(LlamaConfig, {tfbig key: shape}, read) of a Hugging Face directory, read in place:
     `read(key)` is the weight memory-mapped from its safetensors file in tfbig's layout (a
-    kernel the transposed view), so a rank's cut reads its pieces' bytes. Names and shapes are
-    checked first; a mixture-of-experts checkpoint (its experts stored one tensor each) is
-    refused: tfbig-convert stacks them into a run directory to start from."""
+    kernel the transposed view), so a rank's cut reads its pieces' bytes. A mixture of
+    experts' matrix (one tensor per expert there, one stacked weight in tfbig) is a
+    bundle.Stacked of the experts' maps: an expert rank reads its own experts. Names and
+    shapes are checked first."""
     from tfbig.checkpoints import bundle
 
     config_file = os.path.join(directory, "config.json")
     config = llama_names.config_from_hf(_json(config_file), config_file)
-    if config.num_experts:
-        raise UsageError(f"{flag}={directory} is a mixture-of-experts checkpoint, which is read "
-                         "through a tfbig run directory: tfbig-convert --source="
-                         f"{directory} --output_dir=RUN, then {flag}=RUN")
     where, paths = _files(directory, flag)
     places = {name: place for path in paths for name, place in _safetensors_places(path).items()}
-    llama_names.check_hf({n: types.SimpleNamespace(shape=p[3]) for n, p in places.items()},
-                         config, where)
+    found = {n: types.SimpleNamespace(shape=p[3]) for n, p in places.items()}
+    llama_names.check_hf(found, config, where)
+    experts = moe_names.check_hf(found, config, where) if config.num_experts else {}
     names = {key: hf for key, hf, _ in llama_names.rows(config)}
     expected = llama_names.shapes(config)
-    return (config, {key: tuple(expected[key]) for key in names},
-            lambda key: llama_names.hf_layout(key, bundle.mapped(places[names[key]])))
+
+    def read(key):
+        if key in experts:  # each expert's Linear weight (out, in), transposed
+            shape, parts = experts[key]
+            return bundle.Stacked([lambda n=n: bundle.mapped(places[n]).T for n in parts],
+                                  shape)
+        return llama_names.hf_layout(key, bundle.mapped(places[names[key]]))
+
+    return (config, {**{key: tuple(expected[key]) for key in names},
+                     **{key: tuple(shape) for key, (shape, _) in experts.items()}}, read)
 
 
 def read_huggingface(directory, raw=None):

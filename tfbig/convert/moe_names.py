@@ -141,8 +141,9 @@ def _check(found, expected, where, name, config):
                          f"{shared}) implies {tuple(expected)}")
 
 
-def hf_to_tfbig(tensors, config, where):
-    """{Hugging Face name: array} -> {tfbig expert key: stacked float32 array}."""
+def check_hf(tensors, config, where):
+    """{tfbig expert key: (its stacked shape, [Hugging Face name of each expert])}, after every
+    expert tensor of `tensors` ({Hugging Face name: anything with a shape}) is checked."""
     table = rows(config)
     missing = [name for _, names, _, _, _ in table for name in names if name not in tensors]
     if missing:
@@ -152,8 +153,14 @@ def hf_to_tfbig(tensors, config, where):
         for name in names:  # a Linear weight is (out, in): the stacked shape's last two, swapped
             _check(tensors[name].shape, expert_shape(config, matrix, bank)[:0:-1], where, name,
                    config)
+    return {key: (expert_shape(config, matrix, bank), names)
+            for key, names, _, matrix, bank in table}
+
+
+def hf_to_tfbig(tensors, config, where):
+    """{Hugging Face name: array} -> {tfbig expert key: stacked float32 array}."""
     return {key: np.stack([np.asarray(tensors[name], np.float32).T for name in names])
-            for key, names, _, _, _ in table}
+            for key, (_, names) in check_hf(tensors, config, where).items()}
 
 
 def tfbig_to_hf(weights, config):

@@ -91,7 +91,12 @@ def _variable_splits(layer, split):
 
 def take_slice(full, axis, sections, rank, size):
     """Rank `rank`'s piece of the full array: along `axis`, each of `sections` equal blocks
-    cut into `size` parts, part `rank` of each."""
+    cut into `size` parts, part `rank` of each. A lazily stacked array (an expert rank's
+    experts of a Hugging Face checkpoint, tfbig.checkpoints.bundle.Stacked) cut along its
+    first axis reads only the rows it keeps."""
+    if hasattr(full, "rows") and axis % full.ndim == 0 and sections == 1:
+        rows = full.shape[0] // size
+        return full.rows(rank * rows, (rank + 1) * rows)
     blocks = np.split(np.asarray(full), sections, axis=axis)
     return np.concatenate([np.split(b, size, axis=axis)[rank] for b in blocks], axis=axis)
 
