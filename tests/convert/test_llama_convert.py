@@ -190,6 +190,24 @@ def test_bf16_checkpoint_is_read_as_float32(backbones, tmp_path):
     np.testing.assert_allclose(weights[key], expected, rtol=1e-2, atol=1e-3)  # bf16 rounding
     assert not np.array_equal(weights[key], expected)  # it went through bf16
 
+    # --init_checkpoint reads it in place: the bf16 bytes mapped, a tensor rank's columns cut
+    # from the map and widened to float32 when assigned (tfbig.convert.init_checkpoint.load)
+    import types
+
+    import tensorflow as tf
+
+    from tfbig.convert import init_checkpoint
+    from tfbig.layouts.tensor_layout import take_slice
+
+    _, shapes, read = llama.huggingface_weight_reader(str(tmp_path / "hf"))
+    assert read(key).dtype == ml_dtypes.bfloat16 and isinstance(read(key).base, np.memmap)
+    half = weights[key][:, weights[key].shape[1] // 2:]
+    holder = tf.Variable(tf.zeros(half.shape))
+    pieces = {k: [None, None, shape] for k, shape in shapes.items()}
+    pieces[key] = [holder, lambda w: take_slice(w, -1, 1, 1, 2), shapes[key]]
+    init_checkpoint.load(types.SimpleNamespace(name="llama"), str(tmp_path / "hf"), pieces)
+    np.testing.assert_array_equal(holder.numpy(), half)
+
 
 def test_sharded_export_is_read_by_keras_hub_and_tfbig(backbones, tmp_path):
     config, weights = llama.from_keras_hub(backbones["llama"])
