@@ -8,7 +8,8 @@ split over 2 context ranks (CP2 x PP2); plain PP2 x DP2 (resumed), ALBERT (its s
 by both stages, its word table tied to the MLM head, the model inputs riding with the activation
 to the last stage) and BERT (1F1B with recompute) in the slow launch; Llama (untied 1F1B, tied
 GPipe) and an MoE Llama (stages alone, and with each stage's experts split over its data ranks:
---expert_parallel=2) in a slow launch of its own.
+--expert_parallel=2) in a slow launch of its own; the MoE Llama's stages with their sequences
+split over 2 context ranks and their experts over 2 data ranks (EP2 x CP2 x PP2) on 8 ranks.
 """
 import json
 import os
@@ -117,8 +118,8 @@ def pipeline_cfg(data_dir, model_dir, stages, pipeline, **train):
     return cfg
 
 
-def launch(scenarios, gpt_data, albert_data, bert_data, root):
-    """One `horovodrun -np 4` running every scenario; (root, directory of the results)."""
+def launch(scenarios, gpt_data, albert_data, bert_data, root, ranks=RANKS):
+    """One `horovodrun -np RANKS` running every scenario; (root, directory of the results)."""
     out = root / "out"
     plan = [run_entry(name, pipeline_cfg(data_of(train, gpt_data, albert_data, bert_data),
                                          root / name, stages, pipeline, **train), out, **opts)
@@ -128,7 +129,7 @@ def launch(scenarios, gpt_data, albert_data, bert_data, root):
         json.dump(plan, f)
     code = horovodrun([WORKER, str(root / "plan.json")], root / "log.txt", timeout=900,
                       env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"},
-                      ranks=["-np", str(RANKS), "-H", f"localhost:{RANKS}"])
+                      ranks=["-np", str(ranks), "-H", f"localhost:{ranks}"])
     assert code == 0, read(root / "log.txt")[-6000:]
     return root, out
 
@@ -185,11 +186,11 @@ def test_stage_ranks_equal_one_device_on_the_same_global_batch(gpt_data, albert_
                    scenario)
 
 
-def check_scenario(data_dir, out, tmp_path, name, scenario):
+def check_scenario(data_dir, out, tmp_path, name, scenario, num_ranks=RANKS):
     """Every rank's losses, weights and first-batch gradients against one device."""
     stages, pipeline, train, opts = scenario
-    data = RANKS // (stages * pipeline.get("context_parallel", 1))  # data-parallel replicas
-    ranks = [load(out, name, r) for r in range(RANKS)]
+    data = num_ranks // (stages * pipeline.get("context_parallel", 1))  # data-parallel replicas
+    ranks = [load(out, name, r) for r in range(num_ranks)]
     if opts.get("micro_batch_reference"):  # one micro-batch per replica's pipeline micro-batch
         # and as many validation batches of that size as the ranks' one batch holds
         train = {**train, "grad_accum_steps": data * pipeline["num_microbatches"]
@@ -221,6 +222,22 @@ def check_scenario(data_dir, out, tmp_path, name, scenario):
         assert int(ranks[0]["restored_step"]) == opts["interrupt_at"]
     eval_loss = single.summary["eval"]["loss"]
     assert float(ranks[0]["eval_loss"]) == pytest.approx(eval_loss, rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_experts_of_stages_split_over_context_ranks_equal_one_device(gpt_data, tmp_path_factory,
+                                                                     tmp_path):
+    """8 ranks = data 2 x pipeline 2 x context 2 with --expert_parallel=2: each stage's
+    sequences split over a context group (its routers' losses summed over it), its experts over
+    the expert groups of its data ranks; losses, weights and first gradients of one device."""
+    name = "moe_ep2_cp2_pp2"
+    scenario = (2, dict(schedule="1f1b", num_microbatches=2, expert_parallel=2,
+                        context_parallel=2), MOE,
+                {"first_gradients": True, "micro_batch_reference": True})
+    _, out = launch({name: scenario}, gpt_data, None, None,
+                    tmp_path_factory.mktemp("cross_rank_8"), ranks=8)
+    check_scenario(gpt_data, out, tmp_path, name, scenario, num_ranks=8)
 
 
 @pytest.mark.slow
