@@ -68,6 +68,50 @@ def evict(path):
         os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
+def measure(directory, files, shapes, layouts, whole, whole_name):
+    """Per layout ({name: key -> cut or None}): the bytes of `files` (the checkpoint at
+    `directory`) and the seconds init_checkpoint.load takes for one rank's pieces from a cold
+    page cache, against `whole()` ({key: full array}, the baseline reader) cut alike; the
+    pieces are checked equal."""
+    import tensorflow as tf
+
+    from tfbig.convert import init_checkpoint
+
+    for path in files:
+        evict(path)
+    if sum(resident_bytes(p) for p in files) > sum(os.path.getsize(p) for p in files) // 10:
+        raise SystemExit(f"{directory}: the page cache kept the files after "
+                         "POSIX_FADV_DONTNEED (tmpfs?); give --dir on a disk")
+    results = []
+    for name, cut_of in layouts.items():
+        cuts = {k: cut_of(k) for k in shapes}
+        holders = {k: tf.Variable(tf.zeros(s if cuts[k] is None else
+                                           cuts[k](np.zeros(s, np.float32)).shape))
+                   for k, s in shapes.items()}
+        for path in files:
+            evict(path)
+        start = time.perf_counter()
+        init_checkpoint.load(types.SimpleNamespace(name="model"), directory,
+                             {k: [holders[k], cuts[k], s] for k, s in shapes.items()})
+        seconds = time.perf_counter() - start
+        mapped = sum(resident_bytes(p) for p in files)
+        for path in files:
+            evict(path)
+        start = time.perf_counter()
+        weights = whole()
+        pieces = {k: weights[k] if cuts[k] is None else cuts[k](weights[k]) for k in shapes}
+        whole_seconds = time.perf_counter() - start
+        for k in shapes:
+            np.testing.assert_array_equal(pieces[k], holders[k].numpy())
+        piece = sum(4 * int(np.prod(v.shape)) for v in holders.values())
+        results.append({"layout": name, "mapped": mapped,
+                        whole_name: sum(resident_bytes(p) for p in files),
+                        "piece_bytes": piece, "ratio_read_to_piece": round(mapped / piece, 3),
+                        "seconds_mapped": round(seconds, 3),
+                        f"seconds_{whole_name}": round(whole_seconds, 3)})
+    return results
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--hidden", type=int, default=0, help="default 2048 (experts: 1024)")
@@ -82,7 +126,7 @@ def main():
         return huggingface_experts(args)
     import tensorflow as tf
 
-    from tfbig.convert import init_checkpoint, run_dir
+    from tfbig.convert import run_dir
     from tfbig.distribute.zero3 import Partition
     from tfbig.layouts.tensor_layout import take_slice
 
@@ -94,7 +138,6 @@ def main():
     tf.train.Checkpoint(model=tf.train.Checkpoint(**{
         k: tf.Variable(rng.standard_normal(s, np.float32)) for k, s in shapes.items()})).save(
         os.path.join(root, "ckpt"))
-    prefix = tf.train.latest_checkpoint(root)
     (data,) = [os.path.join(root, n) for n in os.listdir(root) if ".data-" in n]
     rows = ("o", "down")  # row-parallel under tensor parallelism
     layouts = {
@@ -103,32 +146,13 @@ def main():
         "zero3_of_8": lambda k: (lambda w: Partition(None, 8, 3).own(w, w.shape)),
         "rows_of_8": lambda k: (lambda w: take_slice(w, 0, 1, 3, 8)),
     }
-    evict(data)
-    if resident_bytes(data) > os.path.getsize(data) // 10:
-        raise SystemExit(f"{data}: the page cache kept the file after POSIX_FADV_DONTNEED "
-                         "(tmpfs?); give --dir on a disk")
-    file_bytes, ahead, results = os.path.getsize(data), read_ahead_kb(data), []
-    for name, cut_of in layouts.items():
-        cuts = {k: cut_of(k) for k in shapes}
-        holders = {k: tf.Variable(tf.zeros(cuts[k](np.zeros(s, np.float32)).shape))
-                   for k, s in shapes.items()}
-        evict(data)
-        start = time.perf_counter()
-        init_checkpoint.load(types.SimpleNamespace(name="block"), root,
-                             {k: [holders[k], cuts[k], s] for k, s in shapes.items()})
-        seconds, mapped = time.perf_counter() - start, resident_bytes(data)
-        evict(data)
-        start = time.perf_counter()
-        _, read = run_dir.weight_reader(root)  # TensorFlow's reader, as before
-        pieces = {k: cuts[k](read(k)) for k in shapes}
-        whole_seconds = time.perf_counter() - start
-        for k in shapes:
-            np.testing.assert_array_equal(pieces[k], holders[k].numpy())
-        piece = sum(4 * int(np.prod(v.shape)) for v in holders.values())
-        results.append({"layout": name, "mapped": mapped, "tensorflow": resident_bytes(data),
-                         "piece_bytes": piece, "ratio_read_to_piece": round(mapped / piece, 3),
-                         "seconds_mapped": round(seconds, 3),
-                         "seconds_tensorflow": round(whole_seconds, 3)})
+    file_bytes, ahead = os.path.getsize(data), read_ahead_kb(data)
+
+    def whole():  # TensorFlow's reader, as before
+        _, read = run_dir.weight_reader(root)
+        return {k: read(k) for k in shapes}
+
+    results = measure(root, [data], shapes, layouts, whole, "tensorflow")
     if not args.dir:
         shutil.rmtree(root)
     _record.emit({"benchmark": "sliced_load", "file_bytes": file_bytes,
@@ -138,9 +162,7 @@ def main():
 
 def huggingface_experts(args):
     """--experts=E: a rank's pieces of a Hugging Face Mixtral block read in place."""
-    import tensorflow as tf
-
-    from tfbig.convert import init_checkpoint, llama, llama_names, moe_names
+    from tfbig.convert import llama, llama_names, moe_names
     from tfbig.distribute.zero3 import Partition
     from tfbig.layouts.tensor_layout import take_slice
     from tfbig.models.llama_config import LlamaConfig
@@ -164,38 +186,9 @@ def huggingface_experts(args):
                                    else None),
         "zero3_of_8": lambda k: (lambda w: Partition(None, 8, 3).own(w, w.shape)),
     }
-    for path in files:
-        evict(path)
-    if sum(resident_bytes(p) for p in files) > sum(os.path.getsize(p) for p in files) // 10:
-        raise SystemExit(f"{root}: the page cache kept the files after POSIX_FADV_DONTNEED "
-                         "(tmpfs?); give --dir on a disk")
-    results = []
-    for name, cut_of in layouts.items():
-        cuts = {k: cut_of(k) for k in shapes}
-        holders = {k: tf.Variable(tf.zeros(s if cuts[k] is None else
-                                           cuts[k](np.zeros(s, np.float32)).shape))
-                   for k, s in shapes.items()}
-        for path in files:
-            evict(path)
-        start = time.perf_counter()
-        init_checkpoint.load(types.SimpleNamespace(name="model"), os.path.join(root, "hf"),
-                             {k: [holders[k], cuts[k], s] for k, s in shapes.items()})
-        seconds = time.perf_counter() - start
-        mapped = sum(resident_bytes(p) for p in files)
-        for path in files:
-            evict(path)
-        start = time.perf_counter()
-        _, weights, _, _ = llama.read_huggingface(os.path.join(root, "hf"))  # tfbig-convert's
-        pieces = {k: weights[k] if cuts[k] is None else cuts[k](weights[k]) for k in shapes}
-        whole_seconds = time.perf_counter() - start
-        for k in shapes:
-            np.testing.assert_array_equal(pieces[k], holders[k].numpy())
-        piece = sum(4 * int(np.prod(v.shape)) for v in holders.values())
-        results.append({"layout": name, "mapped": mapped,
-                        "whole": sum(resident_bytes(p) for p in files), "piece_bytes": piece,
-                        "ratio_read_to_piece": round(mapped / piece, 3),
-                        "seconds_mapped": round(seconds, 3),
-                        "seconds_whole": round(whole_seconds, 3)})
+    results = measure(os.path.join(root, "hf"), files, shapes, layouts,
+                      lambda: llama.read_huggingface(os.path.join(root, "hf"))[1],  # convert's
+                      "whole")
     file_bytes, ahead = sum(os.path.getsize(p) for p in files), read_ahead_kb(files[0])
     if not args.dir:
         shutil.rmtree(root)

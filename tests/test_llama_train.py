@@ -138,7 +138,7 @@ def test_training_starts_from_a_hugging_face_directory_read_in_place(gpt_data, t
         stacked.parts[j] = lambda j=j: pytest.fail(f"expert {j} was read")
     np.testing.assert_array_equal(take_slice(stacked, 0, 1, 1, 2), whole[2:])
     # a ZeRO-3 rank's flat range (tfbig.distribute.zero3.Partition.own) over experts 2-3
-    np.testing.assert_array_equal(stacked.flat(2 * 2048 + 100, 4 * 2048 - 5),
+    np.testing.assert_array_equal(stacked.flat_range(2 * 2048 + 100, 4 * 2048 - 5),
                                   whole.reshape(-1)[2 * 2048 + 100:4 * 2048 - 5])
 
     from safetensors.numpy import load_file, save_file

@@ -122,25 +122,30 @@ class Stacked:
     """Arrays of one shape, each read when asked for, stacked on a new first axis: a Hugging
     Face mixture-of-experts checkpoint stores each expert's matrix as a tensor of its own, a
     tfbig MoE layer one (E, ...) weight per matrix. An expert rank's rows (`rows`: the cut of
-    tfbig.layouts.tensor_layout.take_slice) read only its experts; a flat range (`flat`:
+    tfbig.layouts.tensor_layout.take_slice) read only its experts; a flat range (`flat_range`:
     ZeRO-3's) only the experts it covers; anything else reads all (`np.asarray`)."""
 
     def __init__(self, parts, shape):
         self.parts = list(parts)  # zero-argument callables, each one expert's array
         self.shape = tuple(shape)
-        self.ndim = len(self.shape)
         if len(self.parts) != self.shape[0]:
             raise ValueError(f"{len(self.parts)} parts for a stacked shape {self.shape}")
 
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+    def _part(self, j):
+        return np.asarray(self.parts[j](), np.float32)
+
     def rows(self, start, stop):
         """Parts start..stop-1, stacked (float32)."""
-        return np.stack([np.asarray(self.parts[j](), np.float32) for j in range(start, stop)])
+        return np.stack([self._part(j) for j in range(start, stop)])
 
-    def flat(self, start, stop):
+    def flat_range(self, start, stop):
         """Elements start..stop-1 of the stacked array in C order (float32)."""
         size = int(np.prod(self.shape[1:]))
-        pieces = [np.asarray(self.parts[j](), np.float32).reshape(-1)[
-                      max(start - j * size, 0):min(stop - j * size, size)]
+        pieces = [self._part(j).reshape(-1)[max(start - j * size, 0):min(stop - j * size, size)]
                   for j in range(start // size, min(-(-stop // size), len(self.parts)))]
         return np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
 

@@ -87,8 +87,8 @@ class Partition:
         if isinstance(tensor, np.ndarray):  # numpy's view: a memory-mapped weight reads its part
             part = np.array(np.asarray(tensor).reshape(-1)[start:end], np.float32)
             return tf.pad(part, [[0, size - (end - start)]])
-        if hasattr(tensor, "flat"):  # stacked experts read one at a time (bundle.Stacked)
-            return tf.pad(tensor.flat(start, end), [[0, size - (end - start)]])
+        if hasattr(tensor, "flat_range"):  # stacked experts read one at a time (bundle.Stacked)
+            return tf.pad(tensor.flat_range(start, end), [[0, size - (end - start)]])
         flat = tf.reshape(tf.cast(tf.convert_to_tensor(tensor), tf.float32), [-1])
         piece = tf.pad(flat[start:end], [[0, size - (end - start)]])
         # A slice along the first axis shares the full tensor's buffer (so would a variable
