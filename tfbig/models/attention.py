@@ -53,7 +53,9 @@ def blockwise_attention(q, k, v, causal=False, key_mask=None, query_offset=0, bl
         out, lse = _forward(tiling, q, k, v, mask, offset, seed)
 
         def grad(*args, upstream=None):
-            d_out, d_lse = args if upstream is None else upstream
+            # TensorFlow passes the two outputs' gradients as two arguments; JAX as one pair
+            upstream = upstream if upstream is not None else args[0] if len(args) == 1 else args
+            d_out, d_lse = upstream
             dq, dk, dv = _backward(tiling, q, k, v, mask, offset, seed, out, lse, d_out, d_lse)
             return dq, dk, dv, None, None, None
 
