@@ -3,8 +3,8 @@ against the single-device run on the same global batch.
 
 Scenarios (tests/distribute/horovod_worker.py plans; HOROVOD_DYNAMIC_PROCESS_SETS=1 lets one
 launch build several rank grids): TP2 x DP2 with accumulation and clipping active (stopped after
-2 steps and resumed from the per-rank checkpoints), and TP2 x DP2 with ZeRO-1 (each tensor
-rank's optimizer slots sharded over its data ranks). A slow launch of its own runs TP4 with
+2 steps and resumed from the per-rank checkpoints). A slow launch of its own runs TP2 x DP2 with
+ZeRO-1, 2 and 3 (each tensor rank's optimizer state sharded over its data ranks), TP4 with
 LAMB (its per-variable trust ratio over split variables), an fp16 step made non-finite on one
 tensor rank, TP2 x DP2 with --sequence_parallel, ALBERT (factorised embedding, shared blocks,
 MLM head with its vocabulary bias, LAMB) at TP2 x DP2, a TP2 x DP2 run started on the
@@ -48,21 +48,21 @@ SCENARIOS = {  # name: (tensor_parallel, train options, worker options)
     # after the restore are the same fit loop, so one run covers both
     "tp2_dp2": (2, {}, {"first_gradients": True, "norm_rows": True, "interrupt_at": 2,
                         "widest_activation": True}),
-    # optimizer slots of each tensor rank's variables sharded over its 2 data ranks (ZeRO-1),
-    # stopped after 2 steps and resumed from the per-(tensor rank, slice) checkpoints
-    "tp2_dp2_zero1": (2, {"zero_stage": 1}, {"first_gradients": True, "interrupt_at": 2}),
 }
 # Final weights after 4 steps: a split matmul sums in another order, and Adam turns a float32
 # difference in a near-zero gradient into a step of up to the learning rate (BERT had entries
 # 1.5e-6 and 2.1e-6 apart): tests/equality.py bounds each entry through the gradients.
-# The slow launch: TP4 with LAMB, ALBERT, BERT's plan (ALBERT's over a block per layer), fp16
-# training and its skipped step; the default run keeps TP on GPT at TP2 x DP2, alone and with
-# ZeRO-1 (BERT's and ALBERT's split layers under TP x PP are slow too: test_tensor_pipeline's
-# pp2_tp2_masked_lm). Also slow: sequence parallelism (under TP x PP as well,
+# The slow launch: TP x ZeRO-1/2/3, TP4 with LAMB, ALBERT, BERT's plan (ALBERT's over a block
+# per layer), fp16 training and its skipped step; the default run keeps TP on GPT at TP2 x DP2
+# (ZeRO-1 runs by default under PP: test_cross_rank's pp2_dp2_zero1; BERT's and ALBERT's
+# split layers under TP x PP are slow too: test_tensor_pipeline's pp2_tp2_masked_lm). Also slow: sequence parallelism (under TP x PP as well,
 # test_tensor_pipeline's pp2_tp2_sequence), the start from a single-device checkpoint
 # (test_a_single_device_checkpoint_restores_into_each_ranks_slices checks the slicing
 # in-process, by default) and the dropout masks of tensor peers.
 SLOW_SCENARIOS = {  # a launch of its own (slow), as SCENARIOS
+    # optimizer slots of each tensor rank's variables sharded over its 2 data ranks (ZeRO-1),
+    # stopped after 2 steps and resumed from the per-(tensor rank, slice) checkpoints
+    "tp2_dp2_zero1": (2, {"zero_stage": 1}, {"first_gradients": True, "interrupt_at": 2}),
     # ZeRO-2: each micro-batch's gradients reduce-scattered over the tensor rank's partition
     # group; stopped after 2 steps and resumed; and with sequence parallelism's sums
     "tp2_dp2_zero2": (2, {"zero_stage": 2}, {"interrupt_at": 2}),
@@ -515,8 +515,8 @@ def test_a_split_rank_holds_its_slice_of_the_single_device_initialisation():
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name", ["tp2_dp2_zero1", pytest.param("tp2_dp2_zero3",
-                                                                marks=pytest.mark.slow)])
+@pytest.mark.slow  # the slow launch's TP x ZeRO (PP x ZeRO-1's slot bytes: test_cross_rank)
+@pytest.mark.parametrize("name", ["tp2_dp2_zero1", "tp2_dp2_zero3"])
 def test_tensor_zero_ranks_hold_the_closed_form_of_their_state(gpt_data, request, name,
                                                               tmp_path):
     """TP2 x DP2 with --zero_stage=1: rank (d, t) holds tensor rank t's parameters whole

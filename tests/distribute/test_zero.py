@@ -49,8 +49,8 @@ SCENARIOS = {  # name: (zero_stage, shard_degree, data, train options, worker op
                                                     "interrupt_at": 2}),
 }
 # The default launch keeps one case of stage 3 (degree 4, LAMB, a resume from the slices);
-# stage 1 runs by default under TP x ZeRO-1 (test_tensor_parallel's tp2_dp2_zero1, its slot
-# bytes against the closed form too). The slow launch: stage 2 at degree 4 with LAMB, stage 1
+# stage 1 runs by default under PP x ZeRO-1 (test_cross_rank's pp2_dp2_zero1, its slot bytes
+# against the whole stage's too). The slow launch: stage 2 at degree 4 with LAMB, stage 1
 # at degree 2 (2 partition groups: the 2-hop sync) and with a resume, stage 3 at degree 2 in
 # fp32 and fp16, ALBERT under stages 2 and 3, BERT under stage 3, bf16.
 SLOW_SCENARIOS = {"z2_d4_lamb": (2, 4, "gpt_data", LAMB, {}),
@@ -199,7 +199,7 @@ def test_sharded_ranks_equal_one_process_on_the_same_data(request, shared, tmp_p
 
 
 @pytest.mark.multiproc
-@pytest.mark.slow  # the slow launch's stages 1 and 2 (TP x ZeRO-1's slot bytes: default)
+@pytest.mark.slow  # the slow launch's stages 1 and 2 (PP x ZeRO-1's slot bytes: default)
 @pytest.mark.parametrize("name", ["z2_d4_lamb", "z1_d2"])
 def test_per_rank_model_state_is_the_closed_form(request, name):
     _, out = launch_of(request, name)
