@@ -3,9 +3,9 @@ the single-device run on the same global batch.
 
 The default run keeps one launch of 2 ranks: GPT (causal) at CP2. Slow launches run BERT
 (bidirectional, padding masks, MLM + NSP) at CP2 on 2 ranks, and on 4 ranks CP2 x DP2 (GPT and
-BERT), CP2 x TP2, CP2 x DP2 with ZeRO-1 and with ZeRO-3 (both stopped after 2 steps and
-resumed from the checkpoint), with ZeRO-2, and ALBERT at CP2 x DP2. Each compares
-per-variable first-step gradients, the losses of every step, the final weights
+BERT), CP2 x TP2 (with --sequence_parallel too), CP2 x DP2 with ZeRO-1 and with ZeRO-3 (both
+stopped after 2 steps and resumed from the checkpoint), with ZeRO-2, and ALBERT at CP2 x DP2.
+Each compares per-variable first-step gradients, the losses of every step, the final weights
 (tests/equality.py) and the validation loss (the context group's per-sequence outputs averaged,
 then gathered) with one device (batch 8, 2 micro-batches per replica, clipping active).
 """
@@ -38,6 +38,9 @@ SLOW_SCENARIOS = {  # 4 ranks
     "cp2_dp2": (2, 1, {}, {"first_gradients": True}),
     "cp2_dp2_bert": (2, 1, BERT_CP, {"first_gradients": True}),
     "cp2_tp2": (2, 2, {}, {"first_gradients": True}),
+    # each norm on its tensor rank's half of the rank's two chunks (--sequence_parallel)
+    "cp2_tp2_sequence": (2, 2, {"sequence_parallel": True}, {"first_gradients": True,
+                                                             "norm_rows": True}),
     # ZeRO-1: first_gradients would be this rank's slice (its sync reduce-scatters them)
     "cp2_dp2_zero1": (2, 1, {"zero_stage": 1}, {"interrupt_at": 2}),
     "cp2_dp2_albert": (2, 1, ALBERT, {"first_gradients": True}),
@@ -47,11 +50,13 @@ SLOW_SCENARIOS = {  # 4 ranks
 }
 
 
-def cp_cfg(data_dir, model_dir, context, tensor, zero_stage=0, **train):
+def cp_cfg(data_dir, model_dir, context, tensor, zero_stage=0, sequence_parallel=False,
+           **train):
     cfg = make_cfg(data_dir, model_dir, strategy="horovod", **{**TRAIN, **train})
     cfg.parallel.context_parallel = context
     cfg.parallel.tensor_parallel = tensor
     cfg.parallel.zero_stage = zero_stage
+    cfg.parallel.sequence_parallel = sequence_parallel
     return cfg
 
 
@@ -149,9 +154,17 @@ def _cfg(**parallel):
     return cfg
 
 
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_sequence_parallel_norms_see_a_quarter_of_the_sequence_under_cp2_tp2(slow_runs):
+    """CP2 x TP2 with --sequence_parallel: a context rank holds 2 of the 4 chunks of a
+    sequence (half of it) and each of its tensor ranks norms half of those positions."""
+    _, out = slow_runs
+    for rank in range(4):  # make_cfg's sequences of 16
+        assert int(load(out, "cp2_tp2_sequence", rank)["norm_rows"]) == 16 // 4
+
+
 @pytest.mark.parametrize("options, message", [
-    (dict(context_parallel=2, sequence_parallel=True, tensor_parallel=2),
-     "--context_parallel=2 with --sequence_parallel is not supported"),
     (dict(context_parallel=3), r"--context_parallel=3 x --tensor_parallel=1 = 3 does not "
                                r"divide 4"),
 ])

@@ -308,8 +308,8 @@ def test_squad_tp2_pp2_equals_one_process(files, tmp_path):
     ("multiworker", dict(zero_stage=1), r"--zero_stage=1 has no effect with "
                                         r"--strategy=multiworker"),
     ("horovod", dict(zero_stage=4), r"--zero_stage=4: expected 0 \(no sharding\), 1"),
-    ("horovod", dict(tensor_parallel=2, context_parallel=2, sequence_parallel=True),
-     r"--context_parallel=2 with --sequence_parallel is not supported: both split"),
+    ("horovod", dict(tensor_parallel=2, pipeline_stages=2, zero_stage=2),
+     r"--pipeline_stages=2 with --zero_stage=2 is not supported: each stage accumulates"),
     ("horovod", dict(sequence_parallel=True), r"--sequence_parallel needs --tensor_parallel >= 2"),
     ("horovod", dict(shard_degree=2), r"--shard_degree=2 needs --zero_stage=1, 2 or 3"),
 ])

@@ -359,8 +359,11 @@ def test_the_context_axis_divides_the_tokens_a_rank_holds():
     assert both and all(e.to_dict()["refused"] is None for e in both)
     _, _, sharded = plan(["--preset=small", "--seq_length=8192", "--gpus_per_node=4",
                           "--context_parallel=2", "--zero_stage=3", "--batch_size=2"])
-    assert {(e.layout.context, e.layout.data, e.layout.zero_stage) for e in sharded} == {
-        (2, 2, 3)}  # tfbig-train runs CP x ZeRO-3 (test_context_parallel's cp2_dp2_zero3)
+    assert {(e.layout.context, e.layout.data, e.layout.zero_stage) for e in sharded
+            if e.layout.tensor == 1} == {(2, 2, 3)}  # CP x ZeRO-3: test_context_parallel's
+    # cp2_dp2_zero3; and CP2 x TP2 with --sequence_parallel (its cp2_tp2_sequence)
+    assert {(e.layout.tensor, e.layout.sequence_parallel) for e in sharded
+            if e.layout.tensor > 1} == {(2, True)}
     _, _, fixed = plan(["--preset=small", "--seq_length=8192", "--gpus_per_node=2",
                         "--context_parallel=2", "--batch_size=2"])
     assert {(e.layout.context, e.layout.data) for e in fixed} == {(2, 1)}

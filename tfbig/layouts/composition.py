@@ -28,7 +28,6 @@ _WORLD = ("its groups have a fixed number of ranks, which a world that loses or 
 # written `name>=N` is in use from the value N on (`--zero_stage>=2`: stages 2 and 3); flags
 # joined by `+` are in use when each is (a pair that composes, refused with a third flag).
 REFUSED = (
-    ("context_parallel", "sequence_parallel", "both split the sequence; use one of them"),
     ("pipeline_stages", "zero_stage>=2",
      "each stage accumulates its gradients whole over the schedule's micro-batches and "
      "holds its weights whole for them; use --zero_stage=1 (the optimizer state sharded "

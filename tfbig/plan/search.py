@@ -164,7 +164,7 @@ def candidates(shape, cluster, fixed, batch_size):
     for t in _options(fixed, "tensor_parallel", [t for t in _divisors(shape.kv_heads)
                                                  if node % t == 0]):
         for k in _options(fixed, "pipeline_stages", _divisors(shape.num_layers)):
-            for c in _context_options(shape, fixed, t):
+            for c in _context_options(shape, fixed):
                 if cluster.size % (t * k * c):
                     continue
                 d = cluster.size // (t * k * c)
@@ -188,14 +188,12 @@ def _allowed(layout, fixed):
                for name in composition.flag_names(first) + composition.flag_names(second))
 
 
-def _context_options(shape, fixed, t):
-    """Context-parallel degrees to try: what tfbig-train runs (no sequence parallelism; 2C
-    chunks dividing the sequence)."""
+def _context_options(shape, fixed):
+    """Context-parallel degrees to try: what tfbig-train runs (2C chunks dividing the
+    sequence)."""
     if "context_parallel" in fixed:
         return [fixed["context_parallel"]]
-    sequence = fixed.get("sequence_parallel", t > 1)
-    return [1] + ([c for c in (2, 4, 8) if shape.seq_length % (2 * c) == 0]
-                  if not sequence else [])
+    return [1] + [c for c in (2, 4, 8) if shape.seq_length % (2 * c) == 0]
 
 
 def _data_layouts(fixed, t, k, d, batch, stage_layers):
