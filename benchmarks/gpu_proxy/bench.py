@@ -309,9 +309,8 @@ def build_model(cfg, kind, keras, block_size=512):
         inputs = {"token_ids": x, "padding_mask": ops.ones_like(x)}
         return model.stateless_call(tv, ntv, inputs, training=True)
 
-    extra = {"attention": "keras-hub -> ops.dot_product_attention "
-                          "(flash attention " + ("auto)" if keras.config.is_flash_attention_enabled()
-                                                 is None else "disabled)")}
+    flash = "auto" if keras.config.is_flash_attention_enabled() is None else "disabled"
+    extra = {"attention": f"keras-hub -> ops.dot_product_attention (flash attention {flash})"}
     return model, forward, extra
 
 
