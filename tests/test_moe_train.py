@@ -62,8 +62,8 @@ EP2 = {"expert_parallel": 2}
     (HOROVOD, {}, EP2, "--expert_parallel=2 does not divide the 1 data-parallel ranks"),
     (HOROVOD, {}, {**EP2, "tensor_parallel": 2, "zero_stage": 1},
      "--expert_parallel=2 with --tensor_parallel=2 and --zero_stage=1"),
-    (dict(HOROVOD, pipeline_stages=2), {}, {**EP2, "zero_stage": 1},
-     "--expert_parallel=2 with --pipeline_stages=2 and --zero_stage=1"),
+    (dict(HOROVOD, pipeline_stages=2), {}, {**EP2, "tensor_parallel": 2},
+     "--expert_parallel=2 with --pipeline_stages=2 and --tensor_parallel=2"),
 ])
 def test_moe_settings_that_cannot_run_are_refused_before_anything_is_written(
         gpt_data, tmp_path, train, moe, parallel, message):

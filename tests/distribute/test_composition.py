@@ -62,7 +62,8 @@ def test_the_pairs_the_launches_prove_compose():
                    "zero_stage": 2, "shard_degree": 4}, {"expert_parallel": 2,
                    "tensor_parallel": 2}, {"elastic": True, "zero_stage": 1},
                    {"elastic": True, "zero_stage": 3}, {"context_parallel": 2,
-                   "tensor_parallel": 2, "sequence_parallel": True}):
+                   "tensor_parallel": 2, "sequence_parallel": True}, {"expert_parallel": 2,
+                   "pipeline_stages": 2, "zero_stage": 1}):
         assert composition.refusal(values) is None, values
     # a `name>=N` entry: refused from N on, with the value the flags hold
     for stage in (2, 3):

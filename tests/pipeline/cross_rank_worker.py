@@ -78,10 +78,11 @@ def train(run):
     if run.get("first_gradients"):
         _, grads, _ = trainer.forward_backward(next(trainer._train_iterator()))
         grads = strategy.all_reduce_gradients(grads)
-        if isinstance(strategy, ZeroStrategy):  # ZeRO-1 stages: the slices, gathered whole
-            grads = strategy.partition.gather(grads, [v.shape for v in strategy.model_variables])
-        if getattr(strategy, "expert_paths", None):  # the stage's experts, gathered whole
+        if getattr(strategy, "expert_paths", None):  # the stage's experts (and ZeRO-1's
+            # slices of the other weights), gathered whole
             grads = strategy.gather_full(trainer.model.trainable_variables, grads)
+        elif isinstance(strategy, ZeroStrategy):  # ZeRO-1 stages: the slices, gathered whole
+            grads = strategy.partition.gather(grads, [v.shape for v in strategy.model_variables])
         arrays.update({f"g{i}": np.asarray(g) for i, g in enumerate(grads)})
     if run.get("poison"):
         arrays.update({f"initial{i}": v.numpy()

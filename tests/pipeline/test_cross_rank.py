@@ -8,7 +8,7 @@ split over 2 context ranks (CP2 x PP2); plain PP2 x DP2 (resumed), ALBERT (its s
 by both stages, its word table tied to the MLM head, the model inputs riding with the activation
 to the last stage) and BERT (1F1B with recompute) in the slow launch; Llama (untied 1F1B, tied
 GPipe) and an MoE Llama (stages alone, and with each stage's experts split over its data ranks:
---expert_parallel=2) in a slow launch of its own; the MoE Llama's stages with their sequences
+--expert_parallel=2, with --zero_stage=1 too) in a slow launch of its own; the MoE Llama's stages with their sequences
 split over 2 context ranks and their experts over 2 data ranks (EP2 x CP2 x PP2) on 8 ranks.
 """
 import json
@@ -100,6 +100,12 @@ LLAMA_SCENARIOS = {
     "moe_ep2_pp2": (2, dict(schedule="1f1b", num_microbatches=2, expert_parallel=2), MOE,
                     {"first_gradients": True, "micro_batch_reference": True,
                      "interrupt_at": 1}),
+    # and the other weights' optimizer state sharded over each stage's 2 data ranks (ZeRO-1;
+    # tfbig.pipeline.expert_stage.ExpertZeroPipeline), stopped and resumed from its pieces
+    "moe_ep2_pp2_zero1": (2, dict(schedule="1f1b", num_microbatches=2, expert_parallel=2,
+                                  zero_stage=1), MOE,
+                          {"first_gradients": True, "micro_batch_reference": True,
+                           "interrupt_at": 1}),
 }
 
 
@@ -242,13 +248,15 @@ def test_experts_of_stages_split_over_context_ranks_equal_one_device(gpt_data, t
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_expert_stage_pieces_read_back_as_one_model(llama_runs):
-    """moe_ep2_pp2's (stage, expert rank) pieces joined: the weights its ranks ended with."""
+@pytest.mark.parametrize("name", ["moe_ep2_pp2", "moe_ep2_pp2_zero1"])
+def test_expert_stage_pieces_read_back_as_one_model(llama_runs, name):
+    """The (stage, expert rank) pieces joined (ZeRO-1: the pieces of data ranks 0..N-1 of
+    each stage, which hold the experts): the weights its ranks ended with."""
     root, out = llama_runs
-    model, _ = load_model(str(root / "moe_ep2_pp2"))
+    model, _ = load_model(str(root / name))
     found = {}
     for rank in range(RANKS):
-        found.update(held(load(out, "moe_ep2_pp2", rank), "w"))
+        found.update(held(load(out, name, rank), "w"))
     assert {v.path for v in model.trainable_variables} == set(found)
     for v in model.trainable_variables:
         np.testing.assert_array_equal(v.numpy(), found[v.path], err_msg=v.path)

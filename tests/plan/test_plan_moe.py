@@ -98,8 +98,12 @@ def test_the_search_offers_expert_parallelism_where_tfbig_train_runs_it():
         if e.layout.expert > 1:  # inside data (ZeRO, TP, PP or CP), N dividing the data ranks
             layout = e.layout
             assert layout.data % layout.expert == 0
-            assert sum((layout.tensor > 1, layout.pipeline > 1, layout.zero_stage > 0)) <= 1
+            # at most one of TP, PP, ZeRO; PP with ZeRO-1 (tfbig.layouts.composition)
+            assert (layout.tensor > 1) + (layout.pipeline > 1) + (layout.zero_stage > 0) <= 1 \
+                or (layout.tensor, layout.zero_stage) == (1, 1)
     assert {e.layout.zero_stage for e in found if e.layout.expert > 1} == {0, 1, 2, 3}
+    assert any(e.layout.expert > 1 and e.layout.pipeline > 1 and e.layout.zero_stage == 1
+               for e in found)
     assert any(e.layout.expert > 1 and e.layout.tensor > 1 for e in found)
     _, _, dense = plan(["--preset=1.3b", "--nodes=2", "--batch_size=512"])
     assert {e.layout.expert for e in dense} == {1}
@@ -129,8 +133,9 @@ def test_expert_parallel_flags_tfbig_train_cannot_run_are_named():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--expert_parallel=2", "--pipeline_stages=2", "--zero_stage=1"], "--expert_parallel=2 "
-     "with --pipeline_stages=2 and --zero_stage=1 is not supported: expert parallelism "
+    (["--expert_parallel=2", "--pipeline_stages=2", "--tensor_parallel=2"],
+     "--expert_parallel=2 with --pipeline_stages=2 and --tensor_parallel=2 is not supported: "
+     "expert parallelism "
      "composes with each of these, not yet with both at once; drop one of them"),
     (["--expert_parallel=2", "--tensor_parallel=2", "--zero_stage=1"], "--expert_parallel=2 "
      "with --tensor_parallel=2 and --zero_stage=1 is not supported: expert parallelism "

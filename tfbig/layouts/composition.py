@@ -34,8 +34,7 @@ REFUSED = (
      "over each stage's data ranks) with --pipeline_stages"),
     *(("expert_parallel", pair, "expert parallelism composes with each of these, not yet "
        "with both at once; drop one of them")
-      for pair in ("tensor_parallel+zero_stage", "pipeline_stages+tensor_parallel",
-                   "pipeline_stages+zero_stage")),
+      for pair in ("tensor_parallel+zero_stage", "pipeline_stages+tensor_parallel")),
     ("elastic", "shard_degree", "a partition group of fixed size needs a world that stays "
      "a multiple of it; an elastic run shards its state over its whole world"),
     # --sequence_parallel needs --tensor_parallel: refused with it, as below

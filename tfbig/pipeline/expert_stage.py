@@ -13,11 +13,13 @@ import tensorflow as tf
 from tfbig.checkpoints.checkpoint import piece_dir, read_layout, write_layout
 from tfbig.distribute.expert_parallel import (ExpertParallelStrategy, moe_layers,
                                               split_experts)
+from tfbig.distribute.expert_zero import ExpertZeroStrategy
 from tfbig.distribute.horovod import HorovodStrategy
 from tfbig.layouts import expert_checkpoint, stage_checkpoint
 from tfbig.layouts.tensor_layout import _held
-from tfbig.pipeline.cross_rank import CrossRankPipeline
+from tfbig.pipeline.cross_rank import CrossRankPipeline, clipping_class
 from tfbig.pipeline.stage_model import build_stage_model
+from tfbig.pipeline.zero_stage import ZeroStages
 
 
 class ExpertPipeline(ExpertParallelStrategy, CrossRankPipeline):
@@ -121,3 +123,59 @@ class ExpertPipeline(ExpertParallelStrategy, CrossRankPipeline):
             write_layout(directory, expert_checkpoint.LAYOUT_FILE, {
                 "expert_parallel": self.size,
                 "expert_variables": sorted(self.every_expert_path)})
+
+
+class ExpertZeroPipeline(ZeroStages, ExpertZeroStrategy, ExpertPipeline):
+    """`--pipeline_stages=K --expert_parallel=N --zero_stage=1`: each stage's experts split
+    over expert groups of its data ranks (ExpertPipeline), its other weights' optimizer state
+    sharded over its partition groups (ExpertZeroStrategy: a rank's experts keep theirs whole).
+
+    Method order: ZeroStages' (the stage's checkpoints per (stage, expert rank, partition
+    position), the norm agreed over the stages), ExpertZeroStrategy's (the slices of the
+    non-expert weights, the experts' own sync), ExpertPipeline's (the stage model and its
+    experts). Here: the norms, whose two kinds of squares sum over different groups (the
+    slices over the partition group, the experts over the expert group) before the stages."""
+
+    def all_reduce_gradients(self, grads):
+        """ExpertZeroStrategy's sync (slices and experts), then the norm, non-finite gradients
+        and stop requests agreed over the stages."""
+        return self._agree_over_stages(
+            ExpertZeroStrategy.all_reduce_gradients(self, self._before_sync(grads)))
+
+    def _over_slices(self, x):  # each kind of squares is summed over its own group below
+        return x
+
+    def _local_norm(self, grads):
+        """[the slices' squares over the partition group + the experts' over the expert group,
+        non-finite values and stop requests over the partition group]."""
+        local = self._sum_over_partition(CrossRankPipeline._local_norm(self, grads))
+        experts = self._sum_expert_squares(self._expert_squares(grads))
+        return tf.stack([local[0] + experts, local[1], local[2]])
+
+    def clipping(self, variables, more_squares=None):
+        """Global-norm clipping: the owned slices' squares summed over the partition group,
+        the experts' over the expert group, then both over the stages."""
+        counted = [self.counts(v) for v in variables]
+
+        def squares(grads):
+            owned = [tf.reduce_sum(tf.square(g)) for g, c in zip(grads, counted) if c]
+            return (self._sum_over_partition(tf.add_n(owned) if owned else tf.constant(0.0))
+                    + self._sum_expert_squares(self._expert_squares(grads)))
+
+        return lambda cls: clipping_class(cls, self._sum_over_stages, [False] * len(variables),
+                                          squares)
+
+    # ---- checkpoints: data ranks 0..L-1 of each stage write a piece each (L = lcm(G, N)) --
+    def _piece_dir(self, model_dir):
+        """Stage k's piece d mod L (pipeline/stage-k/expert/rank-d): its experts, those of
+        expert rank d mod N, and its slices, partition position d mod G (as
+        ExpertZeroStrategy's pieces, per stage: the expert readers find pieces 0..N-1)."""
+        return piece_dir(CrossRankPipeline._stage_dir(self, model_dir), "expert",
+                         self.mesh.coords["data"] % self.pieces)
+
+    def checkpoint_dir(self, model_dir):
+        return self._piece_dir(model_dir) if self.mesh.coords["data"] < self.pieces else None
+
+    def restore_dir(self, model_dir):
+        ExpertPipeline.restore_dir(self, model_dir)  # the stages' and the experts' layouts
+        return self._piece_dir(model_dir)

@@ -43,8 +43,10 @@ def horovod_backend(cfg=None):
     if cfg is not None:
         composition.check(composition.values_of(cfg))  # the pairs that do not compose
     expert = getattr(parallel, "expert_parallel", 1) > 1
-    if expert and cfg is not None and pipeline_stages(cfg) > 1:  # no TP, no ZeRO: REFUSED
-        from tfbig.pipeline.expert_stage import ExpertPipeline as backend
+    if expert and cfg is not None and pipeline_stages(cfg) > 1:  # no TP: REFUSED
+        from tfbig.pipeline import expert_stage
+
+        backend = expert_stage.ExpertZeroPipeline if zero_stage else expert_stage.ExpertPipeline
     elif expert and tensor > 1:  # no ZeRO: REFUSED
         from tfbig.distribute.expert_tensor import ExpertTensorStrategy as backend
     elif expert and zero_stage:
