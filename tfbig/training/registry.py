@@ -29,7 +29,7 @@ def get_strategy(name, cfg=None):
 def horovod_backend(cfg=None):
     """--strategy=horovod: experts split over ranks with --expert_parallel > 1 (with ZeRO-1/2/3
     over the other weights if --zero_stage, the attention split with --tensor_parallel, or
-    inside pipeline stages with --pipeline_stages), pipeline stages on ranks with
+    inside pipeline stages with --pipeline_stages, ZeRO-1 there too), pipeline stages on ranks with
     --pipeline_stages > 1 (with ZeRO-1 if --zero_stage), elastic with --elastic (ZeRO-sharded
     if --zero_stage), tensor-parallel with --tensor_parallel (with ZeRO-1/2/3 if
     --zero_stage), ZeRO-sharded with --zero_stage, else the fixed-world HorovodStrategy; with
