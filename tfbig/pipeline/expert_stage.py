@@ -130,11 +130,12 @@ class ExpertZeroPipeline(ZeroStages, ExpertZeroStrategy, ExpertPipeline):
     over expert groups of its data ranks (ExpertPipeline), its other weights' optimizer state
     sharded over its partition groups (ExpertZeroStrategy: a rank's experts keep theirs whole).
 
-    Method order: ZeroStages' (the stage's checkpoints per (stage, expert rank, partition
-    position), the norm agreed over the stages), ExpertZeroStrategy's (the slices of the
-    non-expert weights, the experts' own sync), ExpertPipeline's (the stage model and its
-    experts). Here: the norms, whose two kinds of squares sum over different groups (the
-    slices over the partition group, the experts over the expert group) before the stages."""
+    Method order: ZeroStages' (ZeRO-1 only, the norm agreed over the stages),
+    ExpertZeroStrategy's (the slices of the non-expert weights, the experts' own sync),
+    ExpertPipeline's (the stage model and its experts). Here: the norms, whose two kinds of
+    squares sum over different groups (the slices over the partition group, the experts over
+    the expert group) before the stages, and the pieces (one per data rank 0..L-1 of a
+    stage, L = lcm(G, N), so that the first N are the expert readers' pieces)."""
 
     def all_reduce_gradients(self, grads):
         """ExpertZeroStrategy's sync (slices and experts), then the norm, non-finite gradients
