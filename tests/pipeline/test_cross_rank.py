@@ -8,8 +8,9 @@ split over 2 context ranks (CP2 x PP2); plain PP2 x DP2 (resumed), ALBERT (its s
 by both stages, its word table tied to the MLM head, the model inputs riding with the activation
 to the last stage) and BERT (1F1B with recompute) in the slow launch; Llama (untied 1F1B, tied
 GPipe) and an MoE Llama (stages alone, and with each stage's experts split over its data ranks:
---expert_parallel=2, with --zero_stage=1 too) in a slow launch of its own; the MoE Llama's stages with their sequences
-split over 2 context ranks and their experts over 2 data ranks (EP2 x CP2 x PP2) on 8 ranks.
+--expert_parallel=2, with --zero_stage=1 too) in a slow launch of its own; the MoE Llama's
+stages with their sequences split over 2 context ranks and their experts over 2 data ranks
+(EP2 x CP2 x PP2) on 8 ranks.
 """
 import json
 import os
