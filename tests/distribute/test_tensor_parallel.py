@@ -55,8 +55,9 @@ SCENARIOS = {  # name: (tensor_parallel, train options, worker options)
 # The slow launch: TP x ZeRO-1/2/3, TP4 with LAMB, ALBERT, BERT's plan (ALBERT's over a block
 # per layer), fp16 training and its skipped step; the default run keeps TP on GPT at TP2 x DP2
 # (ZeRO-1 runs by default under PP: test_cross_rank's pp2_dp2_zero1; BERT's and ALBERT's
-# split layers under TP x PP are slow too: test_tensor_pipeline's pp2_tp2_masked_lm). Also slow: sequence parallelism (under TP x PP as well,
-# test_tensor_pipeline's pp2_tp2_sequence), the start from a single-device checkpoint
+# split layers under TP x PP are slow too: test_tensor_pipeline's pp2_tp2_masked_lm). Also
+# slow: sequence parallelism (under TP x PP as well, test_tensor_pipeline's
+# pp2_tp2_sequence), the start from a single-device checkpoint
 # (test_a_single_device_checkpoint_restores_into_each_ranks_slices checks the slicing
 # in-process, by default) and the dropout masks of tensor peers.
 SLOW_SCENARIOS = {  # a launch of its own (slow), as SCENARIOS
