@@ -133,9 +133,6 @@ def main():
     print(PROXY_LINE, flush=True)
     args = parse_args()
     os.environ["KERAS_BACKEND"] = "jax"
-    here = os.path.dirname(os.path.abspath(__file__))
-    if os.path.isdir(os.path.join(here, "pkg")):
-        sys.path.append(os.path.join(here, "pkg"))  # tfbig.models, if PYTHONPATH lacks it
     warnings.filterwarnings("ignore", message=".*donated buffers.*")
 
     import jax
@@ -580,9 +577,6 @@ def _memory_stats(jax):
     except Exception:  # noqa: BLE001
         return {}
 
-
-def _bytes_limit(jax):
-    return _memory_stats(jax).get("bytes_limit")
 
 
 if __name__ == "__main__":
