@@ -578,6 +578,5 @@ def _memory_stats(jax):
         return {}
 
 
-
 if __name__ == "__main__":
     main()
