@@ -21,8 +21,9 @@ IN_USE = {
     "elastic": bool,
 }
 
-_WORLD = ("its groups have a fixed number of ranks, which a world that loses or gains any "
-          "one rank does not keep; an elastic run is data parallel, ZeRO-sharded over its "
+_WORLD = ("its groups are Horovod process sets, and Horovod's elastic mode does not survive "
+          "a lost rank while process sets exist (Horovod 0.28.1: every rank aborts in Gloo, "
+          "horovod/horovod#4021); an elastic run is data parallel, ZeRO-sharded over its "
           "whole world at most")
 # (flag, flag, why): refused when both are in use; the first flag leads the message. A flag
 # written `name>=N` is in use from the value N on (`--zero_stage>=2`: stages 2 and 3); flags
@@ -35,11 +36,10 @@ REFUSED = (
     *(("expert_parallel", pair, "expert parallelism composes with each of these, not yet "
        "with both at once; drop one of them")
       for pair in ("tensor_parallel+zero_stage", "pipeline_stages+tensor_parallel")),
-    ("elastic", "shard_degree", "a partition group of fixed size needs a world that stays "
-     "a multiple of it; an elastic run shards its state over its whole world"),
     # --sequence_parallel needs --tensor_parallel: refused with it, as below
-    *(("elastic", other, _WORLD) for other in ("tensor_parallel", "pipeline_stages",
-                                               "context_parallel", "expert_parallel")),
+    *(("elastic", other, _WORLD) for other in ("shard_degree", "tensor_parallel",
+                                               "pipeline_stages", "context_parallel",
+                                               "expert_parallel")),
 )
 
 
