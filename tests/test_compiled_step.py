@@ -82,7 +82,7 @@ def test_compiled_step_equals_the_op_by_op_update(gpt_data, tmp_path):
     ops_by_op = run(gpt_data, tmp_path / "ops", compile_update=False)
     compiled = run(gpt_data, tmp_path / "xla", compile_update=True)
     assert np.all(ops_by_op.losses[:, 1] > STEPS["grad_clip_norm"])  # clipping is active
-    np.testing.assert_allclose(compiled.losses, ops_by_op.losses, rtol=1e-5)
+    np.testing.assert_allclose(compiled.losses, ops_by_op.losses, rtol=1e-6)  # the bound
     ours = weights(compiled)
     for path, weight in zip(ops_by_op.recorded.paths, ours):
         ops_by_op.recorded.assert_equal_piece(path, weight)

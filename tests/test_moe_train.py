@@ -4,6 +4,7 @@ dropped tokens reach the progress line, and MoE settings that cannot run are ref
 before anything is written. (Expert parallelism against one process:
 tests/distribute/test_expert_parallel.py.)"""
 import os
+import re
 import sys
 
 import numpy as np
@@ -27,7 +28,8 @@ def moe_cfg(data, model_dir, moe=None, parallel=None, **train):
 
 
 def test_the_moe_loss_adds_the_router_losses_and_logs_expert_counts(gpt_data, tmp_path, capsys):
-    cfg = moe_cfg(gpt_data, tmp_path / "run", {"router_z_loss_coef": 0.1, "capacity_factor": 1.0},
+    # capacity ceil(0.5 x 128 tokens x 2 / 4 experts) = 32: at most 128 of the 256 kept
+    cfg = moe_cfg(gpt_data, tmp_path / "run", {"router_z_loss_coef": 0.1, "capacity_factor": 0.5},
                   max_steps=2)
     trainer = Trainer(cfg)
     assert trainer.model.config.num_experts == 4
@@ -39,11 +41,13 @@ def test_the_moe_loss_adds_the_router_losses_and_logs_expert_counts(gpt_data, tm
         "router_aux_loss"] + 0.1 * metrics["router_z_loss"], rtol=1e-6)
     assert metrics["expert_tokens_mean"] == 8 * 16 * 2 / 4  # batch 8 x 16 tokens, k=2
     assert metrics["expert_tokens_min"] <= 64 <= metrics["expert_tokens_max"]
-    assert metrics["dropped_tokens"] >= 0
+    assert metrics["dropped_tokens"] >= 128
     summary = trainer.fit()
     assert np.isfinite(summary["train"]["loss"])
     out = capsys.readouterr().out
     assert "expert tokens" in out and "(min/mean/max)" in out
+    dropped = [int(n) for n in re.findall(r"\| dropped (\d+)", out)]
+    assert len(dropped) == 2 and min(dropped) >= 128, out  # each step's, on its progress line
 
 
 HOROVOD = dict(strategy="horovod")

@@ -98,6 +98,32 @@ def test_preset_to_run_to_huggingface_read_by_keras_hub(backbones, family, reade
                                rtol=0)
 
 
+def test_tfbig_export_format_hf_writes_what_the_converter_writes(backbones, tmp_path):
+    """`tfbig-export --format=hf` (the command, as a user runs it) writes the Hugging Face
+    directory `tfbig-convert --to=huggingface` writes, byte for byte; an existing
+    --export_dir is refused and left as it was."""
+    from test_cli import command
+
+    preset, run = tmp_path / "preset", tmp_path / "run"
+    backbones["qwen"].save_to_preset(str(preset))
+    convert(ConvertOptions(source=str(preset), output_dir=str(run)))
+    convert(ConvertOptions(source=str(run), output_dir=str(tmp_path / "converted"),
+                           to="huggingface"))
+    code, out, err = command("tfbig-export", f"--model_dir={run}",
+                             f"--export_dir={tmp_path / 'exported'}", "--format=hf")
+    assert code == 0, err
+    assert out.strip().endswith("model.safetensors")
+    written = sorted(os.listdir(tmp_path / "converted"))
+    assert sorted(os.listdir(tmp_path / "exported")) == written and "config.json" in written
+    for name in written:
+        assert (tmp_path / "exported" / name).read_bytes() == \
+            (tmp_path / "converted" / name).read_bytes(), name
+    code, _, err = command("tfbig-export", f"--model_dir={run}",
+                           f"--export_dir={tmp_path / 'converted'}", "--format=hf")
+    assert code != 0 and f"--export_dir={tmp_path / 'converted'} exists" in err, err
+    assert sorted(os.listdir(tmp_path / "converted")) == written
+
+
 def hf_tensors(backbone):
     """{Hugging Face name: array} of a keras-hub backbone, as keras-hub's HF converter
     (convert_llama3 / convert_qwen / convert_mistral) reads them: Linear weights (out, in)."""

@@ -8,7 +8,7 @@ Tiny Llama: hidden 32, 2 layers, 4 query / 2 key-value heads, sequence 16. Conte
 each rank holds chunks i and 3-i of 4 (token ids, RoPE at those positions, its own tokens'
 loss) and attends over the key/value heads gathered from both. ZeRO-3: each block, the final
 norm, the head and the word table gathered around their calls (a tied table once per step).
-Default run: CP2. Slow: ZeRO-3, and both with the tied table (preset small).
+All slow: CP2, ZeRO-3, and both with the tied table (preset small).
 """
 import json
 import os

@@ -48,6 +48,15 @@ class ConvertOptions:
                                    "uncased/cased name) | true | false.")
 
 
+def export_huggingface(model_dir, output_dir):
+    """A tfbig run as a Hugging Face directory (tfbig-convert --to=huggingface, tfbig-export
+    --format=hf); returns the path of the safetensors written."""
+    from tfbig.convert import export_hf, llama
+    if llama.is_run(model_dir):  # Llama family: tfbig.convert.llama
+        return llama.export_command(model_dir, output_dir)
+    return export_hf.export(model_dir, output_dir)
+
+
 def convert(options):
     """Run one conversion; returns the path of the checkpoint or safetensors file written."""
     if not options.source or not options.output_dir:
@@ -59,10 +68,7 @@ def convert(options):
         if options.format != "auto" or lowercase is not None:
             raise UsageError("--format and --lowercase describe an import (--to=tfbig); the "
                              "export reads them from the run's config.json")
-        from tfbig.convert import export_hf, llama
-        if llama.is_run(options.source):  # Llama family: tfbig.convert.llama
-            return llama.export_command(options.source, options.output_dir)
-        return export_hf.export(options.source, options.output_dir)
+        return export_huggingface(options.source, options.output_dir)
     if options.to != "tfbig":
         raise UsageError(f"--to={options.to!r}: expected tfbig or huggingface")
     from tfbig.convert import bert_names, llama, run_dir, sources

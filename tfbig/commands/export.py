@@ -6,10 +6,15 @@ The SavedModel has two signatures:
 and carries the tokenizer as an asset (`assets/tokenizer.model`; a GPT-2 converted by
 tfbig-convert carries `assets/vocab.json` + `assets/merges.txt`).
 
+With --format=hf the run (GPT, BERT, ALBERT, Llama, Mistral, Qwen, MoE) is written instead as
+a Hugging Face directory (config.json, model.safetensors, the tokenizer), as tfbig-convert
+--to=huggingface writes it.
+
 Example:
     tfbig-export --model_dir=runs/gpt-small --export_dir=/tmp/gpt_savedmodel
     loaded = tf.saved_model.load("/tmp/gpt_savedmodel")
     loaded.signatures["serving_default"](token_ids=tf.constant([[1, 2, 3]]))["logits"]
+    tfbig-export --model_dir=runs/llama-small --export_dir=/tmp/llama_hf --format=hf
 """
 import os
 import shutil
@@ -67,15 +72,32 @@ def export(model_dir, export_dir):
     return export_dir
 
 
+FORMATS = ("savedmodel", "hf")
+
+
 def main(argv):
     if len(argv) > 1:
         raise UsageError(f"unexpected arguments {argv[1:]}; every option is a --flag")
-    print(export(flags.FLAGS.model_dir, flags.FLAGS.export_dir))
+    f = flags.FLAGS
+    if f.format not in FORMATS:
+        raise UsageError(f"--format={f.format!r}: expected one of {', '.join(FORMATS)}")
+    if f.format == "hf":
+        if os.path.exists(f.export_dir):
+            raise FileExistsError(f"--export_dir={f.export_dir} exists; choose a new directory "
+                                  f"(nothing is overwritten)")
+        from tfbig.commands.convert import export_huggingface
+
+        print(export_huggingface(f.model_dir, f.export_dir))
+        return
+    print(export(f.model_dir, f.export_dir))
 
 
 def run():
     flags.DEFINE_string("model_dir", None, "Run directory written by tfbig-train.")
-    flags.DEFINE_string("export_dir", None, "New directory for the SavedModel.")
+    flags.DEFINE_string("export_dir", None, "New directory for the SavedModel (--format=hf: "
+                                            "for the Hugging Face directory).")
+    flags.DEFINE_string("format", "savedmodel", "savedmodel: a TensorFlow SavedModel for "
+                                                "serving; hf: a Hugging Face directory.")
     flags.mark_flags_as_required(["model_dir", "export_dir"])
     cli.run_app("tfbig-export", main, __doc__, [("export", cli.own_flags())])
 
