@@ -165,6 +165,24 @@ def test_a_mesh_without_a_tensor_axis_is_refused_by_name():
         task.declared_layout(task.build_model())
 
 
+def test_keras_hubs_default_axis_names_read_as_tfbigs():
+    """`get_layout_map(mesh)` with keras-hub's defaults ("batch" x "model", as a JAX user
+    builds it) declares the same splits as the map on tfbig.device_mesh's "data" x "tensor"."""
+    import keras_hub
+
+    mesh = keras.distribution.DeviceMesh((1, 2), ("batch", "model"), ["rank:0", "rank:1"])
+    defaults = keras_hub.models.LlamaBackbone.get_layout_map(mesh)
+    assert defaults["token_embedding/embeddings"].axes == ("model", "batch")
+    declared = {}
+    for name, mapped in (("defaults", defaults), ("tfbig", worker.layout_map("llama", 2))):
+        task = UserTask(FunctionTask(worker.model_fn("llama"), name="LlamaTask",
+                                     tensor_layout=mapped))
+        with fresh_layer_names():
+            declared[name] = [(layer.path, kind, axis) for layer, kind, axis in
+                              task.declared_layout(task.build_model(), degree=2)]
+    assert len(declared["tfbig"]) == 1 + 3 * 7 and declared["defaults"] == declared["tfbig"]
+
+
 def test_tfbig_device_mesh_is_what_keras_hub_builds_its_map_on():
     mesh = tfbig.device_mesh(tensor_parallel=2, data_parallel=3)
     assert mesh.shape == (3, 2) and mesh.axis_names == ("data", "tensor")
