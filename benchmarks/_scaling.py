@@ -6,8 +6,9 @@ batch, so two processes train a batch twice as large per step;
 Throughput is the trainer's own figure (the chief's last logging window: steps --steps+1 ..
 2 x --steps, after compilation), so it includes input, the gradient all-reduce and the loop's
 per-step checks. Runs alternate (1, 2, 1, 2, ...) --repeats times and the fastest of each size
-counts, since other load on the machine only ever slows a run down; the JSON line carries the
-1-minute load average (it should stay below the core count).
+counts, since other load on the machine only ever slows a run down; the JSON line also carries
+each repeat's own efficiency (its 2-process run against the 1-process run just before it) and
+their spread, and the 1-minute load average (it should stay below the core count).
 """
 import _record  # --record: append the result to benchmarks/results (strips the flag from sys.argv)
 import argparse
@@ -46,7 +47,7 @@ def parse_args(description, unit, extra_flags=()):
     parser.add_argument(f"--per_{unit}_batch", dest="per_process_batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=30,
                         help="steps per timed window (each run trains 2 x steps)")
-    parser.add_argument("--repeats", type=int, default=2,
+    parser.add_argument("--repeats", type=int, default=3,
                         help="runs of each size, interleaved; the fastest of each counts")
     parser.add_argument("--xla", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--data_dir", default="", help="empty: the embedded corpus (cached)")
@@ -105,13 +106,18 @@ def run(args, name, unit, measure):
     best = {n: max(r, key=lambda t: t["tokens_per_sec"]) for n, r in runs.items()}
     speed = {n: t["tokens_per_sec"] for n, t in best.items()}
     efficiency = speed[2] / (2 * speed[1])
+    each = [two["tokens_per_sec"] / (2 * one["tokens_per_sec"])
+            for one, two in zip(runs[1], runs[2])]
     print(f"tokens/s: 1 {unit} {speed[1]:,.0f}, 2 {unit}s {speed[2]:,.0f}; "
-          f"scaling efficiency {efficiency:.3f}", file=sys.stderr)
+          f"scaling efficiency {efficiency:.3f} (repeats {', '.join(f'{e:.3f}' for e in each)})",
+          file=sys.stderr)
     flags = {k: v for k, v in vars(args).items() if k not in ("worker", "data_dir")}
     _record.emit({"benchmark": name, "efficiency": round(efficiency, 4),
                       "tokens_per_sec": {"1": round(speed[1], 1), "2": round(speed[2], 1)},
                       "all_tokens_per_sec": {str(n): [round(t["tokens_per_sec"], 1) for t in r]
                                              for n, r in runs.items()},
+                      "efficiency_per_repeat": [round(e, 4) for e in each],
+                      "efficiency_spread": round(max(each) - min(each), 4),
                       "communication_fraction_2": round(
                           best[2].get("time_fraction/communication", float("nan")), 4),
                       **flags, f"threads_per_{unit}": 1,

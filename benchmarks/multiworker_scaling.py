@@ -5,7 +5,7 @@ How it is measured: benchmarks/_scaling.py.
 
 Example:
     python benchmarks/multiworker_scaling.py --preset=tiny --seq_length=128 \
-        --per_worker_batch=16 --steps=30 --repeats=3
+        --per_worker_batch=16 --steps=30 --repeats=3 [--collective=ring]
 Prints one JSON line last: {"efficiency": ..., "tokens_per_sec": {"1": ..., "2": ...}, ...}
 """
 import io
@@ -24,7 +24,8 @@ def measure(args, workers, run_dir):
     """The chief's last logged train values with `workers` processes."""
     from tfbig.training.workers import Workers
 
-    config_path = _scaling.write_experiment(args, "multiworker", workers, run_dir)
+    config_path = _scaling.write_experiment(args, "multiworker", workers, run_dir,
+                                            multiworker={"collective": args.collective})
     out_path = os.path.join(run_dir, "train.json")
     log = io.StringIO()
     command = [sys.executable, os.path.abspath(__file__), "--worker", config_path, out_path]
@@ -37,7 +38,9 @@ def measure(args, workers, run_dir):
 
 
 def main():
-    args = _scaling.parse_args(__doc__.split("\n\n")[0], "worker")
+    args = _scaling.parse_args(__doc__.split("\n\n")[0], "worker", extra_flags=[
+        (("--collective",), dict(default="auto", choices=("auto", "ring"),
+                                 help="the all-reduce implementation (--collective)"))])
     if args.worker:
         return _scaling.worker(*args.worker)
     _scaling.run(args, "multiworker_scaling", "worker", measure)
