@@ -7,7 +7,8 @@ $TFBIG_CACHE, so the embedded corpus is prepared inside the budget as on a first
 For each run it reports the wall time measured from outside (process start to exit), the
 steps trained and the validation bits per byte (the run's last line), and the goodput the run
 recorded (MODEL_DIR/goodput.json: time in productive training steps over wall time, with the
-badput by cause), and the budget's decision (config.json: when the decay started, the speed it
+badput by cause), the median tokens/s and MFU of its progress lines' second half, and the
+budget's decision (config.json: when the decay started, the speed it
 was measured at, the end it predicted, when the loop really ended, and the speed of the steps
 after the decision). Goals (issue 43): within 20 s of the budget and <= 2.20 bits per byte.
 
@@ -41,6 +42,17 @@ flags.DEFINE_bool("empty_cache", True, "Each run prepares the embedded corpus in
 TRAIN = os.path.join(os.path.dirname(sys.executable), "tfbig-train")
 BUDGET_SECONDS = 9 * 60
 DONE = re.compile(r"^done: step (\d+), .*validation bits per byte ([0-9.]+)$", re.M)
+# a progress line's throughput and MFU (tfbig.training.logs): "... | 6,120 tok/s | MFU 41.3% |"
+SPEED = re.compile(r"\| ([0-9,]+) tok/s \| MFU ([0-9.]+)%")
+
+
+def logged_speed(stdout):
+    """Median tokens/s and MFU of the progress lines of the run's second half (its windows
+    after compilation and warmup), as the run printed them."""
+    found = [(float(t.replace(",", "")), float(m) / 100) for t, m in SPEED.findall(stdout)]
+    later = found[len(found) // 2:] or [(float("nan"), float("nan"))]
+    speeds, mfus = sorted(t for t, _ in later), sorted(m for _, m in later)
+    return speeds[len(speeds) // 2], mfus[len(mfus) // 2]
 
 
 def run_once(root, model):
@@ -62,6 +74,7 @@ def run_once(root, model):
     with open(os.path.join(model_dir, "config.json")) as f:
         budget = json.load(f)["budget"]  # the decay the run decided, and the figures behind it
     seconds = recorded["seconds"]
+    tokens_per_sec, mfu = logged_speed(proc.stdout)
     recorded_wall = recorded["updated"] - recorded["run_start"]
     return {
         "benchmark": "main_job",
@@ -72,6 +85,9 @@ def run_once(root, model):
         "steps": int(done.group(1)),
         "validation_bits_per_byte": float(done.group(2)),
         "goodput": round(seconds["productive"] / recorded_wall, 3),
+        # what the run's own progress lines said (compare benchmarks/train_throughput.py)
+        "logged_tokens_per_sec_median": round(tokens_per_sec, 1),
+        "logged_mfu_median": round(mfu, 4),
         "badput_seconds": {k: round(v, 1) for k, v in seconds.items() if k != "productive"},
         # the budget's decision: when, at which measured speed, the end it predicted, and when
         # the training loop really ended (the sample and the summary follow); steps after the
