@@ -22,14 +22,6 @@ except RuntimeError:
     pass
 
 
-def pytest_collection_modifyitems(config, items):
-    """The files with multi-process tests first, each file's tests in their order: under
-    xdist's `--dist loadfile` the workers take files in this order, so the long launches start
-    early and the run does not end on one of them while the other worker has nothing left."""
-    launches = {item.path for item in items if item.get_closest_marker("multiproc")}
-    items.sort(key=lambda item: item.path not in launches)
-
-
 @pytest.fixture(autouse=True)
 def _reset_process_state():
     """Process-wide TF/Keras settings a test changes (mixed precision policy, op determinism
