@@ -142,7 +142,7 @@ def killed_and_rejoined(tmp_path, cfg, slots=1, **plan):
         killed_at = progress(out)
         wait_for(lambda: any(e["world"] == one and e["step"] > killed_at + 2
                              for es in records(out).values() for e in es),
-                 120, "training on with one rank", proc, log)
+                 120, "training on with one host", proc, log)
         # A slot again, on a new host name (the dead rank's host is blacklisted by Horovod).
         write_hosts(hosts, ["localhost", "127.0.0.1", os.uname().nodename], slots)
         proc.wait(timeout=400)
@@ -213,9 +213,9 @@ def test_a_host_of_two_ranks_lost_and_one_added_matches_the_uninterrupted_run(gp
                                                                               tmp_path):
     """Hosts of 2 slots each, ZeRO-1 over the whole world: a process killed, Horovod drops its
     host whole (4 -> 2 ranks: the other process of that host is stopped too), then a new host
-    joins (2 -> 4); the run equals one process. (The same with groups inside each host, CP2 or
-    MiCS partitions of 2, each a Horovod process set: every rank aborted in Gloo, exit 134, as
-    the process was killed; composition.REFUSED names those pairs.)"""
+    joins (2 -> 4); the run equals one process. (The same hosts with CP2, each context group a
+    Horovod process set added in each world: every rank aborted in Gloo, exit 134, as the
+    process was killed; composition.REFUSED names every layout with groups.)"""
     out, steps = killed_and_rejoined(tmp_path, elastic_cfg(gpt_data, tmp_path / "run", 1),
                                      slots=2)
     assert_matches_the_uninterrupted_run(out, steps, make_cfg(
