@@ -49,11 +49,15 @@ def _exported(model):
     return Exported(model)
 
 
-def export(model_dir, export_dir):
-    """Write the GPT in `model_dir` to `export_dir`, which must not exist yet."""
+def _refuse_existing(export_dir):
     if os.path.exists(export_dir):
         raise FileExistsError(f"--export_dir={export_dir} exists; choose a new directory "
                               f"(nothing is overwritten)")
+
+
+def export(model_dir, export_dir):
+    """Write the GPT in `model_dir` to `export_dir`, which must not exist yet."""
+    _refuse_existing(export_dir)
     import tensorflow as tf
 
     from tfbig.convert.run_dir import load_model
@@ -72,19 +76,12 @@ def export(model_dir, export_dir):
     return export_dir
 
 
-FORMATS = ("savedmodel", "hf")
-
-
 def main(argv):
     if len(argv) > 1:
         raise UsageError(f"unexpected arguments {argv[1:]}; every option is a --flag")
     f = flags.FLAGS
-    if f.format not in FORMATS:
-        raise UsageError(f"--format={f.format!r}: expected one of {', '.join(FORMATS)}")
     if f.format == "hf":
-        if os.path.exists(f.export_dir):
-            raise FileExistsError(f"--export_dir={f.export_dir} exists; choose a new directory "
-                                  f"(nothing is overwritten)")
+        _refuse_existing(f.export_dir)
         from tfbig.commands.convert import export_huggingface
 
         print(export_huggingface(f.model_dir, f.export_dir))
@@ -96,8 +93,8 @@ def run():
     flags.DEFINE_string("model_dir", None, "Run directory written by tfbig-train.")
     flags.DEFINE_string("export_dir", None, "New directory for the SavedModel (--format=hf: "
                                             "for the Hugging Face directory).")
-    flags.DEFINE_string("format", "savedmodel", "savedmodel: a TensorFlow SavedModel for "
-                                                "serving; hf: a Hugging Face directory.")
+    flags.DEFINE_enum("format", "savedmodel", ["savedmodel", "hf"], "savedmodel: a TensorFlow "
+                      "SavedModel for serving; hf: a Hugging Face directory.")
     flags.mark_flags_as_required(["model_dir", "export_dir"])
     cli.run_app("tfbig-export", main, __doc__, [("export", cli.own_flags())])
 
