@@ -33,6 +33,18 @@ def _rows(count, seed):
     return rows
 
 
+def squad_set(count, seed):
+    """SQuAD 1.1 JSON: a 10-word context, the answer its words 4-5."""
+    rng, paragraphs = np.random.default_rng(seed), []
+    for i in range(count):
+        words = list(rng.choice(WORDS, 10))
+        start = len(" ".join(words[:3])) + 1
+        paragraphs.append({"context": " ".join(words), "qas": [{
+            "id": f"q{seed}-{i}", "question": "what " + " ".join(words[:3]),
+            "answers": [{"text": " ".join(words[3:5]), "answer_start": start}]}]})
+    return {"version": "1.1", "data": [{"title": "words", "paragraphs": paragraphs}]}
+
+
 @pytest.fixture(scope="module")
 def bert_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("classify")

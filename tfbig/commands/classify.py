@@ -1,5 +1,6 @@
-"""`tfbig-classify`: fine-tune a converted BERT on sentence or sentence-pair labels (GLUE-style)
-and report accuracy, F1 and Matthews correlation: the Trainer running tfbig.tasks.classify.
+"""`tfbig-classify`: fine-tune a converted BERT or a Llama-family run (tfbig-train --model=llama,
+tfbig-convert of a Hugging Face one) on sentence or sentence-pair labels (GLUE-style) and
+report accuracy, F1 and Matthews correlation: the Trainer running tfbig.tasks.classify.
 
     tfbig-classify --init_checkpoint=runs/bert-base --train_file=MNLI/train.tsv \\
         --eval_file=MNLI/dev_matched.tsv --text_a=sentence1 --text_b=sentence2 \\
@@ -14,8 +15,9 @@ validation_matched and validation_mismatched.
 Writes to --output_dir: eval_results.json (accuracy, f1, mcc; "SPLIT/accuracy"... for TFDS
 splits), predictions.jsonl (predictions_SPLIT.jsonl: {"idx", "label"} per example, idx being
 GLUE's example index), labels.json, train_losses.json (the loss of each logged step), and the
-Trainer's run: config.json, vocab.txt, checkpoints (a rerun of the command resumes from the
-last one), TensorBoard events (--eval_every: accuracy during training).
+Trainer's run: config.json, the tokenizer (vocab.txt, tokenizer.json...), checkpoints (a rerun
+of the command resumes from the last one), TensorBoard events (--eval_every: accuracy during
+training).
 
 Every tfbig-train backend and feature applies (tfbig.training.finetune): --strategy=horovod |
 multiworker | mirrored | pipeline, --tensor_parallel, --zero_stage, --pipeline_stages,

@@ -105,16 +105,17 @@ def read_weights(run_dir):
     return {key: read(key) for key in shapes}
 
 
-def restore_backbone(model, run_dir):
-    """Load a run directory's (or checkpoint path's) backbone weights into a tfbig BERT or
-    ALBERT model (any head).
+def restore_backbone(model, run_dir, stored="backbone/"):
+    """Load a run directory's (or checkpoint path's) backbone weights into a tfbig BERT, ALBERT
+    or Llama model (any head): model key "backbone/x" reads checkpoint key `stored` + "x" (a
+    Llama run's keys have no "backbone/": its model is the backbone).
 
     Assigned through the model's Keras variables, so that inside a `keras.StatelessScope`
     (ZeRO-3's deferred build, tfbig.distribute.zero3.build_unmaterialised) the values go to
     the scope, which the backend slices, instead of to variables that hold none; a weight
     another pipeline stage holds (an empty placeholder on this rank) is left as it is."""
     weights = read_weights(run_dir)
-    backbone = {model_key(model, v): v for v in model.variables
+    backbone = {stored + model_key(model, v)[len("backbone/"):]: v for v in model.variables
                 if model_key(model, v).startswith("backbone/") and "seed_generator" not in v.path}
     held = {key: v for key, v in backbone.items() if not _placeholder(v)}
     missing = sorted(set(backbone) - set(weights))

@@ -352,10 +352,9 @@ class Llama(keras.Model):
         table = ops.cast(self.embedding.embeddings, x.dtype)  # (V, C)
         return ops.cast(ops.matmul(x, ops.transpose(table)), "float32")  # (B, T, V)
 
-    def call(self, token_ids, training=False, return_routing=False):
-        """Logits (B, T, V); with `return_routing` (an MoE model) also the routing statistics
-        of its MoE layers: aux_loss and z_loss (means over layers), tokens_per_expert (L, E),
-        dropped_tokens (L,)."""
+    def hidden_states(self, token_ids, training=False):
+        """(the last block's output (B, T, C), before the final norm; the routing statistics of
+        each MoE layer, [] for a dense model)."""
         x = self.embedding(token_ids)  # (B, T, C)
         routings = []
         for block in self.blocks:
@@ -363,6 +362,13 @@ class Llama(keras.Model):
             if self.config.num_experts:
                 x, routing = x
                 routings.append(routing)
+        return x, routings
+
+    def call(self, token_ids, training=False, return_routing=False):
+        """Logits (B, T, V); with `return_routing` (an MoE model) also the routing statistics
+        of its MoE layers: aux_loss and z_loss (means over layers), tokens_per_expert (L, E),
+        dropped_tokens (L,)."""
+        x, routings = self.hidden_states(token_ids, training)
         if not return_routing:
             return self.logits(x)
         if not routings:

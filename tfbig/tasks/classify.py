@@ -1,13 +1,16 @@
 """Sentence and sentence-pair classification (GLUE-style) as a task of the one Trainer.
 
 The single-replica view, like tasks.gpt: the examples (TSV with a header row or JSON lines, or
-a TFDS `glue/*` dataset prepared on disk: tfbig.data.glue), the model (BertClassifier: the backbone
-of --init_checkpoint, a tfbig-convert BERT, and a new classifier on the pooled [CLS]), the
-loss (cross-entropy), and a validation step returning class logits with labels. The metric
+a TFDS `glue/*` dataset prepared on disk: tfbig.data.glue), the model (the backbone of
+--init_checkpoint and a new classifier: BertClassifier on the pooled [CLS] of a tfbig-convert
+BERT; LlamaClassifier on the last token of a Llama-family run, tfbig-train --model=llama or
+tfbig-convert of a Hugging Face one), the loss (cross-entropy), and a validation step
+returning class logits with labels. The metric
 runs once over the gathered outputs: accuracy, F1 (of the second class for two classes, else
 macro-averaged) and Matthews correlation, as GLUE scores its tasks.
 
-Features: [CLS] a [SEP] b [SEP], the longer text cut first to fit --max_seq_length. The
+Features: [CLS] a [SEP] b [SEP] (BERT) or a </s> b </s> (Llama: the run tokenizer's
+end-of-document token), the longer text cut first to fit --max_seq_length. The
 inputs, training order and steps around the loss are every fine-tuning task's
 (tasks.fine_tuning).
 
@@ -27,43 +30,54 @@ from tfbig.tasks.fine_tuning import INPUTS, Examples, FineTuningTask
 
 
 class ClassifyTask(FineTuningTask):
-    """BertClassifier fine-tuning on labelled examples; splits "train", "validation" (the
-    first eval set) and each eval set by name ("" for --eval_file, TFDS split names)."""
+    """BertClassifier or LlamaClassifier fine-tuning on labelled examples; splits "train",
+    "validation" (the first eval set) and each eval set by name ("" for --eval_file, TFDS
+    split names)."""
 
     format = "classify"
 
     def __init__(self, train, options):
         from tfbig.convert import run_dir
-        from tfbig.data.wordpiece import WordPieceTokenizer
 
         self.train, self.options = train, options
         check_sources(options)
         if not options.init_checkpoint:
             raise UsageError("--init_checkpoint: give a tfbig-convert --output_dir holding a "
-                             "BERT (its config.json, vocab.txt and checkpoint)")
-        config, saved = run_dir.read_config(options.init_checkpoint, families=("bert",))
+                             "BERT or a Llama-family model, or a tfbig-train --model=llama "
+                             "--model_dir (its config.json, tokenizer and checkpoint)")
+        config, saved = run_dir.read_config(options.init_checkpoint, families=("bert", "llama"))
+        self.decoder = saved["model_format"] == "llama"
         self.set_model_config(config, options.max_seq_length)
-        tokenizer = WordPieceTokenizer.from_run(options.init_checkpoint, saved["tokenizer"])
+        tokenizer = _tokenizer(options.init_checkpoint, saved, self.decoder)
         examples, evals, self.names = read_data(options)
         label_ids = {name: i for i, name in enumerate(self.names)}
         self.examples = {"train": examples, **evals}
-        self.arrays = {name: encode(rows, tokenizer, self.seq_length, label_ids)
+        self.arrays = {name: encode(rows, tokenizer, self.seq_length, label_ids, self.decoder)
                        for name, rows in self.examples.items()}
         self.eval_names = list(evals)
         if evals:
             self.arrays["validation"] = self.arrays[self.eval_names[0]]
-        self.manifest = Examples(tokenizer.vocab_file, {k: len(v["labels"])
-                                                        for k, v in self.arrays.items()})
+        path = getattr(tokenizer, "vocab_file", None) or tokenizer.path
+        self.manifest = Examples(path, {k: len(v["labels"]) for k, v in self.arrays.items()})
 
     def build_model(self):
-        """BertClassifier, built; its backbone from --init_checkpoint, its head fresh."""
+        """BertClassifier or LlamaClassifier, built; its backbone from --init_checkpoint, its
+        head fresh."""
         from tfbig.convert import run_dir
-        from tfbig.models.bert import BertClassifier
 
-        model = BertClassifier(self.model_config, num_classes=len(self.names),
-                               name="bert_classifier")
+        if self.decoder:
+            from tfbig.models.llama_heads import LlamaClassifier
+
+            model = LlamaClassifier(self.model_config, num_classes=len(self.names),
+                                    name="llama_classifier")
+        else:
+            from tfbig.models.bert import BertClassifier
+
+            model = BertClassifier(self.model_config, num_classes=len(self.names),
+                                   name="bert_classifier")
         model.build()
-        run_dir.restore_backbone(model, self.options.init_checkpoint)
+        run_dir.restore_backbone(model, self.options.init_checkpoint,
+                                 stored="" if self.decoder else "backbone/")
         return model
 
     def loss_from_outputs(self, outputs, batch):
@@ -78,6 +92,21 @@ class ClassifyTask(FineTuningTask):
     def reduce_aggregated_logs(self, outputs):
         """Accuracy, F1 and Matthews correlation of the gathered logits."""
         return scores(outputs["labels"], outputs["logits"].argmax(-1), len(self.names))
+
+
+def _tokenizer(init_checkpoint, saved, decoder):
+    """A BERT run's WordPiece vocabulary, or the tokenizer a Llama-family run carries
+    (tfbig.data.tokenizer.for_run); an MoE Llama is refused before anything is read."""
+    if not decoder:
+        from tfbig.data.wordpiece import WordPieceTokenizer
+
+        return WordPieceTokenizer.from_run(init_checkpoint, saved["tokenizer"])
+    from tfbig.data.tokenizer import for_run
+    from tfbig.models.llama_config import LlamaConfig
+    from tfbig.models.llama_heads import check_backbone
+
+    check_backbone(LlamaConfig(**saved["model_config"]), f"--init_checkpoint={init_checkpoint}")
+    return for_run(init_checkpoint)
 
 
 def check_sources(options):
@@ -135,18 +164,23 @@ def example_index(row, number):
     return int(value) if str(value).isdigit() else value
 
 
-def encode(examples, tokenizer, max_seq_length, label_ids):
-    """{input_ids, segment_ids, input_mask (N, T), labels (N,)} numpy arrays."""
-    cls_id, sep_id = tokenizer.piece_id("[CLS]"), tokenizer.piece_id("[SEP]")
+def encode(examples, tokenizer, max_seq_length, label_ids, decoder=False):
+    """{input_ids, segment_ids, input_mask (N, T), labels (N,)} numpy arrays: [CLS] a [SEP]
+    b [SEP], or for a `decoder` a </s> b </s> (no [CLS]: its classifier reads the last
+    token; </s> is the tokenizer's end-of-document id)."""
+    if decoder:
+        cls, sep = [], tokenizer.eos_id
+    else:
+        cls, sep = [tokenizer.piece_id("[CLS]")], tokenizer.piece_id("[SEP]")
     arrays = {k: np.zeros((len(examples), max_seq_length), np.int32) for k in INPUTS}
     for row, (a, b, *_) in enumerate(examples):
         a, b = tokenizer.encode(a), tokenizer.encode(b) if b is not None else []
-        room = max_seq_length - (3 if b else 2)
+        room = max_seq_length - len(cls) - (2 if b else 1)
         while len(a) + len(b) > room:  # cut the longer text first (BERT's run_classifier)
             (a if len(a) >= len(b) else b).pop()
-        tokens = [cls_id, *a, sep_id] + ([*b, sep_id] if b else [])
+        tokens = [*cls, *a, sep] + ([*b, sep] if b else [])
         arrays["input_ids"][row, :len(tokens)] = tokens
-        arrays["segment_ids"][row, len(a) + 2:len(tokens)] = 1
+        arrays["segment_ids"][row, len(cls) + len(a) + 1:len(tokens)] = 1
         arrays["input_mask"][row, :len(tokens)] = 1
     arrays["labels"] = np.array([label_ids.get(label, -1) for _, _, label, _ in examples],
                                 np.int32)
