@@ -1,5 +1,5 @@
-"""`tfbig-squad`: fine-tune ALBERT or BERT on SQuAD v1.1/v2.0, predict, and score officially:
-the Trainer running tfbig.tasks.squad.
+"""`tfbig-squad`: fine-tune ALBERT, BERT or a Llama-family model on SQuAD v1.1/v2.0, predict,
+and score officially: the Trainer running tfbig.tasks.squad.
 
     tfbig-squad --init_checkpoint=runs/albert --train_file=train-v2.0.json \\
         --predict_file=dev-v2.0.json --output_dir=runs/squad

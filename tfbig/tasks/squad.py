@@ -1,8 +1,8 @@
 """SQuAD v1.1 / v2.0 extractive question answering as a task of the one Trainer.
 
 The single-replica view, like tasks.classify: the examples (SQuAD JSON -> windowed features:
-tfbig.data.squad.features), the model (ALBERT or BERT with a span head: the backbone of
---init_checkpoint, or random with --random_init; tfbig.tasks.squad_model), the loss (mean of the start
+tfbig.data.squad.features), the model (ALBERT, BERT or a Llama with a span head: the backbone
+of --init_checkpoint, or random with --random_init; tfbig.tasks.squad_model), the loss (mean of the start
 and end cross-entropies over positions, BERT's), and a validation step returning start/end logits
 with each feature's index. The metric runs once over the gathered outputs: n-best spans, the v2.0
 null threshold (given, or tuned for F1 on the predict file) and the official EM/F1
@@ -24,14 +24,16 @@ import numpy as np
 import tensorflow as tf
 
 from tfbig.errors import UsageError
+from tfbig.models.llama_config import LlamaConfig
 from tfbig.tasks.fine_tuning import INPUTS, Examples, FineTuningTask
 
 LABELS = ("start_positions", "end_positions")
 
 
 class SquadTask(FineTuningTask):
-    """Span fine-tuning of ALBERT or BERT on SQuAD features. `config` and `tokenizer` are the
-    model's (tfbig.tasks.squad_model.pretrained_config, or a random ALBERT preset's)."""
+    """Span fine-tuning of ALBERT, BERT or a Llama on SQuAD features. `config` and
+    `tokenizer` are the model's (tfbig.tasks.squad_model.pretrained_config, or a random ALBERT
+    preset's)."""
 
     format = "squad"
 
@@ -62,8 +64,11 @@ class SquadTask(FineTuningTask):
         examples, found = read_squad(path)
         if o.version not in ("auto", found):
             raise UsageError(f"{path} is SQuAD {found} but --version={o.version}")
+        special = None  # [CLS] and [SEP]; a decoder's end-of-document token in both places
+        if isinstance(self.model_config, LlamaConfig):
+            special = (self._tokenizer.eos_id,) * 2
         features = convert_examples(examples, self._tokenizer, o.max_seq_length, o.doc_stride,
-                                    o.max_query_length)
+                                    o.max_query_length, special)
         print(f"{path}: SQuAD {found}, {len(examples)} questions, {len(features)} features")
         return examples, features, found
 

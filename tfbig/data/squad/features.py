@@ -6,9 +6,11 @@ space of a "▁" piece. An answer becomes the first and last context tokens over
 characters, and a predicted token span becomes context[start of first : end of last].
 
 Feature layout (BERT/ALBERT): [CLS] question [SEP] context window [SEP], segment 0 then 1,
-zero-padded to max_seq_length. A context longer than the room left is cut into windows
-that start doc_stride tokens apart; a window without the whole answer (and every window of
-an unanswerable question) labels the answer as position 0, the [CLS] token.
+zero-padded to max_seq_length; a decoder (Llama) puts its end-of-document token in both places
+(`special_ids`): </s> question </s> context window </s>. A context longer than the room left is
+cut into windows that start doc_stride tokens apart; a window without the whole answer (and
+every window of an unanswerable question) labels the answer as position 0, the [CLS] (</s>)
+token.
 
 Example:
     examples, version = read_squad("dev-v2.0.json")
@@ -169,14 +171,15 @@ def max_context_flags(spans, window):
 
 
 def convert_examples(examples, tokenizer, max_seq_length=384, doc_stride=128,
-                     max_query_length=64):
-    """Features (see `Features`) of `examples`; questions are cut to max_query_length tokens."""
+                     max_query_length=64, special_ids=None):
+    """Features (see `Features`) of `examples`; questions are cut to max_query_length tokens.
+    `special_ids`: the (first, separator) token ids; None: the tokenizer's [CLS] and [SEP]."""
     if max_query_length + 4 > max_seq_length:
         raise ValueError(f"--max_query_length={max_query_length} leaves no room for context in "
                          f"--max_seq_length={max_seq_length}")
     if doc_stride < 1:
         raise ValueError(f"--doc_stride={doc_stride}: expected >= 1")
-    cls_id, sep_id = tokenizer.piece_id("[CLS]"), tokenizer.piece_id("[SEP]")
+    cls_id, sep_id = special_ids or (tokenizer.piece_id("[CLS]"), tokenizer.piece_id("[SEP]"))
     byte_lengths = None if hasattr(tokenizer, "char_spans") else tokenizer.piece_byte_lengths()
     rows, token_spans, contexts = [], [], {}
     for index, example in enumerate(examples):
