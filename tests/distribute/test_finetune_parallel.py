@@ -8,13 +8,16 @@ Scenarios, all slow (launches of 30-60 s each, over the default run's budget: th
 has pretraining's TP and ZeRO/MiCS launches, tests/distribute/test_tensor_parallel.py and
 test_zero.py, fine-tuning on two Horovod ranks, tests/test_classify.py, and the in-process
 tests below): BERT classification at TP2 x DP2, BERT SQuAD with ZeRO-2 over partition groups
-of 2 (MiCS, two replica groups), classification with ZeRO-1 over all 4 ranks, SQuAD ZeRO-3 over partition groups of 2, SQuAD ZeRO-2 in fp16
-against one process of the same precision, SQuAD at TP2 x DP2, and SQuAD at TP2 x PP2 (tensor groups inside 2 cross-rank stages; every
-rank's first-step gradients too, tests/distribute/squad_worker.py). In process (default run):
-a split span model keeps the pooler frozen, and cross-rank stages of a fine-tuning model are
-cut by its own head (what the TP launches first failed on). A SQuAD ZeRO run's checkpoint is read back by one process (--strategy=horovod
---zero_stage, re-sharded on load) to the same predictions. Bad combinations are refused before
-any training, naming the flags.
+of 2 (MiCS, two replica groups), classification with ZeRO-1 over all 4 ranks, SQuAD ZeRO-3
+over partition groups of 2, SQuAD ZeRO-2 in fp16 against one process of the same precision,
+SQuAD at TP2 x DP2, SQuAD at TP2 x PP2 (tensor groups inside 2 cross-rank stages; every rank's
+first-step gradients too, tests/distribute/squad_worker.py), and a Llama-family run's
+classifier at TP2 x DP2 and ZeRO-3 and its span model at TP2 x DP2 (25-30 s each). In process
+(default run): a split span model keeps the pooler frozen, and cross-rank stages of a
+fine-tuning model are cut by its own head (what the TP launches first failed on). A SQuAD ZeRO
+run's checkpoint is read back by one process (--strategy=horovod --zero_stage, re-sharded on
+load) to the same predictions. Bad combinations are refused before any training, naming the
+flags.
 """
 import json
 import os
@@ -28,14 +31,16 @@ import tensorflow as tf
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from equality import RecordedGradients  # noqa: E402
-from test_classify import WORDS, _rows  # noqa: E402 - the same GLUE-style rows
+from test_classify import WORDS, _rows, squad_set  # noqa: E402 - the same words
 from test_horovod import horovodrun, read  # noqa: E402
+from test_llama_finetune import LLAMA, write_llama_run  # noqa: E402
 
 from tfbig.checkpoints.checkpoint import model_variables  # noqa: E402
 from tfbig.commands.classify import ClassifyOptions  # noqa: E402
 from tfbig.commands.classify import fine_tune as classify  # noqa: E402
 from tfbig.convert import run_dir  # noqa: E402
 from tfbig.models.bert import BertConfig, BertForPretraining  # noqa: E402
+from tfbig.models.llama import LlamaConfig  # noqa: E402
 from tfbig.commands.squad import SquadOptions  # noqa: E402
 from tfbig.commands.squad import fine_tune as squad  # noqa: E402
 
@@ -64,19 +69,14 @@ SCENARIOS = {  # name: (command, flags); all slow (the module's docstring says w
     # the span model split (its frozen pooler stays frozen: tensor_layout.split_model); 65 s
     # idle: the in-process tests below cover it in the default run
     "squad_tp2_dp2": ("squad", {"tensor_parallel": 2}),
+    # a Llama-family run's classifier (tests/test_llama_finetune.py): grouped-query heads, the
+    # SwiGLU MLP and the word table split, the last-token head replicated
+    "llama_classify_tp2_dp2": ("classify", {"tensor_parallel": 2, "backbone": "llama"}),
+    # its weights sharded and gathered per layer (the classifier's layout().gather_per_call)
+    "llama_classify_zero3": ("classify", {"zero_stage": 3, "backbone": "llama"}),
+    # the span head on a split Llama (every position's logits, after the replicated final norm)
+    "llama_squad_tp2_dp2": ("squad", {"tensor_parallel": 2, "backbone": "llama"}),
 }
-
-
-def _squad_set(count, seed):
-    """SQuAD 1.1 JSON: a 10-word context, the answer its words 4-5."""
-    rng, paragraphs = np.random.default_rng(seed), []
-    for i in range(count):
-        words = list(rng.choice(WORDS, 10))
-        start = len(" ".join(words[:3])) + 1
-        paragraphs.append({"context": " ".join(words), "qas": [{
-            "id": f"q{seed}-{i}", "question": "what " + " ".join(words[:3]),
-            "answers": [{"text": " ".join(words[3:5]), "answer_start": start}]}]})
-    return {"version": "1.1", "data": [{"title": "words", "paragraphs": paragraphs}]}
 
 
 def write_files(root):
@@ -93,7 +93,8 @@ def write_files(root):
     (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _rows(48, 2)))
     (root / "dev.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _rows(16, 3)))
     for name, count, seed in (("train.json", 32, 4), ("dev.json", 8, 5)):
-        (root / name).write_text(json.dumps(_squad_set(count, seed)))
+        (root / name).write_text(json.dumps(squad_set(count, seed)))
+    write_llama_run(root)
     return root
 
 
@@ -114,7 +115,8 @@ def assert_same_checkpoints(ours, reference):
 
 
 def _options(command, files, flags):
-    common = {**STEPS, "init_checkpoint": str(files / "run"), **flags}
+    flags = dict(flags)
+    common = {**STEPS, "init_checkpoint": str(files / flags.pop("backbone", "run")), **flags}
     if command == "classify":
         return {**common, "train_file": str(files / "train.jsonl"),
                 "eval_file": str(files / "dev.jsonl")}
@@ -141,15 +143,21 @@ def launch(root, command, flags, files):
     return out
 
 
-def whole_weights(run, command):
+def whole_weights(run, command, backbone="run"):
     """{variable path: array} of the trained weights in run directory `run`'s newest checkpoint,
     a tensor-parallel or ZeRO run's pieces joined."""
     from tfbig.checkpoints.checkpoint import reader_key
     from tfbig.layouts import tensor_layout, zero_checkpoint
     from tfbig.models.bert import BertClassifier
+    from tfbig.models.llama_heads import LlamaClassifier
     from tfbig.tasks.squad_model import build_model
 
-    if command == "classify":
+    if backbone == "llama" and command == "classify":
+        model = LlamaClassifier(LlamaConfig(**LLAMA), num_classes=2, name="llama_classifier")
+        model.build()
+    elif backbone == "llama":
+        model = build_model(LlamaConfig(**LLAMA))
+    elif command == "classify":
         model = BertClassifier(BertConfig(**BERT), num_classes=2, name="bert_classifier")
         model.build()
     else:
@@ -176,10 +184,13 @@ def _check(name, files, tmp_path):
     if command == "classify" and parallel.get("zero_stage"):  # the Trainer's ZeRO pieces
         layout = json.loads((ours / "zero.json").read_text())
         assert layout["zero_stage"] == parallel["zero_stage"], layout
+    if parallel.get("tensor_parallel"):  # the weights were split (the backbone's plan)
+        splits = json.loads((ours / "tensor.json").read_text())["splits"]
+        assert len(splits) >= 13, sorted(splits)  # 6 (BERT) or 7 (Llama) per layer, table
     losses = [json.loads((run / "train_losses.json").read_text()) for run in (ours, one)]
     assert len(losses[0]) == 4 and losses[0][0] != losses[0][-1]
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
-    weights = whole_weights(ours, command)
+    weights = whole_weights(ours, command, parallel.get("backbone", "run"))
     assert len(recorded[0].paths) > 20
     recorded[0].assert_equal({p: weights[p] for p in recorded[0].paths})
     outputs = {"classify": ["eval_results.json", "predictions.jsonl"],
