@@ -79,3 +79,17 @@ def test_moe_settings_that_cannot_run_are_refused_before_anything_is_written(
         Trainer(cfg)
     assert not os.path.exists(tmp_path / "run")
     tf.keras.backend.clear_session()
+
+
+@pytest.mark.parametrize("value", ["0", "-0.5"])
+def test_a_given_capacity_factor_at_or_below_zero_is_refused_by_the_command(tmp_path, value):
+    """0 is a config's "unset" (dropless), so only the command, which knows a flag was given,
+    can refuse `--capacity_factor=0`: one line, exit code 2, nothing written."""
+    from test_cli import command
+
+    code, out, err = command("tfbig-train", "--model=llama", "--preset=tiny-moe",
+                             f"--capacity_factor={value}", f"--model_dir={tmp_path / 'run'}")
+    assert code == 2, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith(
+        f"tfbig-train: error: --capacity_factor={value}: expected a factor > 0 such as 1.25")
+    assert not os.path.exists(tmp_path / "run")

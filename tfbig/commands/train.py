@@ -32,6 +32,7 @@ def main(argv, started=None):
     if len(argv) > 1:
         raise UsageError(f"unexpected arguments {argv[1:]}; every option is a --flag")
     recipes.apply(flags.FLAGS)  # e.g. LAMB for ALBERT, the main job's schedule for gpt/small
+    _check_given(flags.FLAGS)
     if flags.FLAGS.plan_only:  # before any data or model is built
         from tfbig.training.local_plan import first_process, training_plan
 
@@ -77,6 +78,16 @@ def main(argv, started=None):
             print("sample:\n" + text)
         print(done_line(summary, time.monotonic() - started))
     trainer.strategy.shutdown()
+
+
+def _check_given(flag_values):
+    """Refuse a value that the flags' 0 default cannot stand for when it is given: a capacity
+    factor of 0 means "unset" (the preset's dropless routing) in a config, not a factor."""
+    given = flag_values["capacity_factor"]
+    if given.present and given.value <= 0:
+        raise UsageError(f"--capacity_factor={given.value:g}: expected a factor > 0 such as "
+                         f"1.25 (each expert takes at most ceil(factor x tokens x k / E) of a "
+                         f"micro-batch's assignments); leave the flag out for dropless routing")
 
 
 def done_line(summary, seconds):
