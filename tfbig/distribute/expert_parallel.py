@@ -1,7 +1,8 @@
 """Expert parallelism on Horovod (`--expert_parallel=N`): each MoE layer's E experts split over
 N data-parallel ranks, tokens sent to their experts and back by all-to-all, applied from outside.
 
-The model declares its MoE layers (`layout().experts`, tfbig.models.layout); this backend slices
+The model declares its MoE layers (`layout().experts`, tfbig.models.layout; a user's model's
+SparseMoE layers are found by type); this backend slices
 each layer's expert weights to the E/N experts of this rank's place in its expert group and
 replaces the layer's `dispatch` (tfbig.models.moe.SparseMoE) with `all_to_all_dispatch`. The
 expert groups are consecutive data ranks (EP inside DP, tfbig.distribute.mesh): every rank
@@ -33,19 +34,25 @@ from tfbig.distribute.tensor_parallel import restore_from_single_device, skip_ev
 from tfbig.layouts.tensor_layout import cut_pieces, replace_variable
 from tfbig.layouts.tensor_plan import resolve_plan_layers
 from tfbig.models.layout import layout_of
+from tfbig.models.moe import SparseMoE
 
 from tfbig.layouts import stage_checkpoint, tensor_layout, zero_checkpoint
 from tfbig.layouts.expert_checkpoint import LAYOUT_FILE
 
 
 def moe_layers(model, flag):
-    """The MoE layers `model` declares (`layout().experts`); refused by name when none."""
+    """The MoE layers `model` declares (`layout().experts`), or, in a model that declares none
+    (a user's Keras model), every tfbig.models.moe.SparseMoE layer it holds; refused by name
+    when there are none."""
     paths = layout_of(model).experts
     layers = [layer for path in paths for layer in resolve_plan_layers(model, path)]
+    if not paths:
+        layers = [layer for layer in model._flatten_layers() if isinstance(layer, SparseMoE)]
     if not layers:
-        raise ValueError(f"{flag}: {type(model).__name__} has no MoE layers (its layout()."
-                         f"experts is empty); use --model=llama with --num_experts=E or an MoE "
-                         f"preset (tiny-moe, mixtral-8x7b)")
+        raise ValueError(f"{flag}: {type(model).__name__} has no MoE layers (no "
+                         f"tfbig.models.moe.SparseMoE layer, nor layout().experts); use "
+                         f"--model=llama with --num_experts=E, an MoE preset (tiny-moe, "
+                         f"mixtral-8x7b), or SparseMoE layers in your model")
     return layers
 
 
