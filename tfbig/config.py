@@ -162,10 +162,9 @@ class MoEConfig:
                                     "logits) | before_topk (Qwen-MoE: the chosen experts' "
                                     "probabilities over all E); empty keeps the preset's.")
     capacity_factor: float = field(0.0, "MoE: each expert takes at most ceil(factor * tokens "
-                                        "* k / E) of a micro-batch's assignments, the rest "
-                                        "dropped and counted; a given factor must be > 0. "
-                                        "Unset (0 in a Python config): the preset's, dropless "
-                                        "in every preset.")
+                                        "* k / E) of a micro-batch's assignments (a factor > 0)"
+                                        ", the rest dropped and counted. Unset (0 in a config):"
+                                        " the preset's, dropless in every preset.")
     router_aux_loss_coef: float = field(-1.0, "MoE: weight of the load-balancing loss "
                                               "(negative keeps the preset's).")
     router_z_loss_coef: float = field(-1.0, "MoE: weight of the router z-loss (< 0: the preset's).")
