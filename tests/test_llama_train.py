@@ -1,6 +1,7 @@
 """--model=llama through the trainer on one process: the loss falls on the tiny corpus, the run
-directory says model_format "llama", tfbig-generate loads it, and its Hugging Face export is read
-by keras-hub with the trained model's logits. (Two Horovod ranks against one process:
+directory says model_format "llama", tfbig-generate loads it and continues a prompt through its
+SentencePiece tokenizer (greedy: full recomputation's argmax), and its Hugging Face export is
+read by keras-hub with the trained model's logits. (Two Horovod ranks against one process:
 tests/distribute/test_horovod_llama.py.)"""
 import json
 import os
@@ -39,6 +40,18 @@ def test_llama_trains_generates_and_exports(gpt_data, tmp_path):
     np.testing.assert_allclose(model(tokens).numpy(), trainer.model(tokens).numpy(), atol=1e-6)
     out = Generator(model)(tokens[:, :3], 4, temperature=0.0)
     assert out.shape == (1, 7)
+    # tfbig-generate's text path with the run's SentencePiece tokenizer: greedy continuation of
+    # a prompt (KV cache) equals the argmax of full recomputation, token for token
+    from tfbig.data.tokenizer import Tokenizer, for_run
+    from tfbig.models.generation import sample_text
+
+    tokenizer = for_run(str(tmp_path / "run"))
+    assert isinstance(tokenizer, Tokenizer)
+    ids = tokenizer.encode("ROMEO: the")
+    for _ in range(6):
+        ids.append(int(np.argmax(model(np.array([ids], np.int32)).numpy()[0, -1])))
+    expected = tokenizer.decode([i for i in ids if i != tokenizer.eos_id])
+    assert sample_text(model, tokenizer, "ROMEO: the", 6, temperature=0.0) == expected
 
     keras_hub = pytest.importorskip("keras_hub")
     from tfbig.commands.convert import ConvertOptions, convert
