@@ -14,7 +14,9 @@ Hugging Face export (sharded safetensors read in place, tfbig.convert.llama), Ze
 ranks, PP2, EP2 and EP2 from the MoE source's Hugging Face export (its experts one tensor each,
 an expert rank reading its own), in one 2-rank launch. Slow: EP2 x TP2, TP2 x ZeRO-3, EP2 x DP2
 with ZeRO-3 (an expert rank's experts whole, the other weights' slices over the 4 ranks) and EP2
-x PP2 (a stage's rank its stage's share of the experts) on 4 ranks.
+x PP2 (a stage's rank its stage's share of the experts) on 4 ranks, and TP2 x DP2 of the dense
+source with Qwen 3's query/key norms added (one scale per norm, replicated, read by every tensor
+rank for its own heads: its gradient summed over the tensor group).
 """
 import os
 import sys
@@ -53,6 +55,8 @@ SCENARIOS = {"tp2": (2, "dense", 1, {"tensor_parallel": 2}, {}),
              "ep2_hf": (2, "hf_moe", 2, {"expert_parallel": 2}, {})}
 SLOW_SCENARIOS = {"ep2_tp2": (4, "moe", 2, {"expert_parallel": 2, "tensor_parallel": 2}, {}),
                   "tp2_zero3": (4, "dense", 2, {"tensor_parallel": 2, "zero_stage": 3}, {}),
+                  # Qwen 3's query/key norms: each tensor rank's heads read the one scale
+                  "tp2_qk_norm": (4, "qk_norm", 2, {"tensor_parallel": 2}, {}),
                   "ep2_zero3": (4, "moe", 4, {"expert_parallel": 2, "zero_stage": 3}, {}),
                   # 2 data replicas x 2 micro-batches, each with its own router losses: the
                   # reference's 4 micro-batches in the same order
@@ -68,8 +72,32 @@ def sources(gpt_data, tmp_path_factory):
         Trainer(make_cfg(gpt_data, root / kind, **{**train, "max_steps": 1, "seed": 5})).fit()
     llama.export(str(root / "dense"), str(root / "hf"), max_shard_bytes=20_000)
     llama.export(str(root / "moe"), str(root / "hf_moe"), max_shard_bytes=20_000)
+    write_qk_norm_source(root / "dense", root / "qk_norm")
     return {**{kind: str(root / kind) for kind in SOURCES}, "hf": str(root / "hf"),
-            "hf_moe": str(root / "hf_moe")}
+            "hf_moe": str(root / "hf_moe"), "qk_norm": str(root / "qk_norm")}
+
+
+def write_qk_norm_source(dense, out):
+    """The dense source with Qwen 3's query/key norms added, their scales drawn around 1 (so
+    their gradients, which every tensor rank computes for its own heads, matter)."""
+    import dataclasses
+
+    import keras
+
+    from tfbig.models.llama import Llama
+
+    config, _ = run_dir.read_config(str(dense), families=("llama",))
+    config = dataclasses.replace(config, qk_norm=True)
+    keras.utils.set_random_seed(9)
+    model = Llama(config)
+    model.build()
+    weights = run_dir.read_weights(str(dense))
+    rng = np.random.default_rng(9)
+    for key, variable in model_variables(model).items():
+        if key not in weights:  # block_i/attn/query_norm/scale, .../key_norm/scale
+            weights[key] = (1.0 + 0.2 * rng.standard_normal(variable.shape)).astype("float32")
+    run_dir.write_run(str(out), config, weights, None,
+                      {"tokenizer.model": os.path.join(dense, "tokenizer.model")}, "test", "llama")
 
 
 def scenario_cfg(gpt_data, model_dir, source, parallel, pipeline, **train):

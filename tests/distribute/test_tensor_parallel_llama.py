@@ -143,8 +143,6 @@ def test_a_llama_rank_holds_its_heads_and_columns_of_the_single_device_model(tie
 @pytest.mark.parametrize("config, size, sequence, message", [
     (dict(num_heads=4, num_kv_heads=1), 2, False,
      r"--tensor_parallel=2 does not divide num_kv_heads=1 \(num_heads=4\)"),
-    (dict(num_heads=4, num_kv_heads=4, qk_norm=True), 2, False,
-     "--tensor_parallel=2 with qk_norm"),
     (dict(seq_length=15), 2, True, "--sequence_parallel with --tensor_parallel=2: the "
      "sequence length 15 must be a multiple of 2"),
 ])

@@ -132,6 +132,9 @@ def wrap(layer, split, group):
     elif kind == "vocab_logits":  # a declared output Dense: the task's loss sees all logits
         layer.call = lambda x, *args, **kwargs: gather_last_axis(
             call(enter(x, ps), *args, **kwargs), group)
+    elif kind == "shared_norm":  # one scale for every rank's heads: its gradient summed
+        layer.call = lambda x, *args, **kwargs: layer.normalize(
+            x, copy_to_region(ops.convert_to_tensor(layer.scale), ps))
     elif kind in ("vocab_input", "region_input"):
         layer.call = lambda *args, **kwargs: enter(call(*args, **kwargs), ps)
     elif kind == "positions" and group.sequence_parallel:

@@ -65,10 +65,6 @@ def _shrink_grouped_heads(layer, size):
                          f"attention splits whole key/value heads, each with its "
                          f"{layer.num_heads // layer.num_kv_heads} query heads; choose a "
                          f"degree dividing num_kv_heads")
-    if getattr(layer, "qk_norm", False):
-        raise ValueError(f"--tensor_parallel={size} with qk_norm (Qwen 3): the query/key norm "
-                         f"scales are shared by the heads every rank holds a part of; run it "
-                         f"with --tensor_parallel=1")
     layer.num_heads = _divide(layer.num_heads, size, "num_heads")
     layer.num_kv_heads //= size
 

@@ -17,8 +17,11 @@ class Split:
     it), shared_column (a column split adding no collective of its own), row (a Dense's
     input rows), vocab (an Embedding's rows), vocab_column (the untied output head's
     columns), vocab_input (the activation entering the vocabulary projection: copied into the
-    region after this layer), vocab_bias (a head's per-token bias, split like the vocabulary), own_mask (a dropout
-    inside a split region: its seed state offset by the tensor rank). With --sequence_parallel:
+    region after this layer), vocab_bias (a head's per-token bias, split like the
+    vocabulary), own_mask (a dropout inside a split region: its seed state offset by the
+    tensor rank), shared_norm (a norm every rank applies to its own heads with one replicated
+    scale, Qwen 3's QK-norm: the scale's gradient summed over the group). With
+    --sequence_parallel:
     positions, segments (embedding outputs kept for the rank's sequence chunk), sequence_mask
     (a dropout of the sequence-split region), sequence_output (a backbone output gathered
     whole), sequence_first (position 0 of the chunk, from tensor rank 0), whole_sequence (a

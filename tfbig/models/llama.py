@@ -31,7 +31,8 @@ from tfbig.models.rope import ROPE_FIELDS, apply_rope, rope_frequencies  # noqa:
 # How Llama may be split over a tensor group (data; the layout language: tfbig.models.layout).
 # Megatron's attention and MLP pairs: q, k, v, gate and up column-parallel, proj and down
 # row-parallel, query heads and key/value heads both split (whole groups per rank); each RMSNorm's
-# output enters the split region once for the column layers that read it.
+# output enters the split region once for the column layers that read it; Qwen 3's query/key
+# norms apply one scale to every rank's own heads.
 TENSOR_LAYOUT = (
     ("blocks.*.attn_norm", Split("region_input")),
     ("blocks.*.attn", Split("grouped_heads")),
@@ -40,6 +41,8 @@ TENSOR_LAYOUT = (
     ("blocks.*.attn.value", Split("shared_column")),
     ("blocks.*.attn.proj", Split("row")),
     ("blocks.*.attn.attn_dropout", Split("own_mask")),
+    ("blocks.*.attn.query_norm", Split("shared_norm", sequence=False)),
+    ("blocks.*.attn.key_norm", Split("shared_norm", sequence=False)),
     ("blocks.*.mlp_norm", Split("region_input")),
     ("blocks.*.mlp", Split("width")),
     ("blocks.*.mlp.gate", Split("shared_column")),
@@ -64,9 +67,12 @@ class RMSNorm(keras.layers.Layer):
         self.scale = self.add_weight(shape=(input_shape[-1],), initializer="ones", name="scale")
 
     def call(self, x):
+        return self.normalize(x, self.scale)
+
+    def normalize(self, x, scale):  # `scale`: the layer's own, or it read another way
         x32 = ops.cast(x, "float32")
         x32 = x32 * ops.rsqrt(ops.mean(ops.square(x32), axis=-1, keepdims=True) + self.epsilon)
-        return ops.cast(x32 * ops.cast(self.scale, "float32"), self.compute_dtype)
+        return ops.cast(x32 * ops.cast(scale, "float32"), self.compute_dtype)
 
     def get_config(self):
         return {**super().get_config(), "epsilon": self.epsilon}
@@ -314,15 +320,12 @@ class Llama(keras.Model):
 
     def layout(self):
         """How this model may be split (data the backends read: tfbig.models.layout). A tied
-        word table is read twice a step (embedding and logits), so ZeRO-3 gathers it per step.
+        word table is read twice a step (embedding and logits): ZeRO-3 gathers it per step.
         Context parallelism cuts the token ids, puts RoPE at each rank's own positions and
-        attends over the group; the loss runs on each rank's own tokens. An MoE model declares
-        its MoE MLPs (--expert_parallel), its blocks (--activation_checkpointing), its ZeRO-3
-        gathers, its context plan (the routers' statistics summed over the context group: the
-        load-balancing loss is over a replica's whole batch) and the tensor split of its
-        attention and vocabulary (its MoE MLPs replicated on the tensor ranks; no sequence
-        split, for the same reason): its other plans are refused by name until each is proven
-        equal to one process."""
+        attends over the group; the loss runs on each rank's own tokens. An MoE model adds its
+        MoE MLPs (--expert_parallel) and sums the routers' statistics over the context group
+        (the load-balancing loss is over a replica's whole batch); its tensor split is the
+        attention's and vocabulary's (MoE MLPs replicated, no sequence split, for that reason)."""
         tied = self.config.tie_embeddings
         gathers = dict(
             gather_per_call=("blocks.*", "final_norm", "head") + (() if tied else ("embedding",)),
@@ -353,8 +356,7 @@ class Llama(keras.Model):
         return ops.cast(ops.matmul(x, ops.transpose(table)), "float32")  # (B, T, V)
 
     def hidden_states(self, token_ids, training=False):
-        """(the last block's output (B, T, C), before the final norm; the routing statistics of
-        each MoE layer, [] for a dense model)."""
+        """(last block's output (B, T, C) before the final norm, MoE layers' routing or [])."""
         x = self.embedding(token_ids)  # (B, T, C)
         routings = []
         for block in self.blocks:
