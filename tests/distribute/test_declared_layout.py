@@ -257,7 +257,7 @@ def test_a_single_device_checkpoint_restores_into_each_ranks_declared_slices(tmp
     slot is its slice of the single-device state, the replicated ones whole."""
     from tfbig.api import configure
     from tfbig.training.consolidate import OfflineSlice
-    from tfbig.layouts.tensor_layout import state_arrays
+    from tfbig.checkpoints.checkpoint import state_arrays
     from tfbig.training.trainer import Trainer
 
     class SliceOnLoad(OfflineSlice):

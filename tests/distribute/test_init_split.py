@@ -16,7 +16,9 @@ an expert rank reading its own), in one 2-rank launch. Slow: EP2 x TP2, TP2 x Ze
 with ZeRO-3 (an expert rank's experts whole, the other weights' slices over the 4 ranks) and EP2
 x PP2 (a stage's rank its stage's share of the experts) on 4 ranks, and TP2 x DP2 of the dense
 source with Qwen 3's query/key norms added (one scale per norm, replicated, read by every tensor
-rank for its own heads: its gradient summed over the tensor group).
+rank for its own heads: its gradient summed over the tensor group), and TP2 x DP2 of it with one
+key/value head (multi-query attention: both tensor ranks hold the key/value projections whole
+and sum their gradients).
 """
 import os
 import sys
@@ -57,6 +59,8 @@ SLOW_SCENARIOS = {"ep2_tp2": (4, "moe", 2, {"expert_parallel": 2, "tensor_parall
                   "tp2_zero3": (4, "dense", 2, {"tensor_parallel": 2, "zero_stage": 3}, {}),
                   # Qwen 3's query/key norms: each tensor rank's heads read the one scale
                   "tp2_qk_norm": (4, "qk_norm", 2, {"tensor_parallel": 2}, {}),
+                  # one key/value head, two tensor ranks: both hold it whole (replicated)
+                  "tp2_replicated_kv": (4, "mqa", 2, {"tensor_parallel": 2}, {}),
                   "ep2_zero3": (4, "moe", 4, {"expert_parallel": 2, "zero_stage": 3}, {}),
                   # 2 data replicas x 2 micro-batches, each with its own router losses: the
                   # reference's 4 micro-batches in the same order
@@ -72,14 +76,17 @@ def sources(gpt_data, tmp_path_factory):
         Trainer(make_cfg(gpt_data, root / kind, **{**train, "max_steps": 1, "seed": 5})).fit()
     llama.export(str(root / "dense"), str(root / "hf"), max_shard_bytes=20_000)
     llama.export(str(root / "moe"), str(root / "hf_moe"), max_shard_bytes=20_000)
-    write_qk_norm_source(root / "dense", root / "qk_norm")
+    write_variant(root / "dense", root / "qk_norm", qk_norm=True)
+    write_variant(root / "dense", root / "mqa", num_kv_heads=1)
     return {**{kind: str(root / kind) for kind in SOURCES}, "hf": str(root / "hf"),
-            "hf_moe": str(root / "hf_moe"), "qk_norm": str(root / "qk_norm")}
+            "hf_moe": str(root / "hf_moe"), "qk_norm": str(root / "qk_norm"),
+            "mqa": str(root / "mqa")}
 
 
-def write_qk_norm_source(dense, out):
-    """The dense source with Qwen 3's query/key norms added, their scales drawn around 1 (so
-    their gradients, which every tensor rank computes for its own heads, matter)."""
+def write_variant(dense, out, **changes):
+    """The dense source with its config's `changes` (Qwen 3's query/key norms; one key/value
+    head): the source's weights where the shapes agree, the others drawn (norm scales around
+    1, so their gradients matter)."""
     import dataclasses
 
     import keras
@@ -87,15 +94,18 @@ def write_qk_norm_source(dense, out):
     from tfbig.models.llama import Llama
 
     config, _ = run_dir.read_config(str(dense), families=("llama",))
-    config = dataclasses.replace(config, qk_norm=True)
+    config = dataclasses.replace(config, **changes)
     keras.utils.set_random_seed(9)
     model = Llama(config)
     model.build()
-    weights = run_dir.read_weights(str(dense))
+    source = run_dir.read_weights(str(dense))
     rng = np.random.default_rng(9)
+    weights = {}
     for key, variable in model_variables(model).items():
-        if key not in weights:  # block_i/attn/query_norm/scale, .../key_norm/scale
-            weights[key] = (1.0 + 0.2 * rng.standard_normal(variable.shape)).astype("float32")
+        weights[key] = source.get(key)
+        if weights[key] is None or weights[key].shape != tuple(variable.shape):
+            weights[key] = (float(key.endswith("norm/scale")) + 0.2 * rng.standard_normal(
+                variable.shape)).astype("float32")
     run_dir.write_run(str(out), config, weights, None,
                       {"tokenizer.model": os.path.join(dense, "tokenizer.model")}, "test", "llama")
 

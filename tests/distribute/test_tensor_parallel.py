@@ -342,7 +342,7 @@ def test_a_single_device_checkpoint_restores_into_each_ranks_slices(gpt_data, tm
     import tensorflow as tf
 
     from tfbig.training.consolidate import OfflineSlice
-    from tfbig.layouts.tensor_layout import state_arrays
+    from tfbig.checkpoints.checkpoint import state_arrays
     from tfbig.distribute.tensor_parallel import restore_from_single_device
 
     class SliceOnLoad(OfflineSlice):

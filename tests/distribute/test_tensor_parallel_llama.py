@@ -140,9 +140,38 @@ def test_a_llama_rank_holds_its_heads_and_columns_of_the_single_device_model(tie
         np.testing.assert_array_equal(v.numpy(), expected)
 
 
+def test_more_tensor_ranks_than_key_value_heads_hold_them_whole():
+    """8 query / 2 key-value heads over 4 tensor ranks: each rank keeps 2 query heads and the
+    whole key and value projections (not split: no entry in the splits), and its wrapped
+    projection gives the columns of the one head its queries read (rank 3: head 1)."""
+    import keras
+
+    from tfbig.distribute.tensor_layers import wrap
+    from tfbig.models.layout import Split
+
+    task = _Task(num_heads=8, num_kv_heads=2)
+    keras.utils.set_random_seed(0)
+    reference = {v.path: v.numpy() for v in task.build_model().variables}
+    keras.utils.set_random_seed(0)
+    group = TensorGroup(None, 3, 4)
+    local, splits = split_model(task, group)
+    attn = local.blocks[0].attn
+    assert (attn.num_heads, attn.num_kv_heads) == (2, 1)
+    assert attn.query.kernel.shape == (32, 8) and attn.key.kernel.shape == (32, 8)
+    assert attn.key.kernel.path not in splits and attn.value.kernel.path not in splits
+    np.testing.assert_array_equal(attn.key.kernel.numpy(), reference[attn.key.kernel.path])
+    wrap(attn.key, Split("shared_column"), group)  # the backend's wrap of this entry
+    x = np.random.default_rng(0).standard_normal((1, 3, 32)).astype("float32")
+    np.testing.assert_allclose(attn.key(x).numpy(), x @ reference[attn.key.kernel.path][:, 4:],
+                               rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("config, size, sequence, message", [
-    (dict(num_heads=4, num_kv_heads=1), 2, False,
-     r"--tensor_parallel=2 does not divide num_kv_heads=1 \(num_heads=4\)"),
+    (dict(hidden_size=48, num_heads=6, num_kv_heads=2), 4, False,
+     r"--tensor_parallel=4 neither divides num_kv_heads=2 nor is a multiple of it dividing "
+     r"num_heads=6"),
+    (dict(num_heads=4, num_kv_heads=1), 2, True,
+     r"--sequence_parallel with --tensor_parallel=2 above the key/value heads"),
     (dict(seq_length=15), 2, True, "--sequence_parallel with --tensor_parallel=2: the "
      "sequence length 15 must be a multiple of 2"),
 ])

@@ -96,8 +96,28 @@ def test_llama_8b_plan_counts_gqa_and_plans_what_tfbig_train_runs():
 
 
 def test_layouts_tfbig_train_cannot_run_for_llama_are_refused_by_name():
-    with pytest.raises(ValueError, match="--tensor_parallel=16 does not divide the model's "
-                                         "num_heads=32, num_kv_heads=8; choose one of"):
-        plan(["--model=llama", "--preset=llama-8b", "--tensor_parallel=16",
+    with pytest.raises(ValueError, match=r"--tensor_parallel=12 does not divide the model's "
+                                         r"num_heads=32, num_kv_heads=8; choose one of "
+                                         r"\[1, 2, 4, 8, 16, 32\]"):
+        plan(["--model=llama", "--preset=llama-8b", "--tensor_parallel=12",
               "--gpus_per_node=16"])
+    with pytest.raises(ValueError, match="--sequence_parallel with --tensor_parallel=16 above "
+                                         "the model's num_kv_heads=8"):
+        plan(["--model=llama", "--preset=llama-8b", "--tensor_parallel=16",
+              "--sequence_parallel", "--gpus_per_node=16"])
+
+
+def test_more_tensor_ranks_than_key_value_heads_hold_them_whole():
+    """--tensor_parallel=16 of Llama 3 8B (8 key/value heads): every rank keeps the whole key
+    and value projections (as tfbig-train replicates them), the rest split 16 ways; no
+    sequence parallelism is planned with it."""
+    values, _, estimates = plan(["--model=llama", "--preset=llama-8b", "--tensor_parallel=16",
+                                 "--gpus_per_node=16", "--nodes=1"])
+    shape = cli.shape_from_flags(values)
+    assert estimates and {e.layout.tensor for e in estimates} == {16}
+    assert not any(e.layout.sequence_parallel for e in estimates)
+    split = estimate.stage_params(shape, estimate.Layout(tensor=8))
+    held = estimate.stage_params(shape, estimate.Layout(tensor=16))
+    kv = 2 * 4096 * 1024 * 32  # K and V kernels (4096 x 8 heads of 128) of the 32 layers
+    assert held == pytest.approx(split / 2 + kv * (1 - 1 / 16))
 

@@ -9,6 +9,8 @@ counter, are saved in layer order.
 import json
 import os
 
+import numpy as np
+
 
 def model_key(model, variable):
     """A variable's checkpoint key: its Keras path below the model's own name."""
@@ -86,4 +88,26 @@ def slot_owners(optimizer):
         for slots in (getattr(inner, "_momentums", []), getattr(inner, "_velocities", [])):
             if i < len(slots):
                 out[id(slots[i])] = v.path
+    return out
+
+
+def state_variables(trainer):
+    """{name: variable} of everything a checkpoint holds, named the same in every layout:
+    model weights by path, optimizer variables by position, the counters by name."""
+    seeds = [v for v in trainer.model.variables if "seed_generator" in v.path]
+    named = {v.path: v for v in trainer.model.variables if "seed_generator" not in v.path}
+    named.update({f"rng/{i}": v for i, v in enumerate(seeds)})
+    named.update({f"optimizer/{i}": v for i, v in enumerate(trainer.optimizer.variables)})
+    named.update({"step": trainer.step, "batches_consumed": trainer.batches_consumed,
+                  "nonfinite_steps": trainer.nonfinite_steps})
+    return named
+
+
+def state_arrays(trainer, splits):
+    """{name: (value, split of the model variable it belongs to or None)} of one rank."""
+    owner = slot_owners(trainer.optimizer)  # optimizer slot -> the weight it belongs to
+    out = {}
+    for name, v in state_variables(trainer).items():
+        path = name if not name.startswith("optimizer/") else owner.get(id(v))
+        out[name] = (np.asarray(v.numpy()), splits.get(path) if path else None)
     return out

@@ -11,6 +11,27 @@ from tfbig.distribute.tensor_collectives import (copy_to_region, from_first_rank
                                                  sequence_chunk)
 
 
+def _replicated_head(layer, group):
+    """The call of a key or value projection kept whole on every tensor rank (more ranks than
+    key/value heads: tfbig.layouts.tensor_layout._shrink_grouped_heads): the columns of the one
+    head this rank's query heads read (rank t: head t // (T / kv)), its weights read through
+    copy_to_region, so the gradients of the ranks sharing a head are summed (the others add
+    zeros)."""
+    kv, head_size = layer.replicated_heads
+    first = group.rank // (group.size // kv) * head_size
+    ps = group.process_set
+
+    def call(x, *args, **kwargs):
+        kernel = copy_to_region(ops.cast(layer.kernel, x.dtype), ps)  # a tensor, not the
+        y = ops.matmul(x, kernel[:, first:first + head_size])  # variable (custom_gradient)
+        if layer.use_bias:
+            bias = copy_to_region(ops.cast(layer.bias, y.dtype), ps)
+            y = y + bias[first:first + head_size]
+        return y
+
+    return call
+
+
 def _entering_attention(call, enter, process_set):
     """A Keras MultiHeadAttention's call with its query, value and key entering the split
     region once each (self-attention passes one tensor: one all-reduce backward), their Keras
@@ -132,9 +153,11 @@ def wrap(layer, split, group):
     elif kind == "vocab_logits":  # a declared output Dense: the task's loss sees all logits
         layer.call = lambda x, *args, **kwargs: gather_last_axis(
             call(enter(x, ps), *args, **kwargs), group)
+    elif kind == "shared_column" and getattr(layer, "replicated_heads", None):
+        layer.call = _replicated_head(layer, group)
     elif kind == "shared_norm":  # one scale for every rank's heads: its gradient summed
         layer.call = lambda x, *args, **kwargs: layer.normalize(
-            x, copy_to_region(ops.convert_to_tensor(layer.scale), ps))
+            x, copy_to_region(ops.cast(layer.scale, "float32"), ps))
     elif kind in ("vocab_input", "region_input"):
         layer.call = lambda *args, **kwargs: enter(call(*args, **kwargs), ps)
     elif kind == "positions" and group.sequence_parallel:

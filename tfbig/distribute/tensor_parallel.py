@@ -9,7 +9,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from tfbig.checkpoints.checkpoint import piece_dir, write_layout
+from tfbig.checkpoints.checkpoint import piece_dir, state_arrays, state_variables, write_layout
 from tfbig.distribute import recompute
 from tfbig.distribute.base import Strategy
 from tfbig.distribute.horovod import HorovodStrategy
@@ -18,8 +18,7 @@ from tfbig.distribute.tensor_collectives import (all_reduce_sum, vocab_parallel_
                                                  vocab_parallel_cross_entropy)
 from tfbig.distribute.tensor_layers import wrap
 from tfbig.layouts.tensor_layout import (LAYOUT_FILE, cut_pieces, join_slices, own_mask_states,
-                                         split_model, state_arrays, state_variables,
-                                         take_slice)
+                                         split_model, take_slice)
 from tfbig.layouts.tensor_plan import TensorGroup, whole_sequence_paths
 
 

@@ -5,9 +5,8 @@ A *plan* (tfbig.layouts.tensor_plan) maps attribute paths below the model to a `
 `split_model` builds the single-device model (every rank starts from the single-device
 initialisation), an unbuilt twin whose planned layers are shrunk to 1/T, and copies rank t's
 slice into it; the Horovod backend (tfbig.distribute.tensor_parallel) also wraps the split
-layers' calls with the collectives. `assembled_weights` (tfbig-generate, tfbig-export) and
-`state_arrays` (tfbig.training.consolidate: a single-device checkpoint that resumes under any layout)
-read the pieces each rank saved.
+layers' calls with the collectives. `assembled_weights` (tfbig-generate, tfbig-export) reads
+the pieces each rank saved (tfbig.checkpoints.checkpoint.state_arrays: a rank's whole state).
 
 Below every backend (the layer map: tfbig/__init__.py): no Strategy, no Horovod, no trainer.
 """
@@ -19,7 +18,7 @@ import tensorflow as tf
 
 from tfbig.checkpoints.checkpoint import piece_checkpoints
 from tfbig.checkpoints.checkpoint import read_layout as checkpoint_layout
-from tfbig.checkpoints.checkpoint import model_key, reader_key, slot_owners
+from tfbig.checkpoints.checkpoint import model_key, reader_key
 from tfbig.layouts import zero_checkpoint
 from tfbig.layouts.tensor_plan import plan_for, resolve_plan_layers
 from tfbig.models.layout import Split
@@ -44,7 +43,8 @@ def _shrink(layer, split, size):
         _shrink_grouped_heads(layer, size)
     elif kind == "width":
         layer.intermediate_size = _divide(layer.intermediate_size, size, "intermediate_size")
-    elif kind in ("column", "shared_column", "vocab_column"):
+    elif kind in ("column", "shared_column", "vocab_column") and not getattr(
+            layer, "replicated_heads", None):  # a replicated key/value projection: whole
         what = "vocab_size" if kind == "vocab_column" else f"{layer.name} units"
         _divide(layer.units // split.sections, size, what)
         layer.units //= size
@@ -57,21 +57,30 @@ def _shrink(layer, split, size):
 
 def _shrink_grouped_heads(layer, size):
     """A grouped-query attention (Llama's) reduced to 1/T of its query heads and of its
-    key/value heads: rank t's query heads read only rank t's key/value heads, so each rank
-    attends on its own (refused when T does not divide the key/value heads)."""
-    if layer.num_kv_heads % size:
-        raise ValueError(f"--tensor_parallel={size} does not divide num_kv_heads="
-                         f"{layer.num_kv_heads} (num_heads={layer.num_heads}): grouped-query "
-                         f"attention splits whole key/value heads, each with its "
-                         f"{layer.num_heads // layer.num_kv_heads} query heads; choose a "
-                         f"degree dividing num_kv_heads")
-    layer.num_heads = _divide(layer.num_heads, size, "num_heads")
-    layer.num_kv_heads //= size
+    key/value heads (rank t's query heads read only rank t's). With T a multiple of the
+    key/value heads (Megatron replicates them), each rank's query heads read one head: the
+    key and value projections stay whole (`replicated_heads`: the wrap takes that head's
+    columns, their gradients summed over the group); refused otherwise."""
+    kv, heads = layer.num_kv_heads, layer.num_heads
+    if kv % size and (size % kv or heads % size):
+        raise ValueError(f"--tensor_parallel={size} neither divides num_kv_heads={kv} nor is "
+                         f"a multiple of it dividing num_heads={heads}: grouped-query "
+                         f"attention splits whole key/value heads (each with its {heads // kv} "
+                         f"query heads) or replicates them; choose a degree dividing {kv}, or "
+                         f"a multiple of {kv} dividing {heads}")
+    layer.num_heads = _divide(heads, size, "num_heads")
+    if kv % size:  # each rank: one key/value head, its projections' columns of the whole
+        for projection in (layer.key, layer.value):
+            projection.replicated_heads = (kv, layer.head_size)
+        layer.num_kv_heads = 1
+    else:
+        layer.num_kv_heads //= size
 
 
 def _variable_splits(layer, split):
     """[(variable, (axis, sections))] of the variables a split layer holds in pieces."""
-    if split.kind in ("column", "shared_column", "vocab_column"):
+    if split.kind in ("column", "shared_column", "vocab_column") and not getattr(
+            layer, "replicated_heads", None):  # a replicated key/value projection: whole
         pieces = [(layer.kernel, (-1, split.sections))]
         if getattr(layer, "bias", None) is not None:
             pieces.append((layer.bias, (-1, split.sections)))
@@ -323,6 +332,10 @@ def _check_sequence_parallel(model, layers, seq_length, size):
         raise ValueError(f"--sequence_parallel with --tensor_parallel={size}: the sequence "
                          f"length {seq_length} must be a multiple of {size} (each rank holds "
                          f"an equal chunk of positions)")
+    if any(getattr(layer, "replicated_heads", None) for layer, _ in layers):
+        raise ValueError(f"--sequence_parallel with --tensor_parallel={size} above the "
+                         f"key/value heads (replicated: their gradients are summed over the "
+                         f"group already); drop one, or choose a degree dividing num_kv_heads")
 
 
 # ---- reading a tensor-parallel run on one process ----------------------------------------
@@ -371,26 +384,4 @@ def assembled_weights(model_dir, model, warn=print):
         else:
             pieces = [r.get_tensor(key) for r in readers]
         out[v.path] = pieces[0] if piece is None else join_slices(pieces, *piece)
-    return out
-
-
-def state_variables(trainer):
-    """{name: variable} of everything a checkpoint holds, named the same in every layout:
-    model weights by path, optimizer variables by position, the counters by name."""
-    seeds = [v for v in trainer.model.variables if "seed_generator" in v.path]
-    named = {v.path: v for v in trainer.model.variables if "seed_generator" not in v.path}
-    named.update({f"rng/{i}": v for i, v in enumerate(seeds)})
-    named.update({f"optimizer/{i}": v for i, v in enumerate(trainer.optimizer.variables)})
-    named.update({"step": trainer.step, "batches_consumed": trainer.batches_consumed,
-                  "nonfinite_steps": trainer.nonfinite_steps})
-    return named
-
-
-def state_arrays(trainer, splits):
-    """{name: (value, split of the model variable it belongs to or None)} of one rank."""
-    owner = slot_owners(trainer.optimizer)  # optimizer slot -> the weight it belongs to
-    out = {}
-    for name, v in state_variables(trainer).items():
-        path = name if not name.startswith("optimizer/") else owner.get(id(v))
-        out[name] = (np.asarray(v.numpy()), splits.get(path) if path else None)
     return out

@@ -107,13 +107,16 @@ def stage_params(shape, layout, last=False, stage=None):
     its experts). `stage`: its index (default: the first or, with `last`, the last)."""
     stage = (layout.pipeline - 1 if last else 0) if stage is None else stage
     blocks = shape.block_params - shape.expert_params
-    layers = blocks if shape.shared_layers else (
-        blocks * layers_on(shape, layout, stage) / shape.num_layers)
+    share = 1 if shape.shared_layers else layers_on(shape, layout, stage) / shape.num_layers
     ends = shape.params - shape.block_params
     if layout.pipeline > 1:
         ends = (shape.first_params if stage == 0 else 0) + (
             shape.last_params if stage == layout.pipeline - 1 else 0)
-    return (layers + ends) / layout.tensor + expert_params_held(shape, layout, stage)
+    # more tensor ranks than key/value heads: each holds the whole key/value projections
+    kv = 2 * shape.hidden_size ** 2 * shape.kv_fraction * shape.num_layers * share
+    replicated = kv * (1 - 1 / layout.tensor) if layout.tensor > shape.kv_heads else 0
+    return ((blocks * share + ends) / layout.tensor + replicated
+            + expert_params_held(shape, layout, stage))
 
 
 def expert_params_held(shape, layout, stage=0):

@@ -90,14 +90,25 @@ def _divisors(n):
     return [i for i in range(1, n + 1) if n % i == 0]
 
 
+def tensor_degrees(shape):
+    """The --tensor_parallel degrees a model splits by: divisors of its key/value heads, and
+    multiples of them dividing the query heads (the key/value heads replicated)."""
+    return [t for t in _divisors(shape.num_heads)
+            if shape.kv_heads % t == 0 or t % shape.kv_heads == 0]
+
+
 def check_layout(shape, fixed, cluster, batch_size):
     """Named errors for fixed flags that cannot divide the model, the cluster or the batch."""
     t, k = fixed.get("tensor_parallel"), fixed.get("pipeline_stages")
-    if t is not None and (t < 1 or shape.kv_heads % t):
+    if t is not None and t not in tensor_degrees(shape):
         kv = f", num_kv_heads={shape.kv_heads}" if shape.kv_heads != shape.num_heads else ""
         raise ValueError(f"--tensor_parallel={t} does not divide the model's "
                          f"num_heads={shape.num_heads}{kv}; choose one of "
-                         f"{_divisors(shape.kv_heads)}")
+                         f"{tensor_degrees(shape)}")
+    if t and t > shape.kv_heads and fixed.get("sequence_parallel"):
+        raise ValueError(f"--sequence_parallel with --tensor_parallel={t} above the model's "
+                         f"num_kv_heads={shape.kv_heads} (replicated key/value heads): tfbig-train "
+                         f"refuses the pair; drop one")
     if k is not None and (k < 1 or shape.num_layers % k):
         raise ValueError(f"--pipeline_stages={k} does not divide the model's "
                          f"num_layers={shape.num_layers}; choose one of "
@@ -161,7 +172,7 @@ def candidates(shape, cluster, fixed, batch_size):
     """(Layout, global batch) pairs allowed by the fixed flags."""
     node = cluster.gpus_per_node  # a tensor group is never split between nodes
     cuts = {}  # pipeline stages -> transformer layers per stage
-    for t in _options(fixed, "tensor_parallel", [t for t in _divisors(shape.kv_heads)
+    for t in _options(fixed, "tensor_parallel", [t for t in tensor_degrees(shape)
                                                  if node % t == 0]):
         for k in _options(fixed, "pipeline_stages", _divisors(shape.num_layers)):
             for c in _context_options(shape, fixed):
@@ -173,7 +184,8 @@ def candidates(shape, cluster, fixed, batch_size):
                     continue
                 if k not in cuts:  # tfbig-train's FLOPs-balanced partition of the layers
                     cuts[k] = estimate.partition_layers(shape, k) if k > 1 else ()
-                for layout, batch in _data_layouts(fixed, t, k, d, batch, cuts[k]):
+                for layout, batch in _data_layouts(fixed, t, k, d, batch, cuts[k],
+                                                   t <= shape.kv_heads):
                     layout = dataclasses.replace(layout, context=c)
                     for n in _expert_options(shape, fixed, d):
                         layout = dataclasses.replace(layout, expert=n)
@@ -196,7 +208,8 @@ def _context_options(shape, fixed):
     return [1] + [c for c in (2, 4, 8) if shape.seq_length % (2 * c) == 0]
 
 
-def _data_layouts(fixed, t, k, d, batch, stage_layers):
+def _data_layouts(fixed, t, k, d, batch, stage_layers, sequence=True):
+    """`sequence`: sequence parallelism may run (not with replicated key/value heads)."""
     node_group = [g for g in _divisors(d) if 1 < g < d and g * t * k in (8, 16)]
     for z in _options(fixed, "zero_stage", [0, 1, 2, 3] if d > 1 else [0]):
         shard = _options(fixed, "shard_degree", [0] + node_group if z else [0])
@@ -211,7 +224,7 @@ def _data_layouts(fixed, t, k, d, batch, stage_layers):
                         continue
                     yield estimate.Layout(
                         d, k, t, z, g if z else 0, m, ckpt,
-                        fixed.get("sequence_parallel", t > 1),
+                        fixed.get("sequence_parallel", t > 1 and sequence),
                         fixed.get("schedule", "1f1b"), stage_layers), batch
 
 

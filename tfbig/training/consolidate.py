@@ -22,6 +22,7 @@ import json
 import os
 
 from tfbig.checkpoints import integrity
+from tfbig.checkpoints.checkpoint import state_arrays, state_variables
 from tfbig.distribute.base import Strategy
 from tfbig.layouts import (expert_checkpoint, stage_checkpoint, tensor_layout, tensor_plan,
                            zero_checkpoint)
@@ -167,11 +168,11 @@ def consolidate_tensor(model_dir, out_dir, warn=print, task=None):
         trainer = Trainer(cfg, strategy=OfflineSlice(cfg, rank, size, path), task=task,
                           logger=_logger(model_dir, task))
         _check_restored(trainer, path)
-        pieces.append(tensor_layout.state_arrays(trainer, layout["splits"]))
+        pieces.append(state_arrays(trainer, layout["splits"]))
     cfg.train.model_dir = out_dir
     os.makedirs(out_dir, exist_ok=True)
     full = Trainer(cfg, task=task, logger=_logger(out_dir, task))
-    for name, variable in tensor_layout.state_variables(full).items():
+    for name, variable in state_variables(full).items():
         piece = pieces[0][name][1]
         values = [p[name][0] for p in pieces]
         variable.assign(values[0] if piece is None else tensor_layout.join_slices(values, *piece))
