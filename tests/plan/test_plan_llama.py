@@ -2,7 +2,8 @@
 predicted memory of a training step within 10% of the bytes measured on this machine (GQA's
 narrower K/V, SwiGLU's three matrices, RMSNorm), and `tfbig-plan --model=llama
 --preset=llama-8b` planning only the layouts tfbig-train runs for the family (tensor
-parallelism over divisors of the key/value heads, no sequence parallelism)."""
+parallelism over divisors of the key/value heads, or multiples of them with the key/value
+projections replicated and no sequence parallelism)."""
 import keras
 import pytest
 
