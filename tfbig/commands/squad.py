@@ -136,11 +136,12 @@ def _outputs(trainer, task, options):
 def _write_model(options, config, tokenizer, steps):
     """squad_config.json: what a predict-only rerun reads (the Trainer copied the tokenizer)."""
     from tfbig.data.tokenizer import run_tokenizer_files
+    from tfbig.tasks.fine_tuning import tokenizer_path
     from tfbig.tasks.squad_model import family_of
 
-    path = getattr(tokenizer, "vocab_file", None) or tokenizer.path
     finetune.write_json(options.output_dir, "squad_config.json", {
-        "model_format": family_of(config), "tokenizer": run_tokenizer_files(path)[1],
+        "model_format": family_of(config),
+        "tokenizer": run_tokenizer_files(tokenizer_path(tokenizer))[1],
         "model_config": dataclasses.asdict(config), "steps": steps,
         "options": {k: None if v != v else v  # NaN (unset) is not JSON
                     for k, v in dataclasses.asdict(options).items()}})

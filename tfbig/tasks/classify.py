@@ -26,7 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfbig.errors import UsageError
-from tfbig.tasks.fine_tuning import INPUTS, Examples, FineTuningTask
+from tfbig.tasks.fine_tuning import INPUTS, Examples, FineTuningTask, tokenizer_path
 
 
 class ClassifyTask(FineTuningTask):
@@ -48,7 +48,7 @@ class ClassifyTask(FineTuningTask):
         config, saved = run_dir.read_config(options.init_checkpoint, families=("bert", "llama"))
         self.decoder = saved["model_format"] == "llama"
         self.set_model_config(config, options.max_seq_length)
-        tokenizer = _tokenizer(options.init_checkpoint, saved, self.decoder)
+        tokenizer = _tokenizer(options.init_checkpoint, config, saved, self.decoder)
         examples, evals, self.names = read_data(options)
         label_ids = {name: i for i, name in enumerate(self.names)}
         self.examples = {"train": examples, **evals}
@@ -57,8 +57,8 @@ class ClassifyTask(FineTuningTask):
         self.eval_names = list(evals)
         if evals:
             self.arrays["validation"] = self.arrays[self.eval_names[0]]
-        path = getattr(tokenizer, "vocab_file", None) or tokenizer.path
-        self.manifest = Examples(path, {k: len(v["labels"]) for k, v in self.arrays.items()})
+        self.manifest = Examples(tokenizer_path(tokenizer),
+                                 {k: len(v["labels"]) for k, v in self.arrays.items()})
 
     def build_model(self):
         """BertClassifier or LlamaClassifier, built; its backbone from --init_checkpoint, its
@@ -94,7 +94,7 @@ class ClassifyTask(FineTuningTask):
         return scores(outputs["labels"], outputs["logits"].argmax(-1), len(self.names))
 
 
-def _tokenizer(init_checkpoint, saved, decoder):
+def _tokenizer(init_checkpoint, config, saved, decoder):
     """A BERT run's WordPiece vocabulary, or the tokenizer a Llama-family run carries
     (tfbig.data.tokenizer.for_run); an MoE Llama is refused before anything is read."""
     if not decoder:
@@ -102,10 +102,9 @@ def _tokenizer(init_checkpoint, saved, decoder):
 
         return WordPieceTokenizer.from_run(init_checkpoint, saved["tokenizer"])
     from tfbig.data.tokenizer import for_run
-    from tfbig.models.llama_config import LlamaConfig
     from tfbig.models.llama_heads import check_backbone
 
-    check_backbone(LlamaConfig(**saved["model_config"]), f"--init_checkpoint={init_checkpoint}")
+    check_backbone(config, f"--init_checkpoint={init_checkpoint}")
     return for_run(init_checkpoint)
 
 

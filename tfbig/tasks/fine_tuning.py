@@ -17,6 +17,12 @@ import tensorflow as tf
 INPUTS = ("input_ids", "segment_ids", "input_mask")  # (B, T) int32 each: the model's inputs
 
 
+def tokenizer_path(tokenizer):
+    """The file a fine-tuning tokenizer is loaded from (a WordPiece vocab.txt, a SentencePiece
+    model, a tokenizer.json): what the run directory copies."""
+    return getattr(tokenizer, "vocab_file", None) or tokenizer.path
+
+
 class Examples:
     """What the Trainer reads of a task's data (a prepared manifest's role): the tokenizer file
     copied into the run directory and the records of each split."""

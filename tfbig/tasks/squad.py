@@ -25,7 +25,7 @@ import tensorflow as tf
 
 from tfbig.errors import UsageError
 from tfbig.models.llama_config import LlamaConfig
-from tfbig.tasks.fine_tuning import INPUTS, Examples, FineTuningTask
+from tfbig.tasks.fine_tuning import INPUTS, Examples, FineTuningTask, tokenizer_path
 
 LABELS = ("start_positions", "end_positions")
 
@@ -54,8 +54,8 @@ class SquadTask(FineTuningTask):
             self.arrays["validation"] = {  # labels of the first gold answer: the pipeline's
                 **{k: self.features.arrays[k] for k in INPUTS + LABELS},  # last stage reads them
                 "feature_index": np.arange(len(self.features), dtype=np.int32)}
-        path = getattr(tokenizer, "vocab_file", None) or tokenizer.path
-        self.manifest = Examples(path, {k: len(v["input_ids"]) for k, v in self.arrays.items()})
+        self.manifest = Examples(tokenizer_path(tokenizer),
+                                 {k: len(v["input_ids"]) for k, v in self.arrays.items()})
 
     def _read(self, path, read_squad):
         from tfbig.data.squad.features import convert_examples
