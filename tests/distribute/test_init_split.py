@@ -11,7 +11,7 @@ rank its heads and columns, a ZeRO-3 rank its flat slice of every weight, a pipe
 its own layers' weights, an expert rank its experts. Default run: TP2 (the default run's Llama
 TP2: tests/distribute/test_tensor_parallel_llama.py's is slow), TP2 from the dense source's
 Hugging Face export (sharded safetensors read in place, tfbig.convert.llama), ZeRO-3 over 2
-ranks, PP2, EP2 and EP2 from the MoE source's Hugging Face export (its experts one tensor each,
+ranks, PP2, CP2 (each rank half of every sequence, RoPE at its own positions), EP2 and EP2 from the MoE source's Hugging Face export (its experts one tensor each,
 an expert rank reading its own), in one 2-rank launch. Slow: EP2 x TP2, TP2 x ZeRO-3, EP2 x DP2
 with ZeRO-3 (an expert rank's experts whole, the other weights' slices over the 4 ranks) and EP2
 x PP2 (a stage's rank its stage's share of the experts) on 4 ranks, and TP2 x DP2 of the dense
@@ -51,6 +51,9 @@ SCENARIOS = {"tp2": (2, "dense", 1, {"tensor_parallel": 2}, {}),
              "tp2_hf": (2, "hf", 1, {"tensor_parallel": 2}, {}),
              "zero3": (2, "dense", 2, {"zero_stage": 3}, {}),
              "pp2": (2, "dense", 1, {}, {"pipeline_stages": 2, "num_microbatches": 2}),
+             # each rank half of every sequence's positions (chunks i and 3 - i), RoPE at
+             # its own positions, the key/value heads gathered over the context group
+             "cp2": (2, "dense", 1, {"context_parallel": 2}, {}),
              "ep2": (2, "moe", 2, {"expert_parallel": 2}, {}),
              # the MoE source's Hugging Face export (Mixtral names: one tensor per expert),
              # read in place: each expert rank reads its own experts' tensors

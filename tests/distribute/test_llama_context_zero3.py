@@ -24,9 +24,9 @@ from test_trainer import make_cfg  # noqa: E402
 
 LLAMA = dict(model="llama")
 TIED = dict(preset="small")  # tie_embeddings, at make_cfg's tiny sizes
-# name: (parallel, train options). All slow: the default run keeps context parallelism on GPT
-# (test_context_parallel's cp2) and Llama's split layers under TP2 (test_tensor_parallel_llama);
-# Llama's RoPE at each rank's positions and gathered KV heads are checked here.
+# name: (parallel, train options). All slow: the default run's Llama CP2 starts from a
+# checkpoint (test_init_split's cp2: losses, final weights, gradients); here from a fresh
+# initialisation, with the tied table too.
 SCENARIOS = {}
 SLOW_SCENARIOS = {
     "llama_cp2": (dict(context_parallel=2), {}),
