@@ -6,9 +6,11 @@ network of each block, trained by tfbig like any Keras model, its experts split 
 x (B, T, C) to (y, stats): y the weighted sum of each token's k SwiGLU experts (dropless
 routing unless `capacity_factor` > 0), stats the router's load-balancing loss ("aux_loss",
 1 when balanced), z-loss, tokens per expert and dropped tokens. The model below returns the
-blocks' mean load-balancing loss beside its logits and the task adds it to the loss; nothing
-else is declared: under --expert_parallel=N every SparseMoE layer of the model holds E/N
-experts on each rank of an expert group, tokens reaching them by all-to-all.
+blocks' routing statistics beside its logits; the task adds their mean load-balancing loss
+to the loss and returns the tokens each expert took beside it (the progress line shows them,
+min/mean/max). Nothing else is declared: under --expert_parallel=N every SparseMoE layer of
+the model holds E/N experts on each rank of an expert group, tokens reaching them by
+all-to-all.
 
     python examples/own_moe.py --model_dir=/tmp/moe --max_steps=50
     horovodrun -np 2 -H localhost:2 --gloo python examples/own_moe.py --strategy=horovod \\
@@ -26,7 +28,7 @@ import tensorflow as tf  # noqa: E402
 from keras import layers  # noqa: E402
 
 import tfbig  # noqa: E402
-from tfbig.models.moe import SparseMoE  # noqa: E402
+from tfbig.models.moe import SparseMoE, routing_metrics  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from own_model import TokenAndPositionEmbedding, dataset_fn  # noqa: E402
@@ -38,7 +40,7 @@ AUX_LOSS_COEF = 0.01  # weight of the load-balancing loss (Mixtral's router_aux_
 
 class MoEBlock(layers.Layer):
     """Pre-norm causal self-attention, then a SparseMoE in place of the feed-forward network;
-    returns (x, this block's load-balancing loss)."""
+    returns (x, this block's routing statistics: SparseMoE's)."""
 
     def __init__(self, embed_dim, num_heads, expert_dim, num_experts, experts_per_token,
                  **kwargs):
@@ -58,12 +60,12 @@ class MoEBlock(layers.Layer):
         h = self.norm1(x)
         x = x + self.att(h, h, use_causal_mask=True)
         y, stats = self.moe(self.norm2(x))
-        return x + y, stats["aux_loss"]
+        return x + y, stats
 
 
 class MoEModel(keras.Model):
     """Token and position embedding, `num_layers` MoE blocks, a vocabulary projection:
-    {"logits": (B, T, vocab), "aux_loss": the blocks' mean load-balancing loss}."""
+    {"logits": (B, T, vocab), "routing": each block's routing statistics}."""
 
     def __init__(self, maxlen, vocab_size, embed_dim, num_heads, expert_dim, num_experts,
                  experts_per_token, num_layers, **kwargs):
@@ -75,11 +77,11 @@ class MoEModel(keras.Model):
 
     def call(self, inputs):
         x = self.embedding_layer(inputs)
-        aux = []
+        routing = []
         for block in self.blocks:
-            x, loss = block(x)
-            aux.append(loss)
-        return {"logits": self.output_layer(x), "aux_loss": keras.ops.mean(keras.ops.stack(aux))}
+            x, stats = block(x)
+            routing.append(stats)
+        return {"logits": self.output_layer(x), "routing": routing}
 
 
 def cross_entropy(targets, logits):
@@ -103,9 +105,13 @@ class MoETask(tfbig.Task):
         return dataset_fn(shard)
 
     def loss(self, targets, outputs):
-        """Cross-entropy plus the weighted load-balancing loss of this batch's routing."""
-        return (tf.reduce_mean(cross_entropy(targets, outputs["logits"]))
-                + AUX_LOSS_COEF * tf.cast(outputs["aux_loss"], tf.float32))
+        """Cross-entropy plus the weighted load-balancing loss (the blocks' mean) of this
+        batch's routing; beside it the tokens each expert took (min/mean/max over the blocks'
+        experts), which the progress line shows."""
+        routing = outputs["routing"]
+        aux_loss = tf.reduce_mean([tf.cast(r["aux_loss"], tf.float32) for r in routing])
+        loss = tf.reduce_mean(cross_entropy(targets, outputs["logits"])) + AUX_LOSS_COEF * aux_loss
+        return loss, {"router_aux_loss": aux_loss, **routing_metrics(routing)}
 
     def validation_outputs(self, targets, outputs):
         return {"loss": cross_entropy(targets, outputs["logits"])}  # each example's

@@ -10,6 +10,7 @@ Llama), so the one process routes each replica's rows apart (ReplicaRows) and av
 without any MoE layer is refused by name under --expert_parallel."""
 import json
 import os
+import re
 import sys
 
 import numpy as np
@@ -31,13 +32,14 @@ STEPS = dict(max_steps=4, batch_size=8, learning_rate=3e-3, warmup_steps=1, xla=
 class ReplicaRows(own_moe.MoEModel):
     """MoEModel routing each of 2 data-parallel replicas' rows apart (every second row of the
     global batch: examples/own_model.py's dataset_fn shards the stream so): its logits in the
-    batch's order, the replicas' load-balancing losses averaged, as the two ranks' losses are."""
+    batch's order, both replicas' routing statistics (the task averages their load-balancing
+    losses, as the two ranks' losses are averaged)."""
 
     def call(self, inputs):
         halves = [super(ReplicaRows, self).call(inputs[r::2]) for r in range(2)]
         logits = tf.stack([h["logits"] for h in halves], axis=1)  # (B/2, 2, T, V)
         return {"logits": tf.reshape(logits, (-1, *logits.shape[2:])),
-                "aux_loss": (halves[0]["aux_loss"] + halves[1]["aux_loss"]) / 2}
+                "routing": halves[0]["routing"] + halves[1]["routing"]}
 
 
 class ReplicaRowsTask(own_moe.MoETask):
@@ -47,7 +49,7 @@ class ReplicaRowsTask(own_moe.MoETask):
         return model
 
 
-def test_a_user_moe_model_learns_with_its_load_balancing_loss(tmp_path):
+def test_a_user_moe_model_learns_with_its_load_balancing_loss(tmp_path, capsys):
     import tfbig
 
     run = tfbig.train(own_moe.MoETask(), model_dir=str(tmp_path / "run"),
@@ -57,6 +59,13 @@ def test_a_user_moe_model_learns_with_its_load_balancing_loss(tmp_path):
     # ln(32) = 3.47 at random; the aux loss adds 0.01 x (1 when balanced) to each
     assert losses[0] > 3.0 and losses[-1] < 2.5, losses
     assert run.trainer.model.blocks[0].moe.num_experts == 4
+    # the task's routing_metrics on the progress line: 8 rows x 16 tokens, 2 experts each,
+    # over 4 experts: 64 a expert on average, min <= 64 <= max (dropless: nothing dropped)
+    loads = re.findall(r"expert tokens (\d+)/([\d.]+)/(\d+) \(min/mean/max\)",
+                       capsys.readouterr().out)
+    assert len(loads) == 4, loads  # steps 10, 20, 30, 40
+    for low, mean, high in loads:
+        assert float(mean) == 64.0 and int(low) <= 64 <= int(high), loads
 
 
 @pytest.mark.slow  # one launch, ~40 s; EP of tfbig's own MoE Llama is in the default run

@@ -25,6 +25,7 @@ probabilities of the softmax over all E). Router logits and probabilities are fl
 Example:
     moe = SparseMoE(hidden_size=32, intermediate_size=64, num_experts=4, experts_per_token=2)
     y, routing = moe(x)   # (B, T, 32); routing["aux_loss"], ["z_loss"], ["tokens_per_expert"]
+    metrics = routing_metrics([routing])  # what the progress line shows of the routing
 """
 import keras
 import tensorflow as tf
@@ -80,6 +81,19 @@ def route(logits, experts_per_token, router_softmax="after_topk", capacity_facto
     return {"experts": experts, "weights": weights, "kept": kept,
             "tokens_per_expert": tokens_per_expert, "dropped_tokens": dropped,
             "aux_loss": aux_loss, "z_loss": z_loss}
+
+
+def routing_metrics(routings):
+    """{expert_tokens_min, _mean, _max, dropped_tokens}: float32 scalars over the MoE layers'
+    routing statistics (each layer's SparseMoE stats, or a model's stacked ones: its
+    tokens_per_expert (L, E) and dropped_tokens (L,)). A task's loss returns them beside the
+    loss; the training log shows them (the load per expert: imbalance visible)."""
+    counts = tf.concat([tf.reshape(r["tokens_per_expert"], (-1,)) for r in routings], 0)
+    dropped = tf.add_n([tf.reduce_sum(r["dropped_tokens"]) for r in routings])
+    return {"expert_tokens_min": tf.reduce_min(counts),
+            "expert_tokens_mean": tf.reduce_mean(counts),
+            "expert_tokens_max": tf.reduce_max(counts),
+            "dropped_tokens": tf.cast(dropped, tf.float32)}
 
 
 class ExpertBank(keras.layers.Layer):

@@ -13,11 +13,10 @@ of the micro-batch over all MoE layers (expert_tokens_min / _mean / _max) and dr
 """
 import dataclasses
 
-import tensorflow as tf
-
 from tfbig import data
 from tfbig.config import MoEConfig
 from tfbig.models.llama import Llama, LlamaConfig
+from tfbig.models.moe import routing_metrics
 from tfbig.tasks.gpt import DEFAULT_VOCAB_SIZE, GPTTask
 
 
@@ -100,10 +99,5 @@ class LlamaTask(GPTTask):
         cfg = self.model_config
         loss = (lm_loss + cfg.router_aux_loss_coef * routing["aux_loss"]
                 + cfg.router_z_loss_coef * routing["z_loss"])
-        counts = routing["tokens_per_expert"]  # (layers, E)
         return loss, {"loss": loss, "lm_loss": lm_loss, "router_aux_loss": routing["aux_loss"],
-                      "router_z_loss": routing["z_loss"],
-                      "expert_tokens_min": tf.reduce_min(counts),
-                      "expert_tokens_mean": tf.reduce_mean(counts),
-                      "expert_tokens_max": tf.reduce_max(counts),
-                      "dropped_tokens": tf.reduce_sum(routing["dropped_tokens"])}
+                      "router_z_loss": routing["z_loss"], **routing_metrics([routing])}

@@ -129,7 +129,10 @@ class Task:
 
     def loss(self, targets, outputs):
         """The float scalar to minimise: the mean loss of one batch (single-replica code;
-        tfbig averages it over replicas and accumulation steps)."""
+        tfbig averages it over replicas and accumulation steps). Or (loss, {name: float
+        scalar}): more figures of the batch, averaged the same way and written beside the loss
+        (TensorBoard's train scalars); the progress line shows the expert loads of
+        tfbig.models.moe.routing_metrics."""
         raise NotImplementedError(f"{type(self).__name__}.loss")
 
     def validation_outputs(self, targets, outputs):
@@ -139,8 +142,9 @@ class Task:
         def one(row):
             target, output = row
             expand = lambda t: tf.expand_dims(t, 0)  # noqa: E731 - a batch of one
-            return tf.cast(self.loss(tf.nest.map_structure(expand, target),
-                                     tf.nest.map_structure(expand, output)), tf.float32)
+            loss = self.loss(tf.nest.map_structure(expand, target),
+                             tf.nest.map_structure(expand, output))
+            return tf.cast(loss[0] if isinstance(loss, (tuple, list)) else loss, tf.float32)
 
         return {"loss": tf.map_fn(one, (targets, outputs), fn_output_signature=tf.float32)}
 

@@ -179,10 +179,8 @@ class UserTask:
         if self.predicting:
             zero = tf.constant(0.0)
             return zero, {"loss": zero}
-        loss = self.user.loss(self.unflatten(batch)[1], outputs)
-        check_loss(loss, self.user_name)
-        loss = tf.cast(loss, tf.float32)
-        return loss, {"loss": loss}
+        return loss_and_metrics(self.user.loss(self.unflatten(batch)[1], outputs),
+                                self.user_name)
 
     def validation_outputs(self, outputs, batch):
         """What validation_step gives, from the model's outputs on a flat batch."""
@@ -249,10 +247,8 @@ class UserTask:
     # ---- loss and validation ----------------------------------------------------------------------
     def loss(self, model, batch, training=False):
         inputs, targets = self.unflatten(batch)
-        loss = self.user.loss(targets, model(inputs, training=training))
-        check_loss(loss, self.user_name)
-        loss = tf.cast(loss, tf.float32)
-        return loss, {"loss": loss}
+        return loss_and_metrics(self.user.loss(targets, model(inputs, training=training)),
+                                self.user_name)
 
     def validation_step(self, model, batch):
         return self.validation_outputs(model(self.model_inputs(batch), training=False), batch)
@@ -289,7 +285,7 @@ class UserTask:
         spec = {k: tf.TensorSpec([micro_batch, *t.shape[1:]], t.dtype) for k, t in first.items()}
         traced = tf.function(self._unchecked_loss, autograph=False).get_concrete_function(
             model, spec)
-        check_loss(traced.structured_outputs, self.user_name)  # outside the trace: its own error
+        checked_loss(traced.structured_outputs, self.user_name)  # outside the trace: its error
 
     def _unchecked_loss(self, model, batch):
         inputs, targets = self.unflatten(batch)
@@ -300,13 +296,40 @@ def _layer_call(layer):
     return lambda x, training: layer(x, training=training)
 
 
-def check_loss(loss, owner):
-    """Refuse a loss that is not a float scalar (a per-example vector, an integer)."""
+def loss_and_metrics(returned, owner):
+    """(float32 loss, {"loss": loss, name: float32 scalar...}) of what `owner`.loss returned:
+    the loss, or (loss, {name: scalar}) with more figures of the batch to log beside it."""
+    loss, metrics = checked_loss(returned, owner)
+    loss = tf.cast(loss, tf.float32)
+    return loss, {**{k: tf.cast(v, tf.float32) for k, v in metrics.items()}, "loss": loss}
+
+
+def checked_loss(returned, owner):
+    """(loss, {name: scalar}) of what `owner`.loss returned, each checked (`check_loss`)."""
+    metrics = {}
+    if isinstance(returned, (tuple, list)):
+        if len(returned) != 2 or not isinstance(returned[1], dict):
+            raise UsageError(f"{owner}.loss returned a {type(returned).__name__} of "
+                             f"{len(returned)}; expected the loss, or (loss, {{name: scalar}})")
+        returned, metrics = returned
+    for name, value in metrics.items():
+        if name == "loss" or not isinstance(name, str):
+            raise UsageError(f"{owner}.loss returned the metric name {name!r}; expected a "
+                             "string other than 'loss' (the loss is logged as 'loss')")
+        check_loss(value, owner, f"metric {name!r}")
+    check_loss(returned, owner)
+    return returned, metrics
+
+
+def check_loss(loss, owner, what="loss"):
+    """Refuse a loss (or a metric beside it: `what`) that is not a float scalar (a
+    per-example vector, an integer)."""
     if not isinstance(loss, (tf.Tensor, tf.Variable)):
         loss = tf.convert_to_tensor(loss)
     if not loss.dtype.is_floating:
-        raise UsageError(f"{owner}.loss returned a {loss.dtype.name} tensor; the loss must be a "
-                         "float scalar (cast it, e.g. tf.cast(loss, tf.float32))")
+        raise UsageError(f"{owner}.loss returned a {loss.dtype.name} tensor as its {what}; it "
+                         "must be a float scalar (cast it, e.g. tf.cast(loss, tf.float32))")
     if loss.shape.rank != 0:
-        raise UsageError(f"{owner}.loss returned shape {loss.shape}; the loss must be a scalar: "
-                         "the mean over the batch (e.g. tf.reduce_mean(per_example_losses))")
+        raise UsageError(f"{owner}.loss returned shape {loss.shape} as its {what}; it must be "
+                         "a scalar: the mean over the batch (e.g. "
+                         "tf.reduce_mean(per_example_losses))")
