@@ -18,7 +18,7 @@ x PP2 (a stage's rank its stage's share of the experts) on 4 ranks, and TP2 x DP
 source with Qwen 3's query/key norms added (one scale per norm, replicated, read by every tensor
 rank for its own heads: its gradient summed over the tensor group), and TP2 x DP2 of it with one
 key/value head (multi-query attention: both tensor ranks hold the key/value projections whole
-and sum their gradients).
+and sum their gradients), alone, under ZeRO-3 and inside 2 pipeline stages.
 """
 import os
 import sys
@@ -64,6 +64,12 @@ SLOW_SCENARIOS = {"ep2_tp2": (4, "moe", 2, {"expert_parallel": 2, "tensor_parall
                   "tp2_qk_norm": (4, "qk_norm", 2, {"tensor_parallel": 2}, {}),
                   # one key/value head, two tensor ranks: both hold it whole (replicated)
                   "tp2_replicated_kv": (4, "mqa", 2, {"tensor_parallel": 2}, {}),
+                  # ... with ZeRO-3 (the whole projections' slices gathered per block) and
+                  # inside pipeline stages of 2 tensor ranks
+                  "tp2_replicated_kv_zero3": (4, "mqa", 2, {"tensor_parallel": 2,
+                                                            "zero_stage": 3}, {}),
+                  "tp2_pp2_replicated_kv": (4, "mqa", 1, {"tensor_parallel": 2},
+                                            {"pipeline_stages": 2, "num_microbatches": 2}),
                   "ep2_zero3": (4, "moe", 4, {"expert_parallel": 2, "zero_stage": 3}, {}),
                   # 2 data replicas x 2 micro-batches, each with its own router losses: the
                   # reference's 4 micro-batches in the same order
