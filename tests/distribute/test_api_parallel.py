@@ -10,8 +10,8 @@ ZeRO-3
 on 4 ranks over MiCS partition groups of 2 (the task's named layers gathered one at a time),
 the tensor-parallel and ZeRO-3 runs also consolidated (tfbig.consolidate_run) to the weights
 they report,
-context parallelism over 2 ranks with the layers the task declares (own_model.CONTEXT),
-2 MultiWorkerMirrored workers under tfbig-launch, and MirroredStrategy over 2 logical CPU
+context parallelism over 2 ranks with the layers the task declares (own_model.CONTEXT), alone
+and x DP2 under ZeRO-3 on 4 ranks, 2 MultiWorkerMirrored workers under tfbig-launch, and MirroredStrategy over 2 logical CPU
 devices in one process (one input pipeline whose consecutive batches go to the replicas).
 """
 import json
@@ -52,7 +52,12 @@ HOROVOD = {"dp2_recompute_accum2": {"strategy": "horovod", "activation_checkpoin
 ZERO3 = {"zero3_mics": {"strategy": "horovod", "zero_stage": 3, "shard_degree": 2}}
 MULTIWORKER = {"multiworker": {"strategy": "multiworker"}}
 MIRRORED = {"mirrored": {"strategy": "mirrored"}}
-CONTEXT = {"cp2": {"strategy": "horovod", "context_parallel": 2}}
+# name -> (flags, ranks, data-parallel replicas)
+CONTEXT = {"cp2": ({"strategy": "horovod", "context_parallel": 2}, 2, 1),
+           # 2 context groups, ZeRO-3 over each context rank's 2 data ranks: the task's named
+           # layers gathered one at a time around the context-parallel attention
+           "cp2_dp2_zero3": ({"strategy": "horovod", "context_parallel": 2, "zero_stage": 3},
+                             4, 2)}
 # name -> (flags, ranks, data-parallel replicas)
 TENSOR = {"tp2": ({"strategy": "horovod", "tensor_parallel": 2}, 2, 1),
           "tp2_dp2": ({"strategy": "horovod", "tensor_parallel": 2}, 4, 2),
@@ -157,16 +162,20 @@ def test_my_model_under_zero3_on_four_ranks_equals_one_process(tmp_path):
 
 
 @pytest.mark.slow
-def test_my_model_with_a_declared_context_layout_on_two_ranks_equals_one_process(tmp_path):
+@pytest.mark.parametrize("name", sorted(CONTEXT))
+def test_my_model_with_a_declared_context_layout_equals_one_process(tmp_path, name):
     """MyModel's sequences cut over 2 context ranks by the layers its task declares
     (own_model.CONTEXT: its token and position embeddings at each rank's positions, each
     keras MultiHeadAttention over the keys and values gathered from both, the logits gathered
-    whole for loss_fn): each step's loss and the trained weights equal one process."""
-    plan = write_plan(tmp_path, CONTEXT, context_layout=own_model.CONTEXT)
-    code = horovodrun([WORKER, str(plan)], tmp_path / "log.txt")
+    whole for loss_fn), on 2 ranks and with ZeRO-3 on 4 (2 context groups): each step's loss
+    and the trained weights equal one process."""
+    flags, ranks, replicas = CONTEXT[name]
+    plan = write_plan(tmp_path, {name: flags}, context_layout=own_model.CONTEXT)
+    code = horovodrun([WORKER, str(plan)], tmp_path / "log.txt",
+                      ranks=("-np", str(ranks), "-H", f"localhost:{ranks}"))
     assert code == 0, read(tmp_path / "log.txt")[-6000:]
     assert "context parallel: 2 ranks per sequence of 16" in read(tmp_path / "log.txt")
-    assert_equals_one_process(tmp_path, "cp2", CONTEXT["cp2"], replicas=1)
+    assert_equals_one_process(tmp_path, name, flags, replicas=replicas)
 
 
 @pytest.mark.slow

@@ -47,6 +47,9 @@ CROSS_RANK = {  # name: (flags, ranks, data-parallel replicas, interrupt_at)
     # the task's declared tensor_layout (own_model.LAYOUT) split inside each of 2 stages
     "pp2_tp2": (dict(strategy="horovod", pipeline_stages=2, tensor_parallel=2,
                      num_microbatches=2, schedule="1f1b"), 4, 1, 2),
+    # each stage's sequences cut over 2 context ranks by the task's context_layout
+    "pp2_cp2": (dict(strategy="horovod", pipeline_stages=2, context_parallel=2,
+                     num_microbatches=2, schedule="gpipe"), 4, 1, 0),
 }
 
 
@@ -211,10 +214,12 @@ def launch(tmp_path, name):
 @pytest.mark.parametrize("name", [  # a launch each; the default run has a user model in stages
     # in one process (above) and GPT's stages across ranks (test_cross_rank)
     pytest.param("pp2", marks=pytest.mark.slow), pytest.param("pp2_dp2", marks=pytest.mark.slow),
-    pytest.param("pp2_tp2", marks=pytest.mark.slow)])
+    pytest.param("pp2_tp2", marks=pytest.mark.slow),
+    pytest.param("pp2_cp2", marks=pytest.mark.slow)])
 def test_my_model_in_stages_on_horovod_ranks_equals_one_process(tmp_path, one_process, name):
     """Each rank holds one stage's weights (placement by the declared layers; with
-    --tensor_parallel its tensor rank's slices of the declared layout's): every step's loss,
+    --tensor_parallel its tensor rank's slices of the declared layout's; with
+    --context_parallel half of each sequence, by the declared context_layout): every step's loss,
     first-update gradients and trained weights equal one process; pp2 and pp2_tp2 stop after
     2 steps and resume from their stage checkpoints."""
     flags, ranks, replicas, interrupt_at = CROSS_RANK[name]

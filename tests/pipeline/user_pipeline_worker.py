@@ -30,25 +30,30 @@ from tfbig.distribute.horovod_keras import hvd  # noqa: E402
 from tfbig.tasks.user import FunctionTask  # noqa: E402
 
 
-def task(tensor_parallel=1):
-    """own_model's task cut by PIPELINE (with --tensor_parallel: split by LAYOUT too)."""
+def task(tensor_parallel=1, context_parallel=1):
+    """own_model's task cut by PIPELINE (with --tensor_parallel: split by LAYOUT too; with
+    --context_parallel: its sequences cut by CONTEXT)."""
     layout = {"tensor_layout": own_model.LAYOUT} if tensor_parallel > 1 else {}
+    if context_parallel > 1:  # the sequence length the context ranks cut
+        layout.update(context_layout=own_model.CONTEXT, tokens_per_example=own_model.SIZE[
+            "maxlen"])
     return FunctionTask(own_model.model_fn, own_model.loss_fn, own_model.dataset_fn,
                         name="own_model", pipeline_layers=own_model.PIPELINE, **layout)
 
 
 def train(scenario):
     config = configure(model_dir=scenario["model_dir"], **scenario["flags"])
-    tensor = scenario["flags"].get("tensor_parallel", 1)
-    check_user_flags(config, task(tensor))
-    trainer = _trainer(task(tensor), config, recorder=True)
+    degrees = scenario["flags"].get("tensor_parallel", 1), scenario["flags"].get(
+        "context_parallel", 1)
+    check_user_flags(config, task(*degrees))
+    trainer = _trainer(task(*degrees), config, recorder=True)
     recorded = RecordedGradients(trainer)
     arrays = {"restored_step": -1}
     if scenario.get("interrupt_at"):
         trainer.fit(steps=scenario["interrupt_at"])
         first = recorded.gradients()[0]
         losses = list(trainer.logger.losses)
-        trainer = _trainer(task(tensor), config, recorder=True)  # resumes from its stages
+        trainer = _trainer(task(*degrees), config, recorder=True)  # resumes from its stages
         arrays["restored_step"] = int(trainer.step.numpy())
         summary = trainer.fit()
         losses += trainer.logger.losses
