@@ -11,8 +11,9 @@ on 4 ranks over MiCS partition groups of 2 (the task's named layers gathered one
 the tensor-parallel and ZeRO-3 runs also consolidated (tfbig.consolidate_run) to the weights
 they report,
 context parallelism over 2 ranks with the layers the task declares (own_model.CONTEXT), alone
-and x DP2 under ZeRO-3 on 4 ranks, 2 MultiWorkerMirrored workers under tfbig-launch, and MirroredStrategy over 2 logical CPU
-devices in one process (one input pipeline whose consecutive batches go to the replicas).
+and x DP2 under ZeRO-3 on 4 ranks, 2 MultiWorkerMirrored workers under tfbig-launch, and
+MirroredStrategy over 2 logical CPU devices in one process (one input pipeline whose
+consecutive batches go to the replicas).
 """
 import json
 import os
