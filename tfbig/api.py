@@ -209,7 +209,8 @@ def _trainer(task, config, recorder=False, predicting=False):
     strategy = get_strategy(config.train.strategy, config)
     logger = LossRecorder(config.train.model_dir, strategy.is_chief, config.train.max_steps) \
         if recorder else None
-    return Trainer(config, strategy=strategy, task=UserTask(task, predicting), logger=logger)
+    return Trainer(config, strategy=strategy, logger=logger, task=UserTask(
+        task, predicting, model_losses_refused=composition.model_losses_refused(config)))
 
 
 def _task_and_config(task_or_model_fn, loss_fn, dataset_fn, config, kwargs):

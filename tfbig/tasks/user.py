@@ -132,7 +132,8 @@ class Task:
         tfbig averages it over replicas and accumulation steps). Or (loss, {name: float
         scalar}): more figures of the batch, averaged the same way and written beside the loss
         (TensorBoard's train scalars); the progress line shows the expert loads of
-        tfbig.models.moe.routing_metrics."""
+        tfbig.models.moe.routing_metrics. The model's own losses (`model.losses`: add_loss,
+        weight regularizers) are added to it where the layout allows (docs: own-model)."""
         raise NotImplementedError(f"{type(self).__name__}.loss")
 
     def validation_outputs(self, targets, outputs):

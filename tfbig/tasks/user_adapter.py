@@ -67,12 +67,16 @@ class UserTask:
     format = "user"
     data_dir = ""
 
-    def __init__(self, task, predicting=False):
+    def __init__(self, task, predicting=False, model_losses_refused=None):
+        """`model_losses_refused`: why the layout cannot add the model's own losses (its
+        add_loss calls and weight regularizers, `model.losses`) exactly, or None: they are
+        added to the task's loss."""
         if not isinstance(task, Task):
             raise UsageError(f"{task!r}: expected a tfbig.Task (or use tfbig.train(model_fn, "
                              f"loss_fn, dataset_fn, ...))")
         self.user, self.user_name = task, type(task).__name__
         self.predicting = predicting
+        self.model_losses_refused = model_losses_refused
         self.model_config = UserModelConfig(task=task.name)
         self.seq_length = int(task.tokens_per_example)
         self.manifest = _Examples(self)
@@ -247,8 +251,32 @@ class UserTask:
     # ---- loss and validation ----------------------------------------------------------------------
     def loss(self, model, batch, training=False):
         inputs, targets = self.unflatten(batch)
-        return loss_and_metrics(self.user.loss(targets, model(inputs, training=training)),
-                                self.user_name)
+        loss, metrics = loss_and_metrics(
+            self.user.loss(targets, model(inputs, training=training)), self.user_name)
+        if not model.losses:
+            return loss, metrics
+        # the model's own losses of this call (add_loss) and its weight regularizers', as
+        # Keras' fit adds them (preflight refused them where a layout cannot)
+        extra = tf.add_n([tf.cast(x, tf.float32) for x in model.losses])
+        return loss + extra, {**metrics, "loss": loss + extra, "model_losses": extra}
+
+    def check_model_losses(self, model):
+        """Refuse the model's own losses (after a call: `model.losses`) where the layout
+        cannot add them exactly (`model_losses_refused`)."""
+        if not self.model_losses_refused:
+            return
+        # a regularizer is named without reading its weight (ZeRO-3 holds slices only)
+        regularized = [v.path for v in model.weights if getattr(v, "regularizer", None)]
+        if regularized:
+            raise UsageError(
+                f"{self.user_name}'s model has weight regularizers ({', '.join(regularized[:3])}"
+                f"{', ...' if len(regularized) > 3 else ''}): {self.model_losses_refused}; "
+                "drop them or add the penalty in the task's loss")
+        if model.losses:
+            raise UsageError(
+                f"{self.user_name}'s model adds {len(model.losses)} loss(es) of its own in its "
+                f"call (add_loss): {self.model_losses_refused}; return them among the outputs "
+                "and add them in the task's loss")
 
     def validation_step(self, model, batch):
         return self.validation_outputs(model(self.model_inputs(batch), training=False), batch)
@@ -286,6 +314,7 @@ class UserTask:
         traced = tf.function(self._unchecked_loss, autograph=False).get_concrete_function(
             model, spec)
         checked_loss(traced.structured_outputs, self.user_name)  # outside the trace: its error
+        self.check_model_losses(model)
 
     def _unchecked_loss(self, model, batch):
         inputs, targets = self.unflatten(batch)

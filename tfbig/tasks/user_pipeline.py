@@ -96,6 +96,7 @@ def _check_composition(task, model, layers):
     batch = task.first_batch()
     inputs = task.model_inputs(batch)
     expected = model(inputs, training=False)
+    task.check_model_losses(model)  # the stages' losses would not reach the last stage's loss
     x = inputs
     for name, layer in layers:
         try:
