@@ -184,9 +184,9 @@ class HorovodConfig:
                                            "threads: batch (SCHED_BATCH: their 1 ms negotiation "
                                            "cycles never preempt the step's compute), normal, or "
                                            "auto (batch when the process sees no GPU).")
-    elastic: bool = field(False, "Horovod: keep training when ranks die or join (launch with "
-                                 "horovodrun --min-np --max-np --host-discovery-script); the "
-                                 "global --batch_size stays, the per-rank batch adjusts.")
+    elastic: bool = field(False, "Horovod: train on as ranks die or join (horovodrun --min-np "
+                                 "--max-np --host-discovery-script); a layout with groups stops "
+                                 "for tfbig-launch --max_restarts to restart it in a new world.")
     elastic_commit_every: int = field(10, "Horovod, with --elastic: steps between in-memory "
                                           "commits a lost rank rolls back to (also before "
                                           "every checkpoint).")

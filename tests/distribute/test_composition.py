@@ -63,7 +63,8 @@ def test_the_pairs_the_launches_prove_compose():
                    "tensor_parallel": 2}, {"elastic": True, "zero_stage": 1},
                    {"elastic": True, "zero_stage": 3}, {"context_parallel": 2,
                    "tensor_parallel": 2, "sequence_parallel": True}, {"expert_parallel": 2,
-                   "pipeline_stages": 2, "zero_stage": 1}):
+                   "pipeline_stages": 2, "zero_stage": 1}, {"elastic": True,
+                   "tensor_parallel": 2}):
         assert composition.refusal(values) is None, values
     # a `name>=N` entry: refused from N on, with the value the flags hold
     for stage in (2, 3):
@@ -77,3 +78,16 @@ def test_the_planner_searches_no_refused_pair():
     assert {(e.layout.tensor > 1, e.layout.zero_stage) for e in found} >= {(True, 3), (False, 3)}
     assert any(e.layout.context > 1 and e.layout.zero_stage == 3 for e in found)
     assert all(composition.refusal(e.layout.flags()) is None for e in found)
+
+
+@pytest.mark.parametrize("flag", composition.GROUPED)
+def test_elastic_composes_with_each_layout_with_groups_by_restarting(flag):
+    """--elastic with a layout whose groups are process sets composes by restarting
+    (tfbig.distribute.elastic.with_restarts; the launch: test_elastic.py, slow); data
+    parallelism and ZeRO over the whole world stay elastic in the process."""
+    values = {"elastic": True, flag: IN_USE[flag]}
+    if flag == "shard_degree":
+        values["zero_stage"] = 1
+    assert composition.refusal(values) is None
+    assert composition.grouped(values) == [flag]
+    assert composition.grouped({"elastic": True, "zero_stage": 3}) == []

@@ -1,7 +1,9 @@
 """Elastic Horovod (--elastic): a rank killed with SIGKILL mid-run, training goes on with one,
 a new rank joins when the discovery script reports a slot again; the run consumes exactly the
 records of an uninterrupted run and matches its losses (real horovodrun, localhost, Gloo), for
-tfbig's GPT and Llama and for a user task (tfbig.Task)."""
+tfbig's GPT and Llama and for a user task (tfbig.Task). A layout with groups (TP2) changes
+worlds by restarts under tfbig-launch --max_restarts: a host lost, then listed again, and the
+weights at the end equal one process's."""
 import glob
 import json
 import os
@@ -284,25 +286,139 @@ class Losses(RunLogger):
         super().scalars(split, step, values)
 
 
-@pytest.mark.parametrize("field", ["shard_degree", "tensor_parallel", "pipeline_stages",
-                                   "context_parallel"])
-def test_elastic_refuses_layouts_that_depend_on_the_world_size(field):
-    """Each needs process sets, which Horovod's elastic mode does not survive a lost rank with
-    (tried: CP2 x DP2 on hosts of 2 slots, a process killed: every rank aborted in Gloo with
-    exit 134; without process sets the same hosts went 4 -> 2 -> 4 ranks: the slow test
-    above)."""
-    from tfbig.distribute.elastic import check_elastic
+RESTART_STEPS = 80
 
-    cfg = ExperimentConfig()
-    cfg.train.strategy, cfg.horovod.elastic = "horovod", True
-    setattr(cfg.pipeline if field == "pipeline_stages" else cfg.parallel, field, 2)
-    with pytest.raises(UsageError) as error:
-        check_elastic(cfg)
-    assert str(error.value) == (
-        f"--elastic with --{field}=2 is not supported: its groups are Horovod process sets, "
-        f"and Horovod's elastic mode does not survive a lost rank while process sets exist "
-        f"(Horovod 0.28.1: every rank aborts in Gloo, horovod/horovod#4021); an elastic run is "
-        f"data parallel, ZeRO-sharded over its whole world at most")
+
+def cli_flags(data_dir, model_dir, **more):
+    """tfbig-train's flags of make_cfg's tiny GPT (and `more`)."""
+    flags = dict(data_dir=data_dir, model_dir=model_dir, preset="tiny", seq_length=16,
+                 num_layers=2, hidden_size=32, num_heads=4, dropout=0.0, batch_size=8,
+                 max_steps=RESTART_STEPS, learning_rate=3e-3, warmup_steps=2, log_every=1,
+                 checkpoint_every=4, eval_steps=1, grad_clip_norm=0.5, sample_tokens=0,
+                 peak_tflops=1.0)
+    flags.update(more)
+    words = [f"--{k}={v}" for k, v in flags.items()]
+    return words + ["--deterministic", "--noxla"]
+
+
+def train_processes(model_dir):
+    """{pid: the HOROVOD_HOSTNAME of its environment} of the running tfbig-train processes of
+    `model_dir`."""
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                words = f.read().split(b"\0")
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
+        except OSError:
+            continue
+        if b"tfbig.commands.train" in words and f"--model_dir={model_dir}".encode() in words:
+            found[int(pid)] = env.get(b"HOROVOD_HOSTNAME", b"").decode()
+    return found
+
+
+def logged_steps(log):
+    """The step of each progress line of the log, in order."""
+    import re
+
+    return [int(m) for m in re.findall(r"\] step (\d+)/", open(log).read())]
+
+
+@pytest.mark.multiproc
+def test_a_sigterm_to_one_tensor_rank_stops_both_after_the_same_step(gpt_data, tmp_path):
+    """TP2 (one data replica: each rank its own data group): a SIGTERM to tensor rank 1 alone
+    stops both ranks after the same step, each saving its pieces of that step, exit 143 (the
+    stop requests agree over the whole world, not only over a data group; without that, rank 0
+    trained on alone)."""
+    run, log = tmp_path / "run", str(tmp_path / "log.txt")
+    command = [HOROVODRUN, "--gloo", "-np", "2", "-H", "localhost:2", sys.executable, "-m",
+               "tfbig.commands.train", *cli_flags(gpt_data, str(run), strategy="horovod",
+                                                   tensor_parallel=2, max_steps=2000,
+                                                   checkpoint_every=1000)]
+    env = {**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    proc = subprocess.Popen(command, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
+                            cwd=ROOT, start_new_session=True)
+    try:
+        wait_for(lambda: max(logged_steps(log), default=0) >= 3, 300, "step 3", proc, log)
+        ranks = {pid: open(f"/proc/{pid}/environ", "rb").read() for pid in train_processes(run)}
+        second = [pid for pid, env in ranks.items() if b"HOROVOD_RANK=1\0" in env]
+        assert len(second) == 1, ranks.keys()
+        os.kill(second[0], signal.SIGTERM)
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    output = open(log).read()
+    assert proc.returncode != 0 and "preempted (SIGTERM) after step" in output, output[-4000:]
+    newest = [open(path).readline() for path in (run / "checkpoint",
+                                                  run / "tensor" / "rank-1" / "checkpoint")]
+    assert newest[0] == newest[1], newest  # both tensor ranks' pieces of the same step
+    assert max(logged_steps(log)) < 2000
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_layout_with_groups_restarts_in_the_world_left_and_in_a_larger_one(gpt_data,
+                                                                             tmp_path):
+    """--elastic --tensor_parallel=2 under `tfbig-launch --max_restarts` and an elastic
+    horovodrun on 2 hosts of 2 slots (TP2 x DP2). After a checkpoint, one process of the
+    second host is killed and the discovery script stops listing that host: every rank ends
+    (Gloo aborts the ranks of the tensor groups' process sets), horovodrun fails, tfbig-launch
+    starts the job again on the host left (TP2 x DP1), resumed from the newest checkpoint; the
+    host listed again, every rank saves a checkpoint and stops (exit 143), and the third start
+    trains TP2 x DP2 to the end. (horovodrun's -np is --min-np: each start waits for -np slots
+    and takes every slot listed, up to --max-np; without --network-interface an elastic start
+    waits for two hosts to find their common interfaces.) The final weights equal one
+    process's on the same global batches (tests/equality.py's rule)."""
+    from tfbig.layouts import tensor_layout
+
+    run, hosts, log = tmp_path / "run", str(tmp_path / "hosts.txt"), str(tmp_path / "log.txt")
+    write_hosts(hosts, ["localhost", "127.0.0.1"], 2)
+    discover = tmp_path / "discover.sh"
+    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    discover.chmod(0o755)
+    command = [sys.executable, "-m", "tfbig.commands.launch", "--max_restarts=3",
+               "--restart_backoff=1", "--", HOROVODRUN, "--gloo", "-np", "2", "--min-np", "2",
+               "--max-np", "4", "--network-interface", "lo",  # (one host: no interface probe)
+               "--host-discovery-script", str(discover), sys.executable, "-m",
+               "tfbig.commands.train", *cli_flags(gpt_data, str(run), strategy="horovod",
+                                                   tensor_parallel=2, elastic=True)]
+    env = {**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    proc = subprocess.Popen(command, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
+                            cwd=ROOT, start_new_session=True)
+    try:
+        wait_for(lambda: max(logged_steps(log), default=0) >= 9, 300, "the step-8 checkpoint",
+                 proc, log)
+        second = [pid for pid, host in train_processes(run).items() if host == "127.0.0.1"]
+        assert len(second) == 2, train_processes(run)
+        write_hosts(hosts, ["localhost"], 2)  # the host is gone ...
+        os.kill(second[0], signal.SIGKILL)  # ... with its processes
+        # the host is back once the ranks on one host train (and listen for the driver's
+        # notices)
+        wait_for(lambda: open(log).read().count("resumed from") >= 1, 300,
+                 "the restart on one host", proc, log)
+        resumed = len(logged_steps(log))
+        wait_for(lambda: len(logged_steps(log)) >= resumed + 2, 120, "steps on one host",
+                 proc, log)
+        write_hosts(hosts, ["localhost", "127.0.0.1"], 2)
+        proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    output = open(log).read()
+    assert proc.returncode == 0, output[-6000:]
+    assert output.count("[tfbig-launch] restart ") == 2, output[-6000:]
+    assert "the discovery script reports other hosts" in output
+    assert output.count("resumed from") == 2
+    steps = logged_steps(log)
+    assert steps[-1] == RESTART_STEPS and len(steps) > RESTART_STEPS  # steps again after a loss
+    reference = Trainer(make_cfg(gpt_data, tmp_path / "reference", max_steps=RESTART_STEPS,
+                                 grad_clip_norm=0.5, eval_steps=1))
+    recorded = RecordedGradients(reference)
+    reference.fit()
+    ours = tensor_layout.assembled_weights(str(run), reference.model)
+    recorded.assert_equal([ours[path] for path in recorded.paths])
 
 
 def test_elastic_is_refused_with_a_cross_rank_pipeline():

@@ -340,8 +340,6 @@ def cfg_with(**flags):
     (dict(pipeline_stages=2, shard_degree=2), 4, "--shard_degree=2 needs --zero_stage=1"),
     (dict(pipeline_stages=2, zero_stage=1, shard_degree=3), 4, "--shard_degree=3 does not "
                                                                "divide the 2 data-parallel"),
-    (dict(pipeline_stages=2, elastic=True), 4, "--elastic with --pipeline_stages=2 is not "
-                                               "supported"),
     (dict(pipeline_stages=2, sequence_parallel=True), 2, "with --sequence_parallel=True"),
 ])
 def test_unsupported_layouts_are_refused_before_training(flags, world, message):

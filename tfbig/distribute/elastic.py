@@ -1,12 +1,22 @@
 """Elastic Horovod (`--strategy=horovod --elastic`): ranks may die and join during a run.
 
+Data parallelism and ZeRO over the whole world change worlds in the process (`with_elastic`:
+roll back to the last commit, or sync the joining ranks). A layout with groups (tensor,
+pipeline, context or expert parallelism, MiCS) changes worlds by restarting (`with_restarts`):
+its groups are Horovod process sets, and Horovod's elastic mode does not survive a lost rank
+while process sets exist (0.28.1: every rank aborts in Gloo, horovod/horovod#4021), so a lost
+rank ends every process, and hosts the discovery script adds or removes make every rank save a
+checkpoint and stop (exit 143); `tfbig-launch --max_restarts=N` then starts the job again in
+the world the discovery script reports, resuming from the newest intact checkpoint (torchrun's
+restart-on-membership-change).
+
 Why it is built this way: docs/design/notes/distribute.md (tfbig.distribute.elastic).
 """
 import contextlib
 
 import numpy as np
 import tensorflow as tf
-from horovod.common.elastic import State, run_fn
+from horovod.common.elastic import State, notification_manager, run_fn
 from horovod.common.exceptions import HorovodInternalError
 
 from tfbig.distribute import horovod_keras
@@ -161,3 +171,57 @@ def with_elastic(backend):
 
 
 ElasticHorovodStrategy = with_elastic(HorovodStrategy)
+
+
+class HostWatch:
+    """Horovod elastic's notice that the discovery script reports other hosts (a listener of
+    its worker notification manager); `changed` once one came."""
+
+    def __init__(self):
+        self.changed = False
+        notification_manager.init()  # this worker's address, for the driver's notices
+        notification_manager.register_listener(self)
+
+    def on_hosts_updated(self, timestamp, update_res):
+        self.changed = True
+
+
+def with_restarts(backend):
+    """`backend` (a layout with groups) under --elastic: a fixed world that stops, a checkpoint
+    saved, when the hosts change, for tfbig-launch --max_restarts to start it again in the new
+    world (module doc)."""
+
+    class Restarting(backend):
+        def __init__(self, cfg):
+            check_elastic(cfg)
+            super().__init__(cfg)
+            self.hosts = None
+            self._announced = False
+
+        def run_training(self, loop):
+            # Listening starts here, not at __init__: its service draws from Python's random,
+            # which Keras' unseeded initialisers read while the model is built.
+            self.hosts = self.hosts or HostWatch()
+            return super().run_training(loop)
+
+        def should_stop(self):
+            if self.hosts is not None and self.hosts.changed and not self._announced:
+                self._announced = True
+                if self.is_chief:
+                    print("elastic: the discovery script reports other hosts; every rank "
+                          "saves a checkpoint and stops (exit 143) for tfbig-launch "
+                          "--max_restarts to start the job again in the new world", flush=True)
+                self._sigterm.set()  # the preemption path: all ranks agree, save and stop
+            return super().should_stop()
+
+        def shutdown(self):
+            if self.hosts is None or not self.hosts.changed:
+                return super().shutdown()
+            try:  # Horovod's loop may have ended at the driver's notice; the pieces are saved
+                super().shutdown()
+            except tf.errors.OpError as error:
+                print(f"elastic: Horovod ended at the hosts' change ({type(error).__name__}); "
+                      "this rank's checkpoint pieces are saved", flush=True)
+
+    Restarting.__name__ = Restarting.__qualname__ = f"Restarting{backend.__name__}"
+    return Restarting

@@ -151,7 +151,17 @@ class HorovodStrategy(Strategy):
         """True on every process after the same step once any process got a SIGTERM."""
         if super().should_stop():
             self._stop_requested.assign(1.0)  # sent with the next step's gradients
-        return bool(self._stop_agreed.numpy() > 0)
+        agreed = self._stop_agreed.read_value()
+        if self._beyond_data_group:  # tensor, context, expert or stage ranks: the whole world
+            agreed = hvd.allreduce(agreed, op=hvd.Sum, process_set=hvd.global_process_set,
+                                   name="stop_agreed", ignore_name_scope=True)
+        return bool(agreed.numpy() > 0)
+
+    @property
+    def _beyond_data_group(self):
+        """Whether ranks outside this rank's data group train the same step (each group's
+        gradients carry its stop request; the groups must agree too)."""
+        return self.mesh.mesh.data < hvd.size()
 
     def all_reduce_mean(self, values):
         return horovod_keras.average_values(values, self.process_set)

@@ -22,10 +22,6 @@ IN_USE = {
     "elastic": bool,
 }
 
-_WORLD = ("its groups are Horovod process sets, and Horovod's elastic mode does not survive "
-          "a lost rank while process sets exist (Horovod 0.28.1: every rank aborts in Gloo, "
-          "horovod/horovod#4021); an elastic run is data parallel, ZeRO-sharded over its "
-          "whole world at most")
 # (flag, flag, why): refused when both are in use; the first flag leads the message. A flag
 # written `name>=N` is in use from the value N on (`--zero_stage>=2`: stages 2 and 3); flags
 # joined by `+` are in use when each is (a pair that composes, refused with a third flag).
@@ -38,10 +34,16 @@ REFUSED = (
        "with both at once; drop one of them")
       for pair in ("tensor_parallel+zero_stage", "pipeline_stages+tensor_parallel")),
     # --sequence_parallel needs --tensor_parallel: refused with it, as below
-    *(("elastic", other, _WORLD) for other in ("shard_degree", "tensor_parallel",
-                                               "pipeline_stages", "context_parallel",
-                                               "expert_parallel")),
 )
+# The flags whose groups are Horovod process sets: under --elastic such a layout changes worlds
+# by restarting (tfbig.distribute.elastic.with_restarts), the others in the process.
+GROUPED = ("tensor_parallel", "pipeline_stages", "context_parallel", "expert_parallel",
+           "shard_degree")
+
+
+def grouped(values):
+    """The GROUPED flags in use in `values` ({flag: value}), in table order."""
+    return [flag for flag in GROUPED if flag in values and IN_USE[flag](values[flag])]
 
 
 def values_of(cfg):

@@ -12,7 +12,7 @@ from tfbig.layouts import composition
 BACKENDS = {
     "single": "tfbig.distribute.base:SingleDevice",
     "pipeline": "tfbig.pipeline.strategy:PipelineStrategy",
-    "horovod": "tfbig.training.registry:horovod_backend",  # HorovodStrategy, elastic, ZeRO, TP, PP
+    "horovod": "tfbig.training.registry:horovod_backend",  # HorovodStrategy, elastic, ZeRO, TP..
     "multiworker": "tfbig.distribute.multiworker:MultiWorker",
     "mirrored": "tfbig.distribute.multiworker:Mirrored",
 }
@@ -29,13 +29,14 @@ def get_strategy(name, cfg=None):
 def horovod_backend(cfg=None):
     """--strategy=horovod: experts split over ranks with --expert_parallel > 1 (with ZeRO-1/2/3
     over the other weights if --zero_stage, the attention split with --tensor_parallel, or
-    inside pipeline stages with --pipeline_stages, ZeRO-1 there too), pipeline stages on ranks with
-    --pipeline_stages > 1 (with ZeRO-1 if --zero_stage), elastic with --elastic (ZeRO-sharded
-    if --zero_stage), tensor-parallel with --tensor_parallel (with ZeRO-1/2/3 if
-    --zero_stage), ZeRO-sharded with --zero_stage, else the fixed-world HorovodStrategy; with
-    --context_parallel the chosen backend (a data backend, an expert backend or the pipeline)
-    gets the context axis mixed in. The pairs that do not compose (tfbig.layouts.composition)
-    are refused first, by name."""
+    inside pipeline stages with --pipeline_stages, ZeRO-1 there too), pipeline stages on ranks
+    with --pipeline_stages > 1 (with ZeRO-1 if --zero_stage), elastic in the process with
+    --elastic (ZeRO-sharded if --zero_stage), tensor-parallel with --tensor_parallel (with
+    ZeRO-1/2/3 if --zero_stage), ZeRO-sharded with --zero_stage, else the fixed-world
+    HorovodStrategy; with --context_parallel the chosen backend (a data backend, an expert
+    backend or the pipeline) gets the context axis mixed in; with --elastic and a layout with
+    groups (composition.GROUPED) the chosen backend restarts in a new world. The pairs that do
+    not compose (tfbig.layouts.composition) are refused first, by name."""
     horovod = getattr(cfg, "horovod", None)
     parallel = getattr(cfg, "parallel", None)
     tensor = getattr(parallel, "tensor_parallel", 1)
@@ -43,6 +44,8 @@ def horovod_backend(cfg=None):
     if cfg is not None:
         composition.check(composition.values_of(cfg))  # the pairs that do not compose
     expert = getattr(parallel, "expert_parallel", 1) > 1
+    elastic = bool(getattr(horovod, "elastic", False))
+    grouped = cfg is not None and composition.grouped(composition.values_of(cfg))
     if expert and cfg is not None and pipeline_stages(cfg) > 1:  # no TP: REFUSED
         from tfbig.pipeline import expert_stage
 
@@ -55,7 +58,7 @@ def horovod_backend(cfg=None):
         from tfbig.distribute.expert_parallel import ExpertParallelStrategy as backend
     elif cfg is not None and pipeline_stages(cfg) > 1:
         backend = _pipeline_backend(tensor, zero_stage)
-    elif horovod is not None and horovod.elastic:  # no other layout but ZeRO: REFUSED
+    elif elastic and not grouped:  # in the process: data parallel, ZeRO over the world
         from tfbig.distribute.elastic import with_elastic
 
         return with_elastic(_data_backend(1, zero_stage))(cfg)
@@ -65,6 +68,10 @@ def horovod_backend(cfg=None):
         from tfbig.distribute.context_parallel import with_context
 
         backend = with_context(backend)
+    if elastic:  # a layout with groups: a new world by a restart
+        from tfbig.distribute.elastic import with_restarts
+
+        backend = with_restarts(backend)
     return backend(cfg)
 
 
