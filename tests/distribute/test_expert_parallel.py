@@ -23,6 +23,7 @@ single-device checkpoint and with an fp16 overflow, TP2 and TP2 x ZeRO-1 of the 
 with ZeRO-1 and -3 over a partition group of 4 and ZeRO-2 over MiCS groups of 2, ZeRO-3 of the
 MoE model without expert parallelism, the MoE model under --context_parallel=2 alone and with
 EP2 (resumed), and EP2 x CP2 x TP2 on 8 ranks."""
+import json
 import os
 import sys
 
@@ -341,14 +342,19 @@ def check_steps_3_and_4_are_the_one_process(results, single, losses):
 
 @pytest.fixture(scope="module")
 def ep2_tp2(gpt_data, tmp_path_factory):
-    """One 4-rank launch (slow): EP2 x TP2 (resumed from its pieces) and --sequence_parallel
-    refused on every rank."""
+    """One 4-rank launch (slow): EP2 x TP2 (resumed from its pieces), with ZeRO-1 (resumed
+    from its pieces) and ZeRO-2, and --sequence_parallel refused on every rank."""
     root = tmp_path_factory.mktemp("expert_tensor")
     sequence = ep_cfg(gpt_data, root / "sequence", 2, tensor=2)
     sequence.parallel.sequence_parallel = True
     results, output = launch(root, [
         run_entry("ep2_tp2", ep_cfg(gpt_data, root / "ep2_tp2", 2, tensor=2), root / "out",
                   first_gradients=True, interrupt_at=2),
+        run_entry("ep2_tp2_zero1", ep_cfg(gpt_data, root / "ep2_tp2_zero1", 2, tensor=2,
+                                          zero_stage=1), root / "out", first_gradients=True,
+                  interrupt_at=2),
+        run_entry("ep2_tp2_zero2", ep_cfg(gpt_data, root / "ep2_tp2_zero2", 2, tensor=2,
+                                          zero_stage=2), root / "out", first_gradients=True),
         run_entry("sequence", sequence, root / "out", expect_error=True)], ranks=4)
     return results, output, root
 
@@ -422,6 +428,31 @@ def test_experts_over_expert_groups_with_the_attention_split_equal_one_process(
             result["error"])
         assert "an MoE Llama has none" in str(result["error"])
         assert not result["model_dir_exists"]
+
+
+@pytest.mark.slow  # EP2 alone, TP2 alone, EP2 x ZeRO and TP2 x ZeRO: default or slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", ["ep2_tp2_zero1", "ep2_tp2_zero2"])
+def test_experts_tensor_slices_and_zero_slices_together_equal_one_process(
+        ep2_tp2, gpt_data, shared, tmp_path_factory, name):
+    """--expert_parallel=2 --tensor_parallel=2 --zero_stage=1 (stopped after 2 steps and
+    resumed from its pieces) and 2 on 4 ranks: each tensor rank's non-expert optimizer state
+    sliced over its 2 data ranks, its experts whole; the one process's losses, weights and
+    first gradients of routers and experts."""
+    results, _, root = ep2_tp2
+    single, losses = shared(("moe", 2), lambda: reference(
+        gpt_data, tmp_path_factory.mktemp("moe_reference"), 2))
+    run = results[name]
+    check_equal_to_one_process(run, single, losses, 2, tensor=2)
+    if name.endswith("zero1"):
+        assert [int(r["restored_step"]) for r in run] == [2] * 4
+    layout = json.loads((root / name / "zero.json").read_text())
+    assert (layout["expert_parallel"], layout["tensor_parallel"]) == (2, 2)
+    for result in run:  # half of the tensor rank's non-expert master weights (slices padded
+        # to equal sizes), none of its experts'
+        master, split = int(result["bytes_master_slices"]), int(result["bytes_split_parameters"])
+        whole = int(result["bytes_replicated_parameters"])
+        assert master == pytest.approx((split + whole) / 2, rel=0.02), (master, split, whole)
 
 
 @pytest.mark.slow

@@ -30,9 +30,12 @@ REFUSED = (
      "each stage accumulates its gradients whole over the schedule's micro-batches and "
      "holds its weights whole for them; use --zero_stage=1 (the optimizer state sharded "
      "over each stage's data ranks) with --pipeline_stages"),
-    *(("expert_parallel", pair, "expert parallelism composes with each of these, not yet "
-       "with both at once; drop one of them")
-      for pair in ("tensor_parallel+zero_stage", "pipeline_stages+tensor_parallel")),
+    ("expert_parallel", "tensor_parallel+zero_stage>=3",
+     "expert and tensor parallelism compose with ZeRO-1 and -2 (the optimizer state sliced), "
+     "not yet with stage 3's weights gathered per layer; use --zero_stage=1 or 2"),
+    ("expert_parallel", "pipeline_stages+tensor_parallel",
+     "expert parallelism composes with each of these, not yet with both at once; drop one "
+     "of them"),
     # --sequence_parallel needs --tensor_parallel: refused with it, as below
 )
 # The flags whose groups are Horovod process sets: under --elastic such a layout changes worlds

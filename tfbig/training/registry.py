@@ -28,15 +28,15 @@ def get_strategy(name, cfg=None):
 
 def horovod_backend(cfg=None):
     """--strategy=horovod: experts split over ranks with --expert_parallel > 1 (with ZeRO-1/2/3
-    over the other weights if --zero_stage, the attention split with --tensor_parallel, or
-    inside pipeline stages with --pipeline_stages, ZeRO-1 there too), pipeline stages on ranks
-    with --pipeline_stages > 1 (with ZeRO-1 if --zero_stage), elastic in the process with
-    --elastic (ZeRO-sharded if --zero_stage), tensor-parallel with --tensor_parallel (with
-    ZeRO-1/2/3 if --zero_stage), ZeRO-sharded with --zero_stage, else the fixed-world
-    HorovodStrategy; with --context_parallel the chosen backend (a data backend, an expert
-    backend or the pipeline) gets the context axis mixed in; with --elastic and a layout with
-    groups (composition.GROUPED) the chosen backend restarts in a new world. The pairs that do
-    not compose (tfbig.layouts.composition) are refused first, by name."""
+    over the other weights if --zero_stage, the attention split with --tensor_parallel, with
+    ZeRO-1/2 too, or inside pipeline stages with --pipeline_stages, ZeRO-1 there too),
+    pipeline stages on ranks with --pipeline_stages > 1 (with ZeRO-1 if --zero_stage), elastic
+    in the process with --elastic (ZeRO-sharded if --zero_stage), tensor-parallel with
+    --tensor_parallel (with ZeRO-1/2/3 if --zero_stage), ZeRO-sharded with --zero_stage, else
+    the fixed-world HorovodStrategy; with --context_parallel the chosen backend (a data backend,
+    an expert backend or the pipeline) gets the context axis mixed in; with --elastic and a
+    layout with groups (composition.GROUPED) the chosen backend restarts in a new world. The
+    pairs that do not compose (tfbig.layouts.composition) are refused first, by name."""
     horovod = getattr(cfg, "horovod", None)
     parallel = getattr(cfg, "parallel", None)
     tensor = getattr(parallel, "tensor_parallel", 1)
@@ -50,7 +50,9 @@ def horovod_backend(cfg=None):
         from tfbig.pipeline import expert_stage
 
         backend = expert_stage.ExpertZeroPipeline if zero_stage else expert_stage.ExpertPipeline
-    elif expert and tensor > 1:  # no ZeRO: REFUSED
+    elif expert and tensor > 1 and zero_stage:  # ZeRO-1/2 (3: REFUSED)
+        from tfbig.distribute.expert_tensor_zero import ExpertTensorZeroStrategy as backend
+    elif expert and tensor > 1:
         from tfbig.distribute.expert_tensor import ExpertTensorStrategy as backend
     elif expert and zero_stage:
         from tfbig.distribute.expert_zero import ExpertZeroStrategy as backend
