@@ -64,8 +64,8 @@ EP2 = {"expert_parallel": 2}
     ({}, {"capacity_factor": -0.5}, {}, "--capacity_factor=-0.5"),
     ({}, {}, EP2, "--expert_parallel=2 has no effect with --strategy=single"),
     (HOROVOD, {}, EP2, "--expert_parallel=2 does not divide the 1 data-parallel ranks"),
-    (HOROVOD, {}, {**EP2, "tensor_parallel": 2, "zero_stage": 1},
-     "--expert_parallel=2 with --tensor_parallel=2 and --zero_stage=1"),
+    (HOROVOD, {}, {**EP2, "tensor_parallel": 2, "zero_stage": 3},
+     "--expert_parallel=2 with --tensor_parallel=2 and --zero_stage=3"),
     (dict(HOROVOD, pipeline_stages=2), {}, {**EP2, "tensor_parallel": 2},
      "--expert_parallel=2 with --pipeline_stages=2 and --tensor_parallel=2"),
 ])
