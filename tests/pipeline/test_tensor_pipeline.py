@@ -51,7 +51,7 @@ from tfbig.tasks import get_task  # noqa: E402
 from tfbig.training.trainer import Trainer  # noqa: E402
 
 # Clipping at 0.5 is active at every step; 2 accumulation steps of the schedule's micro-batches.
-TRAIN = dict(max_steps=3, batch_size=8, grad_clip_norm=0.5, dropout=0.0, grad_accum_steps=2,
+TRAIN = dict(max_steps=4, batch_size=8, grad_clip_norm=0.5, dropout=0.0, grad_accum_steps=2,
              hidden_size=32, num_heads=4, eval_steps=1)
 TABLE = "gpt/embedding/token/embeddings"  # vocabulary-split, tied: a copy on the last stage
 # ALBERT's and BERT's word table (vocabulary-split, a copy with the MLM head on the last
@@ -315,7 +315,7 @@ def test_tp_pp_pieces_consolidate_into_the_single_device_model(gpt_data, pp2_tp2
     assert consolidate_command.main([model_dir, str(tmp_path / "via_tensor")]) == 0
     written = consolidate.consolidate_pipeline(model_dir, str(tmp_path / "single"))
     resumed = Trainer(make_cfg(gpt_data, tmp_path / "single", **TRAIN))
-    assert resumed.restored_from == written and int(resumed.step.numpy()) == 3
+    assert resumed.restored_from == written and int(resumed.step.numpy()) == TRAIN["max_steps"]
     assert_holds(resumed.model, ranks)
     other = Trainer(make_cfg(gpt_data, tmp_path / "via_tensor", **TRAIN))
     for a, b in zip(resumed.optimizer.variables, other.optimizer.variables):
