@@ -11,14 +11,15 @@ rank its heads and columns, a ZeRO-3 rank its flat slice of every weight, a pipe
 its own layers' weights, an expert rank its experts. Default run: TP2 (the default run's Llama
 TP2: tests/distribute/test_tensor_parallel_llama.py's is slow), TP2 from the dense source's
 Hugging Face export (sharded safetensors read in place, tfbig.convert.llama), ZeRO-3 over 2
-ranks, PP2, CP2 (each rank half of every sequence, RoPE at its own positions), EP2 and EP2 from the MoE source's Hugging Face export (its experts one tensor each,
-an expert rank reading its own), in one 2-rank launch. Slow: EP2 x TP2, TP2 x ZeRO-3, EP2 x DP2
-with ZeRO-3 (an expert rank's experts whole, the other weights' slices over the 4 ranks) and EP2
-x PP2 (a stage's rank its stage's share of the experts) on 4 ranks, and TP2 x DP2 of the dense
-source with Qwen 3's query/key norms added (one scale per norm, replicated, read by every tensor
-rank for its own heads: its gradient summed over the tensor group), and TP2 x DP2 of it with one
-key/value head (multi-query attention: both tensor ranks hold the key/value projections whole
-and sum their gradients), alone, under ZeRO-3 and inside 2 pipeline stages.
+ranks, PP2, CP2 (each rank half of every sequence, RoPE at its own positions), EP2 and EP2
+from the MoE source's Hugging Face export (its experts one tensor each, an expert rank reading
+its own), in one 2-rank launch. Slow: EP2 x TP2 (with ZeRO-1 too), TP2 x ZeRO-3, EP2 x DP2
+with ZeRO-3 (an expert rank's experts whole, the other weights' slices over the 4 ranks) and
+EP2 x PP2 (a stage's rank its stage's share of the experts) on 4 ranks, and TP2 x DP2 of the
+dense source with Qwen 3's query/key norms added (one scale per norm, replicated, read by
+every tensor rank for its own heads: its gradient summed over the tensor group), and TP2 x DP2
+of it with one key/value head (multi-query attention: both tensor ranks hold the key/value
+projections whole and sum their gradients), alone, under ZeRO-3 and inside 2 pipeline stages.
 """
 import os
 import sys
@@ -59,6 +60,10 @@ SCENARIOS = {"tp2": (2, "dense", 1, {"tensor_parallel": 2}, {}),
              # read in place: each expert rank reads its own experts' tensors
              "ep2_hf": (2, "hf_moe", 2, {"expert_parallel": 2}, {})}
 SLOW_SCENARIOS = {"ep2_tp2": (4, "moe", 2, {"expert_parallel": 2, "tensor_parallel": 2}, {}),
+                  # ... with each tensor rank's non-expert optimizer state sliced over its
+                  # data ranks (the master slices cut from the checkpoint's weights)
+                  "ep2_tp2_zero1": (4, "moe", 2, {"expert_parallel": 2, "tensor_parallel": 2,
+                                                  "zero_stage": 1}, {}),
                   "tp2_zero3": (4, "dense", 2, {"tensor_parallel": 2, "zero_stage": 3}, {}),
                   # Qwen 3's query/key norms: each tensor rank's heads read the one scale
                   "tp2_qk_norm": (4, "qk_norm", 2, {"tensor_parallel": 2}, {}),
