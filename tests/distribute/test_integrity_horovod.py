@@ -1,5 +1,6 @@
 """Damaged checkpoints under --strategy=horovod: rank 0 verifies and restores the newest intact
-checkpoint, the other rank follows through the broadcast (one real 2-rank launch)."""
+checkpoint, the other rank follows through the broadcast (one real 2-rank launch); tensor ranks
+whose pieces' newest intact checkpoints are of different steps are refused by name."""
 import json
 import os
 import sys
@@ -48,3 +49,37 @@ def test_horovod_resume_skips_a_damaged_checkpoint_on_every_rank(resumed, kind):
     # Both ranks trained on from step 2 to the weights of the undamaged run.
     assert rank0["checksum"] == pytest.approx(rank0["straight"], rel=1e-6)
     assert rank1["checksum"] == rank0["checksum"]
+
+
+@pytest.mark.multiproc  # two 2-rank launches, ~20 s
+def test_tensor_ranks_resumed_from_different_steps_are_refused(gpt_data, tmp_path):
+    """TP2 trains 8 steps (checkpoints at 4 and 8); tensor rank 1's step-8 piece is then lost
+    (a save cut short on that rank): it resumes from step 4, rank 0 from step 8. The second
+    start stops before any step, naming each rank's step, and deletes nothing."""
+    import glob
+    import subprocess
+
+    from test_elastic import HOROVODRUN, ROOT, cli_flags
+
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}
+
+    def start(steps, log):
+        command = [HOROVODRUN, "--gloo", "-np", "2", "-H", "localhost:2", sys.executable, "-m",
+                   "tfbig.commands.train", *cli_flags(gpt_data, str(run), strategy="horovod",
+                                                       tensor_parallel=2, max_steps=steps)]
+        with open(log, "w") as out:
+            return subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                  cwd=ROOT, timeout=600).returncode
+
+    assert start(8, tmp_path / "first.txt") == 0, read(tmp_path / "first.txt")[-4000:]
+    piece = run / "tensor" / "rank-1"
+    for path in glob.glob(str(piece / "ckpt-8.*")):
+        os.remove(path)
+    kept = sorted(os.listdir(run))
+    assert start(12, tmp_path / "second.txt") != 0
+    output = read(tmp_path / "second.txt")
+    assert "the processes resumed from checkpoints of different steps (rank 0: step 8, rank 1: " \
+           "step 4)" in output, output[-4000:]
+    assert "Remove every piece's checkpoints newer than step 4" in output
+    assert sorted(os.listdir(run)) == kept and (run / "ckpt-8.index").exists()

@@ -29,3 +29,19 @@ def check_tokenizer(task):
     except (ValueError, OSError) as error:
         raise UsageError(f"{error}; the end-of-run sample (--sample_tokens) needs it: "
                          f"prepare the data again or pass --sample_tokens=0") from error
+
+
+def check_same_step(strategy, step, model_dir):
+    """Raise unless every process resumed at the same step `step` (a collective). The ranks of
+    a layout with pieces (tensor, pipeline, context, expert, ZeRO) each restore their own
+    piece's newest intact checkpoint; a save cut short on one of them leaves it older, and the
+    run would go on with its pieces from another step than the others'."""
+    steps = [int(row[0]) for row in strategy.gather_over_processes([step])]
+    if len(set(steps)) > 1:
+        ranks = ", ".join(f"rank {r}: step {s}" for r, s in enumerate(steps))
+        raise UsageError(
+            f"--model_dir={model_dir}: the processes resumed from checkpoints of different "
+            f"steps ({ranks}): a save was cut short on some rank, whose newest intact "
+            f"checkpoint is older. Remove every piece's checkpoints newer than step "
+            f"{min(steps)} (the ckpt-N files and their line in each piece's `checkpoint` "
+            f"file), then start again")

@@ -295,6 +295,8 @@ class Trainer(BudgetedLoop):
         def loop():  # again after elastic Horovod changed the world: new ZeRO slices?
             if self._updated_ids() != self._built_for:
                 self._build_step(again=True)
+            preflight.check_same_step(self.strategy, int(self.step.numpy()),
+                                      self.cfg.train.model_dir)
             return self._fit(steps)
 
         with self.strategy.watch_preemption(), self.profiler.session(int(self.step.numpy())):
