@@ -105,7 +105,9 @@ class ExpertZeroStrategy(ZeroStrategy, ExpertParallelStrategy):
         the optimizer slots (the experts' whole)."""
         expert = self._is_expert()
         master = sum(math.prod(s.shape) * 4 for s, e in zip(self.shards, expert) if not e)
-        held = {**ExpertParallelStrategy.state_bytes(self), **super().state_bytes(),
+        # the parameters as the expert backend counts them (expert_tensor: its tensor slices
+        # too), then ZeRO's slots and slices
+        held = {**super(ZeroStrategy, self).state_bytes(), **super().state_bytes(),
                 "master_slices": master}
         if self.stage == 3:  # the replicated weights are held as their slices only
             held["replicated_parameters"] = 0
@@ -123,7 +125,8 @@ class ExpertZeroStrategy(ZeroStrategy, ExpertParallelStrategy):
                 [x for x, e in zip(values, expert) if not e],
                 [v.shape for v, e in zip(variables, expert) if not e]))
             values = [x if e else next(dense) for x, e in zip(values, expert)]
-        return ExpertParallelStrategy.gather_full(self, variables, values)
+        # the expert backend's gather (expert_tensor: the tensor slices joined too)
+        return super(ZeroStrategy, self).gather_full(variables, values)
 
     # ---- checkpoints: ranks 0..L-1 write a piece each; rank r restores piece r mod L --------
     @property
