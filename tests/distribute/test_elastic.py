@@ -329,8 +329,8 @@ def logged_steps(log):
 def test_a_sigterm_to_one_tensor_rank_stops_both_after_the_same_step(gpt_data, tmp_path):
     """TP2 (one data replica: each rank its own data group): a SIGTERM to tensor rank 1 alone
     stops both ranks after the same step, each saving its pieces of that step, exit 143 (the
-    stop requests agree over the whole world, not only over a data group; without that, rank 0
-    trained on alone)."""
+    stop requests agree over the whole world, not only over a data group; without that the two
+    ranks stopped after different steps and the launch failed)."""
     run, log = tmp_path / "run", str(tmp_path / "log.txt")
     command = [HOROVODRUN, "--gloo", "-np", "2", "-H", "localhost:2", sys.executable, "-m",
                "tfbig.commands.train", *cli_flags(gpt_data, str(run), strategy="horovod",
