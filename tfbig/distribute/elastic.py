@@ -196,7 +196,6 @@ def with_restarts(backend):
             check_elastic(cfg)
             super().__init__(cfg)
             self.hosts = None
-            self._announced = False
 
         def run_training(self, loop):
             # Listening starts here, not at __init__: its service draws from Python's random,
@@ -205,8 +204,7 @@ def with_restarts(backend):
             return super().run_training(loop)
 
         def should_stop(self):
-            if self.hosts is not None and self.hosts.changed and not self._announced:
-                self._announced = True
+            if self.hosts is not None and self.hosts.changed and not self._sigterm.is_set():
                 if self.is_chief:
                     print("elastic: the discovery script reports other hosts; every rank "
                           "saves a checkpoint and stops (exit 143) for tfbig-launch "

@@ -110,20 +110,16 @@ def model_losses_refused(config):
     """Why this layout cannot add a model's own losses (`model.losses`: add_loss calls and
     weight regularizers) to the task's loss exactly, naming the flag; None where it can (one
     device, data parallelism, ZeRO-1/2: each replica holds every weight whole)."""
-    parallel = config.parallel
     held = {"tensor_parallel": "each tensor rank holds slices of the split weights",
             "expert_parallel": "each expert rank holds some of the experts",
             "context_parallel": "each context rank's loss is a part of the sequence's, the "
                                 "model's losses would count once per rank",
             "pipeline_stages": "the last stage computes the loss without the others' layers"}
-    degrees = {"tensor_parallel": parallel.tensor_parallel,
-               "expert_parallel": parallel.expert_parallel,
-               "context_parallel": parallel.context_parallel,
-               "pipeline_stages": pipeline_stages(config)}
-    for flag, degree in degrees.items():
-        if degree > 1:
-            return f"--{flag}={degree}: {held[flag]}"
-    if parallel.zero_stage == 3:
+    values = values_of(config)
+    for flag, why in held.items():
+        if IN_USE[flag](values[flag]):
+            return f"--{flag}={values[flag]}: {why}"
+    if values["zero_stage"] == 3:
         return "--zero_stage=3: the weights are gathered only inside their layers' calls"
     if config.pipeline.activation_checkpointing:
         return ("--activation_checkpointing: the recomputed layers' own losses stay in the "

@@ -41,11 +41,11 @@ def horovod_backend(cfg=None):
     parallel = getattr(cfg, "parallel", None)
     tensor = getattr(parallel, "tensor_parallel", 1)
     zero_stage = getattr(parallel, "zero_stage", 0)
-    if cfg is not None:
-        composition.check(composition.values_of(cfg))  # the pairs that do not compose
+    values = composition.values_of(cfg) if cfg is not None else {}
+    composition.check(values)  # the pairs that do not compose
     expert = getattr(parallel, "expert_parallel", 1) > 1
     elastic = bool(getattr(horovod, "elastic", False))
-    grouped = cfg is not None and composition.grouped(composition.values_of(cfg))
+    grouped = composition.grouped(values)
     if expert and cfg is not None and pipeline_stages(cfg) > 1:  # no TP: REFUSED
         from tfbig.pipeline import expert_stage
 
